@@ -1,0 +1,49 @@
+# Two commands on a fresh machine:  make train  (then)  make test
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DATA := data/synthetic_laion
+
+.PHONY: train test test-slow lint data bench clean-outputs help
+
+help:
+	@echo "make train      create .venv, install, generate the embedded data, train mllm_tiny on CPU"
+	@echo "make test       the test suite (under 15 minutes on 2 cores)"
+	@echo "make test-slow  the long tests (marked slow)"
+	@echo "make lint       ruff"
+	@echo "make bench      tools/bench_train.py -> docs/PERFORMANCE.md numbers"
+
+$(STAMP): requirements.txt pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e . || \
+		$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+$(DATA): | $(STAMP)
+	$(BIN)/python tools/make_shards.py
+
+data: $(DATA)
+
+train: $(STAMP) $(DATA)
+	$(BIN)/python train.py
+
+# pytest exits 5 when nothing was collected: an empty default suite is a failure,
+# an empty slow selection is not.
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow -q; status=$$?; [ $$status -eq 5 ] && exit 0; exit $$status
+
+lint: $(STAMP)
+	$(BIN)/ruff check disttrain_core tools tests train.py
+	$(BIN)/ruff format --check disttrain_core tools tests train.py
+
+bench: $(STAMP) $(DATA)
+	$(BIN)/python tools/bench_train.py
+
+clean-outputs:
+	rm -rf outputs

@@ -1,0 +1,179 @@
+"""Command-line front door: catch configuration mistakes before Hydra starts
+jobs or any process is launched, and report each as one actionable line.
+
+``preflight(argv)`` checks the group choices, composes the config for every
+value of every sweep (one variant per value, the other overrides at their
+first value) and runs the semantic validation on each. It exits with status 2
+and a single ``error: ...`` line on stderr at the first problem.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from .config import CONFIG_GROUPS, compose, group_options
+from .validation import ConfigError, validate_config
+
+# Hydra flags that do not train (help, config printing, completion): no preflight.
+PASSTHROUGH_FLAGS = {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--cfg",
+    "-c",
+    "--info",
+    "-i",
+    "--shell-completion",
+    "-sc",
+    "--version",
+    "--resolve",
+    "--package",
+    "-p",
+    "--experimental-rerun",
+}
+OPTIONAL_PLUGINS = {"optuna": "pip install hydra-optuna-sweeper==1.2.0 (it is in requirements.txt)"}
+
+
+class PreflightError(Exception):
+    pass
+
+
+def one_line(error: BaseException) -> str:
+    """The informative lines of an exception chain, joined into one line."""
+    noise = ("full_key", "object_type", "reference_type", "Set the environment variable", "To append to your config")
+    lines: list[str] = []
+    current: BaseException | None = error
+    while current is not None:
+        for raw in str(current).splitlines():
+            line = raw.strip()
+            if line and not raw.startswith((" ", "\t")) and not line.startswith(noise) and line not in lines:
+                lines.append(line)
+        current = current.__cause__ or current.__context__
+    return "; ".join(lines) or type(error).__name__
+
+
+def _full_key(error: BaseException) -> str | None:
+    current: BaseException | None = error
+    while current is not None:
+        key = getattr(current, "full_key", None)
+        if key:
+            return str(key)
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def describe_compose_error(error: BaseException, overrides: list[str]) -> str:
+    text = one_line(error)
+    key = _full_key(error)
+    override = next((o for o in overrides if key and o.lstrip("+~").split("=", 1)[0] == key), None)
+    where = override or key or "config"
+    if "not in" in text and key:
+        parent, _, leaf = key.rpartition(".")
+        return (
+            f"{where}: {leaf!r} is not a key of {parent or 'the config'}; check the spelling "
+            f"(`python train.py --cfg job` prints every key)"
+        )
+    if "could not be converted" in text.lower() or "is not a valid" in text:
+        return f"{where}: {text}"
+    for plugin, install in OPTIONAL_PLUGINS.items():
+        if plugin in text and ("Could not load" in text or "not found" in text.lower()):
+            return f"{text}; this needs an optional plugin: {install}"
+    return f"{where}: {text}" if override else text
+
+
+def _check_group_choice(group: str, value: str) -> None:
+    options = group_options(group)
+    if value in options or value in ("null", "None"):
+        return
+    if group == "hparams_search" or group == "recipe":
+        kind = "recipe (recipes/*.yaml)" if group == "recipe" else "hparams_search preset"
+    else:
+        kind = f"{group} option (conf/{group}/*.yaml)"
+    raise PreflightError(f"{group}={value} is not a known {kind}; choose one of: {', '.join(options)}")
+
+
+def _variants(argv: list[str], multirun: bool) -> list[list[str]]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as error:
+        raise PreflightError(f"cannot parse the command line: {one_line(error)}") from error
+    choices: list[list[str]] = []
+    for text, override in zip(overrides, parsed, strict=True):
+        key = override.key_or_group
+        if multirun and override.is_sweep_override() and "glob(" not in text:
+            values = list(override.sweep_string_iterator())
+        else:
+            values = [override.get_value_element_as_str()] if not override.is_sweep_override() else [None]
+        if key in CONFIG_GROUPS and override.package is None:
+            for value in values:
+                if value is not None:
+                    _check_group_choice(key, value)
+        prefix = text.split("=", 1)[0]
+        choices.append([text] if values == [None] else [f"{prefix}={v}" for v in values])
+    base = [options[0] for options in choices]
+    variants = [base]
+    for index, options in enumerate(choices):
+        for option in options[1:]:
+            variants.append(base[:index] + [option] + base[index + 1 :])
+    return variants
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Raise PreflightError describing the first configuration problem in ``argv``."""
+    multirun = "-m" in argv or "--multirun" in argv
+    for overrides in _variants(argv, multirun):
+        try:
+            cfg = compose(overrides)
+        except Exception as error:
+            raise PreflightError(describe_compose_error(error, overrides)) from error
+        try:
+            from .launch import typed_config
+
+            validate_config(typed_config(cfg))
+        except ConfigError as error:
+            raise PreflightError(str(error)) from error
+
+
+def preflight(argv: list[str]) -> None:
+    if any(arg.split("=", 1)[0] in PASSTHROUGH_FLAGS for arg in argv):
+        return
+    try:
+        check_overrides(argv)
+    except PreflightError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def split_tool_args(argv: list[str], options: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Separate a tool's own ``name=value`` options from Hydra overrides."""
+    values = dict(options)
+    overrides = []
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        if sep and name in options:
+            values[name] = value
+        else:
+            overrides.append(arg)
+    return values, overrides
+
+
+def tool_main(main: Callable[[list[str]], int], argv: list[str]) -> int:
+    """Run a tool's ``main``; configuration errors become one ``error:`` line and status 2."""
+    try:
+        return main(argv)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+    except PreflightError as error:
+        print(f"error: {error}", file=sys.stderr)
+    except Exception as error:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if not isinstance(error, (HydraException, OmegaConfBaseException)):
+            raise
+        print(f"error: {describe_compose_error(error, argv)}", file=sys.stderr)
+    return 2

@@ -1,0 +1,310 @@
+"""Typed configuration schema.
+
+Every config group under ``conf/`` is merged on top of these dataclasses, so an
+unknown key or a value of the wrong type fails while Hydra composes the config,
+with a message naming the key. Semantic checks (divisibility, ranges, files on
+disk) live in :mod:`disttrain_core.validation`.
+
+Field documentation is the docstring-like comment after each field; the same
+text is rendered in docs/CONFIG.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
+RECIPES_DIR = REPO_ROOT / "recipes"
+
+# Config groups selectable on the command line (``group=option``).
+CONFIG_GROUPS = (
+    "model",
+    "parallel",
+    "schedule",
+    "data",
+    "optim",
+    "trainer",
+    "cluster",
+    "logger",
+    "paths",
+    "hparams_search",
+    "recipe",
+)
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class VitConfig:
+    image_size: int = 224  # input resolution (square) after preprocessing
+    patch_size: int = 14
+    channels: int = 3
+    dim: int = 1280
+    n_layers: int = 32
+    n_heads: int = 16
+    mlp_dim: int = 5120
+    output_dim: int = 1024  # CLIP-style output projection; 0 disables it
+    class_token: bool = True  # a [CLS] token is prepended (dropped from the output)
+    norm_eps: float = 1e-5
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 128256
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    ffn_dim: int = 14336
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+
+
+@dataclass
+class UNetConfig:
+    in_channels: int = 4  # latent channels
+    block_out_channels: list[int] = field(default_factory=lambda: [320, 640, 1280, 1280])
+    # Which down blocks carry cross-attention transformers (up blocks mirror them).
+    cross_attention_blocks: list[bool] = field(default_factory=lambda: [True, True, True, False])
+    layers_per_block: int = 2
+    head_dim: int = 64
+    cross_attention_dim: int = 1024  # width of the conditioning from the LLM
+    norm_groups: int = 32
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+
+
+@dataclass
+class ProjectorConfig:
+    hidden_dim: int = 0  # 0 means "same as the output width"
+    n_layers: int = 2  # 1 = a single linear layer; 2 = linear-GELU-linear
+
+
+@dataclass
+class FreezeConfig:
+    encoder: bool = False
+    encoder_projector: bool = False
+    llm: bool = False
+    generator_projector: bool = False
+    generator: bool = False
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: str = "mllm"  # mllm | llama
+    seq_len: int = 2048  # tokens per training sequence (one sample per row, padded)
+    llm: LlamaConfig = field(default_factory=LlamaConfig)
+    encoder: Optional[VitConfig] = None
+    generator: Optional[UNetConfig] = None
+    encoder_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    generator_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    gen_tokens: int = 77  # generation query tokens; their LLM states condition the U-Net
+    gen_image_size: int = 768  # pixel size of the generation target image
+    latent_downsample: int = 8  # pixels per latent cell (SD's VAE: 8)
+    latent_encoder: str = "pixel"  # registered latent encoder (see models/latents.py)
+    gen_loss_weight: float = 1.0
+    nominal_images_per_sample: float = 1.0  # for per-sample FLOP tables and planning
+    init_std: float = 0.02
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+
+
+# ---------------------------------------------------------------------------- data
+@dataclass
+class SyntheticDataConfig:
+    """Parameters of the embedded LAION-like generator (docs/DATA.md)."""
+
+    num_shards: int = 8
+    samples_per_shard: int = 512
+    seed: int = 1234
+    text_only_fraction: float = 0.05
+    images_geometric_p: float = 0.45  # P(k images) ~ Geometric(p) on k >= 1, truncated
+    max_images: int = 8
+    caption_words_log_mean: float = 2.1  # log-normal words per text segment
+    caption_words_log_sigma: float = 0.6
+    image_side_log_mean: float = 5.3  # log-normal shorter side in pixels (e^5.3 ~ 200 px)
+    image_side_log_sigma: float = 0.45
+    image_side_max: int = 512
+    aspect_log_sigma: float = 0.25
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    path: str = MISSING  # directory of .tar shards, or a brace pattern like dir/shard-{000..099}.tar
+    tokenizer: str = "byte"
+    num_workers: int = 1  # decode workers per training process (0 = decode inline)
+    prefetch_steps: int = 2  # optimizer steps of decoded samples kept ready ahead of the trainer
+    shuffle_shards: bool = True  # reshuffle shard order every epoch (seeded)
+    generate_if_missing: bool = False  # create the embedded synthetic shards if path is empty
+    max_image_pixels: int = 64_000_000  # larger images are skipped and counted
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+# --------------------------------------------------------------------------- optim
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    decay_steps: Optional[int] = None  # None: decay over trainer.max_steps
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    global_batch_size: int = 16  # samples per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 4  # samples per forward/backward on one rank
+
+
+# ------------------------------------------------------------------------- trainer
+@dataclass
+class CheckpointConfig:
+    every_n_steps: int = 0  # 0 disables periodic checkpoints
+    keep_last: int = 2
+    async_save: bool = True  # write in a background thread after a CPU snapshot
+    save_last: bool = True  # also save when training ends
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"  # auto | cpu | cuda
+    devices: int = 1  # processes per node
+    num_nodes: int = 1
+    precision: str = "32"  # 32 | bf16-mixed
+    backend: str = "auto"  # auto (gloo on CPU, nccl on CUDA) | gloo | nccl
+    max_steps: int = 300
+    exit_after_step: Optional[int] = None  # stop cleanly after this step (preemption drills)
+    log_every_n_steps: int = 10
+    seed: int = 42
+    deterministic: bool = True
+    threads_per_rank: int = 0  # torch intra-op threads per process; 0 = cores / local processes
+    dist_timeout_s: int = 300
+    resume: str = "none"  # none | auto | path to a checkpoint or run directory
+    progress_bar: bool = True
+    compile: bool = False
+    dry_run: bool = False  # validate and print the plan, then exit
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ------------------------------------------------------------------------- cluster
+@dataclass
+class ClusterConfig:
+    name: str = MISSING
+    device: str = "cpu"  # cpu | cuda: what a "device" of this cluster is
+    num_gpus: int = 1  # devices in the cluster (for planning)
+    gpus_per_node: int = 8
+    memory_per_device_gb: float = 80.0
+    # Dense peak FLOP/s per device; null = measure a matmul on this machine at startup.
+    peak_flops_bf16: Optional[float] = None
+    peak_flops_fp32: Optional[float] = None
+    intra_node_bandwidth_gbps: float = 900.0  # GB/s per device inside a node
+    inter_node_bandwidth_gbps: float = 50.0  # GB/s per device across nodes
+    notes: str = ""
+
+
+# ---------------------------------------------------------------- parallel/schedule
+@dataclass
+class ParallelConfig:
+    name: str = MISSING
+    mode: str = "dp"  # dp: replicate the whole model on every process (DDP)
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "none"  # none: no pipeline parallelism
+
+
+# ---------------------------------------------------------------------- logger/paths
+@dataclass
+class LoggerConfig:
+    name: str = MISSING
+    tensorboard: bool = True
+    jsonl: bool = True  # metrics.jsonl in the run directory (always readable by scripts)
+
+
+@dataclass
+class PathsConfig:
+    root_dir: str = str(REPO_ROOT)
+    data_dir: str = "${paths.root_dir}/data"
+    output_dir: str = "${hydra:runtime.output_dir}"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    task_name: str = "train"
+    tags: list[str] = field(default_factory=list)
+    # Name of the metric a sweep optimizes (returned by train.py's main).
+    optimized_metric: str = "train/loss"
+
+
+def group_options(group: str) -> list[str]:
+    """Option names available for a config group (yaml files or recipes)."""
+    directory = RECIPES_DIR if group == "recipe" else CONF_DIR / group
+    if not directory.is_dir():
+        return []
+    return sorted(p.stem for p in directory.glob("*.yaml"))
+
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Store the schema and the recipes in Hydra's ConfigStore (idempotent).
+
+    Recipes live in the top-level ``recipes/`` folder rather than under
+    ``conf/`` so that people find them; they are registered as the ``recipe``
+    group in the ``_global_`` package, exactly as if they were
+    ``conf/recipe/<name>.yaml`` with ``# @package _global_``.
+    """
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for name in group_options("recipe"):
+        node = OmegaConf.load(RECIPES_DIR / f"{name}.yaml")
+        store.store(group="recipe", name=name, node=node, package="_global_")
+    _registered = True
+
+
+def compose(overrides: list[str] | None = None, return_hydra_config: bool = False) -> Any:
+    """Compose the config outside of ``@hydra.main`` (tools and tests)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(
+            config_name="config",
+            overrides=list(overrides or []),
+            return_hydra_config=return_hydra_config,
+        )
+
+
+def cpu_count() -> int:
+    """Cores this process may use (respects affinity masks and cgroups pinning)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1

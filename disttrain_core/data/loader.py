@@ -1,0 +1,164 @@
+"""Microbatches for one data-parallel rank, with exact resume.
+
+Decoding runs in ``data.num_workers`` DataLoader worker processes. Worker w
+of W decodes the stream elements whose index is congruent to w modulo W, and
+emits exactly one item per element (a decoded sample or a skip record), so the
+DataLoader's round-robin collection returns the stream in its original order:
+results do not depend on the number of workers.
+
+The loader's state is the stream position after the last element the trainer
+*consumed* (not what workers prefetched), plus skip counters. It is saved per
+data-parallel rank with every checkpoint; a resumed run starts its stream at
+that position and sees exactly the samples an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .batch import Batch
+from .reader import Position, RawSample, ShardError, ShardStream, StreamElement
+from .samples import BadSample, EncodedSample, SampleEncoder
+
+log = logging.getLogger(__name__)
+
+# Give up when this many consecutive elements are unusable: the data is broken, not noisy.
+MAX_CONSECUTIVE_SKIPS = 10_000
+
+
+@dataclass
+class Skipped:
+    key: str
+    reason: str
+    detail: str
+
+
+@dataclass
+class LoadedItem:
+    position: Position
+    sample: EncodedSample | Skipped
+
+
+class DecodedStream(IterableDataset):
+    def __init__(self, stream: ShardStream, encoder: SampleEncoder, start: Position):
+        super().__init__()
+        self.stream = stream
+        self.encoder = encoder
+        self.start = start
+
+    def __iter__(self) -> Iterator[LoadedItem]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        elements = itertools.islice(self.stream.elements(self.start), worker, None, workers)
+        for element in elements:
+            yield LoadedItem(element.position, self._decode(element))
+
+    def _decode(self, element: StreamElement) -> EncodedSample | Skipped:
+        item = element.item
+        if isinstance(item, ShardError):
+            return Skipped(item.shard, "shard_error", item.reason)
+        assert isinstance(item, RawSample)
+        try:
+            return self.encoder.encode(item.key, item.members)
+        except BadSample as error:
+            return Skipped(item.key, error.reason, str(error))
+
+
+def collate(samples: list[EncodedSample]) -> Batch:
+    def stack(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.stack([getattr(s, name) for s in samples]))
+
+    return Batch(
+        tokens=stack("tokens"),
+        labels=stack("labels"),
+        images=torch.from_numpy(np.concatenate([s.images for s in samples])),
+        image_counts=torch.tensor([s.images.shape[0] for s in samples], dtype=torch.int64),
+        gen_images=stack("gen_image"),
+        gen_weight=torch.tensor([s.gen_weight for s in samples], dtype=torch.float32),
+        gen_noise=stack("gen_noise"),
+        gen_timesteps=torch.tensor([s.gen_timestep for s in samples], dtype=torch.int64),
+        keys=[s.key for s in samples],
+    )
+
+
+class MicrobatchLoader:
+    """Yields, per optimizer step, this rank's microbatches of the global batch."""
+
+    def __init__(
+        self,
+        stream: ShardStream,
+        encoder: SampleEncoder,
+        micro_batch_size: int,
+        microbatches_per_step: int,
+        num_workers: int = 0,
+        prefetch_steps: int = 2,
+        state: dict | None = None,
+    ):
+        self.stream = stream
+        self.encoder = encoder
+        self.micro_batch_size = micro_batch_size
+        self.microbatches_per_step = microbatches_per_step
+        self.num_workers = num_workers
+        self.prefetch_steps = prefetch_steps
+        state = state or {}
+        self.position = Position(int(state.get("epoch", 0)), int(state.get("index", 0)))
+        self.skipped: Counter[str] = Counter(state.get("skipped", {}))
+        self.truncated_images = int(state.get("truncated_images", 0))
+        self._items: Iterator[LoadedItem] | None = None
+
+    def _iterator(self) -> Iterator[LoadedItem]:
+        dataset = DecodedStream(self.stream, self.encoder, self.position)
+        if self.num_workers == 0:
+            return iter(dataset)
+        # DataLoader prefetches per worker and per item (= sample here): size it in steps.
+        samples_per_step = self.micro_batch_size * self.microbatches_per_step
+        per_worker = -(-self.prefetch_steps * samples_per_step // self.num_workers)
+        loader = DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=max(2, per_worker),
+            persistent_workers=False,
+        )
+        return iter(loader)
+
+    def next_sample(self) -> EncodedSample:
+        if self._items is None:
+            self._items = self._iterator()
+        consecutive = 0
+        while True:
+            item = next(self._items)
+            self.position = Position(item.position.epoch, item.position.index + 1)
+            sample = item.sample
+            if isinstance(sample, Skipped):
+                self.skipped[sample.reason] += 1
+                consecutive += 1
+                log.warning("skipped sample %s (%s): %s", sample.key, sample.reason, sample.detail)
+                if consecutive >= MAX_CONSECUTIVE_SKIPS:
+                    raise RuntimeError(f"{consecutive} unusable samples in a row; last: {sample.detail}")
+                continue
+            self.truncated_images += sample.truncated_images
+            return sample
+
+    def next_step(self) -> list[Batch]:
+        """The microbatches of this rank for the next optimizer step."""
+        return [
+            collate([self.next_sample() for _ in range(self.micro_batch_size)])
+            for _ in range(self.microbatches_per_step)
+        ]
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.position.epoch,
+            "index": self.position.index,
+            "skipped": dict(self.skipped),
+            "truncated_images": self.truncated_images,
+        }

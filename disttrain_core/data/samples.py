@@ -1,0 +1,228 @@
+"""From raw webdataset members to one fixed-length training row.
+
+Accepted sample layouts (keys are the member extensions, lower case):
+
+* interleaved: ``json`` = ``{"texts": [...], "images": [...]}``, two lists of
+  equal length where position i holds either a text or the member name of an
+  image (``"0.jpg"``), the other entry being null (MMC4 / OBELICS style);
+* caption pairs (img2dataset): one image member (``jpg``, ``jpeg``, ``png`` or
+  ``webp``) plus ``txt`` or ``json`` with a ``"caption"`` field;
+* text only: ``txt`` or ``json`` with ``"caption"`` / ``"text"``.
+
+One sample becomes one row of ``seq_len`` tokens (padded; never packed with
+other samples, so every row has its own generation target and the per-sample
+cost used for reordering is exact)::
+
+    <bos> text <img>*P text ... <gen>*G <img>*P text <eos> <pad>...
+
+If a sample does not fit, trailing content is dropped (a partial text
+segment is kept; an image is kept only whole) and counted as truncation.
+``<gen>`` tokens sit before the last kept image, which becomes the
+generation target; a sample without images still gets them, with weight 0.
+For text-only models (``family: llama``) the text segments are joined and
+images are ignored.
+
+Problems that make a sample unusable raise :class:`BadSample`; the loader
+skips such samples and counts them by reason.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..config import ModelConfig
+from .tokenizer import Tokenizer
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+Image.MAX_IMAGE_PIXELS = None  # our own limit (data.max_image_pixels) is checked from the header
+
+
+class BadSample(Exception):
+    """A sample that must be skipped; ``reason`` is a short counter name."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class EncodedSample:
+    """One row. Arrays are numpy: they cross the worker->trainer pipe as plain bytes,
+    which for many small arrays is an order of magnitude cheaper than shared-memory tensors."""
+
+    key: str
+    tokens: np.ndarray  # [S] int64
+    labels: np.ndarray  # [S] int64
+    images: np.ndarray  # [n, 3, H, W] uint8
+    gen_image: np.ndarray  # [3, Hg, Wg] uint8 (zeros without a target)
+    gen_weight: float
+    gen_noise: np.ndarray  # [C, h, w] float32
+    gen_timestep: int
+    truncated_images: int = 0
+
+
+def parse_segments(members: dict[str, bytes]) -> list[tuple[str, object]]:
+    """Ordered ``("text", str)`` / ``("image", bytes)`` segments of a raw sample."""
+    meta = None
+    if "json" in members:
+        try:
+            meta = json.loads(members["json"])
+        except (ValueError, UnicodeDecodeError) as error:
+            raise BadSample("bad_json", str(error)) from error
+        if not isinstance(meta, dict):
+            raise BadSample("bad_json", "top level is not an object")
+    segments: list[tuple[str, object]] = []
+    if meta is not None and "texts" in meta and "images" in meta:
+        texts, images = meta["texts"], meta["images"]
+        if not isinstance(texts, list) or not isinstance(images, list) or len(texts) != len(images):
+            raise BadSample("bad_json", "texts and images must be lists of equal length")
+        for text, image in zip(texts, images, strict=True):
+            if image:
+                name = str(image).lower()
+                if name not in members:
+                    raise BadSample("missing_image", name)
+                segments.append(("image", members[name]))
+            elif text:
+                segments.append(("text", str(text)))
+    else:
+        caption = None
+        if meta is not None:
+            caption = meta.get("caption") or meta.get("text")
+        if caption is None and "txt" in members:
+            caption = members["txt"].decode("utf-8", errors="replace")
+        image = next((members[ext] for ext in IMAGE_EXTENSIONS if ext in members), None)
+        if caption:
+            segments.append(("text", str(caption)))
+        if image is not None:
+            segments.append(("image", image))
+    if not any(kind == "text" and str(value).strip() for kind, value in segments):
+        raise BadSample("empty_text")
+    return segments
+
+
+def decode_image(data: bytes, sizes: tuple[int, ...], max_pixels: int) -> list[np.ndarray]:
+    """Decode once, resize to each square size; uint8 [3, s, s] arrays."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > max_pixels:
+            raise BadSample("huge_image", f"{width}x{height} > data.max_image_pixels={max_pixels}")
+        image.draft("RGB", (max(sizes), max(sizes)))  # JPEG: decode at reduced scale when possible
+        image = image.convert("RGB")
+        out = []
+        for size in sizes:
+            resized = image.resize((size, size), Image.BILINEAR)
+            out.append(np.ascontiguousarray(np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1)))
+        return out
+    except BadSample:
+        raise
+    except Exception as error:  # PIL raises many types for corrupt data
+        raise BadSample("bad_image", f"{type(error).__name__}: {error}") from error
+
+
+def sample_seed(seed: int, key: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
+
+
+class SampleEncoder:
+    """Turns raw samples into rows for one model configuration."""
+
+    def __init__(self, model: ModelConfig, tokenizer: Tokenizer, seed: int, max_image_pixels: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.max_image_pixels = max_image_pixels
+        self.multimodal = model.family == "mllm"
+        self.has_encoder = model.encoder is not None
+        self.has_generator = model.generator is not None
+        if self.has_encoder:
+            grid = model.encoder.image_size // model.encoder.patch_size
+            self.patches = grid * grid
+        if self.has_generator:
+            self.latent_side = model.gen_image_size // model.latent_downsample
+
+    def encode(self, key: str, members: dict[str, bytes]) -> EncodedSample:
+        segments = parse_segments(members)
+        if not self.multimodal:
+            text = "\n".join(str(v) for kind, v in segments if kind == "text")
+            return self._row(key, [("text", text)], [], None, 0)
+        return self._multimodal_row(key, segments)
+
+    def _multimodal_row(self, key: str, segments: list[tuple[str, object]]) -> EncodedSample:
+        gen_tokens = self.model.gen_tokens if self.has_generator else 0
+        budget = self.model.seq_len - 2 - gen_tokens
+        kept: list[tuple[str, object]] = []
+        total_images = sum(kind == "image" for kind, _ in segments)
+        for kind, value in segments:
+            if kind == "text":
+                ids = self.tokenizer.encode(str(value))[: max(budget, 0)]
+                if ids:
+                    kept.append(("text", ids))
+                    budget -= len(ids)
+            elif self.has_encoder and budget >= self.patches:
+                kept.append(("image", value))
+                budget -= self.patches
+            if budget <= 0:
+                break
+        images = [seg for seg in kept if seg[0] == "image"]
+        decoded = []
+        gen_image = None
+        for index, (_, data) in enumerate(images):
+            last = index == len(images) - 1
+            sizes = [self.model.encoder.image_size]
+            if last and self.has_generator:
+                sizes.append(self.model.gen_image_size)
+            tensors = decode_image(data, tuple(sizes), self.max_image_pixels)
+            decoded.append(tensors[0])
+            if len(tensors) > 1:
+                gen_image = tensors[1]
+        return self._row(key, kept, decoded, gen_image, total_images - len(images))
+
+    def _row(self, key, kept, images, gen_image, truncated_images) -> EncodedSample:
+        tok = self.tokenizer
+        seq_len = self.model.seq_len
+        tokens = [tok.bos_id]
+        image_indices = [i for i, seg in enumerate(kept) if seg[0] == "image"]
+        gen_before = image_indices[-1] if image_indices else None
+        for i, (kind, value) in enumerate(kept):
+            if i == gen_before and self.has_generator:
+                tokens += [tok.gen_id] * self.model.gen_tokens
+            if kind == "text":
+                tokens += value if isinstance(value, list) else tok.encode(value)
+            else:
+                tokens += [tok.image_id] * self.patches
+        if self.has_generator and gen_before is None:
+            tokens += [tok.gen_id] * self.model.gen_tokens
+        tokens = tokens[: seq_len - 1] + [tok.eos_id]
+        tokens += [tok.pad_id] * (seq_len - len(tokens))
+        token_array = np.asarray(tokens, dtype=np.int64)
+        # Predict the next token only where it is text (or end of text).
+        following = np.append(token_array[1:], tok.pad_id)
+        is_text = (following < 256) | (following == tok.eos_id)
+        labels = np.where(is_text, following, -100).astype(np.int64)
+
+        image_size = self.model.encoder.image_size if self.has_encoder else 0
+        image_array = np.stack(images) if images else np.zeros((0, 3, image_size, image_size), dtype=np.uint8)
+        if self.has_generator:
+            # Diffusion noise and timestep are seeded by the sample, not by the process that
+            # happens to train on it, so every parallel layout sees the same targets.
+            generator = torch.Generator().manual_seed(sample_seed(self.seed, key))
+            side = self.latent_side
+            noise = torch.randn(self.model.generator.in_channels, side, side, generator=generator).numpy()
+            timestep = int(torch.randint(0, self.model.generator.num_train_timesteps, (1,), generator=generator))
+            size = self.model.gen_image_size
+            weight = 1.0 if gen_image is not None else 0.0
+            gen_image = gen_image if gen_image is not None else np.zeros((3, size, size), dtype=np.uint8)
+        else:
+            noise, timestep, weight = np.zeros(0, dtype=np.float32), 0, 0.0
+            gen_image = np.zeros(0, dtype=np.uint8)
+        return EncodedSample(
+            key, token_array, labels, image_array, gen_image, weight, noise, timestep, truncated_images
+        )

@@ -1,0 +1,171 @@
+"""From a composed config to running processes.
+
+``launch`` runs in the Hydra job process: it validates the config, prepares
+the data, writes the resolved config into the run directory, then starts the
+training processes. Ranks are started here, not by Fabric's launcher, because
+Fabric's launcher re-executes ``sys.argv`` -- which under ``-m`` would make
+every child run the whole sweep again. Each child gets ``LOCAL_RANK``,
+``NODE_RANK`` and the rendezvous address in its environment, so Fabric sees an
+externally created process and only initializes the process group. Under
+torchrun or SLURM (processes already created) no spawning happens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import Config, cpu_count
+from .validation import ConfigError, externally_launched, resolve_accelerator, validate_config, world_size
+
+log = logging.getLogger("disttrain")
+
+SUMMARY_FILE = "summary.json"
+
+
+def typed_config(container: dict | DictConfig) -> Config:
+    """A schema-checked DictConfig (attribute access, types enforced)."""
+    return OmegaConf.merge(OmegaConf.structured(Config), container)  # type: ignore[return-value]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_data(cfg: Config) -> None:
+    from .data.reader import resolve_shards
+    from .data.synthetic import generate_shards
+
+    if resolve_shards(cfg.data.path) or not cfg.data.generate_if_missing:
+        return
+    log.info(
+        "no shards in %s: generating the embedded synthetic data (%d shards x %d samples)",
+        cfg.data.path,
+        cfg.data.synthetic.num_shards,
+        cfg.data.synthetic.samples_per_shard,
+    )
+    generate_shards(cfg.data.synthetic, cfg.data.path)
+
+
+def launch(cfg: DictConfig) -> float | None:
+    """Validate, prepare and run one training job; returns the optimized metric."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    cfg = typed_config(container)
+    try:
+        validate_config(cfg)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    run_dir = Path(cfg.paths.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    if cfg.trainer.dry_run:
+        from .models.info import model_table
+
+        print(model_table(cfg.model))
+        print(f"world size {world_size(cfg)}: {cfg.trainer.devices} process(es) x {cfg.trainer.num_nodes} node(s)")
+        return None
+    prepare_data(cfg)
+    if externally_launched() or world_size(cfg) == 1:
+        run_worker(container, str(run_dir))
+    else:
+        spawn_local_processes(cfg, container, str(run_dir))
+    summary = run_dir / SUMMARY_FILE
+    if summary.is_file():
+        return json.loads(summary.read_text()).get(cfg.optimized_metric)
+    return None
+
+
+def spawn_local_processes(cfg: Config, container: dict, run_dir: str) -> None:
+    import torch.multiprocessing as mp
+
+    env = {
+        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port())),
+        "NODE_RANK": os.environ.get("NODE_RANK", "0"),
+        "WORLD_SIZE": str(world_size(cfg)),
+    }
+    log.info("starting %d process(es) on node %s of %d", cfg.trainer.devices, env["NODE_RANK"], cfg.trainer.num_nodes)
+    mp.start_processes(
+        _spawned_worker, args=(container, run_dir, env), nprocs=cfg.trainer.devices, join=True, start_method="spawn"
+    )
+
+
+def _spawned_worker(local_rank: int, container: dict, run_dir: str, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    run_worker(container, run_dir)
+
+
+def _setup_worker_logging(rank: int, run_dir: str) -> None:
+    root = logging.getLogger()
+    if any(getattr(h, "_disttrain", False) for h in root.handlers):
+        return
+    if root.handlers and rank == 0:
+        return  # the Hydra job process already logs to console and train.log
+    formatter = logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    if rank == 0:
+        handlers.append(logging.FileHandler(Path(run_dir) / "train.log"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        handler._disttrain = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def configure_threads(cfg: Config) -> int:
+    import torch
+
+    threads = cfg.trainer.threads_per_rank or max(1, cpu_count() // cfg.trainer.devices)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def run_worker(container: dict, run_dir: str) -> dict[str, Any]:
+    """One training process: Fabric setup, then the training loop."""
+    from datetime import timedelta
+
+    import torch
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DDPStrategy
+
+    from .train.loop import Trainer
+
+    cfg = typed_config(container)
+    trainer = cfg.trainer
+    rank = int(os.environ.get("NODE_RANK", 0)) * trainer.devices + int(os.environ.get("LOCAL_RANK", 0))
+    _setup_worker_logging(rank, run_dir)
+    configure_threads(cfg)
+    accelerator = resolve_accelerator(trainer.accelerator)
+    if trainer.deterministic:
+        if accelerator == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    backend = trainer.backend if trainer.backend != "auto" else ("nccl" if accelerator == "cuda" else "gloo")
+    strategy: Any = "auto"
+    if world_size(cfg) > 1:
+        strategy = DDPStrategy(process_group_backend=backend, timeout=timedelta(seconds=trainer.dist_timeout_s))
+    fabric = Fabric(
+        accelerator=accelerator,
+        devices=trainer.devices,
+        num_nodes=trainer.num_nodes,
+        strategy=strategy,
+        precision="32-true" if trainer.precision == "32" else trainer.precision,
+    )
+    fabric.launch()
+    fabric.seed_everything(trainer.seed, verbose=False)
+    metrics = Trainer(cfg, fabric, run_dir).fit()
+    if fabric.global_rank == 0:
+        (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    return metrics

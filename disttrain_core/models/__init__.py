@@ -1,0 +1,32 @@
+"""Model zoo: single-device modules plus construction helpers.
+
+Construction follows the meta-device pattern: build under
+``torch.device("meta")`` (seconds, no memory, even for 72B), let a parallelism
+layer decide what each process keeps, then ``materialize`` on the real device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..data.tokenizer import Tokenizer
+from .common import count_parameters, init_weights
+from .mllm import MODULE_NAMES, MultimodalLLM
+
+__all__ = ["MODULE_NAMES", "MultimodalLLM", "build_model", "materialize", "parameter_table"]
+
+
+def build_model(cfg: ModelConfig, tokenizer: Tokenizer, device: str | torch.device = "meta") -> MultimodalLLM:
+    with torch.device(device):
+        return MultimodalLLM(cfg, image_token_id=tokenizer.image_id, gen_token_id=tokenizer.gen_id)
+
+
+def materialize(model: torch.nn.Module, device: str | torch.device, seed: int, std: float, prefix: str = "") -> None:
+    """Allocate storage on ``device`` and initialize deterministically from ``seed``."""
+    model.to_empty(device=device)
+    init_weights(model, seed=seed, std=std, prefix=prefix)
+
+
+def parameter_table(model: MultimodalLLM) -> dict[str, int]:
+    return {name: count_parameters(module) for name, module in model.submodules().items()}

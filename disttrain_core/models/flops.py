@@ -1,0 +1,137 @@
+"""Training FLOPs per unit of work, counted exactly on the meta device.
+
+Each module is run once, forward and (when anything makes it necessary)
+backward, under ``torch.utils.flop_counter.FlopCounterMode`` on meta tensors:
+no memory, no compute, seconds even for 70B shapes. Only matmuls, convolutions
+and attention are counted (the usual MFU convention); causal attention is
+counted as full (no credit for the masked half), as torchtitan does.
+
+Units: the encoder and its projector per image, the LLM per sequence of
+``seq_len`` tokens, the generator and its projector per sample. Freezing is
+honoured: a frozen module with nothing trainable upstream costs its forward
+only; a frozen module with trainable modules upstream also pays for the
+input-gradient half of its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from omegaconf import OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..config import ModelConfig
+from .llama import Llama
+from .projector import MLPProjector
+from .unet import UNet
+from .vit import VisionTransformer
+
+CHAIN = ("encoder", "encoder_projector", "llm", "generator_projector", "generator")
+UNITS = {
+    "encoder": "image",
+    "encoder_projector": "image",
+    "llm": "sequence",
+    "generator_projector": "sample",
+    "generator": "sample",
+}
+
+
+@dataclass(frozen=True)
+class ModuleFlops:
+    forward: float  # FLOPs of one forward pass over one unit
+    train: float  # forward + backward as training executes it
+    unit: str  # image | sequence | sample
+
+
+def _count(module: torch.nn.Module, inputs: tuple, trainable: bool, input_grad: bool, fn=None) -> ModuleFlops:
+    """FLOPs of ``fn(*inputs)`` (default: ``module(*inputs)``), plus its backward when needed."""
+    module.requires_grad_(trainable)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out = (fn or module)(*inputs)
+        forward = counter.get_total_flops()
+        if trainable or input_grad:
+            out.float().sum().backward()
+    return ModuleFlops(float(forward), float(counter.get_total_flops()), "")
+
+
+def _trainable(cfg: ModelConfig) -> dict[str, bool]:
+    present = {
+        "encoder": cfg.encoder is not None,
+        "encoder_projector": cfg.encoder is not None,
+        "llm": True,
+        "generator_projector": cfg.generator is not None,
+        "generator": cfg.generator is not None,
+    }
+    return {name: present[name] and not getattr(cfg.freeze, name) for name in CHAIN}
+
+
+def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
+    trainable = _trainable(cfg)
+    results: dict[str, ModuleFlops] = {}
+
+    def upstream(name: str) -> bool:
+        return any(trainable[m] for m in CHAIN[: CHAIN.index(name)])
+
+    with torch.device("meta"):
+        if cfg.encoder is not None:
+            vit = VisionTransformer(cfg.encoder)
+            size = cfg.encoder.image_size
+            images = torch.empty(1, 3, size, size, dtype=torch.uint8)
+            results["encoder"] = _count(vit, (images,), trainable["encoder"], False)
+            proj = MLPProjector(vit.out_dim, cfg.llm.dim, cfg.encoder_projector)
+            feats = torch.empty(1, vit.num_patches, vit.out_dim, requires_grad=upstream("encoder_projector"))
+            results["encoder_projector"] = _count(proj, (feats,), trainable["encoder_projector"], feats.requires_grad)
+
+        llm = Llama(cfg.llm, cfg.seq_len)
+        hidden = torch.empty(1, cfg.seq_len, cfg.llm.dim, requires_grad=upstream("llm"))
+
+        def llm_forward(h: torch.Tensor) -> torch.Tensor:
+            return llm.logits(llm.final_norm(llm.run_layers(h)))
+
+        results["llm"] = _count(llm, (hidden,), trainable["llm"], hidden.requires_grad, fn=llm_forward)
+
+        if cfg.generator is not None:
+            gproj = MLPProjector(cfg.llm.dim, cfg.generator.cross_attention_dim, cfg.generator_projector)
+            queries = torch.empty(1, cfg.gen_tokens, cfg.llm.dim, requires_grad=upstream("generator_projector"))
+            results["generator_projector"] = _count(
+                gproj, (queries,), trainable["generator_projector"], queries.requires_grad
+            )
+            unet = UNet(cfg.generator)
+            side = cfg.gen_image_size // cfg.latent_downsample
+            latents = torch.empty(1, cfg.generator.in_channels, side, side)
+            timesteps = torch.zeros(1, dtype=torch.long)
+            context = torch.empty(
+                1, cfg.gen_tokens, cfg.generator.cross_attention_dim, requires_grad=upstream("generator")
+            )
+            results["generator"] = _count(
+                unet, (latents, timesteps, context), trainable["generator"], context.requires_grad
+            )
+    return {name: ModuleFlops(f.forward, f.train, UNITS[name]) for name, f in results.items()}
+
+
+@lru_cache(maxsize=32)
+def _cached(cfg_yaml: str) -> dict[str, ModuleFlops]:
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(cfg_yaml)))
+    return _compute(cfg)
+
+
+def module_flops(cfg) -> dict[str, ModuleFlops]:
+    """Per-unit FLOPs of every present module (cached per model config)."""
+    return _cached(OmegaConf.to_yaml(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg))
+
+
+def batch_flops(cfg, sequences: int, images: int, gen_samples: int) -> float:
+    """Training FLOPs of a batch with the given amounts of work."""
+    per_unit = module_flops(cfg)
+    amount = {"image": images, "sequence": sequences, "sample": gen_samples}
+    return sum(f.train * amount[f.unit] for f in per_unit.values())
+
+
+def flops_per_sample(cfg) -> dict[str, float]:
+    """Training FLOPs per sample by module, at ``nominal_images_per_sample`` images per sample."""
+    per_unit = module_flops(cfg)
+    amount = {"image": cfg.nominal_images_per_sample, "sequence": 1.0, "sample": 1.0}
+    return {name: f.train * amount[f.unit] for name, f in per_unit.items()}

@@ -1,0 +1,79 @@
+"""How generation targets become latents.
+
+Stable Diffusion trains its U-Net on latents from a frozen VAE (8x spatial
+downsampling, 4 channels, scaled by 0.18215). Shipping and running a real VAE
+would need downloaded weights, so the default here is a *fixed, parameter-free*
+stand-in with the same interface and shapes:
+
+    pixels uint8 [B, 3, H, W] -> [-1, 1] -> average pool by ``downsample``
+    -> fixed 3->C channel mixing (seeded, never trained) -> scaled to unit variance
+
+It is deterministic, costs almost nothing, and keeps the image's coarse
+structure, so the denoising loss is learnable. To use a real frozen VAE,
+register a factory and select it with ``model.latent_encoder=<name>``::
+
+    from disttrain_core.models.latents import register_latent_encoder
+    register_latent_encoder("sd_vae", lambda cfg: MyFrozenVAEEncoder(...))
+
+A latent encoder is an ``nn.Module`` mapping uint8 images to latents of shape
+[B, generator.in_channels, gen_image_size / latent_downsample, same]. It must
+hold no trainable parameters (freeze them), because it is not optimized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+LATENT_SCALE = 1.7  # brings the pooled, mixed pixels to roughly unit variance
+
+
+class PixelLatentEncoder(nn.Module):
+    def __init__(self, channels: int, downsample: int):
+        super().__init__()
+        self.channels = channels
+        self.downsample = downsample
+        self.register_buffer("mixing", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        mixing = torch.randn(self.channels, 3, generator=generator)
+        mixing = mixing / mixing.norm(dim=1, keepdim=True)
+        device = self.mixing.device
+        self.mixing = mixing.to(device)
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float() / 127.5 - 1.0
+        x = F.avg_pool2d(x, self.downsample)
+        return torch.einsum("cd,bdhw->bchw", self.mixing, x) * LATENT_SCALE
+
+
+LatentFactory = Callable[[ModelConfig], nn.Module]
+_LATENT_ENCODERS: dict[str, LatentFactory] = {
+    "pixel": lambda cfg: PixelLatentEncoder(cfg.generator.in_channels, cfg.latent_downsample),
+}
+
+
+def register_latent_encoder(name: str, factory: LatentFactory) -> None:
+    _LATENT_ENCODERS[name] = factory
+
+
+def latent_encoder_names() -> list[str]:
+    return sorted(_LATENT_ENCODERS)
+
+
+def build_latent_encoder(cfg: ModelConfig) -> nn.Module:
+    if cfg.latent_encoder not in _LATENT_ENCODERS:
+        raise ValueError(
+            f"model.latent_encoder={cfg.latent_encoder!r} is not registered; available: {latent_encoder_names()}"
+        )
+    encoder = _LATENT_ENCODERS[cfg.latent_encoder](cfg)
+    encoder.requires_grad_(False)
+    return encoder

@@ -1,0 +1,114 @@
+"""Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU feed-forward, untied output head. Single-device code only.
+
+Layers live in a ModuleDict keyed "0".."L-1" so a pipeline stage can drop the
+layers it does not own and keep the same parameter names. Head counts are
+derived from tensor shapes at run time (``view(B, S, -1, head_dim)``), so a
+tensor-parallel plan that shards the projections needs no change here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import LlamaConfig
+
+
+def rope_table(head_dim: int, max_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos/sin table of shape [max_len, head_dim // 2, 2] (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of ``x`` [B, S, H, D] by the angles in ``table``."""
+    seq_len = x.shape[1]
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos = table[:seq_len, None, :, 0]
+    sin = table[:seq_len, None, :, 1]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer. ``embed`` -> ``layers`` -> ``norm`` -> ``output``."""
+
+    def __init__(self, cfg: LlamaConfig, max_seq_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        device = self.tok_embeddings.weight.device
+        self.rope = rope_table(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, device)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        return self.output(normed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.final_norm(self.run_layers(self.embed(tokens))))

@@ -1,0 +1,95 @@
+"""The multimodal LLM: image encoder -> projector -> LLM backbone -> projector
+-> image generator. With ``family: llama`` only the backbone exists.
+
+Sequence layout (built by the data pipeline, see data/samples.py)::
+
+    <bos> text <img>*P text <img>*P ... <gen>*G <img>*P text <eos> <pad>...
+
+Each ``<img>`` run is replaced by the P patch embeddings of one image. The
+final hidden states at the G ``<gen>`` positions, projected to the
+generator's conditioning width, drive a denoising step on the latents of the
+image that follows them (the last image of the sample). Because attention is
+causal, those states never see the image they must generate.
+
+The forward returns *sums* and counts, not means: the trainer divides by the
+global-batch totals, which keeps the loss identical however the batch is split
+over processes and microbatches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..data.batch import Batch
+from .latents import build_latent_encoder
+from .llama import Llama
+from .projector import MLPProjector
+from .unet import DiffusionGenerator
+from .vit import VisionTransformer
+
+MODULE_NAMES = ("encoder", "encoder_projector", "llm", "generator_projector", "generator")
+
+
+class MultimodalLLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, image_token_id: int, gen_token_id: int):
+        super().__init__()
+        self.cfg = cfg
+        self.image_token_id = image_token_id
+        self.gen_token_id = gen_token_id
+        self.llm = Llama(cfg.llm, cfg.seq_len)
+        self.encoder = self.encoder_projector = None
+        self.generator = self.generator_projector = self.latent_encoder = None
+        if cfg.encoder is not None:
+            self.encoder = VisionTransformer(cfg.encoder)
+            self.encoder_projector = MLPProjector(self.encoder.out_dim, cfg.llm.dim, cfg.encoder_projector)
+        if cfg.generator is not None:
+            self.generator_projector = MLPProjector(
+                cfg.llm.dim, cfg.generator.cross_attention_dim, cfg.generator_projector
+            )
+            self.generator = DiffusionGenerator(cfg.generator)
+            self.latent_encoder = build_latent_encoder(cfg)
+        for name in MODULE_NAMES:
+            module = getattr(self, name)
+            if module is not None and getattr(cfg.freeze, name):
+                module.requires_grad_(False)
+
+    # The pieces below are what a pipeline stage or a parallelism unit calls.
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 images [N, 3, H, W] -> embeddings in the LLM's width [N, P, D]."""
+        return self.encoder_projector(self.encoder(images))
+
+    def embed_tokens(self, tokens: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
+        h = self.llm.embed(tokens)
+        if image_embeds is not None:
+            slots = (tokens == self.image_token_id).unsqueeze(-1)
+            h = h.masked_scatter(slots, image_embeds.to(h.dtype))
+        return h
+
+    def lm_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.llm.logits(hidden)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+
+    def generation_loss_sum(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        queries = hidden[batch.tokens == self.gen_token_id].view(hidden.shape[0], self.cfg.gen_tokens, -1)
+        context = self.generator_projector(queries)
+        latents = self.latent_encoder(batch.gen_images)
+        return self.generator(latents, batch.gen_noise, batch.gen_timesteps, context, batch.gen_weight)
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        image_embeds = self.encode_images(batch.images) if self.encoder is not None else None
+        hidden = self.llm.final_norm(self.llm.run_layers(self.embed_tokens(batch.tokens, image_embeds)))
+        out = {
+            "lm_loss_sum": self.lm_loss_sum(hidden, batch.labels),
+            "lm_tokens": (batch.labels != -100).sum(),
+        }
+        if self.generator is not None:
+            out["gen_loss_sum"] = self.generation_loss_sum(hidden, batch)
+            out["gen_samples"] = batch.gen_weight.sum()
+        return out
+
+    def submodules(self) -> dict[str, nn.Module]:
+        """The present modules by name, in data-flow order."""
+        return {name: getattr(self, name) for name in MODULE_NAMES if getattr(self, name) is not None}

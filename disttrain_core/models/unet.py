@@ -1,0 +1,229 @@
+"""Image generator in the style of the Stable Diffusion 2.1 U-Net, trained
+with the epsilon-prediction denoising loss on image latents.
+
+Layout (SD 2.1 defaults in :class:`UNetConfig`): conv_in -> down blocks
+(residual blocks, cross-attention transformers where enabled, strided-conv
+downsampling) -> middle (res, transformer, res) -> up blocks (residual blocks
+fed with the matching skip connection, transformers, nearest-neighbour
+upsampling + conv) -> GroupNorm, SiLU, conv_out. Transformers use linear
+in/out projections, self-attention, cross-attention to the conditioning, and a
+GEGLU feed-forward. Each residual block receives the timestep embedding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import UNetConfig
+
+
+def timestep_features(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal timestep features [B, dim] (cosine half first, as in SD)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=timesteps.device, dtype=torch.float32) / half)
+    angles = timesteps.float()[:, None] * freqs[None]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, in_ch: int, out_ch: int, temb_dim: int, groups: int):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(groups, in_ch, eps=1e-5)
+        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
+        self.time_emb_proj = nn.Linear(temb_dim, out_ch)
+        self.norm2 = nn.GroupNorm(groups, out_ch, eps=1e-5)
+        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
+        self.skip = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else None
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.time_emb_proj(F.silu(temb))[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return (self.skip(x) if self.skip is not None else x) + h
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, dim: int, context_dim: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(context_dim, dim, bias=False)
+        self.to_v = nn.Linear(context_dim, dim, bias=False)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        context = x if context is None else context
+        batch = x.shape[0]
+        q = self.to_q(x).view(batch, x.shape[1], -1, self.head_dim).transpose(1, 2)
+        k = self.to_k(context).view(batch, context.shape[1], -1, self.head_dim).transpose(1, 2)
+        v = self.to_v(context).view(batch, context.shape[1], -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.to_out(out.transpose(1, 2).reshape(batch, x.shape[1], -1))
+
+
+class GEGLUFeedForward(nn.Module):
+    def __init__(self, dim: int, mult: int = 4):
+        super().__init__()
+        self.proj = nn.Linear(dim, 2 * mult * dim)
+        self.out = nn.Linear(mult * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        value, gate = self.proj(x).chunk(2, dim=-1)
+        return self.out(value * F.gelu(gate))
+
+
+class SpatialTransformer(nn.Module):
+    """GroupNorm -> linear in -> [self-attn, cross-attn, GEGLU] -> linear out, residual."""
+
+    def __init__(self, channels: int, head_dim: int, context_dim: int, groups: int):
+        super().__init__()
+        self.norm = nn.GroupNorm(groups, channels, eps=1e-6)
+        self.proj_in = nn.Linear(channels, channels)
+        self.norm1 = nn.LayerNorm(channels)
+        self.attn1 = CrossAttention(channels, channels, head_dim)
+        self.norm2 = nn.LayerNorm(channels)
+        self.attn2 = CrossAttention(channels, context_dim, head_dim)
+        self.norm3 = nn.LayerNorm(channels)
+        self.ff = GEGLUFeedForward(channels)
+        self.proj_out = nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        batch, channels, height, width = x.shape
+        h = self.norm(x).flatten(2).transpose(1, 2)  # [B, HW, C]
+        h = self.proj_in(h)
+        h = h + self.attn1(self.norm1(h))
+        h = h + self.attn2(self.norm2(h), context)
+        h = h + self.ff(self.norm3(h))
+        h = self.proj_out(h).transpose(1, 2).reshape(batch, channels, height, width)
+        return x + h
+
+
+class UNetLevel(nn.Module):
+    """One resolution level: residual blocks, optional transformers, optional resampler."""
+
+    def __init__(self, res_in: list[int], channels: int, attention: bool, resample: str | None, cfg: UNetConfig):
+        super().__init__()
+        temb_dim = 4 * cfg.block_out_channels[0]
+        self.resnets = nn.ModuleList(ResBlock(c, channels, temb_dim, cfg.norm_groups) for c in res_in)
+        self.attentions = (
+            nn.ModuleList(
+                SpatialTransformer(channels, cfg.head_dim, cfg.cross_attention_dim, cfg.norm_groups) for _ in res_in
+            )
+            if attention
+            else None
+        )
+        self.resample = (
+            nn.Conv2d(channels, channels, 3, stride=2 if resample == "down" else 1, padding=1) if resample else None
+        )
+        self.resample_kind = resample
+
+
+class UNet(nn.Module):
+    def __init__(self, cfg: UNetConfig):
+        super().__init__()
+        self.cfg = cfg
+        chans = list(cfg.block_out_channels)
+        attn = list(cfg.cross_attention_blocks)
+        if len(attn) != len(chans):
+            raise ValueError("generator.cross_attention_blocks needs one entry per block_out_channels entry")
+        temb_dim = 4 * chans[0]
+        self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
+        self.time_linear1 = nn.Linear(chans[0], temb_dim)
+        self.time_linear2 = nn.Linear(temb_dim, temb_dim)
+
+        skips = [chans[0]]
+        self.down = nn.ModuleList()
+        in_ch = chans[0]
+        for level, ch in enumerate(chans):
+            last = level == len(chans) - 1
+            res_in = [in_ch] + [ch] * (cfg.layers_per_block - 1)
+            self.down.append(UNetLevel(res_in, ch, attn[level], None if last else "down", cfg))
+            skips += [ch] * cfg.layers_per_block + ([] if last else [ch])
+            in_ch = ch
+
+        self.mid_res1 = ResBlock(chans[-1], chans[-1], temb_dim, cfg.norm_groups)
+        self.mid_attn = SpatialTransformer(chans[-1], cfg.head_dim, cfg.cross_attention_dim, cfg.norm_groups)
+        self.mid_res2 = ResBlock(chans[-1], chans[-1], temb_dim, cfg.norm_groups)
+
+        self.up = nn.ModuleList()
+        prev = chans[-1]
+        for level, ch in enumerate(reversed(chans)):
+            last = level == len(chans) - 1
+            res_in = []
+            for j in range(cfg.layers_per_block + 1):
+                res_in.append((prev if j == 0 else ch) + skips.pop())
+            self.up.append(UNetLevel(res_in, ch, list(reversed(attn))[level], None if last else "up", cfg))
+            prev = ch
+
+        self.norm_out = nn.GroupNorm(cfg.norm_groups, chans[0], eps=1e-5)
+        self.conv_out = nn.Conv2d(chans[0], cfg.in_channels, 3, padding=1)
+
+    def forward(self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        dtype = self.conv_in.weight.dtype
+        temb = timestep_features(timesteps, self.cfg.block_out_channels[0]).to(dtype)
+        temb = self.time_linear2(F.silu(self.time_linear1(temb)))
+        h = self.conv_in(sample.to(dtype))
+        skips = [h]
+        for level in self.down:
+            for i, resnet in enumerate(level.resnets):
+                h = resnet(h, temb)
+                if level.attentions is not None:
+                    h = level.attentions[i](h, context)
+                skips.append(h)
+            if level.resample is not None:
+                h = level.resample(h)
+                skips.append(h)
+        h = self.mid_res2(self.mid_attn(self.mid_res1(h, temb), context), temb)
+        for level in self.up:
+            for i, resnet in enumerate(level.resnets):
+                h = resnet(torch.cat((h, skips.pop()), dim=1), temb)
+                if level.attentions is not None:
+                    h = level.attentions[i](h, context)
+            if level.resample is not None:
+                h = level.resample(F.interpolate(h, scale_factor=2.0, mode="nearest"))
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class DiffusionGenerator(nn.Module):
+    """U-Net plus the DDPM noise schedule; returns the summed per-sample loss."""
+
+    def __init__(self, cfg: UNetConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.unet = UNet(cfg)
+        self.register_buffer("alphas_cumprod", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        device = self.unet.conv_in.weight.device
+        # SD's "scaled_linear" schedule.
+        betas = (
+            torch.linspace(
+                self.cfg.beta_start**0.5,
+                self.cfg.beta_end**0.5,
+                self.cfg.num_train_timesteps,
+                device=device,
+                dtype=torch.float64,
+            )
+            ** 2
+        )
+        self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0).to(torch.float32)
+
+    def forward(
+        self,
+        latents: torch.Tensor,
+        noise: torch.Tensor,
+        timesteps: torch.Tensor,
+        context: torch.Tensor,
+        sample_weight: torch.Tensor,
+    ) -> torch.Tensor:
+        """Sum over samples of weight * mean squared error of the predicted noise."""
+        alpha_bar = self.alphas_cumprod[timesteps].view(-1, 1, 1, 1)
+        noisy = alpha_bar.sqrt() * latents.float() + (1.0 - alpha_bar).sqrt() * noise.float()
+        predicted = self.unet(noisy, timesteps, context)
+        per_sample = (predicted.float() - noise.float()).pow(2).mean(dim=(1, 2, 3))
+        return (per_sample * sample_weight.float()).sum()

@@ -1,0 +1,41 @@
+"""Optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import OptimConfig
+
+
+def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW; matrices (and convolution kernels) decay, vectors (norms, biases) do not."""
+    if cfg.name != "adamw":
+        raise ValueError(f"optim.name={cfg.name!r} is unknown; available: ['adamw']")
+    decay = [p for _, p in params if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for _, p in params if p.requires_grad and p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True
+    )
+
+
+def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``decay_steps``, flat after."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if decay_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (decay_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
+    decay_steps = cfg.decay_steps if cfg.decay_steps is not None else max_steps
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, cfg.warmup_steps, decay_steps, cfg.min_lr_ratio)
+    )

@@ -1,0 +1,285 @@
+"""Semantic checks of a composed config, run before any process starts.
+
+Each problem raises :class:`ConfigError` with one line that names the bad
+value and says how to fix it. Type and unknown-key errors are caught earlier,
+by the schema, when Hydra composes the config.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import Config, cpu_count
+
+CPU_PROCESSES_PER_CORE = 4  # beyond this, oversubscription is surely a typo, not a test setup
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message is one actionable line."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def externally_launched() -> bool:
+    """True when torchrun, SLURM or a parent launcher already created the processes."""
+    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    if accelerator != "auto":
+        return accelerator
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def world_size(cfg: Config) -> int:
+    return cfg.trainer.devices * cfg.trainer.num_nodes
+
+
+def validate_model(cfg: Config) -> None:
+    m = cfg.model
+    _require(m.family in ("mllm", "llama"), f"model.family={m.family!r}: allowed values are 'mllm' and 'llama'")
+    llm = m.llm
+    _require(llm.dim % llm.n_heads == 0, f"model.llm.dim={llm.dim} is not divisible by model.llm.n_heads={llm.n_heads}")
+    _require(
+        llm.n_heads % llm.n_kv_heads == 0,
+        f"model.llm.n_heads={llm.n_heads} is not a multiple of model.llm.n_kv_heads={llm.n_kv_heads}",
+    )
+    _require(
+        (llm.dim // llm.n_heads) % 2 == 0,
+        f"model.llm head size {llm.dim // llm.n_heads} must be even for rotary embeddings",
+    )
+    _require(m.seq_len >= 8, f"model.seq_len={m.seq_len}: use at least 8 tokens")
+    from .data.tokenizer import TOKENIZERS
+
+    if cfg.data.tokenizer in TOKENIZERS:
+        vocab = TOKENIZERS[cfg.data.tokenizer]().vocab_size
+        _require(
+            llm.vocab_size >= vocab,
+            f"model.llm.vocab_size={llm.vocab_size} is smaller than the {cfg.data.tokenizer!r} tokenizer's "
+            f"{vocab} ids; raise model.llm.vocab_size to at least {vocab}",
+        )
+    if m.family == "llama":
+        _require(
+            m.encoder is None and m.generator is None,
+            "model.family=llama takes no encoder or generator; set model.encoder=null model.generator=null "
+            "or use model.family=mllm",
+        )
+        return
+    _require(m.encoder is not None, "model.family=mllm needs model.encoder; pick a multimodal model such as mllm_tiny")
+    vit = m.encoder
+    _require(
+        vit.image_size % vit.patch_size == 0,
+        f"model.encoder.image_size={vit.image_size} is not divisible by patch_size={vit.patch_size}",
+    )
+    _require(
+        vit.dim % vit.n_heads == 0,
+        f"model.encoder.dim={vit.dim} is not divisible by model.encoder.n_heads={vit.n_heads}",
+    )
+    patches = (vit.image_size // vit.patch_size) ** 2
+    gen_tokens = m.gen_tokens if m.generator is not None else 0
+    _require(
+        m.seq_len >= patches + gen_tokens + 3,
+        f"model.seq_len={m.seq_len} cannot hold one image ({patches} patch tokens) plus {gen_tokens} "
+        f"generation tokens; raise model.seq_len or lower model.encoder.image_size",
+    )
+    for name in ("encoder_projector", "generator_projector"):
+        layers = getattr(m, name).n_layers
+        _require(layers in (1, 2), f"model.{name}.n_layers={layers}: allowed values are 1 and 2")
+    if m.generator is not None:
+        _validate_generator(cfg)
+
+
+def _validate_generator(cfg: Config) -> None:
+    m, unet = cfg.model, cfg.model.generator
+    _require(
+        len(unet.block_out_channels) == len(unet.cross_attention_blocks),
+        f"model.generator.cross_attention_blocks has {len(unet.cross_attention_blocks)} entries but "
+        f"block_out_channels has {len(unet.block_out_channels)}; give one per level",
+    )
+    for channels in unet.block_out_channels:
+        _require(
+            channels % unet.norm_groups == 0,
+            f"model.generator channel count {channels} is not divisible by norm_groups={unet.norm_groups}",
+        )
+        _require(
+            channels % unet.head_dim == 0,
+            f"model.generator channel count {channels} is not divisible by head_dim={unet.head_dim}",
+        )
+    _require(m.gen_tokens >= 1, f"model.gen_tokens={m.gen_tokens}: use at least 1 generation token")
+    _require(
+        m.gen_image_size % m.latent_downsample == 0,
+        f"model.gen_image_size={m.gen_image_size} is not divisible by latent_downsample={m.latent_downsample}",
+    )
+    side = m.gen_image_size // m.latent_downsample
+    factor = 2 ** (len(unet.block_out_channels) - 1)
+    _require(
+        side % factor == 0,
+        f"latent side {side} (gen_image_size / latent_downsample) must be divisible by {factor} for "
+        f"{len(unet.block_out_channels)} U-Net levels; change model.gen_image_size",
+    )
+    from .models.latents import latent_encoder_names
+
+    _require(
+        m.latent_encoder in latent_encoder_names(),
+        f"model.latent_encoder={m.latent_encoder!r} is not registered; available: {latent_encoder_names()}",
+    )
+
+
+def validate_optim(cfg: Config) -> None:
+    o = cfg.optim
+    _require(o.name == "adamw", f"optim.name={o.name!r}: the available optimizer is 'adamw'")
+    _require(o.lr > 0, f"optim.lr={o.lr}: the learning rate must be positive, e.g. optim.lr=3e-4")
+    _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio}: use a value in [0, 1]")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: use 0 or more")
+    _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: use 0 or more")
+    _require(
+        len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
+        f"optim.betas={list(o.betas)}: give two values in [0, 1), e.g. [0.9,0.95]",
+    )
+    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: use 0 (off) or a positive norm")
+    _require(o.micro_batch_size >= 1, f"optim.micro_batch_size={o.micro_batch_size}: use 1 or more")
+    _require(o.global_batch_size >= 1, f"optim.global_batch_size={o.global_batch_size}: use 1 or more")
+    dp = world_size(cfg)
+    _require(
+        o.global_batch_size % (o.micro_batch_size * dp) == 0,
+        f"optim.global_batch_size={o.global_batch_size} is not divisible by optim.micro_batch_size="
+        f"{o.micro_batch_size} x data-parallel size {dp}; make it a multiple of {o.micro_batch_size * dp}",
+    )
+
+
+def validate_trainer(cfg: Config) -> None:
+    t = cfg.trainer
+    _require(
+        t.accelerator in ("auto", "cpu", "cuda"),
+        f"trainer.accelerator={t.accelerator!r}: allowed values are auto, cpu, cuda",
+    )
+    _require(
+        t.precision in ("32", "bf16-mixed"),
+        f"trainer.precision={t.precision!r}: allowed values are '32' and 'bf16-mixed'",
+    )
+    _require(
+        t.backend in ("auto", "gloo", "nccl"), f"trainer.backend={t.backend!r}: allowed values are auto, gloo, nccl"
+    )
+    _require(t.devices >= 1, f"trainer.devices={t.devices}: use 1 or more")
+    _require(t.num_nodes >= 1, f"trainer.num_nodes={t.num_nodes}: use 1 or more")
+    _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: use 1 or more")
+    _require(t.log_every_n_steps >= 1, f"trainer.log_every_n_steps={t.log_every_n_steps}: use 1 or more")
+    _require(
+        t.checkpoint.every_n_steps >= 0, f"trainer.checkpoint.every_n_steps={t.checkpoint.every_n_steps}: use 0 or more"
+    )
+    _require(t.checkpoint.keep_last >= 1, f"trainer.checkpoint.keep_last={t.checkpoint.keep_last}: keep at least 1")
+    _require(t.threads_per_rank >= 0, f"trainer.threads_per_rank={t.threads_per_rank}: use 0 (auto) or more")
+    _require(
+        t.exit_after_step is None or t.exit_after_step >= 1,
+        f"trainer.exit_after_step={t.exit_after_step}: use null or a step >= 1",
+    )
+    accelerator = resolve_accelerator(t.accelerator)
+    if accelerator == "cuda":
+        import torch
+
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        _require(
+            available > 0 or externally_launched(),
+            "trainer.accelerator=cuda but this machine has no CUDA device; use trainer.accelerator=cpu",
+        )
+        _require(
+            t.devices <= available or externally_launched(),
+            f"trainer.devices={t.devices} but this node has {available} CUDA device(s); lower trainer.devices",
+        )
+    else:
+        _require(t.backend != "nccl", "trainer.backend=nccl needs CUDA devices; use trainer.backend=gloo on CPU")
+        limit = CPU_PROCESSES_PER_CORE * cpu_count()
+        _require(
+            t.devices <= limit,
+            f"trainer.devices={t.devices} CPU processes exceeds {limit} ({CPU_PROCESSES_PER_CORE} per core x "
+            f"{cpu_count()} cores); lower trainer.devices",
+        )
+    if t.num_nodes > 1 and not externally_launched():
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if v not in os.environ]
+        _require(
+            not missing,
+            f"trainer.num_nodes={t.num_nodes} needs {', '.join(missing)} in the environment of "
+            "every node (or launch with torchrun/srun)",
+        )
+    _require(
+        t.resume in ("none", "auto") or os.path.exists(t.resume),
+        f"trainer.resume={t.resume!r}: use none, auto, or an existing checkpoint or run directory",
+    )
+
+
+def validate_data(cfg: Config) -> None:
+    d = cfg.data
+    from .data.tokenizer import TOKENIZERS
+
+    _require(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is unknown; available: {sorted(TOKENIZERS)}")
+    _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: use 0 (decode inline) or more")
+    _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
+    _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
+    from .data.reader import resolve_shards
+
+    shards = resolve_shards(d.path)
+    if not shards:
+        _require(
+            d.generate_if_missing,
+            f"data.path={d.path!r}: no .tar shards found; point data.path at a directory or brace pattern of "
+            "webdataset shards, or run `python tools/make_shards.py` to create the embedded data",
+        )
+        shard_count = d.synthetic.num_shards
+    else:
+        shard_count = len(shards)
+    dp = world_size(cfg)
+    _require(
+        shard_count >= dp,
+        f"data.path={d.path!r} has {shard_count} shard(s) for {dp} data-parallel ranks; every rank needs at "
+        "least one shard: split the data into more shards or use fewer processes",
+    )
+
+
+def validate_layout(cfg: Config) -> None:
+    _require(cfg.parallel.mode == "dp", f"parallel.mode={cfg.parallel.mode!r}: this version supports 'dp'")
+    _require(cfg.schedule.name == "none", f"schedule={cfg.schedule.name!r}: this version supports 'none'")
+
+
+def validate_cluster(cfg: Config) -> None:
+    c = cfg.cluster
+    for name in ("peak_flops_bf16", "peak_flops_fp32"):
+        value = getattr(c, name)
+        _require(value is None or value > 0, f"cluster.{name}={value}: use a positive FLOP/s value or null")
+    _require(c.memory_per_device_gb > 0, f"cluster.memory_per_device_gb={c.memory_per_device_gb}: use a positive size")
+    _require(c.num_gpus >= 1 and c.gpus_per_node >= 1, "cluster.num_gpus and cluster.gpus_per_node must be >= 1")
+
+
+def missing_keys(node, prefix: str = "") -> list[str]:
+    """Dotted names of mandatory values (``???``) nobody set."""
+    from omegaconf import DictConfig, OmegaConf
+
+    out = []
+    for key in node:
+        name = f"{prefix}{key}"
+        if OmegaConf.is_missing(node, key):
+            out.append(name)
+        else:
+            value = node._get_node(key)
+            if isinstance(value, DictConfig) and not value._is_none():
+                out.extend(missing_keys(value, name + "."))
+    return out
+
+
+def validate_config(cfg: Config) -> None:
+    """Raise ConfigError on the first problem found."""
+    missing = [key for key in missing_keys(cfg) if not key.startswith("paths.")]
+    if missing:
+        raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")
+    validate_model(cfg)
+    validate_trainer(cfg)
+    validate_layout(cfg)
+    validate_data(cfg)
+    validate_optim(cfg)
+    validate_cluster(cfg)

@@ -1,0 +1,120 @@
+"""Shared fixtures: small shards, composed configs with tiny shapes, and a
+helper that runs ``train.py`` in a subprocess with an outer timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Tests must not touch the user's cache and must leave cores to each other.
+os.environ.setdefault("DISTTRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / "disttrain-test-cache"))
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+# Shrinks every large model config to CPU-test size while keeping its structure
+# (GQA ratios, vocabulary, U-Net levels and cross-attention pattern).
+TINY_SHAPES = {
+    "llm": ["model.llm.n_layers=2", "model.llm.ffn_dim=128", "model.seq_len=128"],
+    "encoder": [
+        "model.encoder.image_size=32",
+        "model.encoder.patch_size=8",
+        "model.encoder.dim=32",
+        "model.encoder.n_layers=1",
+        "model.encoder.n_heads=2",
+        "model.encoder.mlp_dim=64",
+        "model.encoder.output_dim=32",
+    ],
+    "generator": [
+        "model.generator.block_out_channels=[16,32,32,32]",
+        "model.generator.head_dim=8",
+        "model.generator.norm_groups=8",
+        "model.generator.cross_attention_dim=32",
+        "model.generator.layers_per_block=1",
+        "model.gen_image_size=64",
+        "model.gen_tokens=4",
+    ],
+}
+
+
+def tiny_overrides(cfg) -> list[str]:
+    """Overrides that make any composed model small enough to train in a test."""
+    out = []
+    llm = cfg.model.llm
+    if llm.dim > 512:
+        heads = 2 * (llm.n_heads // llm.n_kv_heads)  # two KV heads, same grouping ratio
+        out += TINY_SHAPES["llm"] + [
+            f"model.llm.n_heads={heads}",
+            "model.llm.n_kv_heads=2",
+            f"model.llm.dim={16 * heads}",
+            "model.llm.vocab_size=384",
+        ]
+    if cfg.model.encoder is not None and cfg.model.encoder.dim > 256:
+        out += TINY_SHAPES["encoder"]
+    if cfg.model.generator is not None and cfg.model.generator.block_out_channels[0] > 64:
+        out += TINY_SHAPES["generator"]
+    return out
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory) -> Path:
+    """4 equal shards x 24 samples with small images (generated once per session)."""
+    from disttrain_core.config import SyntheticDataConfig
+    from disttrain_core.data.synthetic import generate_shards
+
+    out = tmp_path_factory.mktemp("data") / "shards"
+    generate_shards(SyntheticDataConfig(num_shards=4, samples_per_shard=24, image_side_max=128), out, processes=1)
+    return out
+
+
+def base_overrides(shards: Path, run_dir: Path) -> list[str]:
+    return [
+        f"data.path={shards}",
+        "data.generate_if_missing=false",
+        "data.num_workers=0",
+        f"paths.output_dir={run_dir}",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        "cluster.peak_flops_fp32=1e11",
+        "cluster.peak_flops_bf16=4e11",
+    ]
+
+
+def cli_overrides(shards: Path, run_dir: Path) -> list[str]:
+    """Like base_overrides, for ``python train.py``: Hydra owns the run directory."""
+    return [o for o in base_overrides(shards, run_dir) if not o.startswith("paths.output_dir")] + [
+        f"hydra.run.dir={run_dir}"
+    ]
+
+
+@pytest.fixture
+def compose_cfg(shards, tmp_path):
+    from disttrain_core.config import compose
+
+    def make(*overrides: str, run_dir: Path | None = None):
+        return compose(base_overrides(shards, run_dir or tmp_path / "run") + list(overrides))
+
+    return make
+
+
+def run_train(args: list[str], timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``python train.py args...`` with an outer timeout; output captured."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,43 @@
+"""Every option of every config group, and every recipe, composes and trains for 2 steps.
+
+Large models are shrunk by overrides (tests/conftest.py: tiny_overrides) that keep
+their structure; multi-process recipes really start their processes.
+"""
+
+import math
+
+import pytest
+
+from disttrain_core.config import CONFIG_GROUPS, compose, group_options
+from disttrain_core.launch import launch
+
+from ..conftest import base_overrides, read_metrics, tiny_overrides
+
+# Options that need something this machine lacks get the smallest override that runs them here.
+MACHINE_OVERRIDES = {
+    ("trainer", "gpu"): ["trainer.accelerator=cpu", "trainer.backend=gloo", "trainer.devices=1"],
+}
+CASES = [
+    (group, option)
+    for group in CONFIG_GROUPS
+    if group not in ("recipe", "hparams_search")
+    for option in group_options(group)
+]
+CASES += [("recipe", name) for name in group_options("recipe")]
+
+
+@pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_option_trains_two_steps(group, option, shards, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = [f"{group}={option}"] + base_overrides(shards, run_dir) + MACHINE_OVERRIDES.get((group, option), [])
+    overrides += ["trainer.max_steps=2", "trainer.checkpoint.every_n_steps=0", "optim.warmup_steps=1"]
+    cfg = compose(overrides)
+    cfg = compose(overrides + tiny_overrides(cfg))
+    if cfg.trainer.devices * cfg.optim.micro_batch_size > cfg.optim.global_batch_size:
+        pytest.fail(f"{group}={option}: batch arithmetic does not fit its own device count")
+    launch(cfg)
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
+    assert (run_dir / "checkpoints" / "latest").is_file()
+    assert (run_dir / "config.yaml").is_file()

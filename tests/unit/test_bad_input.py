@@ -1,0 +1,64 @@
+"""Bad input: each mistake gives one actionable line before any process starts."""
+
+import pytest
+
+from disttrain_core.cli import PreflightError, check_overrides
+
+from ..conftest import base_overrides, run_train
+
+CASES = [
+    # (overrides, text the single error line must contain)
+    (["model=foo"], "model=foo is not a known model option"),
+    (["recipe=nope"], "recipe=nope is not a known recipe"),
+    (["optim.lr=-1"], "optim.lr=-1"),
+    (["optim.lr=abc"], "optim.lr=abc"),
+    (["trainer.max_stepz=5"], "'max_stepz' is not a key of trainer"),
+    (["trainer.devices=1000"], "trainer.devices=1000"),
+    (["trainer.accelerator=cuda"], "no CUDA device"),
+    (["optim.global_batch_size=10", "optim.micro_batch_size=4"], "optim.global_batch_size=10 is not divisible"),
+    (["data.path=/nonexistent/shards"], "data.path='/nonexistent/shards': no .tar shards found"),
+    (["data=webdataset", "data.path=???"], "data.path is required"),
+    (["trainer.precision=16"], "trainer.precision='16'"),
+    (["model.llm.n_heads=5"], "not divisible by model.llm.n_heads=5"),
+    (["model.llm.n_kv_heads=3"], "model.llm.n_kv_heads=3"),
+    (["trainer.backend=nccl"], "trainer.backend=nccl needs CUDA"),
+    (["model.encoder.image_size=30"], "model.encoder.image_size=30"),
+    (["trainer.resume=/no/such/run"], "trainer.resume='/no/such/run'"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas"),
+    (["trainer.num_nodes=2"], "MASTER_ADDR"),
+    (["trainer.devices=8"], "4 shard(s) for 8 data-parallel ranks"),
+    (["hparams_search=nope"], "hparams_search=nope"),
+    (["optim.lr=1e-3,3e-4"], "Ambiguous value"),
+    (["model.seq_len=16"], "model.seq_len=16 cannot hold one image"),
+    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0"),
+    (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
+    (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_gives_one_actionable_line(overrides, expected, shards, tmp_path, monkeypatch):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = base_overrides(shards, tmp_path / "run")
+    argv = [a for a in argv if not (a.startswith("data.path=") and any(o.startswith("data.path") for o in overrides))]
+    with pytest.raises(PreflightError) as info:
+        check_overrides(argv + overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    assert expected in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_py_prints_one_error_line_and_exits_2(tmp_path):
+    result = run_train(["model=foo", f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model=foo"), result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_py_reports_a_type_error_on_one_line(tmp_path):
+    result = run_train(["optim.lr=abc", f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "optim.lr=abc" in result.stderr

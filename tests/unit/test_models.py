@@ -1,0 +1,127 @@
+"""Model zoo: published parameter counts, deterministic init, FLOP accounting."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from disttrain_core.config import compose
+from disttrain_core.data.tokenizer import ByteTokenizer
+from disttrain_core.models import build_model, materialize, parameter_table
+from disttrain_core.models.common import init_weights
+from disttrain_core.models.flops import module_flops
+
+from ..conftest import REPO
+
+# Published sizes (1% tolerance required by the issue; pinned here to the exact counts).
+PUBLISHED = {
+    "vit_h14": 632e6,  # OpenCLIP ViT-H/14 image tower with its 1024-d projection
+    "llama3_8b": 8.03e9,
+    "llama2_13b": 13.0e9,
+    "llama3_70b": 70.6e9,
+    "sd21_unet": 866e6,
+}
+
+
+def _params(model_name: str) -> dict[str, int]:
+    return parameter_table(build_model(compose([f"model={model_name}"]).model, ByteTokenizer(), device="meta"))
+
+
+@pytest.mark.parametrize(
+    "model_name, module, published",
+    [
+        ("mllm9b", "encoder", "vit_h14"),
+        ("mllm9b", "llm", "llama3_8b"),
+        ("mllm15b", "llm", "llama2_13b"),
+        ("mllm72b", "llm", "llama3_70b"),
+        ("mllm72b", "generator", "sd21_unet"),
+        ("llama3_8b", "llm", "llama3_8b"),
+        ("llama3_70b", "llm", "llama3_70b"),
+    ],
+)
+def test_parameter_counts_match_published_within_one_percent(model_name, module, published):
+    count = _params(model_name)[module]
+    assert abs(count / PUBLISHED[published] - 1) < 0.01, (model_name, module, count)
+
+
+def test_exact_counts_are_pinned():
+    table = _params("mllm72b")
+    assert table["encoder"] == 632_076_800
+    assert table["llm"] == 70_553_706_496
+    assert table["generator"] == 865_910_724  # diffusers' SD 2.1 UNet2DConditionModel count
+
+
+def test_model_info_json_answers_for_mllm72b():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tools/model_info.py"), "model=mllm72b", "format=json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    info = json.loads(out.stdout)
+    assert info["modules"]["llm"]["params"] == 70_553_706_496
+    assert info["total_params"] == sum(m["params"] for m in info["modules"].values())
+    assert set(info["modules"]) == {"encoder", "encoder_projector", "llm", "generator_projector", "generator"}
+    assert all(m["flops_per_sample"] > 0 for m in info["modules"].values())
+
+
+def test_llm_flops_match_the_analytic_formula():
+    """6 * (params - embedding) * tokens + 12 * layers * dim * seq^2 (attention, full), per sequence."""
+    cfg = compose(["model=llama3_8b", "model.seq_len=2048"]).model
+    flops = module_flops(cfg)["llm"].train
+    llm = cfg.llm
+    params = _params("llama3_8b")["llm"] - llm.vocab_size * llm.dim
+    expected = 6 * params * cfg.seq_len + 12 * llm.n_layers * llm.dim * cfg.seq_len**2
+    assert flops == pytest.approx(expected, rel=1e-3)
+
+
+def test_frozen_encoder_costs_forward_only():
+    trained = module_flops(compose([]).model)["encoder"]
+    frozen = module_flops(compose(["model.freeze.encoder=true", "model.freeze.encoder_projector=true"]).model)
+    assert frozen["encoder"].train == frozen["encoder"].forward
+    assert trained.train > 2.5 * trained.forward
+
+
+def test_submodule_init_matches_full_model_init():
+    cfg = compose([]).model
+    full = build_model(cfg, ByteTokenizer(), device="cpu")
+    init_weights(full, seed=3)
+    alone = build_model(cfg, ByteTokenizer(), device="cpu").llm
+    init_weights(alone, seed=3, prefix="llm")
+    for (name, a), (_, b) in zip(full.llm.named_parameters(), alone.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_tiny_model_forward_backward_gives_finite_losses_and_grads():
+    cfg = compose([]).model
+    model = build_model(cfg, ByteTokenizer())
+    materialize(model, "cpu", seed=0, std=cfg.init_std)
+    tok = ByteTokenizer()
+    patches = (cfg.encoder.image_size // cfg.encoder.patch_size) ** 2
+    row = [tok.bos_id] + [65] * 10 + [tok.gen_id] * cfg.gen_tokens + [tok.image_id] * patches + [66, tok.eos_id]
+    row += [tok.pad_id] * (cfg.seq_len - len(row))
+    tokens = torch.tensor([row, row])
+    labels = torch.where(tokens < 256, tokens, torch.full_like(tokens, -100)).roll(-1, 1)
+    from disttrain_core.data.batch import Batch
+
+    side = cfg.gen_image_size // cfg.latent_downsample
+    batch = Batch(
+        tokens=tokens,
+        labels=labels,
+        images=torch.randint(0, 255, (2, 3, 32, 32), dtype=torch.uint8),
+        image_counts=torch.tensor([1, 1]),
+        gen_images=torch.randint(0, 255, (2, 3, 32, 32), dtype=torch.uint8),
+        gen_weight=torch.tensor([1.0, 0.0]),
+        gen_noise=torch.randn(2, 4, side, side),
+        gen_timesteps=torch.tensor([10, 900]),
+    )
+    out = model(batch)
+    loss = out["lm_loss_sum"] / out["lm_tokens"] + out["gen_loss_sum"] / out["gen_samples"]
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert out["gen_samples"] == 1.0
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name

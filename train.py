@@ -1,0 +1,30 @@
+"""Train a model.
+
+    python train.py                                  # mllm_tiny on the embedded data, CPU
+    python train.py recipe=mllm_tiny_ddp2            # a preset from recipes/
+    python train.py trainer.devices=2 optim.lr=1e-3  # any override
+    python train.py -m optim.lr=1e-3,3e-4            # a sweep
+
+Configuration mistakes are reported in one line before anything starts.
+"""
+
+import sys
+
+import hydra
+
+from disttrain_core.cli import preflight
+from disttrain_core.config import register_configs
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg) -> float | None:
+    from disttrain_core.launch import launch
+
+    return launch(cfg)
+
+
+if __name__ == "__main__":
+    preflight(sys.argv[1:])
+    main()
