@@ -141,6 +141,9 @@ class DataConfig:
     tokenizer: str = "byte"
     num_workers: int = 1  # decode workers per training process (0 = decode inline)
     prefetch_steps: int = 2  # optimizer steps of decoded samples kept ready ahead of the trainer
+    # Niceness added to decode workers so they do not preempt the training threads
+    # (which stall each other at every OpenMP barrier when one is descheduled).
+    worker_nice: int = 10
     shuffle_shards: bool = True  # reshuffle shard order every epoch (seeded)
     generate_if_missing: bool = False  # create the embedded synthetic shards if path is empty
     max_image_pixels: int = 64_000_000  # larger images are skipped and counted

@@ -220,6 +220,7 @@ def validate_data(cfg: Config) -> None:
 
     _require(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is unknown; available: {sorted(TOKENIZERS)}")
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: use 0 (decode inline) or more")
+    _require(0 <= d.worker_nice <= 19, f"data.worker_nice={d.worker_nice}: use 0 (off) to 19")
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
     from .data.reader import resolve_shards

@@ -14,8 +14,10 @@ that position and sees exactly the samples an uninterrupted run would.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,6 +74,11 @@ class DecodedStream(IterableDataset):
             return Skipped(item.key, error.reason, str(error))
 
 
+def _lower_priority(nice: int, worker_id: int) -> None:
+    """Decode workers yield the CPU to the training threads (see data.worker_nice)."""
+    os.nice(nice)
+
+
 def collate(samples: list[EncodedSample]) -> Batch:
     def stack(name: str) -> torch.Tensor:
         return torch.from_numpy(np.stack([getattr(s, name) for s in samples]))
@@ -100,6 +107,7 @@ class MicrobatchLoader:
         microbatches_per_step: int,
         num_workers: int = 0,
         prefetch_steps: int = 2,
+        worker_nice: int = 0,
         state: dict | None = None,
     ):
         self.stream = stream
@@ -108,6 +116,7 @@ class MicrobatchLoader:
         self.microbatches_per_step = microbatches_per_step
         self.num_workers = num_workers
         self.prefetch_steps = prefetch_steps
+        self.worker_nice = worker_nice
         state = state or {}
         self.position = Position(int(state.get("epoch", 0)), int(state.get("index", 0)))
         self.skipped: Counter[str] = Counter(state.get("skipped", {}))
@@ -127,6 +136,7 @@ class MicrobatchLoader:
             num_workers=self.num_workers,
             prefetch_factor=max(2, per_worker),
             persistent_workers=False,
+            worker_init_fn=functools.partial(_lower_priority, self.worker_nice) if self.worker_nice else None,
         )
         return iter(loader)
 

@@ -116,11 +116,12 @@ def decode_image(data: bytes, sizes: tuple[int, ...], max_pixels: int) -> list[n
             raise BadSample("huge_image", f"{width}x{height} > data.max_image_pixels={max_pixels}")
         image.draft("RGB", (max(sizes), max(sizes)))  # JPEG: decode at reduced scale when possible
         image = image.convert("RGB")
-        out = []
+        resized: dict[int, np.ndarray] = {}
         for size in sizes:
-            resized = image.resize((size, size), Image.BILINEAR)
-            out.append(np.ascontiguousarray(np.asarray(resized, dtype=np.uint8).transpose(2, 0, 1)))
-        return out
+            if size not in resized:
+                pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.uint8)
+                resized[size] = np.ascontiguousarray(pixels.transpose(2, 0, 1))
+        return [resized[size] for size in sizes]
     except BadSample:
         raise
     except Exception as error:  # PIL raises many types for corrupt data
@@ -135,18 +136,21 @@ class SampleEncoder:
     """Turns raw samples into rows for one model configuration."""
 
     def __init__(self, model: ModelConfig, tokenizer: Tokenizer, seed: int, max_image_pixels: int):
-        self.model = model
+        # Plain attributes, not config lookups: this runs for every sample (OmegaConf access is slow).
         self.tokenizer = tokenizer
         self.seed = seed
         self.max_image_pixels = max_image_pixels
+        self.seq_len = int(model.seq_len)
         self.multimodal = model.family == "mllm"
         self.has_encoder = model.encoder is not None
         self.has_generator = model.generator is not None
-        if self.has_encoder:
-            grid = model.encoder.image_size // model.encoder.patch_size
-            self.patches = grid * grid
-        if self.has_generator:
-            self.latent_side = model.gen_image_size // model.latent_downsample
+        self.image_size = int(model.encoder.image_size) if self.has_encoder else 0
+        self.patches = (model.encoder.image_size // model.encoder.patch_size) ** 2 if self.has_encoder else 0
+        self.gen_tokens = int(model.gen_tokens) if self.has_generator else 0
+        self.gen_image_size = int(model.gen_image_size) if self.has_generator else 0
+        self.latent_side = model.gen_image_size // model.latent_downsample if self.has_generator else 0
+        self.latent_channels = int(model.generator.in_channels) if self.has_generator else 0
+        self.timesteps = int(model.generator.num_train_timesteps) if self.has_generator else 0
 
     def encode(self, key: str, members: dict[str, bytes]) -> EncodedSample:
         segments = parse_segments(members)
@@ -156,8 +160,7 @@ class SampleEncoder:
         return self._multimodal_row(key, segments)
 
     def _multimodal_row(self, key: str, segments: list[tuple[str, object]]) -> EncodedSample:
-        gen_tokens = self.model.gen_tokens if self.has_generator else 0
-        budget = self.model.seq_len - 2 - gen_tokens
+        budget = self.seq_len - 2 - self.gen_tokens
         kept: list[tuple[str, object]] = []
         total_images = sum(kind == "image" for kind, _ in segments)
         for kind, value in segments:
@@ -176,9 +179,9 @@ class SampleEncoder:
         gen_image = None
         for index, (_, data) in enumerate(images):
             last = index == len(images) - 1
-            sizes = [self.model.encoder.image_size]
+            sizes = [self.image_size]
             if last and self.has_generator:
-                sizes.append(self.model.gen_image_size)
+                sizes.append(self.gen_image_size)
             tensors = decode_image(data, tuple(sizes), self.max_image_pixels)
             decoded.append(tensors[0])
             if len(tensors) > 1:
@@ -187,19 +190,19 @@ class SampleEncoder:
 
     def _row(self, key, kept, images, gen_image, truncated_images) -> EncodedSample:
         tok = self.tokenizer
-        seq_len = self.model.seq_len
+        seq_len = self.seq_len
         tokens = [tok.bos_id]
         image_indices = [i for i, seg in enumerate(kept) if seg[0] == "image"]
         gen_before = image_indices[-1] if image_indices else None
         for i, (kind, value) in enumerate(kept):
             if i == gen_before and self.has_generator:
-                tokens += [tok.gen_id] * self.model.gen_tokens
+                tokens += [tok.gen_id] * self.gen_tokens
             if kind == "text":
                 tokens += value if isinstance(value, list) else tok.encode(value)
             else:
                 tokens += [tok.image_id] * self.patches
         if self.has_generator and gen_before is None:
-            tokens += [tok.gen_id] * self.model.gen_tokens
+            tokens += [tok.gen_id] * self.gen_tokens
         tokens = tokens[: seq_len - 1] + [tok.eos_id]
         tokens += [tok.pad_id] * (seq_len - len(tokens))
         token_array = np.asarray(tokens, dtype=np.int64)
@@ -208,16 +211,16 @@ class SampleEncoder:
         is_text = (following < 256) | (following == tok.eos_id)
         labels = np.where(is_text, following, -100).astype(np.int64)
 
-        image_size = self.model.encoder.image_size if self.has_encoder else 0
-        image_array = np.stack(images) if images else np.zeros((0, 3, image_size, image_size), dtype=np.uint8)
+        size = self.image_size
+        image_array = np.stack(images) if images else np.zeros((0, 3, size, size), dtype=np.uint8)
         if self.has_generator:
             # Diffusion noise and timestep are seeded by the sample, not by the process that
             # happens to train on it, so every parallel layout sees the same targets.
             generator = torch.Generator().manual_seed(sample_seed(self.seed, key))
             side = self.latent_side
-            noise = torch.randn(self.model.generator.in_channels, side, side, generator=generator).numpy()
-            timestep = int(torch.randint(0, self.model.generator.num_train_timesteps, (1,), generator=generator))
-            size = self.model.gen_image_size
+            noise = torch.randn(self.latent_channels, side, side, generator=generator).numpy()
+            timestep = int(torch.randint(0, self.timesteps, (1,), generator=generator))
+            size = self.gen_image_size
             weight = 1.0 if gen_image is not None else 0.0
             gen_image = gen_image if gen_image is not None else np.zeros((3, size, size), dtype=np.uint8)
         else:

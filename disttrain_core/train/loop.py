@@ -95,6 +95,7 @@ class Trainer:
             self.accumulation,
             num_workers=cfg.data.num_workers,
             prefetch_steps=cfg.data.prefetch_steps,
+            worker_nice=cfg.data.worker_nice,
             state=data_state,
         )
         self.metrics = MetricsLogger(
@@ -161,8 +162,7 @@ class Trainer:
             microbatch = microbatch.to(self.fabric.device)
             last = index == len(microbatches) - 1
             with self.fabric.no_backward_sync(self.model, enabled=not last):
-                with self.fabric.autocast():
-                    out = self.model(microbatch)
+                out = self.model(microbatch)  # Fabric's module wrapper applies the precision's autocast
                 lm = out["lm_loss_sum"] / n_tokens
                 gen = out["gen_loss_sum"] / n_gen if "gen_loss_sum" in out else torch.zeros((), device=lm.device)
                 # DDP averages gradients over ranks; scale so the result is the global-batch gradient.

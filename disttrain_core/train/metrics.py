@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ class MetricsLogger:
         if self.tensorboard is not None:
             self.tensorboard.log_metrics(clean, step=step)
         if self.jsonl is not None:
-            record: dict[str, Any] = {"step": step, "loss": clean.get("train/loss")}
+            record: dict[str, Any] = {"step": step, "loss": clean.get("train/loss"), "time": time.time()}
             record.update({k.split("/", 1)[-1] if k.startswith("train/") else k: v for k, v in clean.items()})
             self.jsonl.write(json.dumps(record) + "\n")
 

@@ -149,7 +149,7 @@ def test_accepted_layouts():
 # ---------------------------------------------------------------------------------- row layout
 def test_row_layout_places_generation_tokens_before_the_last_image():
     enc = encoder()
-    cfg = enc.model
+    cfg = compose([]).model
     members = make_sample(SyntheticDataConfig(), 3)
     n_images = sum(x is not None for x in json.loads(members["json"])["images"])
     row = enc.encode("k", members)

@@ -1,0 +1,213 @@
+"""Training throughput and MFU on this machine, and the framework's overhead.
+
+For each model (mllm_tiny, llama_tiny) and precision (fp32, bf16 autocast) it measures:
+
+* framework: ``train.py``'s real path in one process (Fabric, loader with a decode worker,
+  global-batch loss normalization, clipping, scheduler, metrics, progress) -- tokens/s from
+  the wall-clock timestamps in metrics.jsonl between the end of the warm-up and the last step;
+* minimal: a hand-written PyTorch loop on the same model, initialization, optimizer and
+  data, reading and decoding the shards inline as a simple script would;
+* compute_only: the same loop on microbatches decoded before the clock starts (no data cost);
+* the measured matmul peak FLOP/s in fp32 and bf16 with the same thread count; MFU of both.
+
+The three kinds of run rotate (``repeats`` times) and medians are reported, because
+this machine is shared and noisy. Optionally (``ddp=true``) it also times the framework
+with 2 processes. Results go to ``out`` (JSON); docs/PERFORMANCE.md summarizes them.
+
+    python tools/bench_train.py                          # ~15 minutes on 2 cores
+    python tools/bench_train.py steps=20 repeats=1 ddp=false models=mllm_tiny
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from disttrain_core.cli import split_tool_args, tool_main
+from disttrain_core.config import REPO_ROOT, compose
+from disttrain_core.launch import launch
+from disttrain_core.models.flops import batch_flops
+from disttrain_core.train.perf import measure_matmul_peak
+
+OPTIONS = {
+    "models": "mllm_tiny,llama_tiny",
+    "precisions": "32,bf16-mixed",
+    "steps": "40",
+    "warmup": "10",
+    "repeats": "5",
+    "ddp": "true",
+    "out": str(REPO_ROOT / "docs" / "results" / "bench_train.json"),
+}
+
+
+LOG_EVERY = 5  # the framework logs (TensorBoard + jsonl) every 5 steps, as a real run would
+
+
+def _overrides(model: str, precision: str, run_dir: Path, steps: int, devices: int = 1) -> list[str]:
+    return [
+        f"model={model}",
+        f"trainer.precision={precision}",
+        f"trainer.max_steps={steps}",
+        f"trainer.log_every_n_steps={LOG_EVERY}",
+        "trainer.checkpoint.every_n_steps=0",
+        "trainer.checkpoint.save_last=false",
+        "trainer.progress_bar=false",
+        "trainer.accelerator=cpu",
+        f"trainer.devices={devices}",
+        f"paths.output_dir={run_dir}",
+        "cluster.peak_flops_fp32=1",
+        "cluster.peak_flops_bf16=1",
+    ]
+
+
+def framework_run(model: str, precision: str, steps: int, warmup: int, devices: int = 1) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose(_overrides(model, precision, Path(tmp), warmup + steps, devices))
+        launch(cfg)
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    # Records close windows of LOG_EVERY steps; time the windows after the warm-up, wall clock.
+    start = next(r for r in records if r["step"] == warmup)
+    timed = [r for r in records if r["step"] > warmup]
+    seconds = timed[-1]["time"] - start["time"]
+    window = LOG_EVERY * 1.0
+    sequences = sum(r["perf/samples_per_s"] * r["perf/step_time_s"] * window for r in timed)
+    flops = sum(r["perf/tflops_per_device"] * devices * 1e12 * r["perf/step_time_s"] * window for r in timed)
+    return {
+        "tokens_per_s": sequences * cfg.model.seq_len / seconds,
+        "flops_per_s": flops / seconds,
+        "data_wait_fraction": statistics.mean(r["perf/data_wait_fraction"] for r in timed),
+    }
+
+
+def minimal_run(model: str, precision: str, steps: int, warmup: int, predecoded: bool) -> dict:
+    """The same work with nothing but PyTorch: read, forward, backward, AdamW step.
+
+    The loop reads the same shards with the same sample decoding, inline (no worker
+    processes), as a hand-written script would. With ``predecoded`` the microbatches are
+    decoded before the clock starts: the compute-only ceiling.
+    """
+    from disttrain_core.data.loader import MicrobatchLoader
+    from disttrain_core.data.reader import ShardStream, resolve_shards
+    from disttrain_core.data.samples import SampleEncoder
+    from disttrain_core.data.tokenizer import ByteTokenizer
+    from disttrain_core.models import build_model, materialize
+
+    cfg = compose(_overrides(model, precision, Path("/tmp"), steps))
+    tokenizer = ByteTokenizer()
+    net = build_model(cfg.model, tokenizer)
+    materialize(net, "cpu", seed=cfg.trainer.seed, std=cfg.model.init_std)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, foreach=True)
+    loader = MicrobatchLoader(
+        ShardStream(resolve_shards(cfg.data.path), 0, 1, seed=cfg.trainer.seed),
+        SampleEncoder(cfg.model, tokenizer, cfg.trainer.seed, cfg.data.max_image_pixels),
+        cfg.optim.micro_batch_size,
+        cfg.optim.global_batch_size // cfg.optim.micro_batch_size,
+    )
+    predecoded_steps = iter([loader.next_step() for _ in range(warmup + steps)]) if predecoded else None
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    flops = 0.0
+    for index in range(warmup + steps):
+        if index == warmup:
+            start = time.perf_counter()
+        microbatches = next(predecoded_steps) if predecoded else loader.next_step()
+        for batch in microbatches:
+            with autocast:
+                out = net(batch)
+            loss = out["lm_loss_sum"] / out["lm_tokens"]
+            if "gen_loss_sum" in out:
+                loss = loss + out["gen_loss_sum"] / out["gen_samples"].clamp(min=1)
+            loss.backward()
+            if index >= warmup:
+                flops += batch_flops(
+                    cfg.model,
+                    batch.size,
+                    int(batch.images.shape[0]),
+                    batch.size if cfg.model.generator is not None else 0,
+                )
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - start
+    sequences = steps * cfg.optim.global_batch_size
+    return {"tokens_per_s": sequences * cfg.model.seq_len / seconds, "flops_per_s": flops / seconds}
+
+
+def main(argv: list[str]) -> int:
+    options, _ = split_tool_args(argv, OPTIONS)
+    steps, warmup, repeats = int(options["steps"]), int(options["warmup"]), int(options["repeats"])
+    if steps % LOG_EVERY or warmup % LOG_EVERY or warmup < LOG_EVERY:
+        raise SystemExit(f"error: steps={steps} and warmup={warmup} must be positive multiples of {LOG_EVERY}")
+    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+    torch.set_num_threads(threads)
+    peaks = {
+        "32": measure_matmul_peak(torch.float32, torch.device("cpu")),
+        "bf16-mixed": measure_matmul_peak(torch.bfloat16, torch.device("cpu")),
+    }
+    results = {
+        "machine": {
+            "threads": threads,
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "peak_flops_fp32": peaks["32"],
+            "peak_flops_bf16": peaks["bf16-mixed"],
+        },
+        "settings": {"steps": steps, "warmup": warmup, "repeats": repeats},
+        "runs": [],
+    }
+    for model in options["models"].split(","):
+        for precision in options["precisions"].split(","):
+            measured: dict[str, list[dict]] = {"framework": [], "minimal": [], "compute_only": []}
+            kinds = list(measured)
+            for repeat in range(repeats):  # rotate the order so drifts in machine load cancel
+                for kind in kinds[repeat % 3 :] + kinds[: repeat % 3]:
+                    if kind == "framework":
+                        measured[kind].append(framework_run(model, precision, steps, warmup))
+                    else:
+                        measured[kind].append(minimal_run(model, precision, steps, warmup, kind == "compute_only"))
+            entry = {"model": model, "precision": precision, "processes": 1}
+            for name, runs in measured.items():
+                tokens = statistics.median(r["tokens_per_s"] for r in runs)
+                flops = statistics.median(r["flops_per_s"] for r in runs)
+                entry[name] = {
+                    "tokens_per_s": tokens,
+                    "mfu": flops / peaks[precision],
+                    "samples": [round(r["tokens_per_s"], 1) for r in runs],
+                }
+            entry["framework"]["data_wait_fraction"] = statistics.median(
+                r["data_wait_fraction"] for r in measured["framework"]
+            )
+            entry["framework_over_minimal"] = entry["framework"]["tokens_per_s"] / entry["minimal"]["tokens_per_s"]
+            entry["framework_over_compute_only"] = (
+                entry["framework"]["tokens_per_s"] / entry["compute_only"]["tokens_per_s"]
+            )
+            results["runs"].append(entry)
+            print(json.dumps(entry), flush=True)
+            if options["ddp"] == "true":
+                ddp = framework_run(model, precision, steps, warmup, devices=2)
+                ddp_entry = {
+                    "model": model,
+                    "precision": precision,
+                    "processes": 2,
+                    "framework": {
+                        "tokens_per_s": ddp["tokens_per_s"],
+                        "mfu": ddp["flops_per_s"] / peaks[precision],
+                        "data_wait_fraction": ddp["data_wait_fraction"],
+                    },
+                }
+                results["runs"].append(ddp_entry)
+                print(json.dumps(ddp_entry), flush=True)
+    out = Path(options["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(tool_main(main, sys.argv[1:]))
