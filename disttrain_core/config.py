@@ -193,6 +193,7 @@ class TrainerConfig:
     progress_bar: bool = True
     compile: bool = False
     dry_run: bool = False  # validate and print the plan, then exit
+    record_timeline: bool = False  # pipeline runs: measured + simulated timeline PNGs at every log step
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
@@ -216,12 +217,19 @@ class ClusterConfig:
 @dataclass
 class ParallelConfig:
     name: str = MISSING
-    mode: str = "dp"  # dp: replicate the whole model on every process (DDP)
+    # megatron: one layout for the whole model, dp x tp x pp = world size (pp = 1: plain DDP).
+    mode: str = "megatron"
+    dp: int = -1  # -1: world size / (tp * pp)
+    tp: int = 1
+    pp: int = 1
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = "none"  # none: no pipeline parallelism
+    name: str = "none"  # none (pp = 1) | gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv
+    microbatches: Optional[int] = None  # per step per replica; None: global / (micro * dp)
+    vpp: int = 1  # stages per pipeline rank (interleaved_1f1b: >= 2; zbv: 2)
+    csv: Optional[str] = None  # a compute-only CSV schedule instead of a generator
 
 
 # ---------------------------------------------------------------------- logger/paths

@@ -146,7 +146,7 @@ def validate_optim(cfg: Config) -> None:
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: use 0 (off) or a positive norm")
     _require(o.micro_batch_size >= 1, f"optim.micro_batch_size={o.micro_batch_size}: use 1 or more")
     _require(o.global_batch_size >= 1, f"optim.global_batch_size={o.global_batch_size}: use 1 or more")
-    dp = world_size(cfg)
+    dp = layout_of(cfg)[0]
     _require(
         o.global_batch_size % (o.micro_batch_size * dp) == 0,
         f"optim.global_batch_size={o.global_batch_size} is not divisible by optim.micro_batch_size="
@@ -235,7 +235,7 @@ def validate_data(cfg: Config) -> None:
         shard_count = d.synthetic.num_shards
     else:
         shard_count = len(shards)
-    dp = world_size(cfg)
+    dp = layout_of(cfg)[0]
     _require(
         shard_count >= dp,
         f"data.path={d.path!r} has {shard_count} shard(s) for {dp} data-parallel ranks; every rank needs at "
@@ -243,9 +243,80 @@ def validate_data(cfg: Config) -> None:
     )
 
 
+def layout_of(cfg: Config) -> tuple[int, int]:
+    """(data-parallel size, pipeline-parallel size) of a megatron-mode layout."""
+    p = cfg.parallel
+    dp = p.dp if p.dp > 0 else max(1, world_size(cfg) // (p.tp * p.pp))
+    return dp, p.pp
+
+
 def validate_layout(cfg: Config) -> None:
-    _require(cfg.parallel.mode == "dp", f"parallel.mode={cfg.parallel.mode!r}: this version supports 'dp'")
-    _require(cfg.schedule.name == "none", f"schedule={cfg.schedule.name!r}: this version supports 'none'")
+    p = cfg.parallel
+    _require(p.mode == "megatron", f"parallel.mode={p.mode!r}: this version supports 'megatron' (dp x tp x pp)")
+    _require(p.tp >= 1 and p.pp >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
+    _require(p.dp == -1 or p.dp >= 1, f"parallel.dp={p.dp}: use -1 (derive from the world size) or a positive size")
+    _require(
+        p.tp == 1,
+        f"parallel.tp={p.tp}: tensor parallelism comes with the parallelism-unit runtime; use parallel.tp=1 here",
+    )
+    world = world_size(cfg)
+    dp, pp = layout_of(cfg)
+    _require(
+        dp * p.tp * pp == world,
+        f"parallel.dp({dp}) x parallel.tp({p.tp}) x parallel.pp({pp}) = {dp * p.tp * pp} but the world size is "
+        f"trainer.devices({cfg.trainer.devices}) x trainer.num_nodes({cfg.trainer.num_nodes}) = {world}; "
+        "make the factors multiply to the world size",
+    )
+
+
+def validate_schedule_config(cfg: Config) -> None:
+    from .schedule.generators import SCHEDULES
+
+    s, (dp, pp) = cfg.schedule, layout_of(cfg)
+    if pp == 1:
+        _require(
+            s.name == "none" and not s.csv,
+            f"schedule={s.name} needs pipeline stages; set parallel.pp > 1 or use schedule=none",
+        )
+        return
+    _require(
+        s.name != "none" or s.csv,
+        f"parallel.pp={pp} needs a pipeline schedule: pick schedule=<one of "
+        f"{', '.join(SCHEDULES)}> (1f1b is the usual choice)",
+    )
+    _require(
+        s.csv is not None or s.name in SCHEDULES, f"schedule={s.name!r} is unknown; available: {', '.join(SCHEDULES)}"
+    )
+    micro = cfg.optim.global_batch_size // (cfg.optim.micro_batch_size * dp)
+    _require(
+        s.microbatches is None or s.microbatches == micro,
+        f"schedule.microbatches={s.microbatches} disagrees with optim.global_batch_size("
+        f"{cfg.optim.global_batch_size}) / (optim.micro_batch_size({cfg.optim.micro_batch_size}) x dp({dp})) = "
+        f"{micro}; leave schedule.microbatches unset or change the batch sizes",
+    )
+    stages_per_rank = {"interleaved_1f1b": s.vpp, "zbv": 2}.get(s.name, 1)
+    if s.name == "interleaved_1f1b":
+        _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per rank")
+        _require(
+            micro % pp == 0 and micro >= pp,
+            f"interleaved_1f1b needs the microbatches per step ({micro}) to be a multiple of parallel.pp ({pp}); "
+            "raise optim.global_batch_size or lower optim.micro_batch_size",
+        )
+    elif not s.csv:
+        _require(
+            s.vpp == stages_per_rank,
+            f"schedule={s.name} places {stages_per_rank} stage(s) per rank; got schedule.vpp={s.vpp}",
+        )
+    if not s.csv:
+        stages = pp * stages_per_rank
+        layers = cfg.model.llm.n_layers
+        _require(
+            layers % stages == 0,
+            f"model.llm.n_layers={layers} cannot be split into parallel.pp({pp}) x stages per rank "
+            f"({stages_per_rank}) = {stages} equal stages; change parallel.pp or schedule.vpp",
+        )
+    if s.csv:
+        _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
 
 
 def validate_cluster(cfg: Config) -> None:
@@ -283,4 +354,5 @@ def validate_config(cfg: Config) -> None:
     validate_layout(cfg)
     validate_data(cfg)
     validate_optim(cfg)
+    validate_schedule_config(cfg)
     validate_cluster(cfg)

@@ -93,7 +93,7 @@ class Llama(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        device = self.tok_embeddings.weight.device
+        device = self.rope.device
         self.rope = rope_table(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

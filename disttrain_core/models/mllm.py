@@ -78,9 +78,14 @@ class MultimodalLLM(nn.Module):
         latents = self.latent_encoder(batch.gen_images)
         return self.generator(latents, batch.gen_noise, batch.gen_timesteps, context, batch.gen_weight)
 
-    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+    # A pipeline stage runs: input_embeddings (first stage), llm.run_layers (its layers),
+    # output_losses (last stage). The whole model is the three in a row.
+    def input_embeddings(self, batch: Batch) -> torch.Tensor:
         image_embeds = self.encode_images(batch.images) if self.encoder is not None else None
-        hidden = self.llm.final_norm(self.llm.run_layers(self.embed_tokens(batch.tokens, image_embeds)))
+        return self.embed_tokens(batch.tokens, image_embeds)
+
+    def output_losses(self, hidden: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
+        hidden = self.llm.final_norm(hidden)
         out = {
             "lm_loss_sum": self.lm_loss_sum(hidden, batch.labels),
             "lm_tokens": (batch.labels != -100).sum(),
@@ -89,6 +94,9 @@ class MultimodalLLM(nn.Module):
             out["gen_loss_sum"] = self.generation_loss_sum(hidden, batch)
             out["gen_samples"] = batch.gen_weight.sum()
         return out
+
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return self.output_losses(self.llm.run_layers(self.input_embeddings(batch)), batch)
 
     def submodules(self) -> dict[str, nn.Module]:
         """The present modules by name, in data-flow order."""

@@ -1,12 +1,13 @@
-"""The training loop: data -> forward/backward over microbatches -> optimizer
--> checkpoint -> metrics.
+"""The training loop: data -> engine (forward/backward) -> optimizer ->
+checkpoint -> metrics.
 
 Loss normalization is global: before the microbatches of a step run, the
-ranks agree (one all-reduce) on the number of loss tokens and generation
-targets in the whole global batch, and every microbatch divides its summed
-losses by those totals. The accumulated gradient is then exactly the gradient
-of the global-batch mean loss, whatever the number of processes and
-microbatches -- which is what makes a 2-process run reproduce a 1-process run.
+data-parallel replicas agree (one all-reduce) on the number of loss tokens and
+generation targets in the whole global batch, and every microbatch divides its
+summed losses by those totals. The accumulated gradient is then exactly the
+gradient of the global-batch mean loss, whatever the number of processes,
+pipeline stages and microbatches -- which is what makes parallel layouts
+reproduce a single process.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from lightning_fabric import Fabric
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ..config import Config
@@ -27,12 +29,18 @@ from ..data.loader import MicrobatchLoader
 from ..data.reader import ShardStream, resolve_shards
 from ..data.samples import SampleEncoder
 from ..data.tokenizer import build_tokenizer
-from ..models import build_model, materialize
 from ..models.flops import batch_flops
+from ..parallel.layout import Layout, build_groups
+from ..schedule.actions import Schedule
+from ..schedule.generators import build_schedule
+from ..schedule.validate import validate_schedule
+from ..validation import layout_of
 from .checkpoint import CheckpointManager, load_file, read_meta, resolve_resume
+from .engine import build_engine
 from .metrics import MetricsLogger
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, load_optimizer_state_by_name, optimizer_state_by_name
 from .perf import peak_flops_per_device, peak_memory_gib
+from .timeline_report import TimelineReporter
 
 log = logging.getLogger(__name__)
 
@@ -58,23 +66,29 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.rank = fabric.global_rank
         self.world_size = fabric.world_size
-        # Pure data parallelism: every process is its own data-parallel rank.
-        self.dp_rank, self.dp_size = self.rank, self.world_size
+        dp, pp = layout_of(cfg)
+        self.layout = Layout(self.world_size, dp, pp)
+        self.dp_rank, self.pp_rank = self.layout.coords(self.rank)
+        self.groups = build_groups(self.layout, self.rank, timeout=timedelta(seconds=cfg.trainer.dist_timeout_s))
         trainer, optim = cfg.trainer, cfg.optim
-        self.accumulation = optim.global_batch_size // (optim.micro_batch_size * self.dp_size)
+        self.accumulation = optim.global_batch_size // (optim.micro_batch_size * dp)
+        self.schedule = None
+        if pp > 1:
+            if cfg.schedule.csv:
+                self.schedule = Schedule.from_csv(cfg.schedule.csv, num_microbatches=self.accumulation)
+                if self.schedule.num_ranks != pp:
+                    raise ValueError(f"schedule.csv has {self.schedule.num_ranks} rank rows but parallel.pp={pp}")
+            else:
+                self.schedule = build_schedule(cfg.schedule.name, pp, self.accumulation, cfg.schedule.vpp)
+            validate_schedule(self.schedule)
 
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.raw_model = build_model(cfg.model, self.tokenizer, device="meta")
-        materialize(self.raw_model, fabric.device, seed=trainer.seed, std=cfg.model.init_std)
-        module = torch.compile(self.raw_model) if trainer.compile else self.raw_model
-        self.model = fabric.setup_module(module)
-        self.optimizer = fabric.setup_optimizers(build_optimizer(list(self.raw_model.named_parameters()), optim))
+        self.engine = build_engine(cfg, fabric, self.tokenizer, self.layout, self.groups, self.schedule)
+        self.optimizer = build_optimizer(self.engine.named_parameters, optim)
         self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)
 
         shards = resolve_shards(cfg.data.path)
-        self.stream = ShardStream(
-            shards, self.dp_rank, self.dp_size, seed=trainer.seed, shuffle=cfg.data.shuffle_shards
-        )
+        self.stream = ShardStream(shards, self.dp_rank, dp, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
         self.encoder = SampleEncoder(
             cfg.model, self.tokenizer, seed=trainer.seed, max_image_pixels=cfg.data.max_image_pixels
         )
@@ -101,11 +115,18 @@ class Trainer:
         self.metrics = MetricsLogger(
             self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logger.tensorboard, jsonl=cfg.logger.jsonl
         )
+        self.timelines = None
+        if trainer.record_timeline and self.schedule is not None:
+            self.timelines = TimelineReporter(
+                self.run_dir, self.rank, self.layout.pipeline_ranks(0), self.schedule, fabric.barrier, self.metrics
+            )
+        stop = trainer.exit_after_step
+        self.stop_at = trainer.max_steps if stop is None else min(trainer.max_steps, stop)
         self.peak_flops = peak_flops_per_device(
             cfg.trainer.precision, fabric.device, cfg.cluster.peak_flops_bf16, cfg.cluster.peak_flops_fp32
         )
 
-    # ------------------------------------------------------------------ resume
+    # --------------------------------------------------------------- checkpoints
     def _data_file(self) -> str:
         return f"data_dp{self.dp_rank:05d}.json"
 
@@ -114,13 +135,20 @@ class Trainer:
         if checkpoint is None:
             return None
         meta = read_meta(checkpoint)
-        if meta.get("dp_size") != self.dp_size:
+        if meta.get("dp_size") != self.layout.dp:
             raise ValueError(
-                f"checkpoint {checkpoint} was written with {meta.get('dp_size')} data-parallel ranks, this run "
-                f"has {self.dp_size}; resume with the same trainer.devices * trainer.num_nodes"
+                f"checkpoint {checkpoint} was written with {meta.get('dp_size')} data-parallel replicas, this run "
+                f"has {self.layout.dp}; the data position is per replica: resume with the same data-parallel size"
             )
-        self.raw_model.load_state_dict(load_file(checkpoint, "model.pt"))
-        self.optimizer.load_state_dict(load_file(checkpoint, "optimizer.pt"))
+        # Parameters and optimizer state are stored by name, one file per pipeline rank: any layout can load them.
+        model_state, optim_state = {}, {"state": {}, "groups": {}}
+        for part in sorted(checkpoint.glob("model_pp*.pt")):
+            model_state.update(load_file(checkpoint, part.name))
+            saved = load_file(checkpoint, part.name.replace("model_", "optim_"))
+            optim_state["state"].update(saved["state"])
+            optim_state["groups"].update(saved["groups"])
+        self.engine.load_model_state(model_state)
+        load_optimizer_state_by_name(self.optimizer, self.engine.named_parameters, optim_state)
         state = load_file(checkpoint, "trainer.pt")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
@@ -128,15 +156,25 @@ class Trainer:
         return load_file(checkpoint, self._data_file())
 
     def save_checkpoint(self) -> None:
-        files: dict = {self._data_file(): self.loader.state_dict()}
+        files: dict = {}
+        if self.pp_rank == 0:
+            files[self._data_file()] = self.loader.state_dict()
+        if self.dp_rank == 0:
+            files[f"model_pp{self.pp_rank:03d}.pt"] = self.engine.model_state()
+            files[f"optim_pp{self.pp_rank:03d}.pt"] = optimizer_state_by_name(
+                self.optimizer, self.engine.named_parameters
+            )
         if self.rank == 0:
-            files["model.pt"] = self.raw_model.state_dict()
-            files["optimizer.pt"] = self.optimizer.state_dict()
             files["trainer.pt"] = {"step": self.step, "scheduler": self.scheduler.state_dict()}
-        meta = {"dp_size": self.dp_size, "model": self.cfg.model.name, "torch": torch.__version__}
+        meta = {
+            "dp_size": self.layout.dp,
+            "pp_size": self.layout.pp,
+            "model": self.cfg.model.name,
+            "torch": torch.__version__,
+        }
         self.checkpoints.save(self.step, files, meta)
 
-    # -------------------------------------------------------------------- step
+    # --------------------------------------------------------------------- step
     def _global_counts(self, microbatches: list[Batch]) -> torch.Tensor:
         local = torch.tensor(
             [
@@ -148,7 +186,9 @@ class Trainer:
             dtype=torch.float64,
             device=self.fabric.device,
         )
-        return self.fabric.all_reduce(local, reduce_op="sum") if self.world_size > 1 else local
+        if self.groups.replicas is not None:  # one copy per data-parallel replica
+            dist.all_reduce(local, group=self.groups.replicas)
+        return local
 
     def train_step(self) -> StepResult:
         started = time.perf_counter()
@@ -156,22 +196,15 @@ class Trainer:
         data_wait = time.perf_counter() - started
         counts = self._global_counts(microbatches)
         n_tokens, n_gen = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
-        weight = self.cfg.model.gen_loss_weight
-        sums = torch.zeros(2, dtype=torch.float64, device=self.fabric.device)
-        for index, microbatch in enumerate(microbatches):
-            microbatch = microbatch.to(self.fabric.device)
-            last = index == len(microbatches) - 1
-            with self.fabric.no_backward_sync(self.model, enabled=not last):
-                out = self.model(microbatch)  # Fabric's module wrapper applies the precision's autocast
-                lm = out["lm_loss_sum"] / n_tokens
-                gen = out["gen_loss_sum"] / n_gen if "gen_loss_sum" in out else torch.zeros((), device=lm.device)
-                # DDP averages gradients over ranks; scale so the result is the global-batch gradient.
-                self.fabric.backward((lm + weight * gen) * self.world_size)
-            sums += torch.stack((lm.detach(), gen.detach())).double()
-        if self.world_size > 1:
-            sums = self.fabric.all_reduce(sums, reduce_op="sum")
+        record = self.timelines is not None and self.timelines.wants(
+            self.step + 1, self.cfg.trainer.log_every_n_steps, self.stop_at
+        )
+        if record:
+            self.fabric.barrier()  # a common origin for every rank's timestamps
+        result = self.engine.forward_backward(microbatches, n_tokens, n_gen, record=record)
+        self.engine.after_backward()
         clip = self.cfg.optim.grad_clip
-        grad_norm = self.fabric.clip_gradients(self.model, self.optimizer, max_norm=clip if clip > 0 else float("inf"))
+        grad_norm = self.engine.clip_gradients(clip if clip > 0 else float("inf"))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -179,12 +212,16 @@ class Trainer:
         self.step += 1
         if self.fabric.device.type == "cuda":
             torch.cuda.synchronize(self.fabric.device)
-        lm_loss, gen_loss = sums.tolist()
+        if record:
+            self.timelines.report(self.step, result.timeline)
+        weight = self.cfg.model.gen_loss_weight
+        lm_loss = result.sums.get("lm_loss_sum", 0.0) / n_tokens
+        gen_loss = result.sums.get("gen_loss_sum", 0.0) / n_gen
         return StepResult(
             loss=lm_loss + weight * gen_loss,
             lm_loss=lm_loss,
             gen_loss=gen_loss,
-            grad_norm=float(grad_norm),
+            grad_norm=grad_norm,
             lr=lr,
             sequences=int(counts[2].item()),
             images=int(counts[3].item()),
@@ -193,7 +230,7 @@ class Trainer:
             step_time_s=time.perf_counter() - started,
         )
 
-    # -------------------------------------------------------------------- loop
+    # --------------------------------------------------------------------- loop
     def _metrics(self, result: StepResult, window: list[StepResult]) -> dict[str, float]:
         seconds = sum(r.step_time_s for r in window)
         sequences = sum(r.sequences for r in window)
@@ -220,19 +257,24 @@ class Trainer:
         }
         if self.cfg.model.generator is not None:
             metrics["train/gen_loss"] = result.gen_loss
+        if self.timelines is not None and self.timelines.last.get("step") == self.step:
+            metrics["perf/pipeline_measured_s"] = self.timelines.last["measured_s"]
+            metrics["perf/pipeline_predicted_s"] = self.timelines.last["predicted_s"]
         return metrics
 
     def fit(self) -> dict[str, float]:
         trainer = self.cfg.trainer
-        stop_at = (
-            trainer.max_steps if trainer.exit_after_step is None else min(trainer.max_steps, trainer.exit_after_step)
-        )
+        stop_at = self.stop_at
         if self.rank == 0:
+            layout = f"dp={self.layout.dp} pp={self.layout.pp}"
+            if self.schedule is not None:
+                layout += f" schedule={self.schedule.name} stages={self.schedule.num_stages}"
             log.info(
-                "training %s for %d steps: %d process(es), %d microbatch(es) of %d per step per process",
+                "training %s for %d steps: %d process(es) (%s), %d microbatch(es) of %d per step per replica",
                 self.cfg.model.name,
                 stop_at,
                 self.world_size,
+                layout,
                 self.accumulation,
                 self.cfg.optim.micro_batch_size,
             )
@@ -277,7 +319,3 @@ class Trainer:
             f"mfu {100 * m['perf/mfu']:.1f}% | data wait {100 * m['perf/data_wait_fraction']:.1f}% | "
             f"mem {m['perf/peak_memory_gib']:.2f} GiB"
         )
-
-
-def describe(cfg: Config) -> str:
-    return OmegaConf.to_yaml(cfg)

@@ -16,12 +16,40 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConf
     decay = [p for _, p in params if p.requires_grad and p.ndim >= 2]
     no_decay = [p for _, p in params if p.requires_grad and p.ndim < 2]
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True
     )
+
+
+def optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.nn.Parameter]]
+) -> dict:
+    """The optimizer's state keyed by parameter name and group name: independent of the layout."""
+    names = {id(p): n for n, p in named_params}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    raw = optimizer.state_dict()  # torch numbers parameters in param_groups order
+    state = {names[id(params[index])]: value for index, value in raw["state"].items()}
+    groups = {g["name"]: {k: v for k, v in g.items() if k != "params"} for g in raw["param_groups"]}
+    return {"state": state, "groups": groups}
+
+
+def load_optimizer_state_by_name(
+    optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.nn.Parameter]], saved: dict
+) -> None:
+    names = {id(p): n for n, p in named_params}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    current = optimizer.state_dict()
+    state = {}
+    for index, param in enumerate(params):
+        name = names[id(param)]
+        if name in saved["state"]:
+            state[index] = saved["state"][name]
+    for group in current["param_groups"]:
+        group.update({k: v for k, v in saved["groups"].get(group["name"], {}).items() if k != "params"})
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:

@@ -13,9 +13,14 @@ from disttrain_core.launch import launch
 
 from ..conftest import base_overrides, read_metrics, tiny_overrides
 
-# Options that need something this machine lacks get the smallest override that runs them here.
-MACHINE_OVERRIDES = {
+PIPELINE = ["parallel=pp2", "trainer.devices=2"]
+# The smallest companion overrides that make an option runnable here: a GPU preset on this CPU
+# machine, a pipeline layout with a schedule (and the processes it needs), a schedule with stages.
+COMPANION_OVERRIDES = {
     ("trainer", "gpu"): ["trainer.accelerator=cpu", "trainer.backend=gloo", "trainer.devices=1"],
+    ("parallel", "pp2"): ["schedule=1f1b", "trainer.devices=2"],
+    ("parallel", "pp4"): ["schedule=1f1b", "trainer.devices=4", "optim.micro_batch_size=4"],
+    **{("schedule", name): PIPELINE for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")},
 }
 CASES = [
     (group, option)
@@ -29,7 +34,7 @@ CASES += [("recipe", name) for name in group_options("recipe")]
 @pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])
 def test_option_trains_two_steps(group, option, shards, tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [f"{group}={option}"] + base_overrides(shards, run_dir) + MACHINE_OVERRIDES.get((group, option), [])
+    overrides = [f"{group}={option}"] + base_overrides(shards, run_dir) + COMPANION_OVERRIDES.get((group, option), [])
     overrides += ["trainer.max_steps=2", "trainer.checkpoint.every_n_steps=0", "optim.warmup_steps=1"]
     cfg = compose(overrides)
     cfg = compose(overrides + tiny_overrides(cfg))

@@ -33,6 +33,24 @@ CASES = [
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0"),
     (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
     (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),
+    # pipeline layouts and schedules
+    (["parallel=pp2", "trainer.devices=2"], "parallel.pp=2 needs a pipeline schedule"),
+    (["schedule=1f1b"], "schedule=1f1b needs pipeline stages"),
+    (["schedule=pipedream"], "schedule=pipedream is not a known schedule option"),
+    (["parallel.pp=3"], "parallel.pp(3)"),
+    (
+        ["parallel=pp2", "trainer.devices=2", "schedule=interleaved_1f1b", "schedule.vpp=3"],
+        "model.llm.n_layers=4 cannot be split into parallel.pp(2) x stages per rank (3)",
+    ),
+    (
+        ["parallel=pp2", "trainer.devices=2", "schedule=interleaved_1f1b", "optim.micro_batch_size=16"],
+        "needs the microbatches per step (1) to be a multiple of parallel.pp (2)",
+    ),
+    (
+        ["parallel=pp2", "trainer.devices=2", "schedule=1f1b", "schedule.microbatches=7"],
+        "schedule.microbatches=7 disagrees",
+    ),
+    (["parallel=pp2", "trainer.devices=2", "schedule=zbv", "schedule.vpp=1"], "places 2 stage(s) per rank"),
 ]
 
 

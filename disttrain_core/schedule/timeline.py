@@ -1,0 +1,89 @@
+"""Gantt charts of pipeline timelines (simulated or measured): one row per rank,
+one box per action coloured by kind and labelled with its microbatch, idle time
+left as hatched gaps so bubbles stand out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .actions import Kind
+from .simulator import TimedAction
+
+COLORS = {Kind.F: "#4c72b0", Kind.B: "#55a868", Kind.I: "#8fd19e", Kind.W: "#dd8452"}
+LABELS = {Kind.F: "forward", Kind.B: "backward", Kind.I: "backward (input)", Kind.W: "backward (weights)"}
+
+
+def _draw(ax, timeline: Sequence[TimedAction], title: str, ranks: int, show_stage: bool, unit: str) -> None:
+    from matplotlib.patches import Patch
+
+    end = max((t.end for t in timeline), default=1.0)
+    for rank in range(ranks):
+        ax.barh(rank, end, left=0, height=0.8, color="white", edgecolor="#bbbbbb", hatch="///", linewidth=0)
+    for item in timeline:
+        width = item.end - item.start
+        ax.barh(
+            item.rank,
+            width,
+            left=item.start,
+            height=0.8,
+            color=COLORS[item.action.kind],
+            edgecolor="black",
+            linewidth=0.4,
+        )
+        label = f"{item.action.stage}:{item.action.microbatch}" if show_stage else str(item.action.microbatch)
+        if width > end / 120:
+            ax.text(
+                item.start + width / 2,
+                item.rank,
+                label,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if item.action.kind in (Kind.F, Kind.B) else "black",
+            )
+    ax.set_yticks(range(ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel(unit)
+    ax.set_title(title, fontsize=10)
+    kinds = sorted({t.action.kind for t in timeline}, key=lambda k: list(COLORS).index(k))
+    handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in kinds]
+    handles.append(Patch(facecolor="white", edgecolor="#bbbbbb", hatch="///", label="idle (bubble)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False)
+
+
+def plot_timelines(
+    panels: Sequence[tuple[str, Sequence[TimedAction]]],
+    path: str | Path,
+    ranks: int,
+    show_stage: bool = False,
+    unit: str = "time",
+) -> Path:
+    """Draw one panel per (title, timeline) stacked vertically; write a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = 13
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(width, 0.55 * ranks * len(panels) + 1.2 * len(panels)), squeeze=False
+    )
+    for ax, (title, timeline) in zip(axes[:, 0], panels, strict=True):
+        _draw(ax, timeline, title, ranks, show_stage, unit)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def png_to_array(path: str | Path):
+    """HWC uint8 array of a PNG (for TensorBoard images)."""
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("RGB"))

@@ -1,0 +1,53 @@
+"""Check a schedule before anything runs it.
+
+Catches: actions on a rank that does not hold their stage, microbatches or
+stages out of range, missing or duplicated actions (every (stage, microbatch)
+needs exactly one F and either one B or one I plus one W), a W before its I or
+a backward before its forward on the same rank, and deadlocks -- orders in which
+some rank waits forever (found by running the simulator with unit durations).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .actions import Kind, Schedule
+from .simulator import ScheduleError, simulate
+
+
+def validate_schedule(schedule: Schedule) -> None:
+    stages, m = schedule.num_stages, schedule.num_microbatches
+    if len(schedule.actions) != max(schedule.stage_to_rank, default=-1) + 1:
+        raise ScheduleError(
+            f"schedule {schedule.name!r}: {len(schedule.actions)} rank rows but stages are placed on "
+            f"{max(schedule.stage_to_rank) + 1} ranks"
+        )
+    counts: Counter = Counter()
+    for rank in range(schedule.num_ranks):
+        seen: set = set()
+        for action in schedule.compute(rank):
+            where = f"schedule {schedule.name!r}, rank {rank}, action {action}"
+            if not 0 <= action.stage < stages or not 0 <= action.microbatch < m:
+                raise ScheduleError(f"{where}: stage must be in [0, {stages}) and microbatch in [0, {m})")
+            if schedule.stage_to_rank[action.stage] != rank:
+                raise ScheduleError(
+                    f"{where}: stage {action.stage} lives on rank {schedule.stage_to_rank[action.stage]}"
+                )
+            key = (action.stage, action.microbatch)
+            if action.kind in (Kind.B, Kind.I) and (key, Kind.F) not in seen:
+                raise ScheduleError(f"{where}: backward before the forward of the same microbatch on this rank")
+            if action.kind == Kind.W and (key, Kind.I) not in seen:
+                raise ScheduleError(f"{where}: W before its I")
+            seen.add((key, action.kind))
+            counts[(action.stage, action.kind, action.microbatch)] += 1
+    for stage in range(stages):
+        for k in range(m):
+            f, b, i, w = (counts[(stage, kind, k)] for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
+            name = f"stage {stage} microbatch {k}"
+            if f != 1:
+                raise ScheduleError(f"schedule {schedule.name!r}: {name} has {f} forwards (needs exactly 1)")
+            if not ((b == 1 and i == 0 and w == 0) or (b == 0 and i == 1 and w == 1)):
+                raise ScheduleError(
+                    f"schedule {schedule.name!r}: {name} has B={b} I={i} W={w}; needs one B, or one I and one W"
+                )
+    simulate(schedule, lambda action: 1.0)  # raises ScheduleError on deadlock

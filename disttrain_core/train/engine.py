@@ -1,0 +1,184 @@
+"""Engines: how one optimizer step's forward and backward run on this process.
+
+* ``DataParallelEngine``: the whole model on every process, DDP (through
+  Fabric) averaging gradients on the last microbatch.
+* ``PipelineEngine``: this process holds the stages its pipeline rank owns and
+  runs the schedule's actions with the executor; gradients are summed over the
+  replicas of the same stage with one flat all-reduce.
+
+Both see the same microbatches and the same global loss normalization, so their
+results agree with a single process. Model and optimizer state are saved *by
+parameter name* (one file per pipeline rank), so a checkpoint written with one
+layout loads into another.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from lightning_fabric import Fabric
+
+from ..config import Config
+from ..data.batch import Batch
+from ..data.tokenizer import Tokenizer
+from ..models import build_model, materialize
+from ..parallel.layout import Groups, Layout
+from ..parallel.pipeline import build_stage
+from ..schedule.actions import Schedule
+from ..schedule.executor import PipelineExecutor, StepRecord
+
+
+class Engine:
+    named_parameters: list[tuple[str, torch.nn.Parameter]]
+
+    def forward_backward(
+        self, microbatches: list[Batch], n_tokens: float, n_gen: float, record: bool = False
+    ) -> StepRecord: ...
+
+    def after_backward(self) -> None:
+        """Make gradients global (sum over data-parallel replicas) if the engine has not already."""
+
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip to ``max_norm`` (inf: no clipping); returns the global norm before clipping."""
+        raise NotImplementedError
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.named_parameters}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in self.named_parameters:
+                if name not in state:
+                    raise KeyError(f"checkpoint has no parameter {name!r}")
+                param.copy_(state[name])
+
+
+def _loss(out: dict, n_tokens: float, n_gen: float, weight: float, scale: float = 1.0) -> torch.Tensor:
+    loss = out["lm_loss_sum"] / n_tokens
+    if "gen_loss_sum" in out:
+        loss = loss + weight * out["gen_loss_sum"] / n_gen
+    return loss * scale
+
+
+def _global_norm(params: list[torch.nn.Parameter], groups: list) -> float:
+    grads = [p.grad for p in params if p.grad is not None]
+    local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    local = local.to(params[0].device if params else "cpu")
+    for group in groups:
+        dist.all_reduce(local, group=group)
+    return math.sqrt(float(local))
+
+
+def _scale_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    if math.isfinite(max_norm) and norm > max_norm:
+        factor = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+class DataParallelEngine(Engine):
+    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer):
+        self.cfg, self.fabric = cfg, fabric
+        self.raw_model = build_model(cfg.model, tokenizer, device="meta")
+        materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
+        module = torch.compile(self.raw_model) if cfg.trainer.compile else self.raw_model
+        self.model = fabric.setup_module(module)
+        self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
+
+    def forward_backward(self, microbatches, n_tokens, n_gen, record=False) -> StepRecord:
+        sums = {"lm_loss_sum": 0.0, "gen_loss_sum": 0.0}
+        for index, microbatch in enumerate(microbatches):
+            last = index == len(microbatches) - 1
+            with self.fabric.no_backward_sync(self.model, enabled=not last):
+                out = self.model(microbatch.to(self.fabric.device))  # Fabric's wrapper applies autocast
+                # DDP averages gradients over processes; scale so the result is the global-batch gradient.
+                loss = _loss(out, n_tokens, n_gen, self.cfg.model.gen_loss_weight, scale=self.fabric.world_size)
+                self.fabric.backward(loss)
+            for name in sums:
+                if name in out:
+                    sums[name] += float(out[name].detach())
+        if self.fabric.world_size > 1:  # every process logs global-batch losses
+            totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.fabric.device)
+            dist.all_reduce(totals)
+            sums = dict(zip(sums, totals.tolist(), strict=True))
+        return StepRecord(sums=sums)
+
+    def clip_gradients(self, max_norm: float) -> float:
+        params = [p for _, p in self.named_parameters]
+        norm = _global_norm(params, [])  # DDP gradients are already identical on every process
+        _scale_grads(params, norm, max_norm)
+        return norm
+
+
+class PipelineEngine(Engine):
+    def __init__(
+        self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, layout: Layout, groups: Groups, schedule: Schedule
+    ):
+        self.cfg, self.fabric, self.layout, self.groups = cfg, fabric, layout, groups
+        self.dp_rank, self.pp_rank = layout.coords(fabric.global_rank)
+        self.schedule = schedule
+        device = fabric.device
+        self.stages = {
+            stage: build_stage(cfg.model, tokenizer, stage, schedule.num_stages, device, cfg.trainer.seed)
+            for stage in schedule.stages_of(self.pp_rank)
+        }
+        self.named_parameters = [
+            (name, p) for stage in self.stages.values() for name, p in stage.model.named_parameters() if p.requires_grad
+        ]
+        autocast: Callable = fabric.autocast if cfg.trainer.precision != "32" else nullcontext
+        self.executor = PipelineExecutor(
+            schedule,
+            self.stages,
+            self.pp_rank,
+            layout.pipeline_ranks(self.dp_rank),
+            groups.pipeline,
+            device,
+            autocast=autocast,
+        )
+
+    def forward_backward(self, microbatches, n_tokens, n_gen, record=False) -> StepRecord:
+        weight = self.cfg.model.gen_loss_weight
+        device = self.fabric.device
+        batches = [mb.to(device) for mb in microbatches]
+        result = self.executor.run(batches, lambda out: _loss(out, n_tokens, n_gen, weight), record=record)
+        # Only the last stage knows the losses: share them with every process.
+        sums = torch.tensor(
+            [result.sums.get("lm_loss_sum", 0.0), result.sums.get("gen_loss_sum", 0.0)],
+            dtype=torch.float64,
+            device=device,
+        )
+        if self.layout.world_size > 1:
+            dist.all_reduce(sums)
+        result.sums = {"lm_loss_sum": float(sums[0]), "gen_loss_sum": float(sums[1])}
+        return result
+
+    def after_backward(self) -> None:
+        if self.groups.replicas is None:
+            return
+        grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.groups.replicas)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def clip_gradients(self, max_norm: float) -> float:
+        params = [p for _, p in self.named_parameters]
+        groups = [self.groups.pipeline] if self.groups.pipeline is not None else []
+        norm = _global_norm(params, groups)
+        _scale_grads(params, norm, max_norm)
+        return norm
+
+
+def build_engine(
+    cfg: Config, fabric: Fabric, tokenizer: Tokenizer, layout: Layout, groups: Groups, schedule: Schedule | None
+) -> Engine:
+    if schedule is None:
+        return DataParallelEngine(cfg, fabric, tokenizer)
+    return PipelineEngine(cfg, fabric, tokenizer, layout, groups, schedule)

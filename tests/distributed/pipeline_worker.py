@@ -1,0 +1,60 @@
+"""Worker for test_pipeline_executor.py: runs one pipeline step per schedule and saves
+losses and gradients by parameter name (one file per rank and schedule)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def main(
+    rank: int,
+    world: int,
+    store_path: str,
+    out_dir: str,
+    shards: str,
+    overrides: list[str],
+    cases: list[tuple[str, int]],
+) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    from disttrain_core.config import compose
+    from disttrain_core.data.tokenizer import ByteTokenizer
+    from disttrain_core.parallel.layout import Layout, build_groups
+    from disttrain_core.parallel.pipeline import build_stage
+    from disttrain_core.schedule.executor import PipelineExecutor
+    from disttrain_core.schedule.generators import build_schedule
+    from tests.distributed.pipeline_reference import loss_of, microbatches
+
+    cfg = compose([f"data.path={shards}"] + overrides)
+    batches, n_tokens, n_gen = microbatches(cfg)
+    layout = Layout(world, 1, world)
+    groups = build_groups(layout, rank)
+    for name, vpp in cases:
+        schedule = build_schedule(name, world, len(batches), vpp)
+        stages = {
+            s: build_stage(cfg.model, ByteTokenizer(), s, schedule.num_stages, torch.device("cpu"), cfg.trainer.seed)
+            for s in schedule.stages_of(rank)
+        }
+        executor = PipelineExecutor(schedule, stages, rank, list(range(world)), groups.pipeline, torch.device("cpu"))
+        record = executor.run(batches, lambda out: loss_of(out, n_tokens, n_gen, cfg.model.gen_loss_weight))
+        grads = {
+            n: p.grad.clone()
+            for stage in stages.values()
+            for n, p in stage.model.named_parameters()
+            if p.grad is not None
+        }
+        torch.save({"sums": record.sums, "grads": grads}, os.path.join(out_dir, f"{name}_v{vpp}_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit("run through tests/distributed/test_pipeline_executor.py")
