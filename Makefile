@@ -12,7 +12,7 @@ help:
 	@echo "make test       the test suite (under 15 minutes on 2 cores)"
 	@echo "make test-slow  the long tests (marked slow)"
 	@echo "make lint       ruff"
-	@echo "make bench      tools/bench_train.py -> docs/PERFORMANCE.md numbers"
+	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,8 @@ lint: $(STAMP)
 
 bench: $(STAMP) $(DATA)
 	$(BIN)/python tools/bench_train.py
+	$(BIN)/python tools/bench_pipeline.py
+	$(BIN)/python tools/bench_pipeline.py model=llama_tiny out=docs/results/bench_pipeline_llama.json
 
 clean-outputs:
 	rm -rf outputs

@@ -31,6 +31,24 @@ class Batch:
         }
         return Batch(**moved, keys=list(self.keys))
 
+    def select(self, samples: range) -> Batch:
+        """The sub-batch of a contiguous range of samples (with their images)."""
+        counts = self.image_counts.tolist()
+        first = sum(counts[: samples.start])
+        last = first + sum(counts[samples.start : samples.stop])
+        rows = slice(samples.start, samples.stop)
+        return Batch(
+            tokens=self.tokens[rows],
+            labels=self.labels[rows],
+            images=self.images[first:last],
+            image_counts=self.image_counts[rows],
+            gen_images=self.gen_images[rows],
+            gen_weight=self.gen_weight[rows],
+            gen_noise=self.gen_noise[rows],
+            gen_timesteps=self.gen_timesteps[rows],
+            keys=self.keys[rows],
+        )
+
     def loss_tokens(self) -> int:
         return int((self.labels != -100).sum())
 

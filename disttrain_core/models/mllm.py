@@ -72,11 +72,17 @@ class MultimodalLLM(nn.Module):
         logits = self.llm.logits(hidden)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
-    def generation_loss_sum(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
-        queries = hidden[batch.tokens == self.gen_token_id].view(hidden.shape[0], self.cfg.gen_tokens, -1)
+    def generation_queries(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states at the <gen> positions: [B, gen_tokens, D]."""
+        return hidden[tokens == self.gen_token_id].view(hidden.shape[0], self.cfg.gen_tokens, -1)
+
+    def generation_loss_from_queries(self, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
         context = self.generator_projector(queries)
         latents = self.latent_encoder(batch.gen_images)
         return self.generator(latents, batch.gen_noise, batch.gen_timesteps, context, batch.gen_weight)
+
+    def generation_loss_sum(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return self.generation_loss_from_queries(self.generation_queries(hidden, batch.tokens), batch)
 
     # A pipeline stage runs: input_embeddings (first stage), llm.run_layers (its layers),
     # output_losses (last stage). The whole model is the three in a row.

@@ -22,17 +22,24 @@ PIXEL_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 class VitAttention(nn.Module):
+    """Multi-head self-attention. Separate q/k/v projections (same parameter count as CLIP's
+    fused qkv) so a tensor-parallel plan can shard them by heads from outside."""
+
     def __init__(self, dim: int, n_heads: int):
         super().__init__()
         self.head_dim = dim // n_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, tokens, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = (layer(x) for layer in (self.q, self.k, self.v))
+        heads = q.shape[-1] // self.head_dim  # explicit: a microbatch may hold no image at all
+        q, k, v = (t.view(batch, tokens, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(batch, tokens, -1))
+        return self.proj(out.transpose(1, 2).reshape(batch, tokens, heads * self.head_dim))
 
 
 class VitBlock(nn.Module):
@@ -67,7 +74,7 @@ class VisionTransformer(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        device = self.positional_embedding.device
+        device = self.pixel_mean.device
         self.pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, 3, 1, 1)
         self.pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, 3, 1, 1)
 
@@ -76,15 +83,28 @@ class VisionTransformer(nn.Module):
         x = images.to(torch.float32) / 255.0
         return ((x - self.pixel_mean) / self.pixel_std).to(dtype)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    # A pipeline stage runs: embed (first stage), run_blocks (its blocks), head (last stage).
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(self.normalize(images)).flatten(2).transpose(1, 2)  # [N, P, D]
         if self.class_embedding is not None:
             cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
             x = torch.cat((cls, x), dim=1)
-        x = self.norm_pre(x + self.positional_embedding.to(x.dtype))
+        return self.norm_pre(x + self.positional_embedding.to(x.dtype))
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks.values():
             x = block(x)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
         if self.class_embedding is not None:
             x = x[:, 1:]
         x = self.norm_post(x)
         return self.proj(x) if self.proj is not None else x
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_patches + int(self.cfg.class_token)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.run_blocks(self.embed(images)))

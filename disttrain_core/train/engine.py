@@ -65,40 +65,55 @@ def _loss(out: dict, n_tokens: float, n_gen: float, weight: float, scale: float 
 
 
 def _global_norm(params: list[torch.nn.Parameter], groups: list) -> float:
+    """L2 norm of all gradients; squared partial norms are summed over ``groups`` (disjoint shards)."""
     grads = [p.grad for p in params if p.grad is not None]
-    local = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
-    local = local.to(params[0].device if params else "cpu")
-    for group in groups:
-        dist.all_reduce(local, group=group)
-    return math.sqrt(float(local))
+    device = params[0].device if params else torch.device("cpu")
+    local = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else torch.zeros((), device=device)
+    if groups:
+        squared = local.pow(2)
+        for group in groups:
+            dist.all_reduce(squared, group=group)
+        return math.sqrt(float(squared))
+    return float(local)
 
 
 def _scale_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
     if math.isfinite(max_norm) and norm > max_norm:
-        factor = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
 
 
 class DataParallelEngine(Engine):
+    """The whole model on every process; PyTorch DDP averages gradients on the last microbatch.
+
+    The model is wrapped with DDP directly rather than through ``fabric.setup_module``: Fabric's
+    wrapper casts every floating-point *input* to bf16 under bf16-mixed, which would quantize the
+    diffusion noise targets; here only the forward runs under autocast.
+    """
+
     def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer):
         self.cfg, self.fabric = cfg, fabric
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
         module = torch.compile(self.raw_model) if cfg.trainer.compile else self.raw_model
-        self.model = fabric.setup_module(module)
+        self.model = module
+        if fabric.world_size > 1:
+            device_ids = [fabric.device.index] if fabric.device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+        self.autocast = fabric.autocast if cfg.trainer.precision != "32" else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
 
     def forward_backward(self, microbatches, n_tokens, n_gen, record=False) -> StepRecord:
         sums = {"lm_loss_sum": 0.0, "gen_loss_sum": 0.0}
+        # DDP averages gradients over processes; scale so the result is the global-batch gradient.
+        scale = float(self.fabric.world_size)
         for index, microbatch in enumerate(microbatches):
             last = index == len(microbatches) - 1
-            with self.fabric.no_backward_sync(self.model, enabled=not last):
-                out = self.model(microbatch.to(self.fabric.device))  # Fabric's wrapper applies autocast
-                # DDP averages gradients over processes; scale so the result is the global-batch gradient.
-                loss = _loss(out, n_tokens, n_gen, self.cfg.model.gen_loss_weight, scale=self.fabric.world_size)
-                self.fabric.backward(loss)
+            sync = self.model.no_sync() if self.fabric.world_size > 1 and not last else nullcontext()
+            with sync:
+                with self.autocast():
+                    out = self.model(microbatch.to(self.fabric.device))
+                _loss(out, n_tokens, n_gen, self.cfg.model.gen_loss_weight, scale=scale).backward()
             for name in sums:
                 if name in out:
                     sums[name] += float(out[name].detach())
