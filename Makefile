@@ -46,6 +46,7 @@ bench: $(STAMP) $(DATA)
 	$(BIN)/python tools/bench_train.py
 	$(BIN)/python tools/bench_pipeline.py
 	$(BIN)/python tools/bench_pipeline.py model=llama_tiny out=docs/results/bench_pipeline_llama.json
+	$(BIN)/python tools/bench_layouts.py
 
 clean-outputs:
 	rm -rf outputs

@@ -210,18 +210,64 @@ class ClusterConfig:
     peak_flops_fp32: Optional[float] = None
     intra_node_bandwidth_gbps: float = 900.0  # GB/s per device inside a node
     inter_node_bandwidth_gbps: float = 50.0  # GB/s per device across nodes
+    latency_us: float = 10.0  # per message
+    memory_bandwidth_gbps: float = 3000.0  # device memory (the optimizer step is bound by it)
+    # Planner assumptions for hardware that is not present (analytic cost model, docs/PLANNER.md):
+    compute_efficiency: float = 0.6  # achieved / peak FLOP/s of a training step's matmuls
+    runtime_overhead_gb: float = 4.0  # CUDA context, communication buffers, fragmentation
     notes: str = ""
+
+
+@dataclass
+class PlannerConfig:
+    """The orchestration solver behind ``parallel.mode=auto`` and tools/plan.py (docs/PLANNER.md)."""
+
+    solver: str = "algorithm1"  # algorithm1 | exhaustive
+    cost: str = "auto"  # auto (profiled if the cluster is this machine, else analytic) | profiled | analytic
+    tp_options: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    # Virtual stages per LLM pipeline rank the solver may use. The runtime supports vpp > 1 only in
+    # single-unit layouts today, so plans that are meant to run keep [1].
+    vpp_options: list[int] = field(default_factory=lambda: [1])
+    colocation: bool = True  # may the encoder / generator run inside the LLM's first / last stage
+    recompute: str = "none"  # none | selective | full (activation memory model)
+    dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (issue 7 raises it)
+    memory_margin: float = 0.9  # plan to this share of device memory
+    baselines: bool = True  # also evaluate the Megatron and FLOPs-proportional layouts
+    profile_cache: str = "${oc.env:HOME,/tmp}/.cache/disttrain/profiles"
+    profile_repeats: int = 3
 
 
 # ---------------------------------------------------------------- parallel/schedule
 @dataclass
-class ParallelConfig:
-    name: str = MISSING
-    # megatron: one layout for the whole model, dp x tp x pp = world size (pp = 1: plain DDP).
-    mode: str = "megatron"
-    dp: int = -1  # -1: world size / (tp * pp)
+class UnitConfig:
+    dp: int = 1
     tp: int = 1
     pp: int = 1
+    vpp: int = 1
+    # Encoder or generator only: run inside the LLM unit (its first / last stage) instead of on
+    # processes of its own.
+    colocate: bool = False
+
+
+@dataclass
+class UnitsConfig:
+    encoder: UnitConfig = field(default_factory=UnitConfig)
+    llm: UnitConfig = field(default_factory=UnitConfig)
+    generator: UnitConfig = field(default_factory=UnitConfig)
+
+
+@dataclass
+class ParallelConfig:
+    name: str = MISSING
+    # ddp: whole model on every process. megatron: one dp x tp x pp for the LLM, the encoder and
+    # generator either extra stages with the LLM's dp and tp (separate) or inside its first and
+    # last stage (folded). manual: disaggregated units, each with its own dp/tp/pp (parallel.units).
+    mode: str = "ddp"
+    dp: int = -1  # megatron: -1 = derived from the world size
+    tp: int = 1
+    pp: int = 1
+    modality_stages: str = "separate"  # megatron only: separate | folded
+    units: UnitsConfig = field(default_factory=UnitsConfig)  # manual only
 
 
 @dataclass
@@ -258,6 +304,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     task_name: str = "train"
     tags: list[str] = field(default_factory=list)
     # Name of the metric a sweep optimizes (returned by train.py's main).

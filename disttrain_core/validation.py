@@ -235,7 +235,7 @@ def validate_data(cfg: Config) -> None:
         shard_count = d.synthetic.num_shards
     else:
         shard_count = len(shards)
-    dp = layout_of(cfg)[0]
+    dp = 1 if reads_global_stream(cfg) else layout_of(cfg)[0]
     _require(
         shard_count >= dp,
         f"data.path={d.path!r} has {shard_count} shard(s) for {dp} data-parallel ranks; every rank needs at "
@@ -244,36 +244,99 @@ def validate_data(cfg: Config) -> None:
 
 
 def layout_of(cfg: Config) -> tuple[int, int]:
-    """(data-parallel size, pipeline-parallel size) of a megatron-mode layout."""
-    p = cfg.parallel
-    dp = p.dp if p.dp > 0 else max(1, world_size(cfg) // (p.tp * p.pp))
-    return dp, p.pp
+    """(data-parallel size of the LLM, pipeline stages of the LLM) of the configured layout."""
+    from .parallel.plan import resolve_units
+
+    llm = resolve_units(cfg).llm
+    return llm.dp, llm.pp
+
+
+def reads_global_stream(cfg: Config) -> bool:
+    """Several units read the one canonical sample stream; a single unit splits shards by replica."""
+    from .parallel.plan import resolve_units
+
+    return len(resolve_units(cfg).units) > 1
+
+
+def _unit_formula(units) -> str:
+    return " + ".join(f"{u.name} dp({u.dp}) x tp({u.tp}) x pp({u.pp})" for u in units)
 
 
 def validate_layout(cfg: Config) -> None:
-    p = cfg.parallel
-    _require(p.mode == "megatron", f"parallel.mode={p.mode!r}: this version supports 'megatron' (dp x tp x pp)")
-    _require(p.tp >= 1 and p.pp >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
-    _require(p.dp == -1 or p.dp >= 1, f"parallel.dp={p.dp}: use -1 (derive from the world size) or a positive size")
+    from .parallel.plan import MODES, resolve_units
+
+    p, m = cfg.parallel, cfg.model
+    _require(p.mode in MODES, f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")
     _require(
-        p.tp == 1,
-        f"parallel.tp={p.tp}: tensor parallelism comes with the parallelism-unit runtime; use parallel.tp=1 here",
+        p.modality_stages in ("separate", "folded"),
+        f"parallel.modality_stages={p.modality_stages!r}: allowed values are separate and folded",
     )
-    world = world_size(cfg)
-    dp, pp = layout_of(cfg)
+    _require(p.dp == -1 or p.dp >= 1, f"parallel.dp={p.dp}: use -1 (derive from the world size) or a positive size")
+    for name in ("encoder", "llm", "generator"):
+        u = getattr(p.units, name)
+        _require(min(u.dp, u.tp, u.pp, u.vpp) >= 1, f"parallel.units.{name}: dp, tp, pp and vpp must be at least 1")
     _require(
-        dp * p.tp * pp == world,
-        f"parallel.dp({dp}) x parallel.tp({p.tp}) x parallel.pp({pp}) = {dp * p.tp * pp} but the world size is "
-        f"trainer.devices({cfg.trainer.devices}) x trainer.num_nodes({cfg.trainer.num_nodes}) = {world}; "
-        "make the factors multiply to the world size",
+        not p.units.llm.colocate,
+        "parallel.units.llm.colocate: only the encoder or the generator can be colocated (with the LLM)",
+    )
+    _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
+    layout = resolve_units(cfg)
+    world = world_size(cfg)
+    _require(
+        layout.world_size == world,
+        f"the layout needs {_unit_formula(layout.units)} = {layout.world_size} processes but trainer.devices"
+        f"({cfg.trainer.devices}) x trainer.num_nodes({cfg.trainer.num_nodes}) = {world}; make them equal",
+    )
+    for unit in layout.units:
+        where = f"parallel {unit.name} unit"
+        if unit.tp > 1:
+            if "llm" in unit.modules:
+                llm = m.llm
+                for what, value in (("n_heads", llm.n_heads), ("n_kv_heads", llm.n_kv_heads), ("ffn_dim", llm.ffn_dim)):
+                    _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.llm.{what}={value}")
+            if "encoder" in unit.modules:
+                vit = m.encoder
+                for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
+                    _require(
+                        value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}"
+                    )
+        if unit.name == "encoder":
+            _require(
+                m.encoder.n_layers % unit.pp == 0,
+                f"{where}: pp={unit.pp} does not divide model.encoder.n_layers={m.encoder.n_layers}",
+            )
+        if unit.name == "generator":
+            _require(
+                unit.pp == 1,
+                f"{where}: pp={unit.pp}; the U-Net's skip connections cross every level, so it "
+                "is not split into pipeline stages: use pp=1 (more dp instead)",
+            )
+    _require(
+        p.units.llm.vpp == 1 or p.mode != "manual",
+        f"parallel.units.llm.vpp={p.units.llm.vpp}: virtual stages inside one unit of a multi-unit pipeline are "
+        "not supported; use vpp=1 (or interleave a single-unit layout with schedule=interleaved_1f1b)",
     )
 
 
 def validate_schedule_config(cfg: Config) -> None:
+    from .parallel.plan import resolve_units, stages_per_rank
     from .schedule.generators import SCHEDULES
 
-    s, (dp, pp) = cfg.schedule, layout_of(cfg)
-    if pp == 1:
+    s, layout = cfg.schedule, resolve_units(cfg)
+    llm = layout.llm
+    rows = sum(u.pp for u in layout.units)
+    per_rank = stages_per_rank(cfg)
+    # Samples per global microbatch: every LLM replica's micro-batch, together.
+    samples = cfg.optim.micro_batch_size * llm.dp
+    micro = cfg.optim.global_batch_size // samples
+    for unit in layout.units:
+        _require(
+            samples % unit.dp == 0,
+            f"a microbatch slot holds optim.micro_batch_size({cfg.optim.micro_batch_size}) x llm dp({llm.dp}) = "
+            f"{samples} samples, which the {unit.name} unit's dp({unit.dp}) cannot share evenly; choose sizes so "
+            f"{unit.dp} divides it",
+        )
+    if rows == 1:
         _require(
             s.name == "none" and not s.csv,
             f"schedule={s.name} needs pipeline stages; set parallel.pp > 1 or use schedule=none",
@@ -281,41 +344,43 @@ def validate_schedule_config(cfg: Config) -> None:
         return
     _require(
         s.name != "none" or s.csv,
-        f"parallel.pp={pp} needs a pipeline schedule: pick schedule=<one of "
-        f"{', '.join(SCHEDULES)}> (1f1b is the usual choice)",
+        f"this layout has {rows} pipeline stages and needs a schedule: pick "
+        f"schedule=<one of {', '.join(SCHEDULES)}> (1f1b is the usual choice)",
     )
     _require(
         s.csv is not None or s.name in SCHEDULES, f"schedule={s.name!r} is unknown; available: {', '.join(SCHEDULES)}"
     )
-    micro = cfg.optim.global_batch_size // (cfg.optim.micro_batch_size * dp)
     _require(
         s.microbatches is None or s.microbatches == micro,
         f"schedule.microbatches={s.microbatches} disagrees with optim.global_batch_size("
-        f"{cfg.optim.global_batch_size}) / (optim.micro_batch_size({cfg.optim.micro_batch_size}) x dp({dp})) = "
-        f"{micro}; leave schedule.microbatches unset or change the batch sizes",
+        f"{cfg.optim.global_batch_size}) / (optim.micro_batch_size({cfg.optim.micro_batch_size}) x dp({llm.dp})) "
+        f"= {micro}; leave schedule.microbatches unset or change the batch sizes",
     )
-    stages_per_rank = {"interleaved_1f1b": s.vpp, "zbv": 2}.get(s.name, 1)
+    if len(layout.units) > 1:
+        _require(
+            per_rank == 1 and not s.csv,
+            f"schedule={s.name} places several stages per rank, which a pipeline across units does not support; "
+            "use gpipe, 1f1b or zb_h1",
+        )
+        return
     if s.name == "interleaved_1f1b":
         _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per rank")
         _require(
-            micro % pp == 0 and micro >= pp,
-            f"interleaved_1f1b needs the microbatches per step ({micro}) to be a multiple of parallel.pp ({pp}); "
-            "raise optim.global_batch_size or lower optim.micro_batch_size",
+            micro % llm.pp == 0 and micro >= llm.pp,
+            f"interleaved_1f1b needs the microbatches per step ({micro}) to be a multiple of the pipeline size "
+            f"({llm.pp}); raise optim.global_batch_size or lower optim.micro_batch_size",
         )
     elif not s.csv:
-        _require(
-            s.vpp == stages_per_rank,
-            f"schedule={s.name} places {stages_per_rank} stage(s) per rank; got schedule.vpp={s.vpp}",
-        )
+        _require(s.vpp == per_rank, f"schedule={s.name} places {per_rank} stage(s) per rank; got schedule.vpp={s.vpp}")
     if not s.csv:
-        stages = pp * stages_per_rank
+        stages = llm.pp * per_rank
         layers = cfg.model.llm.n_layers
         _require(
             layers % stages == 0,
-            f"model.llm.n_layers={layers} cannot be split into parallel.pp({pp}) x stages per rank "
-            f"({stages_per_rank}) = {stages} equal stages; change parallel.pp or schedule.vpp",
+            f"model.llm.n_layers={layers} cannot be split into pipeline size ({llm.pp}) x stages per rank "
+            f"({per_rank}) = {stages} equal stages; change parallel.pp or schedule.vpp",
         )
-    if s.csv:
+    else:
         _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
 
 

@@ -1,30 +1,34 @@
 """Run a schedule for real: this rank's actions, in order, across processes.
 
-* ``F`` runs a stage forward; unless the stage is last, its output goes to the
-  next stage (same process: handed over; other process: sent).
-* ``B`` runs the stage backward from the received output gradient (the last
-  stage starts from its loss) and passes the input gradient to the previous stage.
+* ``F`` runs a stage forward; what it sends (hidden states, image embeddings,
+  generation queries) goes to the next stage -- handed over in memory when that
+  stage runs on this process, otherwise sent -- and the loss terms it computes
+  (the LLM's, the generator's) join the backward.
+* ``B`` runs the stage backward from its loss terms and the gradient received for
+  what it sent, and passes the input gradient to the previous stage.
 * ``I`` / ``W`` split that backward: ``I`` computes only the input gradient (what
   the previous stage waits for), ``W`` later computes the weight gradients from
   the intermediate gradients ``I`` kept (torch.distributed.pipelining's
   ``stage_backward_input``/``stage_backward_weight`` do the graph surgery). That
-  split is exact only when every weight influences the output through the stage
-  input's path; a stage that also consumes data directly (the first stage, the
-  generator's noisy latents and timesteps on the last) declares
+  split is exact only when every weight reaches the stage outputs through the stage
+  input; a stage into which data enters directly (the first stage, the diffusion
+  generator with its noisy latents and timesteps) declares
   ``splittable_backward = False`` and its ``I`` runs the whole backward, its ``W``
   then having nothing left to do. Results are exact either way.
 
-Communication. Every rank knows the whole schedule, so a receiver can list, for
-each peer, the messages that peer will send it and in which order. Messages on a
-(peer -> me) channel are received strictly in that order (early ones are kept
-until used), which needs no tags and matches NCCL's in-order semantics too.
-Before each compute action the sends produced so far and the receives it needs
-are posted together with ``batch_isend_irecv``; only the receives are waited
-for. Shapes are computed locally (every rank of a pipeline has the microbatch),
-so no metadata travels. Sends are waited for at the end of the step.
+Who talks to whom is the broker's business (parallel/broker.py): a tensor may go to
+several ranks in row pieces (different data-parallel sizes on the two sides) and
+arrive from several. Every rank knows the whole schedule and the routing, so for
+each peer it can list the pieces that peer will send it, in the peer's order.
+Receives follow that order strictly (early pieces are kept until used): no tags,
+and the in-order semantics NCCL has too. Before each compute action the pending
+sends and the receives it needs are posted together with ``batch_isend_irecv``;
+only receives are waited for; sends are waited for at the end of the step. Shapes
+are computed locally (rows from the microbatch, row shapes from the stages), so no
+metadata travels.
 
-Gradients accumulate in ``param.grad`` over the microbatches; the loss given to
-backward is already normalized by the global batch, so no rescaling happens here.
+Gradients accumulate in ``param.grad`` over the microbatches; the loss terms are
+already normalized by the global batch, so no rescaling happens here.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ ACT, GRAD = "act", "grad"  # a forward activation travelling up, an input gradie
 
 @dataclass
 class StepRecord:
-    """What one step did on this rank: loss sums (last stage only) and the timed actions."""
+    """What one step did on this rank: loss sums (stages that compute losses) and timed actions."""
 
     sums: dict[str, float] = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
@@ -59,47 +63,51 @@ class PipelineExecutor:
         self,
         schedule: Schedule,
         stages: dict[int, torch.nn.Module],
-        pp_rank: int,
-        pipeline_global_ranks: list[int],
-        group,
+        row: int,
+        rank: int,
+        broker,
         device: torch.device,
         boundary_dtype: torch.dtype = torch.float32,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
     ):
         self.schedule = schedule
         self.stages = stages
-        self.pp_rank = pp_rank
-        self.peers = pipeline_global_ranks
-        self.group = group
+        self.row = row
+        self.rank = rank
+        self.broker = broker
         self.device = device
         self.dtype = boundary_dtype
         self.autocast = autocast
         self.last_stage = schedule.num_stages - 1
-        self.my_actions = schedule.compute(pp_rank)
-        self.channel_order = self._incoming_order()
+        self.my_actions = schedule.compute(row)
 
     # ------------------------------------------------------------ message plan
-    def _messages_from(self, action: Action) -> list[tuple[str, int, int]]:
-        """Messages (kind, destination stage, microbatch) an action produces."""
-        s, k = action.stage, action.microbatch
+    def _messages_of(self, action: Action) -> list[tuple[str, int]]:
+        """(kind, destination stage) of what an action produces."""
+        s = action.stage
         if action.kind == Kind.F and s < self.last_stage:
-            return [(ACT, s + 1, k)]
+            return [(ACT, s + 1)]
         if action.kind in (Kind.B, Kind.I) and s > 0:
-            return [(GRAD, s - 1, k)]
+            return [(GRAD, s - 1)]
         return []
 
-    def _incoming_order(self) -> dict[int, list[tuple[str, int, int]]]:
-        """For each other pipeline rank, the messages it sends to this rank, in its send order."""
-        order: dict[int, list] = {}
-        for peer in range(self.schedule.num_ranks):
-            if peer == self.pp_rank:
-                continue
-            order[peer] = [
-                message
-                for action in self.schedule.compute(peer)
-                for message in self._messages_from(action)
-                if self.schedule.stage_to_rank[message[1]] == self.pp_rank
-            ]
+    def incoming_order(self) -> dict[int, deque]:
+        """For each peer, the pieces it will send this rank this step, in its order."""
+        mine = set(self.stages)
+        rows = {self.schedule.stage_to_rank[s + d] for s in mine for d in (-1, 1) if 0 <= s + d <= self.last_stage}
+        order: dict[int, deque] = defaultdict(deque)
+        for row in sorted(rows):
+            actions = self.schedule.compute(row)
+            for peer in self.broker.ranks_of_row(row):
+                if peer == self.rank:
+                    continue
+                for action in actions:
+                    for kind, target in self._messages_of(action):
+                        if target not in mine:
+                            continue
+                        for piece in self.broker.outgoing(kind, action.stage, action.microbatch, peer):
+                            if piece.rank == self.rank:
+                                order[peer].append((kind, target, action.microbatch, len(piece.rows)))
         return order
 
     # -------------------------------------------------------------------- step
@@ -115,16 +123,12 @@ class PipelineExecutor:
             started = time.perf_counter()
             if action.kind == Kind.F:
                 self._forward(state, action, loss_fn, sums)
-            elif action.kind == Kind.B:
-                self._backward(state, action, split=False)
-            elif action.kind == Kind.I:
-                self._backward(state, action, split=True)
+            elif action.kind in (Kind.B, Kind.I):
+                self._backward(state, action, split=action.kind == Kind.I)
             elif action.kind == Kind.W:
                 self._weight(state, action)
             if record:
-                result.timeline.append(
-                    TimedAction(self.pp_rank, action, started - origin, time.perf_counter() - origin)
-                )
+                result.timeline.append(TimedAction(self.row, action, started - origin, time.perf_counter() - origin))
         state.finish()
         result.sums = {name: float(value) for name, value in sums.items()}
         return result
@@ -132,34 +136,37 @@ class PipelineExecutor:
     def _forward(self, state: _StepState, action: Action, loss_fn, sums) -> None:
         stage, k = action.stage, action.microbatch
         module = self.stages[stage]
-        batch = state.batches[k]
-        hidden = None
-        if stage > 0:
-            hidden = state.take(ACT, stage, k).requires_grad_(True)
+        inbound = state.take(ACT, stage, k).requires_grad_(True) if module.inbound_row() is not None else None
         with self.autocast():
-            out = module(hidden, batch)
-        if stage == self.last_stage:
-            loss = loss_fn(out)
-            for name in ("lm_loss_sum", "gen_loss_sum"):
-                if name in out:
-                    sums[name] += out[name].detach().double().cpu()
-            out = loss
-        else:
-            state.deliver(ACT, stage + 1, k, out.detach().to(self.dtype))
-        state.saved[(stage, k)] = (hidden, out)
+            out = module(inbound, state.batches[k])
+        loss = None
+        if out.loss_sums:
+            loss = loss_fn(out.loss_sums)
+            for name, value in out.loss_sums.items():
+                sums[name] += value.detach().double().cpu()
+        if out.send is not None and stage < self.last_stage:
+            state.deliver(ACT, stage, k, out.send.detach().to(self.dtype))
+        state.saved[(stage, k)] = (inbound, out.send, loss)
 
     def _backward(self, state: _StepState, action: Action, split: bool) -> None:
         stage, k = action.stage, action.microbatch
-        hidden, out = state.saved.pop((stage, k))
-        grad = None if stage == self.last_stage else state.take(GRAD, stage, k).to(out.dtype)
-        if not split or stage == 0 or not getattr(self.stages[stage], "splittable_backward", False):
-            torch.autograd.backward(out, grad_tensors=grad)
+        inbound, sent, loss = state.saved.pop((stage, k))
+        outputs, grads = [], []
+        if loss is not None:
+            outputs.append(loss)
+            grads.append(torch.ones_like(loss))
+        if sent is not None and stage < self.last_stage:
+            outputs.append(sent)
+            grads.append(state.take(GRAD, stage, k).to(sent.dtype))
+        if not split or not getattr(self.stages[stage], "splittable_backward", False):
+            torch.autograd.backward(outputs, grad_tensors=grads)
         else:
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]
-            _, groups = stage_backward_input([out], None if grad is None else [grad], [hidden], iter(params))
+            _, groups = stage_backward_input(outputs, grads, [inbound], iter(params))
             state.weight_work[(stage, k)] = (params, groups)
-        if stage > 0:
-            state.deliver(GRAD, stage - 1, k, hidden.grad.to(self.dtype))
+        if stage > 0 and inbound is not None:
+            grad = inbound.grad if inbound.grad is not None else torch.zeros_like(inbound)
+            state.deliver(GRAD, stage, k, grad.to(self.dtype))
 
     def _weight(self, state: _StepState, action: Action) -> None:
         work = state.weight_work.pop((action.stage, action.microbatch), None)
@@ -179,73 +186,75 @@ class _StepState:
         self.saved: dict[tuple[int, int], tuple] = {}
         self.weight_work: dict[tuple[int, int], tuple] = {}
         self.local: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.received: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.received: dict[tuple[str, int, int, int], torch.Tensor] = {}
         self.pending_sends: list[tuple[torch.Tensor, int]] = []
         self.send_works: list = []
-        self.next_in = {peer: deque(order) for peer, order in executor.channel_order.items()}
+        self.channels = executor.incoming_order()
 
-    def _rank_of_stage(self, stage: int) -> int:
-        return self.x.schedule.stage_to_rank[stage]
-
-    def _shape(self, kind: str, stage: int, k: int) -> tuple[int, ...]:
-        # An activation into `stage` and the gradient of its output both have the boundary shape
-        # of the stage that receives (activation) or the stage above (gradient).
-        owner = stage if kind == ACT else stage + 1
-        module = self.x.stages.get(owner) or self.x.stages[stage]
-        return module.boundary_shape(self.batches[k])
+    def _row_shape(self, kind: str, stage: int) -> tuple[int, ...]:
+        module = self.x.stages[stage]
+        return module.inbound_row() if kind == ACT else module.outbound_row()
 
     def deliver(self, kind: str, stage: int, k: int, tensor: torch.Tensor) -> None:
-        rank = self._rank_of_stage(stage)
-        if rank == self.x.pp_rank:
-            self.local[(kind, stage, k)] = tensor
-        else:
-            self.pending_sends.append((tensor.contiguous(), self.x.peers[rank]))
+        target = stage + 1 if kind == ACT else stage - 1
+        for piece in self.x.broker.outgoing(kind, stage, k, self.x.rank):
+            part = tensor[piece.rows.start : piece.rows.stop]
+            if piece.rank == self.x.rank:
+                self.local[(kind, target, k)] = part
+            else:
+                self.pending_sends.append((part.contiguous(), piece.rank))
 
     def _needs(self, action: Action) -> list[tuple[str, int, int]]:
         s, k = action.stage, action.microbatch
-        if action.kind == Kind.F and s > 0:
+        module = self.x.stages[s]
+        if action.kind == Kind.F and module.inbound_row() is not None:
             return [(ACT, s, k)]
-        if action.kind in (Kind.B, Kind.I) and s < self.x.last_stage:
+        if action.kind in (Kind.B, Kind.I) and s < self.x.last_stage and module.outbound_row() is not None:
             return [(GRAD, s, k)]
         return []
 
     def prepare(self, action: Action) -> None:
-        ops, recvs = [], []
-        for tensor, peer in self.pending_sends:
-            ops.append(dist.P2POp(dist.isend, tensor, peer, self.x.group))
+        ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in self.pending_sends]
+        n_sends = len(ops)
         self.pending_sends = []
-        for message in self._needs(action):
-            sender = self._rank_of_stage(message[1] - 1 if message[0] == ACT else message[1] + 1)
-            if sender == self.x.pp_rank or message in self.received:
-                continue
-            channel = self.next_in[sender]
-            while True:  # receive everything the sender sends before the message we need
-                incoming = channel.popleft()
-                buffer = torch.empty(self._shape(*incoming), dtype=self.x.dtype, device=self.x.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, self.x.peers[sender], self.x.group))
-                recvs.append((incoming, buffer))
-                if incoming == message:
-                    break
+        recvs = []
+        for kind, stage, k in self._needs(action):
+            for piece in self.x.broker.incoming(kind, stage, k, self.x.rank):
+                if piece.rank == self.x.rank or (kind, stage, k, piece.rank) in self.received:
+                    continue
+                channel = self.channels[piece.rank]
+                while True:  # receive everything the peer sends before the piece we need
+                    message = channel.popleft()
+                    m_kind, m_stage, m_k, rows = message
+                    shape = (rows, *self._row_shape(m_kind, m_stage))
+                    buffer = torch.empty(shape, dtype=self.x.dtype, device=self.x.device)
+                    ops.append(dist.P2POp(dist.irecv, buffer, piece.rank))
+                    recvs.append(((m_kind, m_stage, m_k, piece.rank), buffer))
+                    if (m_kind, m_stage, m_k) == (kind, stage, k):
+                        break
         if not ops:
             return
         works = dist.batch_isend_irecv(ops)
-        n_sends = len(ops) - len(recvs)
         self.send_works += works[:n_sends]
         for work in works[n_sends:]:
             work.wait()
-        for message, buffer in recvs:
-            self.received[message] = buffer
+        for key, buffer in recvs:
+            self.received[key] = buffer
 
     def take(self, kind: str, stage: int, k: int) -> torch.Tensor:
-        key = (kind, stage, k)
-        tensor = self.local.pop(key, None)
-        if tensor is None:
-            tensor = self.received.pop(key)
-        return tensor
+        parts = []
+        for piece in self.x.broker.incoming(kind, stage, k, self.x.rank):
+            if piece.rank == self.x.rank:
+                parts.append(self.local.pop((kind, stage, k)))
+            else:
+                parts.append(self.received.pop((kind, stage, k, piece.rank)))
+        if not parts:
+            return torch.zeros((0, *self._row_shape(kind, stage)), dtype=self.x.dtype, device=self.x.device)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def finish(self) -> None:
         if self.pending_sends:
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, p, self.x.group) for t, p in self.pending_sends])
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, p) for t, p in self.pending_sends])
             self.send_works += works
             self.pending_sends = []
         for work in self.send_works:

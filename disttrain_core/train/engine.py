@@ -2,20 +2,18 @@
 
 * ``DataParallelEngine``: the whole model on every process, DDP (through
   Fabric) averaging gradients on the last microbatch.
-* ``PipelineEngine``: this process holds the stages its pipeline rank owns and
-  runs the schedule's actions with the executor; gradients are summed over the
-  replicas of the same stage with one flat all-reduce.
+* ``UnitEngine`` (train/unit_engine.py): every other layout -- pipeline stages,
+  tensor parallelism, disaggregated units -- with ZeRO-1.
 
 Both see the same microbatches and the same global loss normalization, so their
 results agree with a single process. Model and optimizer state are saved *by
-parameter name* (one file per pipeline rank), so a checkpoint written with one
-layout loads into another.
+parameter name* as full tensors, so a checkpoint written with one layout loads
+into another.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -26,14 +24,25 @@ from ..config import Config
 from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
 from ..models import build_model, materialize
-from ..parallel.layout import Groups, Layout
-from ..parallel.pipeline import build_stage
-from ..schedule.actions import Schedule
-from ..schedule.executor import PipelineExecutor, StepRecord
+from ..schedule.executor import StepRecord
+from .optim import build_optimizer, load_optimizer_state_by_name, optimizer_state_by_name
 
 
 class Engine:
     named_parameters: list[tuple[str, torch.nn.Parameter]]
+    optimizer: object | None = None
+
+    def build_optimizer(self):
+        """Plain AdamW over this process's parameters (the unit engine shards it: ZeRO-1)."""
+        self.optimizer = build_optimizer(self.named_parameters, self.cfg.optim)
+        return self.optimizer
+
+    def optimizer_state(self) -> dict:
+        """Optimizer state keyed by parameter name (a collective for sharded engines: call on every rank)."""
+        return optimizer_state_by_name(self.optimizer, self.named_parameters)
+
+    def load_optimizer_state(self, state: dict) -> None:
+        load_optimizer_state_by_name(self.optimizer, self.named_parameters, state)
 
     def forward_backward(
         self, microbatches: list[Batch], n_tokens: float, n_gen: float, record: bool = False
@@ -128,72 +137,3 @@ class DataParallelEngine(Engine):
         norm = _global_norm(params, [])  # DDP gradients are already identical on every process
         _scale_grads(params, norm, max_norm)
         return norm
-
-
-class PipelineEngine(Engine):
-    def __init__(
-        self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, layout: Layout, groups: Groups, schedule: Schedule
-    ):
-        self.cfg, self.fabric, self.layout, self.groups = cfg, fabric, layout, groups
-        self.dp_rank, self.pp_rank = layout.coords(fabric.global_rank)
-        self.schedule = schedule
-        device = fabric.device
-        self.stages = {
-            stage: build_stage(cfg.model, tokenizer, stage, schedule.num_stages, device, cfg.trainer.seed)
-            for stage in schedule.stages_of(self.pp_rank)
-        }
-        self.named_parameters = [
-            (name, p) for stage in self.stages.values() for name, p in stage.model.named_parameters() if p.requires_grad
-        ]
-        autocast: Callable = fabric.autocast if cfg.trainer.precision != "32" else nullcontext
-        self.executor = PipelineExecutor(
-            schedule,
-            self.stages,
-            self.pp_rank,
-            layout.pipeline_ranks(self.dp_rank),
-            groups.pipeline,
-            device,
-            autocast=autocast,
-        )
-
-    def forward_backward(self, microbatches, n_tokens, n_gen, record=False) -> StepRecord:
-        weight = self.cfg.model.gen_loss_weight
-        device = self.fabric.device
-        batches = [mb.to(device) for mb in microbatches]
-        result = self.executor.run(batches, lambda out: _loss(out, n_tokens, n_gen, weight), record=record)
-        # Only the last stage knows the losses: share them with every process.
-        sums = torch.tensor(
-            [result.sums.get("lm_loss_sum", 0.0), result.sums.get("gen_loss_sum", 0.0)],
-            dtype=torch.float64,
-            device=device,
-        )
-        if self.layout.world_size > 1:
-            dist.all_reduce(sums)
-        result.sums = {"lm_loss_sum": float(sums[0]), "gen_loss_sum": float(sums[1])}
-        return result
-
-    def after_backward(self) -> None:
-        if self.groups.replicas is None:
-            return
-        grads = [p.grad for _, p in self.named_parameters if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.groups.replicas)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-
-    def clip_gradients(self, max_norm: float) -> float:
-        params = [p for _, p in self.named_parameters]
-        groups = [self.groups.pipeline] if self.groups.pipeline is not None else []
-        norm = _global_norm(params, groups)
-        _scale_grads(params, norm, max_norm)
-        return norm
-
-
-def build_engine(
-    cfg: Config, fabric: Fabric, tokenizer: Tokenizer, layout: Layout, groups: Groups, schedule: Schedule | None
-) -> Engine:
-    if schedule is None:
-        return DataParallelEngine(cfg, fabric, tokenizer)
-    return PipelineEngine(cfg, fabric, tokenizer, layout, groups, schedule)

@@ -30,17 +30,14 @@ from ..data.reader import ShardStream, resolve_shards
 from ..data.samples import SampleEncoder
 from ..data.tokenizer import build_tokenizer
 from ..models.flops import batch_flops
-from ..parallel.layout import Layout, build_groups
-from ..schedule.actions import Schedule
-from ..schedule.generators import build_schedule
-from ..schedule.validate import validate_schedule
-from ..validation import layout_of
+from ..parallel.plan import build_pipeline, resolve_units
 from .checkpoint import CheckpointManager, load_file, read_meta, resolve_resume
-from .engine import build_engine
+from .engine import DataParallelEngine
 from .metrics import MetricsLogger
-from .optim import build_optimizer, build_scheduler, load_optimizer_state_by_name, optimizer_state_by_name
+from .optim import build_scheduler
 from .perf import peak_flops_per_device, peak_memory_gib
 from .timeline_report import TimelineReporter
+from .unit_engine import UnitEngine
 
 log = logging.getLogger(__name__)
 
@@ -66,29 +63,36 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.rank = fabric.global_rank
         self.world_size = fabric.world_size
-        dp, pp = layout_of(cfg)
-        self.layout = Layout(self.world_size, dp, pp)
-        self.dp_rank, self.pp_rank = self.layout.coords(self.rank)
-        self.groups = build_groups(self.layout, self.rank, timeout=timedelta(seconds=cfg.trainer.dist_timeout_s))
         trainer, optim = cfg.trainer, cfg.optim
-        self.accumulation = optim.global_batch_size // (optim.micro_batch_size * dp)
-        self.schedule = None
-        if pp > 1:
-            if cfg.schedule.csv:
-                self.schedule = Schedule.from_csv(cfg.schedule.csv, num_microbatches=self.accumulation)
-                if self.schedule.num_ranks != pp:
-                    raise ValueError(f"schedule.csv has {self.schedule.num_ranks} rank rows but parallel.pp={pp}")
-            else:
-                self.schedule = build_schedule(cfg.schedule.name, pp, self.accumulation, cfg.schedule.vpp)
-            validate_schedule(self.schedule)
-
+        self.layout = resolve_units(cfg)
+        self.unit = self.layout.unit_of(self.rank)
+        self.dp_rank, self.tp_rank, self.pp_rank = self.unit.coords(self.rank)
+        llm = self.layout.llm
+        # A microbatch slot carries every LLM replica's micro-batch; several units share it by sample blocks.
+        self.slot_samples = optim.micro_batch_size * llm.dp
+        self.accumulation = optim.global_batch_size // self.slot_samples
+        self.global_stream = len(self.layout.units) > 1
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        self.engine = build_engine(cfg, fabric, self.tokenizer, self.layout, self.groups, self.schedule)
-        self.optimizer = build_optimizer(self.engine.named_parameters, optim)
-        self.scheduler = build_scheduler(self.optimizer, optim, trainer.max_steps)
+        single = len(self.layout.units) == 1 and self.unit.pp == 1 and self.unit.tp == 1
+        self.schedule = self.broker = None
+        timeout = timedelta(seconds=trainer.dist_timeout_s)
+        if single:
+            self.engine = DataParallelEngine(cfg, fabric, self.tokenizer)
+            self.count_group = dist.group.WORLD if self.world_size > 1 else None
+        else:
+            self.schedule, self.broker, rows_of_units = build_pipeline(cfg, self.layout, self.accumulation)
+            self.engine = UnitEngine(
+                cfg, fabric, self.tokenizer, self.layout, self.schedule, self.broker, rows_of_units, timeout=timeout
+            )
+            self.count_group = None if self.global_stream else self.engine.groups.data_parallel
+        self.optimizer = self.engine.build_optimizer()
+        self.scheduler = build_scheduler(getattr(self.optimizer, "inner", self.optimizer), optim, trainer.max_steps)
 
         shards = resolve_shards(cfg.data.path)
-        self.stream = ShardStream(shards, self.dp_rank, dp, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
+        if self.global_stream:  # every process reads the one canonical stream and keeps its own samples
+            self.stream = ShardStream(shards, 0, 1, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
+        else:  # one stream per data-parallel replica, shards split by replica
+            self.stream = ShardStream(shards, self.dp_rank, llm.dp, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
         self.encoder = SampleEncoder(
             cfg.model, self.tokenizer, seed=trainer.seed, max_image_pixels=cfg.data.max_image_pixels
         )
@@ -105,7 +109,7 @@ class Trainer:
         self.loader = MicrobatchLoader(
             self.stream,
             self.encoder,
-            optim.micro_batch_size,
+            self.slot_samples if self.global_stream else optim.micro_batch_size,
             self.accumulation,
             num_workers=cfg.data.num_workers,
             prefetch_steps=cfg.data.prefetch_steps,
@@ -117,8 +121,9 @@ class Trainer:
         )
         self.timelines = None
         if trainer.record_timeline and self.schedule is not None:
+            first_pipeline = [unit.rank(0, 0, pp) for unit, pp in self.broker.row_places]
             self.timelines = TimelineReporter(
-                self.run_dir, self.rank, self.layout.pipeline_ranks(0), self.schedule, fabric.barrier, self.metrics
+                self.run_dir, self.rank, first_pipeline, self.schedule, fabric.barrier, self.metrics
             )
         stop = trainer.exit_after_step
         self.stop_at = trainer.max_steps if stop is None else min(trainer.max_steps, stop)
@@ -128,47 +133,66 @@ class Trainer:
 
     # --------------------------------------------------------------- checkpoints
     def _data_file(self) -> str:
-        return f"data_dp{self.dp_rank:05d}.json"
+        return "data_global.json" if self.global_stream else f"data_dp{self.dp_rank:05d}.json"
 
     def _resume(self) -> dict | None:
         checkpoint = resolve_resume(self.cfg.trainer.resume, self.run_dir)
         if checkpoint is None:
             return None
         meta = read_meta(checkpoint)
-        if meta.get("dp_size") != self.layout.dp:
+        # The data position is per replica stream; one replica's stream is also the canonical global stream.
+        saved_global = meta.get("data") == "global" or meta.get("dp_size") == 1
+        if (
+            self.global_stream
+            and not saved_global
+            or not self.global_stream
+            and meta.get("dp_size") != (self.layout.llm.dp)
+        ):
             raise ValueError(
-                f"checkpoint {checkpoint} was written with {meta.get('dp_size')} data-parallel replicas, this run "
-                f"has {self.layout.dp}; the data position is per replica: resume with the same data-parallel size"
+                f"checkpoint {checkpoint} holds data positions for {meta.get('dp_size')} data-parallel replica "
+                f"stream(s), this layout reads {'one global stream' if self.global_stream else self.layout.llm.dp}; "
+                "resume with the same data-parallel size of the LLM"
             )
-        # Parameters and optimizer state are stored by name, one file per pipeline rank: any layout can load them.
+        # Parameters and optimizer state are stored by name as full tensors: any layout can load them.
         model_state, optim_state = {}, {"state": {}, "groups": {}}
-        for part in sorted(checkpoint.glob("model_pp*.pt")):
+        for part in sorted(checkpoint.glob("model_*.pt")):
             model_state.update(load_file(checkpoint, part.name))
-            saved = load_file(checkpoint, part.name.replace("model_", "optim_"))
+        for part in sorted(checkpoint.glob("optim_*.pt")):
+            saved = load_file(checkpoint, part.name)
             optim_state["state"].update(saved["state"])
             optim_state["groups"].update(saved["groups"])
         self.engine.load_model_state(model_state)
-        load_optimizer_state_by_name(self.optimizer, self.engine.named_parameters, optim_state)
+        self.engine.load_optimizer_state(optim_state)
         state = load_file(checkpoint, "trainer.pt")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         log.info("resumed from %s at step %d", checkpoint, self.step)
-        return load_file(checkpoint, self._data_file())
+        data_file = self._data_file()
+        if not (checkpoint / data_file).is_file():
+            data_file = "data_dp00000.json" if (checkpoint / "data_dp00000.json").is_file() else "data_global.json"
+        return load_file(checkpoint, data_file)
 
     def save_checkpoint(self) -> None:
         files: dict = {}
-        if self.pp_rank == 0:
+        # Gathering full tensors is collective inside tensor- and data-parallel groups: every rank takes part.
+        model_state = self.engine.model_state()
+        optim_state = self.engine.optimizer_state()
+        owns_data = (
+            self.rank == 0
+            if self.global_stream
+            else (self.pp_rank == 0 and self.tp_rank == 0 and self.unit.name == "llm")
+        )
+        if owns_data:
             files[self._data_file()] = self.loader.state_dict()
-        if self.dp_rank == 0:
-            files[f"model_pp{self.pp_rank:03d}.pt"] = self.engine.model_state()
-            files[f"optim_pp{self.pp_rank:03d}.pt"] = optimizer_state_by_name(
-                self.optimizer, self.engine.named_parameters
-            )
+        if self.dp_rank == 0 and self.tp_rank == 0:
+            files[f"model_{self.unit.name}_pp{self.pp_rank:03d}.pt"] = model_state
+            files[f"optim_{self.unit.name}_pp{self.pp_rank:03d}.pt"] = optim_state
         if self.rank == 0:
             files["trainer.pt"] = {"step": self.step, "scheduler": self.scheduler.state_dict()}
         meta = {
-            "dp_size": self.layout.dp,
-            "pp_size": self.layout.pp,
+            "data": "global" if self.global_stream else "per_replica",
+            "dp_size": self.layout.llm.dp,
+            "layout": self.layout.describe(),
             "model": self.cfg.model.name,
             "torch": torch.__version__,
         }
@@ -176,7 +200,7 @@ class Trainer:
 
     # --------------------------------------------------------------------- step
     def _global_counts(self, microbatches: list[Batch]) -> torch.Tensor:
-        local = torch.tensor(
+        counts = torch.tensor(
             [
                 sum(mb.loss_tokens() for mb in microbatches),
                 sum(mb.gen_samples() for mb in microbatches),
@@ -186,15 +210,24 @@ class Trainer:
             dtype=torch.float64,
             device=self.fabric.device,
         )
-        if self.groups.replicas is not None:  # one copy per data-parallel replica
-            dist.all_reduce(local, group=self.groups.replicas)
-        return local
+        if self.count_group is not None:  # one copy per data-parallel replica
+            dist.all_reduce(counts, group=self.count_group)
+        return counts
+
+    def _local_microbatches(self, microbatches: list[Batch]) -> list[Batch]:
+        """The samples this process works on: its unit replica's block of every global microbatch."""
+        if not self.global_stream:
+            return microbatches
+        self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
+        block = self.unit.block(self.dp_rank, self.slot_samples)
+        return [mb.select(block) for mb in microbatches]
 
     def train_step(self) -> StepResult:
         started = time.perf_counter()
         microbatches = self.loader.next_step()
         data_wait = time.perf_counter() - started
         counts = self._global_counts(microbatches)
+        microbatches = self._local_microbatches(microbatches)
         n_tokens, n_gen = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
         record = self.timelines is not None and self.timelines.wants(
             self.step + 1, self.cfg.trainer.log_every_n_steps, self.stop_at
@@ -266,7 +299,7 @@ class Trainer:
         trainer = self.cfg.trainer
         stop_at = self.stop_at
         if self.rank == 0:
-            layout = f"dp={self.layout.dp} pp={self.layout.pp}"
+            layout = self.layout.describe()
             if self.schedule is not None:
                 layout += f" schedule={self.schedule.name} stages={self.schedule.num_stages}"
             log.info(

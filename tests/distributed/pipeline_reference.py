@@ -24,7 +24,7 @@ def microbatches(cfg, count: int = 8, size: int = 2):
 
 
 def loss_of(out: dict, n_tokens: float, n_gen: float, weight: float) -> torch.Tensor:
-    loss = out["lm_loss_sum"] / n_tokens
+    loss = out["lm_loss_sum"] / n_tokens if "lm_loss_sum" in out else 0.0
     if "gen_loss_sum" in out:
         loss = loss + weight * out["gen_loss_sum"] / n_gen
     return loss

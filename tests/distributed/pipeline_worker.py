@@ -27,23 +27,25 @@ def main(
     )
     from disttrain_core.config import compose
     from disttrain_core.data.tokenizer import ByteTokenizer
-    from disttrain_core.parallel.layout import Layout, build_groups
-    from disttrain_core.parallel.pipeline import build_stage
+    from disttrain_core.parallel.plan import pipeline_broker
+    from disttrain_core.parallel.stages import build_rank_stages
+    from disttrain_core.parallel.units import build_layout
     from disttrain_core.schedule.executor import PipelineExecutor
     from disttrain_core.schedule.generators import build_schedule
     from tests.distributed.pipeline_reference import loss_of, microbatches
 
     cfg = compose([f"data.path={shards}"] + overrides)
     batches, n_tokens, n_gen = microbatches(cfg)
-    layout = Layout(world, 1, world)
-    groups = build_groups(layout, rank)
+    # One unit holding the whole model (encoder and generator folded in), `world` pipeline ranks.
+    layout = build_layout({"llm": (1, 1, world)}, True, True, True, True)
+    unit = layout.llm
     for name, vpp in cases:
         schedule = build_schedule(name, world, len(batches), vpp)
-        stages = {
-            s: build_stage(cfg.model, ByteTokenizer(), s, schedule.num_stages, torch.device("cpu"), cfg.trainer.seed)
-            for s in schedule.stages_of(rank)
-        }
-        executor = PipelineExecutor(schedule, stages, rank, list(range(world)), groups.pipeline, torch.device("cpu"))
+        broker, rows = pipeline_broker(layout, schedule, batches[0].size)
+        stages = build_rank_stages(
+            cfg.model, ByteTokenizer(), unit, schedule, rows["llm"], rank, torch.device("cpu"), cfg.trainer.seed
+        )
+        executor = PipelineExecutor(schedule, stages, rank, rank, broker, torch.device("cpu"))
         record = executor.run(batches, lambda out: loss_of(out, n_tokens, n_gen, cfg.model.gen_loss_weight))
         grads = {
             n: p.grad.clone()

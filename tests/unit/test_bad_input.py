@@ -34,23 +34,49 @@ CASES = [
     (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
     (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),
     # pipeline layouts and schedules
-    (["parallel=pp2", "trainer.devices=2"], "parallel.pp=2 needs a pipeline schedule"),
+    (["parallel=pp2", "trainer.devices=2"], "this layout has 2 pipeline stages and needs a schedule"),
     (["schedule=1f1b"], "schedule=1f1b needs pipeline stages"),
     (["schedule=pipedream"], "schedule=pipedream is not a known schedule option"),
-    (["parallel.pp=3"], "parallel.pp(3)"),
+    (
+        ["parallel.mode=megatron", "parallel.pp=3"],
+        "encoder dp(1) x tp(1) x pp(1) + llm dp(1) x tp(1) x pp(3) + generator dp(1) x tp(1) x pp(1) = 5 processes "
+        "but trainer.devices(1)",
+    ),
     (
         ["parallel=pp2", "trainer.devices=2", "schedule=interleaved_1f1b", "schedule.vpp=3"],
-        "model.llm.n_layers=4 cannot be split into parallel.pp(2) x stages per rank (3)",
+        "model.llm.n_layers=4 cannot be split into pipeline size (2) x stages per rank (3)",
     ),
     (
         ["parallel=pp2", "trainer.devices=2", "schedule=interleaved_1f1b", "optim.micro_batch_size=16"],
-        "needs the microbatches per step (1) to be a multiple of parallel.pp (2)",
+        "needs the microbatches per step (1) to be a multiple of the pipeline size (2)",
     ),
     (
         ["parallel=pp2", "trainer.devices=2", "schedule=1f1b", "schedule.microbatches=7"],
         "schedule.microbatches=7 disagrees",
     ),
     (["parallel=pp2", "trainer.devices=2", "schedule=zbv", "schedule.vpp=1"], "places 2 stage(s) per rank"),
+    # disaggregated units
+    (["parallel=disagg4_enc2", "trainer.devices=3"], "= 4 processes but trainer.devices(3)"),
+    (
+        ["parallel=disagg4_tp2", "model.llm.n_heads=3", "model.llm.dim=96", "model.llm.n_kv_heads=1"],
+        "parallel llm unit: tp=2 does not divide model.llm.n_heads=3",
+    ),
+    (["parallel=disagg4_tp2", "model.llm.ffn_dim=351"], "tp=2 does not divide model.llm.ffn_dim=351"),
+    (
+        ["parallel=disagg6_enc2_llm3", "optim.micro_batch_size=1", "optim.global_batch_size=3"],
+        "which the encoder unit's dp(2) cannot share evenly",
+    ),
+    (
+        ["parallel=disagg4_pp2", "parallel.units.generator.pp=2", "trainer.devices=5"],
+        "parallel generator unit: pp=2; the U-Net's skip connections",
+    ),
+    (["parallel=disagg4_pp2", "schedule=interleaved_1f1b"], "a pipeline across units does not support"),
+    (["parallel=disagg4_pp2", "parallel.units.llm.vpp=2"], "parallel.units.llm.vpp=2: virtual stages"),
+    (["parallel.mode=bogus"], "parallel.mode='bogus': allowed values are ddp, megatron, manual"),
+    (
+        ["parallel=disagg4_pp2", "parallel.units.encoder.pp=3", "trainer.devices=6"],
+        "parallel encoder unit: pp=3 does not divide model.encoder.n_layers=2",
+    ),
 ]
 
 

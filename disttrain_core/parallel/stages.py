@@ -1,0 +1,206 @@
+"""Pipeline stages of every unit, cut from outside the model code.
+
+A stage is the whole model built on the meta device with everything it does not
+own removed, so parameter names -- and therefore the seeded initialization -- are
+exactly those of the single-process model. Each stage's ``forward(inbound, batch)``
+returns what it sends to the next stage (if anything) and the loss sums it computes:
+
+* encoder stages split the ViT blocks evenly; the first embeds the pixels, the last
+  applies the output norm, projection and the encoder projector and sends one row of
+  LLM-width embeddings per image patch group ``[images, P, D]``;
+* LLM stages split the decoder layers evenly; the first embeds tokens and places the
+  image embeddings (computed here when the encoder is colocated, received otherwise),
+  the last computes the LM loss and either the generation loss (colocated generator)
+  or sends the generation queries ``[samples, G, D]`` to the generator unit;
+* the generator stage projects the queries and computes the denoising loss.
+
+``splittable_backward`` says whether torch's input/weight backward split is exact
+for the stage: only when every weight reaches the outputs through the stage input
+(not when data -- pixels, tokens, noisy latents -- enters the stage directly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..data.batch import Batch
+from ..data.tokenizer import Tokenizer
+from ..models import build_model
+from ..models.mllm import MultimodalLLM
+
+
+@dataclass
+class StageOutput:
+    send: torch.Tensor | None
+    loss_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def split_evenly(count: int, parts: int, what: str) -> list[range]:
+    if count % parts:
+        raise ValueError(
+            f"{what}={count} cannot be split evenly over {parts} pipeline stages; choose a stage count dividing it"
+        )
+    per = count // parts
+    return [range(i * per, (i + 1) * per) for i in range(parts)]
+
+
+def _drop(module: nn.Module, names: tuple[str, ...]) -> None:
+    for name in names:
+        setattr(module, name, None)
+
+
+def _keep_blocks(blocks: nn.ModuleDict, keep: range) -> None:
+    for key in list(blocks.keys()):
+        if int(key) not in keep:
+            del blocks[key]
+
+
+class EncoderStage(nn.Module):
+    kind = "encoder"
+
+    def __init__(self, model: MultimodalLLM, index: int, count: int):
+        super().__init__()
+        self.is_first, self.is_last = index == 0, index == count - 1
+        vit = model.encoder
+        _keep_blocks(vit.blocks, split_evenly(vit.cfg.n_layers, count, "model.encoder.n_layers")[index])
+        if not self.is_first:
+            _drop(vit, ("patch_embed", "class_embedding", "positional_embedding", "norm_pre"))
+        if not self.is_last:
+            _drop(vit, ("norm_post", "proj"))
+            model.encoder_projector = None
+        _drop(model, ("llm", "generator_projector", "generator", "latent_encoder"))
+        self.model = model
+        self.vit_row = (vit.tokens_per_image, vit.cfg.dim)
+        self.splittable_backward = not self.is_first
+
+    def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
+        vit = self.model.encoder
+        x = vit.embed(batch.images) if self.is_first else inbound
+        x = vit.run_blocks(x)
+        if self.is_last:
+            x = self.model.encoder_projector(vit.head(x))
+        return StageOutput(x)
+
+    def inbound_row(self) -> tuple[int, ...] | None:
+        return None if self.is_first else self.vit_row
+
+    def outbound_row(self) -> tuple[int, ...]:
+        return (self.model.encoder.num_patches, self.model.cfg.llm.dim) if self.is_last else self.vit_row
+
+
+class LlmStage(nn.Module):
+    kind = "llm"
+
+    def __init__(self, model: MultimodalLLM, index: int, count: int, holds_encoder: bool, holds_generator: bool):
+        super().__init__()
+        self.is_first, self.is_last = index == 0, index == count - 1
+        cfg = model.cfg
+        _keep_blocks(model.llm.layers, split_evenly(cfg.llm.n_layers, count, "model.llm.n_layers")[index])
+        if not self.is_first:
+            model.llm.tok_embeddings = None
+        if not (self.is_first and holds_encoder):
+            _drop(model, ("encoder", "encoder_projector"))
+        if not self.is_last:
+            model.llm.norm = model.llm.output = None
+        if not (self.is_last and holds_generator):
+            _drop(model, ("generator_projector", "generator", "latent_encoder"))
+        self.model = model
+        self.holds_encoder = holds_encoder
+        self.receives_images = self.is_first and cfg.encoder is not None and not holds_encoder
+        self.sends_queries = self.is_last and cfg.generator is not None and not holds_generator
+        self.splittable_backward = not self.is_first and not (self.is_last and holds_generator)
+
+    def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
+        m = self.model
+        if self.is_first:
+            if self.holds_encoder and m.encoder is not None:
+                image_embeds = m.encode_images(batch.images)
+            else:
+                image_embeds = inbound  # from the encoder unit, or None for a text-only model
+            hidden = m.embed_tokens(batch.tokens, image_embeds)
+        else:
+            hidden = inbound
+        hidden = m.llm.run_layers(hidden)
+        if not self.is_last:
+            return StageOutput(hidden)
+        hidden = m.llm.final_norm(hidden)
+        sums = {"lm_loss_sum": m.lm_loss_sum(hidden, batch.labels)}
+        if m.generator is not None:
+            sums["gen_loss_sum"] = m.generation_loss_sum(hidden, batch)
+        send = m.generation_queries(hidden, batch.tokens) if self.sends_queries else None
+        return StageOutput(send, sums)
+
+    def inbound_row(self) -> tuple[int, ...] | None:
+        cfg = self.model.cfg
+        if self.is_first:
+            return (self.model_patches(), cfg.llm.dim) if self.receives_images else None
+        return (cfg.seq_len, cfg.llm.dim)
+
+    def outbound_row(self) -> tuple[int, ...] | None:
+        cfg = self.model.cfg
+        if not self.is_last:
+            return (cfg.seq_len, cfg.llm.dim)
+        return (cfg.gen_tokens, cfg.llm.dim) if self.sends_queries else None
+
+    def model_patches(self) -> int:
+        vit = self.model.cfg.encoder
+        return (vit.image_size // vit.patch_size) ** 2
+
+
+class GeneratorStage(nn.Module):
+    kind = "generator"
+    is_first, is_last = False, True
+    splittable_backward = False
+
+    def __init__(self, model: MultimodalLLM):
+        super().__init__()
+        _drop(model, ("encoder", "encoder_projector", "llm"))
+        self.model = model
+
+    def forward(self, inbound: torch.Tensor, batch: Batch) -> StageOutput:
+        return StageOutput(None, {"gen_loss_sum": self.model.generation_loss_from_queries(inbound, batch)})
+
+    def inbound_row(self) -> tuple[int, ...]:
+        return (self.model.cfg.gen_tokens, self.model.cfg.llm.dim)
+
+    def outbound_row(self) -> None:
+        return None
+
+
+def build_unit_stage(
+    cfg: ModelConfig, tokenizer: Tokenizer, unit_name: str, modules: tuple[str, ...], index: int, count: int
+) -> nn.Module:
+    """Stage ``index`` of ``count`` of a unit, on the meta device (materialize it afterwards)."""
+    model = build_model(cfg, tokenizer, device="meta")
+    if unit_name == "encoder":
+        return EncoderStage(model, index, count)
+    if unit_name == "generator":
+        return GeneratorStage(model)
+    return LlmStage(model, index, count, holds_encoder="encoder" in modules, holds_generator="generator" in modules)
+
+
+def build_rank_stages(
+    cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    unit,
+    schedule,
+    unit_rows: list[int],
+    row: int,
+    device: torch.device,
+    seed: int,
+) -> dict[int, nn.Module]:
+    """The materialized stage modules of one schedule row, keyed by schedule stage."""
+    from ..models.common import init_weights
+
+    unit_stages = [s for s in range(schedule.num_stages) if schedule.stage_to_rank[s] in unit_rows]
+    stages = {}
+    for stage in schedule.stages_of(row):
+        module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, unit_stages.index(stage), len(unit_stages))
+        module.to_empty(device=device)
+        init_weights(module.model, seed=seed, std=cfg.init_std)
+        stages[stage] = module
+    return stages

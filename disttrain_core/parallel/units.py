@@ -1,0 +1,134 @@
+"""Parallelism units: the encoder, the LLM backbone and the generator, each with
+its own data, tensor and pipeline parallel sizes, joined into one pipeline.
+
+A unit holds one or more model modules. The LLM unit always exists; the image
+encoder (with its projector) and the generator (with its projector) either form
+their own units or are *colocated* with the LLM unit (the encoder then runs in the
+LLM's first pipeline stage, the generator in its last, as Megatron-LM does).
+
+Ranks. Units take contiguous blocks of global ranks in data-flow order (encoder,
+LLM, generator). Inside a unit, tensor parallelism is innermost, then data
+parallelism, then pipeline stages: ``rank = first + (pp * dp_size + dp) * tp_size + tp``,
+so TP peers are neighbours (one node) and the replicas of a stage are adjacent.
+
+Samples. Each optimizer step's global batch is cut into ``M`` global microbatches of
+``B = micro_batch_size x dp_llm`` samples; microbatch ``k`` flows through every stage
+of every unit at pipeline slot ``k``. A unit with ``dp`` replicas gives replica ``d``
+the contiguous block of samples ``[d B/dp, (d+1) B/dp)`` of each global microbatch,
+so every unit computes every sample's owner without talking to anyone, and an
+encoder replica's embeddings for a sample reach exactly the LLM replica that owns
+that sample, whatever the two DP sizes (2 and 3 included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ENCODER_MODULES = ("encoder", "encoder_projector")
+LLM_MODULES = ("llm",)
+GENERATOR_MODULES = ("generator_projector", "generator")
+
+
+@dataclass(frozen=True)
+class ParallelismUnit:
+    name: str
+    dp: int
+    tp: int
+    pp: int
+    first_rank: int
+    modules: tuple[str, ...]
+    vpp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.size)
+
+    def rank(self, dp: int, tp: int, pp: int) -> int:
+        return self.first_rank + (pp * self.dp + dp) * self.tp + tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, tp, pp) of a global rank in this unit."""
+        local = rank - self.first_rank
+        return (local // self.tp) % self.dp, local % self.tp, local // (self.tp * self.dp)
+
+    def block(self, dp: int, samples: int) -> range:
+        """Samples of a global microbatch owned by replica ``dp``."""
+        per = samples // self.dp
+        return range(dp * per, (dp + 1) * per)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    units: tuple[ParallelismUnit, ...]
+    stages: tuple[tuple[int, int], ...] = field(init=False)  # global stage -> (unit index, pp index)
+
+    def __post_init__(self) -> None:
+        stages = tuple((u, p) for u, unit in enumerate(self.units) for p in range(unit.pp))
+        object.__setattr__(self, "stages", stages)
+
+    @property
+    def world_size(self) -> int:
+        return sum(unit.size for unit in self.units)
+
+    @property
+    def llm(self) -> ParallelismUnit:
+        return self.unit("llm")
+
+    def unit(self, name: str) -> ParallelismUnit:
+        return next(u for u in self.units if u.name == name)
+
+    def has_unit(self, name: str) -> bool:
+        return any(u.name == name for u in self.units)
+
+    def unit_of(self, rank: int) -> ParallelismUnit:
+        return next(u for u in self.units if rank in u.ranks)
+
+    def stage_of(self, rank: int) -> int:
+        unit = self.unit_of(rank)
+        return self.stages.index((self.units.index(unit), unit.coords(rank)[2]))
+
+    def stage_unit(self, stage: int) -> tuple[ParallelismUnit, int]:
+        unit_index, pp = self.stages[stage]
+        return self.units[unit_index], pp
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        unit, pp = self.stage_unit(stage)
+        return [unit.rank(d, t, pp) for d in range(unit.dp) for t in range(unit.tp)]
+
+    def describe(self) -> str:
+        return " | ".join(
+            f"{u.name}[{'+'.join(u.modules)}] dp={u.dp} tp={u.tp} pp={u.pp} ranks {u.first_rank}-{u.ranks[-1]}"
+            for u in self.units
+        )
+
+
+def build_layout(
+    sizes: dict[str, tuple[int, int, int]],
+    has_encoder: bool,
+    has_generator: bool,
+    colocate_encoder: bool,
+    colocate_generator: bool,
+) -> UnitLayout:
+    """Units in data-flow order from per-unit (dp, tp, pp) sizes."""
+    llm_modules = list(LLM_MODULES)
+    plan: list[tuple[str, tuple[str, ...]]] = []
+    if has_encoder:
+        if colocate_encoder:
+            llm_modules = list(ENCODER_MODULES) + llm_modules
+        else:
+            plan.append(("encoder", ENCODER_MODULES))
+    if has_generator and colocate_generator:
+        llm_modules += list(GENERATOR_MODULES)
+    plan.append(("llm", tuple(llm_modules)))
+    if has_generator and not colocate_generator:
+        plan.append(("generator", GENERATOR_MODULES))
+    units, first = [], 0
+    for name, modules in plan:
+        dp, tp, pp = sizes[name]
+        units.append(ParallelismUnit(name, dp, tp, pp, first, modules))
+        first += dp * tp * pp
+    return UnitLayout(tuple(units))

@@ -1,0 +1,176 @@
+"""The general engine: parallelism units joined into one pipeline.
+
+This process belongs to one unit (encoder, LLM, or generator) and runs the
+stage(s) of that unit's pipeline rank with its tensor-parallel group. The schedule's
+executor moves activations and gradients between stages (inside a unit, and across
+units through the communication broker), gradients are reduce-scattered over the unit's
+data-parallel replicas by ZeRO-1, and the gradient norm is summed over the world.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from lightning_fabric import Fabric
+
+from ..config import Config
+from ..data.tokenizer import Tokenizer
+from ..parallel.broker import CommBroker
+from ..parallel.stages import build_rank_stages
+from ..parallel.tensor_parallel import apply_tensor_parallel, local
+from ..parallel.units import ParallelismUnit, UnitLayout
+from ..parallel.zero import ZeroOneOptimizer
+from ..schedule.actions import Schedule
+from ..schedule.executor import PipelineExecutor, StepRecord
+from .engine import Engine
+
+
+@dataclass
+class UnitGroups:
+    data_parallel: object | None  # this rank's replicas of the same (unit, tp, pp) position
+    tensor_parallel: object | None
+
+
+def build_unit_groups(layout: UnitLayout, rank: int, timeout=None) -> UnitGroups:
+    """Every process creates every group, in the same order (gloo needs it)."""
+    dp_group = tp_group = None
+    for unit in layout.units:
+        for pp in range(unit.pp):
+            for tp in range(unit.tp):
+                members = [unit.rank(d, tp, pp) for d in range(unit.dp)]
+                group = dist.new_group(members, timeout=timeout) if unit.dp > 1 else None
+                if rank in members:
+                    dp_group = group
+            for dp in range(unit.dp):
+                members = [unit.rank(dp, t, pp) for t in range(unit.tp)]
+                group = dist.new_group(members, timeout=timeout) if unit.tp > 1 else None
+                if rank in members:
+                    tp_group = group
+    return UnitGroups(dp_group, tp_group)
+
+
+def _loss(out: dict, n_tokens: float, n_gen: float, weight: float) -> torch.Tensor:
+    loss = 0.0
+    if "lm_loss_sum" in out:
+        loss = out["lm_loss_sum"] / n_tokens
+    if "gen_loss_sum" in out:
+        loss = loss + weight * out["gen_loss_sum"] / n_gen
+    return loss
+
+
+class UnitEngine(Engine):
+    def __init__(
+        self,
+        cfg: Config,
+        fabric: Fabric,
+        tokenizer: Tokenizer,
+        layout: UnitLayout,
+        schedule: Schedule,
+        broker: CommBroker,
+        rows_of_units: dict[str, list[int]],
+        timeout=None,
+    ):
+        self.cfg, self.fabric, self.layout, self.schedule, self.broker = cfg, fabric, layout, schedule, broker
+        rank = fabric.global_rank
+        self.unit: ParallelismUnit = layout.unit_of(rank)
+        self.dp_rank, self.tp_rank, self.pp_rank = self.unit.coords(rank)
+        self.groups = build_unit_groups(layout, rank, timeout)
+        # The schedule row this process runs and the (possibly several, virtual) stages on it.
+        self.row = rows_of_units[self.unit.name][self.pp_rank]
+        self.stages = build_rank_stages(
+            cfg.model,
+            tokenizer,
+            self.unit,
+            schedule,
+            rows_of_units[self.unit.name],
+            self.row,
+            fabric.device,
+            cfg.trainer.seed,
+        )
+        if self.unit.tp > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(self.groups.tensor_parallel, fabric.device.type)
+            for module in self.stages.values():
+                apply_tensor_parallel(module.model, mesh)
+        self.named_parameters = [
+            (name, p)
+            for module in self.stages.values()
+            for name, p in module.model.named_parameters()
+            if p.requires_grad
+        ]
+        autocast: Callable = fabric.autocast if cfg.trainer.precision != "32" else nullcontext
+        self.executor = PipelineExecutor(
+            schedule, self.stages, self.row, rank, broker, fabric.device, autocast=autocast
+        )
+        self.optimizer: ZeroOneOptimizer | None = None
+
+    # ---------------------------------------------------------------- optimizer
+    def build_optimizer(self) -> ZeroOneOptimizer:
+        self.optimizer = ZeroOneOptimizer(
+            self.named_parameters, self.cfg.optim, self.groups.data_parallel, self.unit.dp, self.dp_rank, self.unit.tp
+        )
+        return self.optimizer
+
+    # --------------------------------------------------------------------- step
+    def forward_backward(self, microbatches, n_tokens, n_gen, record=False) -> StepRecord:
+        weight = self.cfg.model.gen_loss_weight
+        batches = [mb.to(self.fabric.device) for mb in microbatches]
+        result = self.executor.run(batches, lambda out: _loss(out, n_tokens, n_gen, weight), record=record)
+        # Loss terms live on a few stages: share them (one copy per replica: TP rank 0 only).
+        sums = torch.tensor(
+            [result.sums.get("lm_loss_sum", 0.0), result.sums.get("gen_loss_sum", 0.0)],
+            dtype=torch.float64,
+            device=self.fabric.device,
+        )
+        if self.tp_rank != 0:
+            sums.zero_()
+        if self.layout.world_size > 1:
+            dist.all_reduce(sums)
+        result.sums = {"lm_loss_sum": float(sums[0]), "gen_loss_sum": float(sums[1])}
+        return result
+
+    def optimizer_state(self) -> dict:
+        return self.optimizer.state_by_name()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_by_name(state)
+
+    def after_backward(self) -> None:
+        self.optimizer.reduce_gradients()
+
+    def clip_gradients(self, max_norm: float) -> float:
+        squared = self.optimizer.grad_norm_squared()
+        if self.layout.world_size > 1:
+            dist.all_reduce(squared)
+        norm = math.sqrt(float(squared))
+        if math.isfinite(max_norm) and norm > max_norm:
+            self.optimizer.scale_gradients(max_norm / (norm + 1e-6))
+        return norm
+
+    # -------------------------------------------------------------- checkpoints
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Full (un-sharded) parameters by name; a collective inside the TP group."""
+        state = {}
+        for name, param in self.named_parameters:
+            state[name] = param.full_tensor().detach() if hasattr(param, "full_tensor") else param.detach()
+        return state
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        with torch.no_grad():
+            for name, param in self.named_parameters:
+                if name not in state:
+                    raise KeyError(f"checkpoint has no parameter {name!r}")
+                value = state[name].to(param.device)
+                if isinstance(param, DTensor):
+                    value = distribute_tensor(value, param.device_mesh, param.placements).to_local()
+                local(param).copy_(value)
+        if self.optimizer is not None:
+            self.optimizer.sync_master_from_params()
