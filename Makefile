@@ -47,6 +47,7 @@ bench: $(STAMP) $(DATA)
 	$(BIN)/python tools/bench_pipeline.py
 	$(BIN)/python tools/bench_pipeline.py model=llama_tiny out=docs/results/bench_pipeline_llama.json
 	$(BIN)/python tools/bench_layouts.py
+	$(BIN)/python tools/bench_planner.py
 
 clean-outputs:
 	rm -rf outputs

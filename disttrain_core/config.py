@@ -111,6 +111,10 @@ class ModelConfig:
     latent_encoder: str = "pixel"  # registered latent encoder (see models/latents.py)
     gen_loss_weight: float = 1.0
     nominal_images_per_sample: float = 1.0  # for per-sample FLOP tables and planning
+    # The batch this model is meant to train with; optim.global_batch_size / micro_batch_size default
+    # to these (conf/optim/adamw.yaml), so `model=mllm72b` plans and trains at its own scale.
+    reference_global_batch: int = 16
+    reference_micro_batch: int = 8
     init_std: float = 0.02
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
 
@@ -223,6 +227,8 @@ class PlannerConfig:
     """The orchestration solver behind ``parallel.mode=auto`` and tools/plan.py (docs/PLANNER.md)."""
 
     solver: str = "algorithm1"  # algorithm1 | exhaustive
+    # auto: bf16-mixed on CUDA clusters (and a CUDA run then trains in it), trainer.precision on CPU
+    precision: str = "auto"
     cost: str = "auto"  # auto (profiled if the cluster is this machine, else analytic) | profiled | analytic
     tp_options: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     # Virtual stages per LLM pipeline rank the solver may use. The runtime supports vpp > 1 only in
@@ -233,7 +239,7 @@ class PlannerConfig:
     dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (issue 7 raises it)
     memory_margin: float = 0.9  # plan to this share of device memory
     baselines: bool = True  # also evaluate the Megatron and FLOPs-proportional layouts
-    profile_cache: str = "${oc.env:HOME,/tmp}/.cache/disttrain/profiles"
+    profile_cache: str = "${oc.env:DISTTRAIN_CACHE,${oc.env:HOME,/tmp}/.cache/disttrain}/profiles"
     profile_repeats: int = 3
 
 

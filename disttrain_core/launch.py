@@ -62,6 +62,14 @@ def launch(cfg: DictConfig) -> float | None:
     cfg = typed_config(container)
     try:
         validate_config(cfg)
+        if cfg.parallel.mode == "auto":
+            from .planner.auto import resolve_auto
+
+            container = resolve_auto(cfg, container, Path(cfg.paths.output_dir))
+            if container is None:  # dry run: the plan was printed and saved
+                return None
+            cfg = typed_config(container)
+            validate_config(cfg)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

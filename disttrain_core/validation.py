@@ -146,7 +146,7 @@ def validate_optim(cfg: Config) -> None:
     _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: use 0 (off) or a positive norm")
     _require(o.micro_batch_size >= 1, f"optim.micro_batch_size={o.micro_batch_size}: use 1 or more")
     _require(o.global_batch_size >= 1, f"optim.global_batch_size={o.global_batch_size}: use 1 or more")
-    dp = layout_of(cfg)[0]
+    dp = 1 if cfg.parallel.mode == "auto" else layout_of(cfg)[0]
     _require(
         o.global_batch_size % (o.micro_batch_size * dp) == 0,
         f"optim.global_batch_size={o.global_batch_size} is not divisible by optim.micro_batch_size="
@@ -235,7 +235,7 @@ def validate_data(cfg: Config) -> None:
         shard_count = d.synthetic.num_shards
     else:
         shard_count = len(shards)
-    dp = 1 if reads_global_stream(cfg) else layout_of(cfg)[0]
+    dp = 1 if cfg.parallel.mode == "auto" or reads_global_stream(cfg) else layout_of(cfg)[0]
     _require(
         shard_count >= dp,
         f"data.path={d.path!r} has {shard_count} shard(s) for {dp} data-parallel ranks; every rank needs at "
@@ -415,9 +415,12 @@ def validate_config(cfg: Config) -> None:
     if missing:
         raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")
     validate_model(cfg)
-    validate_trainer(cfg)
-    validate_layout(cfg)
+    auto = cfg.parallel.mode == "auto"  # the layout is checked once the planner has chosen it
+    if not auto:
+        validate_trainer(cfg)
+        validate_layout(cfg)
     validate_data(cfg)
     validate_optim(cfg)
-    validate_schedule_config(cfg)
+    if not auto:
+        validate_schedule_config(cfg)
     validate_cluster(cfg)

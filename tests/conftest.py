@@ -58,6 +58,8 @@ def tiny_overrides(cfg) -> list[str]:
         out += TINY_SHAPES["encoder"]
     if cfg.model.generator is not None and cfg.model.generator.block_out_channels[0] > 64:
         out += TINY_SHAPES["generator"]
+    if cfg.model.reference_global_batch > 64:  # large presets carry their planning batch
+        out += ["optim.global_batch_size=16", "optim.micro_batch_size=8"]
     return out
 
 

@@ -7,14 +7,16 @@ the same model on the same global batches; the tool reports median throughput af
 first logging window, the throughput ratio of the best disaggregated layout to the
 Megatron layout, and copies one measured pipeline timeline per pipelined layout.
 
-    python tools/bench_layouts.py                  # ~6 minutes on 2 cores
+    python tools/bench_layouts.py                  # ~5 minutes on 2 cores
     python tools/bench_layouts.py steps=16 format=json
 
 Layouts (all 2 processes):
-  disagg2       encoder unit (1 rank) | LLM unit with the generator colocated (1 rank), 1F1B
-  megatron_pp2  Megatron-LM's multimodal layout: LLM split in 2 stages, the encoder folded into
-                the first stage and the generator into the last, 1F1B
-  ddp           data parallel over 2 ranks (the whole model on each), for reference
+  disagg2              encoder unit | LLM unit with the generator colocated, 1F1B
+  disagg2_gen          LLM unit with the encoder colocated | generator unit, 1F1B
+  megatron_folded_pp2  Megatron-LM's multimodal layout: LLM split in 2 stages, the encoder folded
+                       into the first stage and the generator into the last, 1F1B (the baseline)
+  megatron_folded_tp2  the same model with tensor parallelism 2 instead (one stage)
+  ddp                  data parallel over 2 ranks (the whole model on each), for reference
 """
 
 from __future__ import annotations
@@ -54,11 +56,17 @@ DATA_SHAPE = [
 ]
 LAYOUTS = {
     "disagg2": ["parallel=disagg2"],
-    "megatron_pp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=2"],
+    "disagg2_gen": [
+        "parallel=disagg2",
+        "parallel.units.encoder.colocate=true",
+        "parallel.units.generator.colocate=false",
+    ],
+    "megatron_folded_pp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=2"],
+    "megatron_folded_tp2": ["parallel=pp2", "parallel.pp=1", "parallel.tp=2", "trainer.devices=2"],
     "ddp": ["parallel=dp", "trainer.devices=2"],
 }
-DISAGGREGATED = ("disagg2",)
-BASELINE = "megatron_pp2"
+DISAGGREGATED = ("disagg2", "disagg2_gen")
+BASELINE = "megatron_folded_pp2"
 
 
 def train(run_dir: Path, data_dir: Path, options: dict, layout: list[str]) -> list[dict]:
@@ -78,12 +86,26 @@ def train(run_dir: Path, data_dir: Path, options: dict, layout: list[str]) -> li
         f"optim.micro_batch_size={options['micro_batch']}",
         *layout,
     ]
-    if any(a.startswith("parallel=") and a != "parallel=dp" for a in layout):
+    if any(a.startswith("parallel=") and a != "parallel=dp" for a in layout) and "parallel.pp=1" not in layout:
         args.append("trainer.record_timeline=true")
     done = subprocess.run(args, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"layout {layout} failed:\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def predicted_step_s(data_dir: Path, options: dict, layout: list[str]) -> dict:
+    """The planner's prediction for this layout, from its profiled cost model (docs/PLANNER.md)."""
+    from disttrain_core.config import compose
+    from disttrain_core.planner import build_layout_model, choices_of_config
+
+    overrides = [*MODEL, *DATA_SHAPE, f"data.path={data_dir}", f"optim.global_batch_size={options['global_batch']}"]
+    overrides += [f"optim.micro_batch_size={options['micro_batch']}", *layout]
+    cfg = compose(overrides)
+    model = build_layout_model(cfg, devices=2, progress=lambda *_: None)
+    evaluation = model.evaluate(*choices_of_config(cfg))
+    stages = [round(t, 4) for _, t in evaluation.stage_times]
+    return {"predicted_step_s": evaluation.iteration_s, "predicted_stage_s": stages}
 
 
 def main(argv: list[str]) -> int:
@@ -124,10 +146,12 @@ def main(argv: list[str]) -> int:
                 entry["simulated_bubble_fraction"] = statistics.median(
                     r["simulated_bubble_fraction"] for r in reports[1:] or reports
                 )
+            entry.update(predicted_step_s(data_dir, options, layout))
+            entry["predicted_over_measured"] = entry["predicted_step_s"] / entry["step_time_s"]
             results["layouts"][name] = entry
             if options["format"] != "json":
-                rate, step = entry["samples_per_s"], entry["step_time_s"]
-                print(f"{name:14s} {rate:8.2f} samples/s  step {step:.3f}s", flush=True)
+                rate, step, guess = entry["samples_per_s"], entry["step_time_s"], entry["predicted_step_s"]
+                print(f"{name:14s} {rate:8.2f} samples/s  step {step:.3f}s  predicted {guess:.3f}s", flush=True)
     best = max(DISAGGREGATED, key=lambda n: results["layouts"][n]["samples_per_s"])
     results["best_disaggregated"] = best
     results["disaggregated_over_megatron"] = (

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..config import Config
 from .units import UnitLayout, build_layout
 
-MODES = ("ddp", "megatron", "manual")
+MODES = ("ddp", "megatron", "manual", "auto")
 
 
 def world_size_of(cfg: Config) -> int:
@@ -43,6 +43,8 @@ def resolve_units(cfg: Config) -> UnitLayout:
             for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
         }
         return build_layout(sizes, has_encoder, has_generator, units.encoder.colocate, units.generator.colocate)
+    if p.mode == "auto":
+        raise ValueError("parallel.mode=auto is resolved into units by the planner before anything is built")
     raise ValueError(f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")
 
 

@@ -97,7 +97,7 @@ class ZeroOneOptimizer:
             grads = flat.flat_grads()
             if self.dp > 1:
                 shard = torch.empty(flat.shard_size, dtype=grads.dtype, device=grads.device)
-                dist.reduce_scatter_tensor(shard, grads, group=self.group)
+                dist.reduce_scatter_single(shard, grads, group=self.group)
             else:
                 shard = grads
             flat.master.grad = shard

@@ -55,24 +55,32 @@ def _draw(ax, timeline: Sequence[TimedAction], title: str, ranks: int, show_stag
 
 
 def plot_timelines(
-    panels: Sequence[tuple[str, Sequence[TimedAction]]],
+    panels: Sequence[tuple],
     path: str | Path,
     ranks: int,
     show_stage: bool = False,
     unit: str = "time",
+    share_time_axis: bool = False,
 ) -> Path:
-    """Draw one panel per (title, timeline) stacked vertically; write a PNG."""
+    """Draw one panel per ``(title, timeline)`` -- or ``(title, timeline, rows)`` when panels have
+    different row counts -- stacked vertically; write a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    width = 13
+    rows = [panel[2] if len(panel) > 2 else ranks for panel in panels]
+    heights = [0.55 * r + 1.2 for r in rows]
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(width, 0.55 * ranks * len(panels) + 1.2 * len(panels)), squeeze=False
+        len(panels),
+        1,
+        figsize=(13, sum(heights)),
+        squeeze=False,
+        sharex=share_time_axis,
+        gridspec_kw={"height_ratios": heights},
     )
-    for ax, (title, timeline) in zip(axes[:, 0], panels, strict=True):
-        _draw(ax, timeline, title, ranks, show_stage, unit)
+    for ax, panel, count in zip(axes[:, 0], panels, rows, strict=True):
+        _draw(ax, panel[1], panel[0], count, show_stage, unit)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -245,6 +245,7 @@ class Trainer:
         self.step += 1
         if self.fabric.device.type == "cuda":
             torch.cuda.synchronize(self.fabric.device)
+        elapsed = time.perf_counter() - started  # drawing the timeline below is not training time
         if record:
             self.timelines.report(self.step, result.timeline)
         weight = self.cfg.model.gen_loss_weight
@@ -260,7 +261,7 @@ class Trainer:
             images=int(counts[3].item()),
             loss_tokens=int(counts[0].item()),
             data_wait_s=data_wait,
-            step_time_s=time.perf_counter() - started,
+            step_time_s=elapsed,
         )
 
     # --------------------------------------------------------------------- loop

@@ -1,0 +1,189 @@
+"""``parallel=auto``: the profiler, the cost and memory model, and DistTrain's orchestration solver.
+
+    from disttrain_core.planner import make_plan
+    result = make_plan(cfg)            # Plan with baselines, for cfg.cluster / cfg.model / cfg.optim
+    print(plan_table(result))
+
+See docs/PLANNER.md for the model, its assumptions and how it is checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costs import CostModel, Hardware, PlannerSettings
+from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
+from .solver import Orchestrator, Plan, PlanningError
+from .workload import workload_of
+
+__all__ = [
+    "COLOCATED",
+    "CostModel",
+    "Evaluation",
+    "Hardware",
+    "LayoutModel",
+    "Orchestrator",
+    "Plan",
+    "PlanResult",
+    "PlanningError",
+    "UnitChoice",
+    "build_layout_model",
+    "choices_of_config",
+    "make_plan",
+    "planned_devices",
+    "planned_precision",
+]
+
+
+@dataclass
+class PlanResult:
+    plan: Plan
+    model: LayoutModel
+    cfg_summary: dict
+
+
+def planned_devices(cfg) -> int:
+    """Devices to plan for: the processes requested on a CPU cluster, the cluster size on GPUs."""
+    if cfg.cluster.device == "cpu":
+        return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    return int(cfg.cluster.num_gpus)
+
+
+def planned_precision(cfg) -> str:
+    choice = cfg.planner.precision
+    if choice == "auto":
+        return "bf16-mixed" if cfg.cluster.device == "cuda" else cfg.trainer.precision
+    if choice not in ("32", "bf16-mixed"):
+        raise PlanningError(f"planner.precision={choice!r}: allowed values are auto, 32 and bf16-mixed")
+    return choice
+
+
+def _uses_profile(cfg) -> bool:
+    choice = cfg.planner.cost
+    if choice not in ("auto", "profiled", "analytic"):
+        raise PlanningError(f"planner.cost={choice!r}: allowed values are auto, profiled and analytic")
+    if choice == "analytic":
+        return False
+    if choice == "profiled":
+        return True
+    if cfg.cluster.device == "cpu":
+        return True
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 1
+
+
+def build_layout_model(cfg, devices: int | None = None, progress=print) -> LayoutModel:
+    """The planner's cost model for ``cfg`` (profiling this machine when the cost source says so)."""
+    devices = devices or planned_devices(cfg)
+    work = workload_of(cfg.model)
+    precision = planned_precision(cfg)
+    settings = PlannerSettings(
+        precision=precision,
+        recompute=cfg.planner.recompute,
+        dp_overlap=float(cfg.planner.dp_overlap),
+        memory_margin=float(cfg.planner.memory_margin),
+    )
+    profile = None
+    peak = None
+    data_s_per_sample = 0.0
+    if _uses_profile(cfg):
+        # On this machine the data is here too: plan for its real images per sample, and on a
+        # CPU for the preprocessing that shares the cores with training (until issue 6's producers).
+        from .workload import measured_data, with_images_per_sample
+
+        measured = measured_data(cfg) if cfg.data.get("path") else None
+        if measured is not None:
+            work = with_images_per_sample(work, measured[0])
+            if cfg.cluster.device == "cpu":
+                data_s_per_sample = measured[1]
+        from .profiler import _threads, load_or_profile
+
+        profile = load_or_profile(cfg, devices, list(cfg.planner.tp_options), progress=progress)
+        if cfg.cluster.device == "cpu":
+            import torch
+
+            from ..train.perf import peak_flops_per_device
+
+            before = torch.get_num_threads()
+            torch.set_num_threads(_threads(cfg, devices))
+            try:
+                peak = peak_flops_per_device(
+                    precision, torch.device("cpu"), cfg.cluster.peak_flops_bf16, cfg.cluster.peak_flops_fp32
+                )
+            finally:
+                torch.set_num_threads(before)
+    hw = Hardware.from_config(cfg.cluster, precision, peak)
+    if profile is not None and profile.allreduce_bw:
+        hw = Hardware(
+            **{
+                **hw.__dict__,
+                "intra_bw": profile.allreduce_bw,
+                "inter_bw": min(hw.inter_bw, profile.allreduce_bw) if hw.per_node < devices else profile.allreduce_bw,
+                "latency_s": profile.latency_s,
+                "p2p_bw": profile.p2p_bw,
+            }
+        )
+    costs = CostModel(work, hw, settings, profile)
+    model = LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), devices)
+    if data_s_per_sample:
+        from ..config import cpu_count
+
+        model.data_s_per_sample, model.data_cores = data_s_per_sample, cpu_count()
+    return model
+
+
+def make_plan(cfg, devices: int | None = None, progress=print) -> PlanResult:
+    if cfg.optim.global_batch_size % cfg.optim.micro_batch_size:
+        raise PlanningError(
+            f"optim.global_batch_size={cfg.optim.global_batch_size} is not a multiple of "
+            f"optim.micro_batch_size={cfg.optim.micro_batch_size}: no data-parallel size can divide the batch"
+        )
+    model = build_layout_model(cfg, devices, progress)
+    solver = Orchestrator(
+        model,
+        tp_options=tuple(cfg.planner.tp_options),
+        vpp_options=tuple(cfg.planner.vpp_options),
+        allow_colocation=bool(cfg.planner.colocation),
+    )
+    if cfg.planner.solver not in ("algorithm1", "exhaustive"):
+        raise PlanningError(f"planner.solver={cfg.planner.solver!r}: allowed values are algorithm1 and exhaustive")
+    plan = solver.solve() if cfg.planner.solver == "algorithm1" else solver.exhaustive()
+    if cfg.planner.baselines:
+        for baseline in (solver.megatron(), solver.flops_proportional()):
+            if baseline is not None:
+                plan.baselines[baseline.name] = baseline
+    summary = {
+        "model": cfg.model.name,
+        "cluster": cfg.cluster.name,
+        "devices": model.devices,
+        "global_batch": model.batch,
+        "micro_batch": model.micro,
+        "precision": model.c.settings.precision,
+        "cost_model": model.c.source,
+        "solver": cfg.planner.solver,
+    }
+    return PlanResult(plan, model, summary)
+
+
+def choices_of_config(cfg) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | None]:
+    """The planner's view of a configured (non-auto) layout: (llm, encoder, generator)."""
+    from ..parallel.plan import resolve_units
+
+    layout = resolve_units(cfg)
+    by_module = {}
+    for unit in layout.units:
+        for module in unit.modules:
+            by_module[module] = unit
+    llm_unit = by_module["llm"]
+    llm = UnitChoice(llm_unit.tp, llm_unit.dp, llm_unit.pp, getattr(llm_unit, "vpp", 1))
+
+    def side(module: str):
+        if cfg.model[module] is None:
+            return None
+        unit = by_module.get(module)
+        if unit is None or unit is llm_unit:
+            return COLOCATED
+        return UnitChoice(unit.tp, unit.dp, unit.pp)
+
+    return llm, side("encoder"), side("generator")

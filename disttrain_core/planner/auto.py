@@ -1,0 +1,79 @@
+"""``parallel=auto`` in train.py: plan, print, then train with the chosen layout (or stop)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from ..validation import ConfigError
+from . import PlanningError, make_plan
+from .report import plan_dict, plan_table, predicted_timelines
+
+
+def available_devices(cfg) -> tuple[str, int]:
+    """(device type, devices this launch can use) given the trainer and the machine."""
+    import torch
+
+    if cfg.cluster.device == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return "cuda", count * int(cfg.trainer.num_nodes)
+    return "cpu", int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+
+
+def layout_container(plan_evaluation) -> dict:
+    """The ``parallel`` section that runs a plan through the units runtime."""
+    choices = plan_evaluation.choices
+    units = {}
+    for name in ("encoder", "llm", "generator"):
+        choice = choices.get(name)
+        if choice is None:
+            units[name] = {"dp": 1, "tp": 1, "pp": 1, "vpp": 1, "colocate": name != "llm"}
+        elif choice.colocated:
+            units[name] = {"dp": 1, "tp": 1, "pp": 1, "vpp": 1, "colocate": True}
+        else:
+            units[name] = {"dp": choice.dp, "tp": choice.tp, "pp": choice.pp, "vpp": choice.vpp, "colocate": False}
+    return {"name": "auto", "mode": "manual", "dp": -1, "tp": 1, "pp": 1, "modality_stages": "separate", "units": units}
+
+
+def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
+    """Plan ``cfg``; return the container to train with, or None after a dry run."""
+    try:
+        result = make_plan(cfg)
+    except PlanningError as error:
+        raise ConfigError(f"parallel=auto found no feasible layout: {error}") from error
+    print(plan_table(result), flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    details = plan_dict(result)
+    (run_dir / "plan.json").write_text(json.dumps(details, indent=1))
+    try:
+        predicted_timelines(result, run_dir / "plan.png")
+    except Exception as error:  # a picture must never stop a run
+        print(f"(no plan picture: {error})")
+    if cfg.trainer.dry_run:
+        print(f"dry run: plan written to {run_dir / 'plan.json'}")
+        return None
+    needed = result.plan.evaluation.gpus
+    kind, have = available_devices(cfg)
+    if kind == "cuda" and have < needed:
+        raise ConfigError(
+            f"the plan needs {needed} CUDA devices but this launch sees {have} "
+            f"({cfg.trainer.num_nodes} node(s)); run it on the cluster with trainer.devices="
+            f"{cfg.cluster.gpus_per_node} trainer.num_nodes={-(-needed // cfg.cluster.gpus_per_node)}, "
+            "or add trainer.dry_run=true to only plan"
+        )
+    out = copy.deepcopy(container)
+    out["parallel"] = layout_container(result.plan.evaluation)
+    out["schedule"] = {**out["schedule"], "name": "1f1b" if len(result.plan.evaluation.stage_times) > 1 else "none"}
+    if kind == "cpu":
+        nodes = int(cfg.trainer.num_nodes)
+        if needed % nodes:
+            raise ConfigError(f"the plan uses {needed} processes, which {nodes} nodes cannot share evenly")
+        if needed != have:
+            print(f"the plan uses {needed} of the {have} processes requested: starting {needed}")
+        out["trainer"]["devices"] = needed // nodes
+    else:
+        out["trainer"]["precision"] = result.model.c.settings.precision  # train in what was planned
+        out["trainer"]["devices"] = min(int(cfg.cluster.gpus_per_node), needed)
+        out["trainer"]["num_nodes"] = -(-needed // out["trainer"]["devices"])
+    return out

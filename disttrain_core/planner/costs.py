@@ -1,0 +1,216 @@
+"""Time and memory of one parallelism unit: the cost model the orchestration solver optimizes.
+
+Compute time ``compute(unit, tp, items)`` is the forward + backward time of the *whole*
+module (every layer) for ``items`` items on one tensor-parallel group of ``tp`` devices,
+including the TP collectives. It comes from one of two sources:
+
+* **profiled** (``planner/profiler.py``): benchmark trials on this machine at several TP
+  sizes and input sizes, interpolated piecewise-linearly in the number of items
+  (linearly extrapolated past the largest trial);
+* **analytic**, for hardware that is not present: FLOPs / (peak x efficiency), the part
+  TP can split divided by ``tp``, plus 4 ring all-reduces per transformer block (2 in
+  the forward, 2 in the backward) of the block's activations over the intra-node links.
+
+Communication outside a unit's TP group uses ring formulas with the cluster's bandwidths:
+point-to-point between pipeline stages (activations forward, gradients back), and the
+ZeRO-1 reduce-scatter + all-gather of a unit's gradients and parameters.
+
+Memory per device (``memory_bytes``) follows this runtime's layout: fp32 parameters and
+fp32 gradients on every replica, fp32 master copy + two AdamW moments sharded over the
+unit's DP group (``12 / dp`` bytes per parameter), a bf16 weight copy under autocast, and
+activations per in-flight microbatch from Korthikanti et al. (docs/PLANNER.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .workload import UnitWork, Workload
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    device: str
+    num_devices: int
+    per_node: int
+    memory_bytes: float
+    peak_flops: float  # dense peak of the training precision, per device
+    efficiency: float  # achieved / peak for large matmuls (analytic compute only)
+    intra_bw: float  # bytes/s per device inside a node
+    inter_bw: float  # bytes/s per device across nodes
+    latency_s: float  # per message
+    hbm_bw: float  # bytes/s of device memory (optimizer step)
+    overhead_bytes: float  # runtime context, communication buffers, fragmentation
+    p2p_bw: float | None = None  # measured point-to-point bandwidth (profiled machines)
+
+    @classmethod
+    def from_config(cls, cluster, precision: str, peak_flops: float | None = None) -> Hardware:
+        bf16 = precision.startswith("bf16")
+        peak = peak_flops or (cluster.peak_flops_bf16 if bf16 else cluster.peak_flops_fp32)
+        if not peak:
+            raise ValueError(
+                f"cluster {cluster.name}: cluster.peak_flops_{'bf16' if bf16 else 'fp32'} is not set; "
+                "set it or let the profiler measure it (cluster=local_cpu)"
+            )
+        return cls(
+            name=cluster.name,
+            device=cluster.device,
+            num_devices=int(cluster.num_gpus),
+            per_node=int(cluster.gpus_per_node),
+            memory_bytes=float(cluster.memory_per_device_gb) * GB,
+            peak_flops=float(peak),
+            efficiency=float(cluster.compute_efficiency),
+            intra_bw=float(cluster.intra_node_bandwidth_gbps) * GB,
+            inter_bw=float(cluster.inter_node_bandwidth_gbps) * GB,
+            latency_s=float(cluster.latency_us) * 1e-6,
+            hbm_bw=float(cluster.memory_bandwidth_gbps) * GB,
+            overhead_bytes=float(cluster.runtime_overhead_gb) * GB,
+        )
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    precision: str = "bf16-mixed"
+    recompute: str = "none"  # none | selective | full
+    dp_overlap: float = 0.0  # share of the ZeRO-1 traffic hidden behind compute
+    memory_margin: float = 0.9  # plan to this share of device memory
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.precision.startswith("bf16") else 4
+
+
+class CostModel:
+    """Unit-level times (seconds) and memory (bytes) on one hardware for one workload."""
+
+    def __init__(self, workload: Workload, hw: Hardware, settings: PlannerSettings, profile=None):
+        self.work, self.hw, self.settings, self.profile = workload, hw, settings, profile
+        self._memo: dict = {}
+
+    @property
+    def source(self) -> str:
+        return "profiled" if self.profile is not None else "analytic"
+
+    # ------------------------------------------------------------------ communication
+    def link_bw(self, group_span: int) -> float:
+        """Bandwidth for a group spanning ``group_span`` consecutive devices."""
+        return self.hw.intra_bw if group_span <= self.hw.per_node else self.hw.inter_bw
+
+    def allreduce_s(self, nbytes: float, n: int, bw: float) -> float:
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return 2.0 * (n - 1) / n * nbytes / bw + 2.0 * (n - 1) * self.hw.latency_s
+
+    def p2p_s(self, nbytes: float, bw: float) -> float:
+        """One activation forward and its gradient back across a stage boundary."""
+        if nbytes <= 0:
+            return 0.0
+        return 2.0 * (nbytes / (self.hw.p2p_bw or bw) + self.hw.latency_s)
+
+    # ------------------------------------------------------------------------ compute
+    def compute(self, unit: str, tp: int, items: float) -> float:
+        """Forward + backward seconds of the whole ``unit`` for ``items`` items on ``tp`` devices."""
+        key = (unit, tp, items)
+        if key not in self._memo:
+            if self.profile is not None and self.profile.has(unit, tp):
+                self._memo[key] = self.profile.compute(unit, tp, items)
+            else:
+                self._memo[key] = self._analytic(unit, tp, items)
+        return self._memo[key]
+
+    def _analytic(self, unit: str, tp: int, items: float) -> float:
+        w = self.work.units[unit]
+        flops = items * (w.train_flops - w.flops_not_tp) / tp + items * w.flops_not_tp
+        seconds = flops / (self.hw.peak_flops * self.hw.efficiency)
+        if tp > 1 and w.params_tp:
+            block_bytes = items * w.tokens * w.dim * self.settings.act_bytes
+            seconds += 4 * w.layers * self.allreduce_s(block_bytes, tp, self.hw.intra_bw)
+        return seconds
+
+    # -------------------------------------------------------------------- unit pieces
+    def boundary_bytes(self, unit: str, samples: float) -> float:
+        w = self.work.units[unit]
+        return samples * w.items_per_sample * w.boundary_floats * self.settings.act_bytes
+
+    def local_params(self, unit: str, tp: int, pp: int) -> float:
+        w = self.work.units[unit]
+        return (w.params_tp / tp + w.params_rep) / pp
+
+    def sync_s(self, unit: str, tp: int, dp: int, pp: int) -> float:
+        """ZeRO-1 reduce-scatter of fp32 gradients + all-gather of fp32 parameters, exposed part."""
+        if dp <= 1:
+            return 0.0
+        w = self.work.units[unit]
+        nbytes = self.local_params(unit, tp, pp) * w.trainable_fraction * 4
+        # reduce-scatter + all-gather move what one all-reduce moves
+        seconds = self.allreduce_s(nbytes, dp, self.link_bw(tp * dp))
+        return seconds * (1.0 - self.settings.dp_overlap)
+
+    def optimizer_s(self, unit: str, tp: int, dp: int, pp: int) -> float:
+        w = self.work.units[unit]
+        local = self.local_params(unit, tp, pp) * w.trainable_fraction
+        if self.profile is not None and self.profile.optimizer_s_per_param:
+            per = self.profile.optimizer_s_per_param
+            return local / dp * per + local * self.profile.copy_s_per_param
+        # AdamW touches master, grad, two moments (read + write) ~ 28 bytes; copy-back 8 bytes
+        return (28.0 * local / dp + 8.0 * local) / self.hw.hbm_bw
+
+    # ------------------------------------------------------------------------- memory
+    def activation_bytes(self, unit: str, tp: int, items: float) -> float:
+        """Bytes saved for backward by the whole unit for ``items`` items (one microbatch)."""
+        w = self.work.units[unit]
+        scale = self.settings.act_bytes / 2  # Korthikanti's coefficients assume 16-bit activations
+        if w.counted_activation_bytes:  # U-Net: counted on meta in fp32
+            return items * w.counted_activation_bytes * self.settings.act_bytes / 4
+        s, h = w.tokens, w.dim
+        if self.settings.recompute == "full":
+            per_layer = 2.0 * s * h  # the block input only, 16-bit units
+        else:
+            # Tensors of [s, h] a block keeps for backward (Korthikanti et al.'s accounting, redone
+            # for these blocks and checked against autograd in tests/unit/test_planner.py): the
+            # input, both norm outputs and the residual (TP does not split these), then q, k, v
+            # (k and v scaled by kv_heads / heads), the RoPE'd q and k, the attention output, and
+            # the MLP's hidden activations (2 for GELU, 4 for SwiGLU: gate, up, SiLU, product).
+            # Flash attention (CUDA and CPU SDPA) keeps no s x s scores, so recompute=selective
+            # saves nothing more here.
+            kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
+            rope = (1.0 + kv) if w.kv_heads else 0.0
+            split = 1.0 + 2.0 * kv + rope + 1.0 + (4.0 if w.gated_mlp else 2.0) * w.mlp_ratio
+            per_layer = 2.0 * s * h * (4.0 + split / tp)  # 16-bit units (2 bytes per element)
+        return items * per_layer * w.layers * scale  # the LLM's logits are counted on its last stage
+
+    def state_bytes(self, unit: str, tp: int, dp: int, pp: int) -> float:
+        w = self.work.units[unit]
+        local = self.local_params(unit, tp, pp)
+        trainable = local * w.trainable_fraction
+        weights = 4.0 * local + (2.0 * local if self.settings.precision.startswith("bf16") else 0.0)
+        return weights + 4.0 * trainable + 12.0 * trainable / dp
+
+
+def interp(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through sorted ``points``, extended linearly past both ends."""
+    xs = np.array([p[0] for p in points], dtype=float)
+    ys = np.array([p[1] for p in points], dtype=float)
+    if len(xs) == 1:
+        return float(ys[0] * x / xs[0])
+    if x <= xs[0]:
+        slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+        return float(max(ys[0] + slope * (x - xs[0]), ys[0] * x / xs[0]))
+    if x >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return float(ys[-1] + slope * (x - xs[-1]))
+    return float(np.interp(x, xs, ys))
+
+
+def ceil_div(a: float, b: float) -> int:
+    return int(math.ceil(a / b - 1e-9))
+
+
+__all__ = ["CostModel", "Hardware", "PlannerSettings", "UnitWork", "interp", "GIB"]

@@ -1,0 +1,219 @@
+"""The exact iteration-time and memory model of one layout (what both solvers optimize).
+
+A layout is a choice per unit: the LLM's (tp, dp, pp, vpp); the encoder's and the
+generator's (tp, dp, pp), or *colocated* inside the LLM's first / last stage. Following
+DistTrain §5.1, with ``m`` microbatches of ``B = micro_batch x dp_llm`` samples and
+per-stage forward+backward times ``T_s`` of the pipeline's stages in order
+(encoder stages, LLM stages, generator stage):
+
+    T_iter = sum_s T_s  [LLM part / vpp]  +  (m - 1) * max_s T_s  +  max_unit (sync + optimizer)
+
+The first term is warm-up plus cool-down (one microbatch through every stage; virtual
+stages shorten the LLM's share), the second the 1F1B steady phase, the last the ZeRO-1
+gradient/parameter traffic and the AdamW step after the last backward. A stage's time
+is its share of the unit's compute for its replica's samples plus the point-to-point
+transfer of its boundary tensor (forward activation + backward gradient).
+
+Memory per device is checked on the stages that hold the most: each unit's first stage
+(in 1F1B stage ``r`` of ``S`` keeps ``min(S - r, m)`` microbatches in flight) and the
+LLM's last stage (logits). Units take contiguous device blocks in data-flow order; a
+tensor-parallel group must not straddle a node boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .costs import CostModel
+
+
+@dataclass(frozen=True)
+class UnitChoice:
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    colocated: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return 0 if self.colocated else self.tp * self.dp * self.pp
+
+    def as_dict(self) -> dict:
+        if self.colocated:
+            return {"colocated": True, "gpus": 0}
+        return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp}
+
+
+COLOCATED = UnitChoice(colocated=True)
+
+
+@dataclass
+class Evaluation:
+    iteration_s: float
+    feasible: bool
+    gpus: int
+    microbatches: int
+    stage_times: list[tuple[str, float]]  # (unit, forward+backward seconds per microbatch), pipeline order
+    memory: dict[str, float]  # bytes on the fullest device of each unit (colocated modules counted in the LLM)
+    sync_s: float
+    reason: str = ""  # why infeasible
+    choices: dict[str, UnitChoice] = field(default_factory=dict)
+
+    @property
+    def bottleneck(self) -> str:
+        return max(self.stage_times, key=lambda st: st[1])[0] if self.stage_times else ""
+
+
+class LayoutModel:
+    """Evaluates layouts for one workload, cost model, batch and device count."""
+
+    def __init__(self, costs: CostModel, global_batch: int, micro_batch: int, devices: int):
+        self.c, self.batch, self.micro, self.devices = costs, global_batch, micro_batch, devices
+        self.limit = costs.hw.memory_bytes * costs.settings.memory_margin
+        self.w = costs.work
+        # CPU only: preprocessing runs on the training machine's cores (set by the planner from a
+        # measurement of the data); its CPU time per step is spread over the cores.
+        self.data_s_per_sample = 0.0
+        self.data_cores = 1
+
+    # -------------------------------------------------------------------- unit terms
+    def images(self, samples: float) -> float:
+        enc = self.w.get("encoder")
+        return samples * (enc.items_per_sample if enc else 0.0)
+
+    def pp_bw(self, gpus: int) -> float:
+        return self.c.link_bw(gpus)
+
+    def stage_time(self, unit: str, choice: UnitChoice, samples: float, bw: float) -> float:
+        """Seconds per microbatch of one stage of a separate unit (compute share + boundary p2p)."""
+        items = self.images(samples) if unit == "encoder" else samples
+        compute = self.c.compute(unit, choice.tp, items) / choice.pp
+        boundary = self.c.boundary_bytes(unit, samples) if unit != "generator" else 0.0
+        if unit == "llm" and choice.pp > 1:
+            boundary = max(boundary, samples * self.w.seq_len * self.w.llm_dim * self.c.settings.act_bytes)
+        return compute + self.c.p2p_s(boundary, bw)
+
+    def colocated_time(self, unit: str, tp: int, samples: float) -> float:
+        items = self.images(samples) if unit == "encoder" else samples
+        return self.c.compute(unit, tp, items)
+
+    # -------------------------------------------------------------------- evaluation
+    def evaluate(self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None) -> Evaluation:
+        c = self.c
+        B = self.micro * llm.dp
+        m = self.batch // B
+        choices = {"llm": llm}
+        if enc is not None:
+            choices["encoder"] = enc
+        if gen is not None:
+            choices["generator"] = gen
+        gpus = sum(ch.gpus for ch in choices.values())
+        bw = self.pp_bw(gpus)
+
+        def infeasible(reason: str) -> Evaluation:
+            return Evaluation(float("inf"), False, gpus, m, [], {}, 0.0, reason, choices)
+
+        if gpus > self.devices:
+            return infeasible(f"needs {gpus} devices, {self.devices} available")
+        per_node = c.hw.per_node
+        offset = 0
+        for name in ("encoder", "llm", "generator"):
+            ch = choices.get(name)
+            if ch is None or ch.colocated:
+                continue
+            if ch.tp > per_node or (per_node % ch.tp == 0 and offset % ch.tp):
+                return infeasible(f"{name} TP groups of {ch.tp} would straddle nodes of {per_node}")
+            offset += ch.gpus
+
+        t_llm = self.stage_time("llm", llm, self.micro, bw)
+        x_enc = self.colocated_time("encoder", llm.tp, self.micro) if enc is not None and enc.colocated else 0.0
+        x_gen = self.colocated_time("generator", llm.tp, self.micro) if gen is not None and gen.colocated else 0.0
+        if gen is not None and not gen.colocated:
+            t_llm_last_extra = c.p2p_s(c.boundary_bytes("llm", self.micro), bw)
+        else:
+            t_llm_last_extra = 0.0
+        stages: list[tuple[str, float]] = []
+        if enc is not None and not enc.colocated:
+            t_enc = self.stage_time("encoder", enc, B / enc.dp, bw)
+            stages += [("encoder", t_enc)] * enc.pp
+        llm_times = [t_llm] * llm.pp
+        llm_times[0] += x_enc
+        llm_times[-1] += x_gen + t_llm_last_extra
+        stages += [("llm", t) for t in llm_times]
+        if gen is not None and not gen.colocated:
+            stages.append(("generator", self.stage_time("generator", gen, B / gen.dp, bw)))
+
+        warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
+        steady = (m - 1) * max(t for _, t in stages)
+
+        # ZeRO-1 traffic and the optimizer step, per unit (colocated modules ride with the LLM's stages)
+        def tail(name: str, ch: UnitChoice, dp: int) -> float:
+            return c.sync_s(name, ch.tp, dp, ch.pp) + c.optimizer_s(name, ch.tp, dp, ch.pp)
+
+        llm_tail = tail("llm", llm, llm.dp)
+        extra = 0.0
+        tails = []
+        for name, ch in (("encoder", enc), ("generator", gen)):
+            if ch is None:
+                continue
+            if ch.colocated:
+                extra = max(extra, tail(name, UnitChoice(tp=llm.tp, dp=llm.dp), llm.dp))
+            else:
+                tails.append(tail(name, ch, ch.dp))
+        sync = max([llm_tail + extra, *tails])
+        iteration = warmup + steady + sync
+        if self.data_s_per_sample:
+            # every rank of a multi-unit layout reads the whole global stream; a single unit's
+            # ranks read their replica's share (each pipeline stage and TP rank decodes it)
+            single = all(ch.colocated for name, ch in choices.items() if name != "llm")
+            decoded = self.batch * (llm.tp * llm.pp if single else gpus)
+            iteration += self.data_s_per_sample * decoded / self.data_cores
+
+        # memory on the fullest devices
+        S = len(stages)
+        memory: dict[str, float] = {}
+        r = 0
+        if enc is not None and not enc.colocated:
+            act = c.activation_bytes("encoder", enc.tp, self.images(B / enc.dp)) / enc.pp
+            memory["encoder"] = c.state_bytes("encoder", enc.tp, enc.dp, enc.pp) + act * min(S, m)
+            r = enc.pp
+        llm_state = c.state_bytes("llm", llm.tp, llm.dp, llm.pp)
+        llm_act = c.activation_bytes("llm", llm.tp, self.micro) / llm.pp
+        first = llm_state + llm_act * min(S - r, m)
+        last = llm_state + llm_act * min(S - (r + llm.pp - 1), m) + self.logits(self.micro)
+        if enc is not None and enc.colocated:
+            coloc = c.state_bytes("encoder", llm.tp, llm.dp, 1)
+            coloc += c.activation_bytes("encoder", llm.tp, self.images(self.micro)) * min(S - r, m)
+            first += coloc
+            if llm.pp == 1:
+                last += coloc
+        if gen is not None and gen.colocated:
+            coloc = c.state_bytes("generator", llm.tp, llm.dp, 1) + c.activation_bytes("generator", llm.tp, self.micro)
+            last += coloc
+            if llm.pp == 1:
+                first += coloc
+        memory["llm"] = max(first, last)
+        if gen is not None and not gen.colocated:
+            memory["generator"] = c.state_bytes("generator", gen.tp, gen.dp, 1) + c.activation_bytes(
+                "generator", gen.tp, B / gen.dp
+            )
+        memory = {k: v + c.hw.overhead_bytes for k, v in memory.items()}
+        for name, used in memory.items():
+            if used > self.limit:
+                return Evaluation(
+                    float("inf"),
+                    False,
+                    gpus,
+                    m,
+                    stages,
+                    memory,
+                    sync,
+                    f"{name} needs {used / 1e9:.1f} GB per device, over {self.limit / 1e9:.1f} GB "
+                    f"({c.settings.memory_margin:.0%} of {c.hw.memory_bytes / 1e9:.0f} GB)",
+                    choices,
+                )
+        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices)
+
+    def logits(self, samples: float) -> float:
+        return samples * self.w.seq_len * self.w.vocab * (self.c.settings.act_bytes + 8)

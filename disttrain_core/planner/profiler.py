@@ -1,0 +1,291 @@
+"""Benchmark trials of each module on this machine, for the planner's profiled cost model.
+
+For every present module (encoder with its projector, LLM, generator with its projector),
+every TP size the planner may use (up to the number of processes) and a few input sizes,
+``world`` processes run forward + backward together -- as many as training will run, with
+the same threads per process, so the trials see the same contention as the real run; at
+TP > 1 they form TP groups and the blocks are sharded exactly as the trainer shards them.
+The median of ``repeats`` timed runs after a warm-up is kept, and the planner interpolates
+piecewise-linearly between input sizes (costs.interp).
+
+The same processes also measure point-to-point and all-reduce bandwidth and latency (for
+pipeline transfers and ZeRO-1 traffic) and the AdamW step time per parameter.
+
+Results are cached as JSON under ``planner.profile_cache``, keyed by CPU/GPU model, process
+count, threads, precision, torch version and a hash of the model config: a second
+``parallel=auto`` run reuses them without spawning anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from .costs import interp
+
+PROFILE_VERSION = 2
+SIZES = {"encoder": (2, 4, 8, 16, 32), "llm": (1, 2, 4, 8), "generator": (1, 2, 4, 8)}
+
+
+@dataclass
+class Profile:
+    key: str
+    world: int
+    threads: int
+    precision: str
+    trials: dict[str, list[list[float]]] = field(default_factory=dict)  # "unit/tp" -> [[items, seconds], ...]
+    p2p_bw: float = 0.0  # bytes/s
+    allreduce_bw: float = 0.0  # bytes/s of the ring formula's 2 (n-1)/n payload
+    latency_s: float = 0.0
+    optimizer_s_per_param: float = 0.0
+    copy_s_per_param: float = 0.0
+    seconds: float = 0.0  # how long profiling took
+
+    def has(self, unit: str, tp: int) -> bool:
+        return f"{unit}/{tp}" in self.trials
+
+    def compute(self, unit: str, tp: int, items: float) -> float:
+        return interp([tuple(p) for p in self.trials[f"{unit}/{tp}"]], items)
+
+    def tp_sizes(self, unit: str) -> list[int]:
+        return sorted(int(k.split("/")[1]) for k in self.trials if k.startswith(unit + "/"))
+
+
+def profile_key(model_cfg, world: int, threads: int, precision: str, device: str) -> str:
+    import torch
+
+    from ..train.perf import _cpu_model
+
+    name = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else _cpu_model()
+    model_hash = hashlib.sha256(OmegaConf.to_yaml(model_cfg).encode()).hexdigest()[:16]
+    parts = (f"v{PROFILE_VERSION}", name, f"world={world}", f"threads={threads}", precision, torch.__version__)
+    parts += (model_hash,)
+    return "|".join(parts)
+
+
+def cache_path(cache_dir: str, key: str) -> Path:
+    return Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def load_or_profile(cfg, world: int, tp_options: list[int], progress=print) -> Profile:
+    """The cached profile for this machine, model and process count, or a fresh one."""
+    device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
+    threads = _threads(cfg, world)
+    from . import planned_precision
+
+    precision = planned_precision(cfg)
+    key = profile_key(cfg.model, world, threads, precision, device)
+    path = cache_path(cfg.planner.profile_cache, key)
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("key") == key:
+            return Profile(**raw)
+    except (OSError, ValueError, TypeError):
+        pass
+    progress(f"profiling {cfg.model.name} on {world} process(es) x {threads} thread(s) (cached afterwards) ...")
+    profile = run_profile(cfg, world, threads, [t for t in tp_options if world % t == 0], key, device, precision)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(profile.__dict__, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    progress(f"profiled in {profile.seconds:.0f}s -> {path}")
+    return profile
+
+
+def _threads(cfg, world: int) -> int:
+    if cfg.trainer.threads_per_rank:
+        return int(cfg.trainer.threads_per_rank)
+    return max(1, (os.cpu_count() or 1) // max(world, 1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_profile(cfg, world: int, threads: int, tp_sizes: list[int], key: str, device: str, precision: str) -> Profile:
+    import torch.multiprocessing as mp
+
+    started = time.perf_counter()
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    payload = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "trainer", "planner")}
+    payload["trainer"]["precision"] = precision
+    processes = [
+        ctx.Process(target=_worker, args=(rank, world, port, threads, payload, tp_sizes, device, queue))
+        for rank in range(world)
+    ]
+    for p in processes:
+        p.start()
+    result = None
+    deadline = time.time() + 1800
+    while result is None and time.time() < deadline:
+        if not queue.empty():
+            result = queue.get()
+            break
+        if any(p.exitcode not in (None, 0) for p in processes):
+            break
+        time.sleep(0.2)
+    for p in processes:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.terminate()
+    if result is None or "error" in result:
+        raise RuntimeError(f"profiling failed: {result.get('error') if result else 'a worker died'}")
+    seconds = time.perf_counter() - started
+    return Profile(key=key, world=world, threads=threads, precision=precision, seconds=seconds, **result)
+
+
+# ---------------------------------------------------------------------------------- workers
+def _worker(rank, world, port, threads, payload, tp_sizes, device, queue):  # pragma: no cover - subprocess
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        result = _trials(rank, world, payload, tp_sizes, device)
+        if rank == 0:
+            queue.put(result)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:  # report instead of hanging the parent
+        if rank == 0:
+            queue.put({"error": traceback.format_exc()[-2000:]})
+        raise
+
+
+def _trial_loss(cfg, modules, unit: str, items: int, dev):
+    """Forward of one module (with its projector) on ``items`` random items, reduced to a scalar."""
+    import torch
+    import torch.nn.functional as F
+
+    m = cfg.model
+    if unit == "encoder":
+        side = m.encoder.image_size
+        pixels = torch.randint(0, 255, (items, 3, side, side), dtype=torch.uint8, device=dev)
+        return modules["encoder_projector"](modules["encoder"](pixels)).float().square().mean()
+    if unit == "llm":
+        llm = modules["llm"]
+        hidden = torch.randn(items, m.seq_len, m.llm.dim, device=dev, requires_grad=True)
+        logits = llm.logits(llm.final_norm(llm.run_layers(hidden)))
+        targets = torch.randint(0, m.llm.vocab_size, logits.shape[:2], device=dev)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    side = m.gen_image_size // m.latent_downsample
+    queries = torch.randn(items, m.gen_tokens, m.llm.dim, device=dev, requires_grad=True)
+    context = modules["generator_projector"](queries)
+    latents = torch.randn(items, m.generator.in_channels, side, side, device=dev)
+    steps = torch.randint(0, m.generator.num_train_timesteps, (items,), device=dev)
+    return modules["generator"].unet(latents, steps, context).float().square().mean()
+
+
+def _timed(fn, repeats: int) -> float:
+    import torch.distributed as dist
+
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _trials(rank, world, payload, tp_sizes, device):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..config import Config
+    from ..data.tokenizer import ByteTokenizer
+    from ..models import build_model, materialize
+    from ..parallel.tensor_parallel import apply_tensor_parallel
+    from .workload import workload_of
+
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(payload))
+    repeats = int(cfg.planner.profile_repeats)
+    bf16 = str(cfg.trainer.precision).startswith("bf16")
+    dev = torch.device(device if device == "cpu" else f"cuda:{rank % max(torch.cuda.device_count(), 1)}")
+    work = workload_of(cfg.model)
+    trials: dict[str, list[list[float]]] = {}
+    torch.manual_seed(rank)
+
+    for tp in tp_sizes:
+        groups = [dist.new_group(list(range(g, g + tp))) for g in range(0, world, tp)]  # tp divides world
+        mesh = DeviceMesh.from_group(groups[rank // tp], device) if tp > 1 else None
+        model = build_model(cfg.model, ByteTokenizer(), device="meta")
+        materialize(model, dev, seed=1, std=cfg.model.init_std)
+        modules = model.submodules()
+        if mesh is not None:
+            apply_tensor_parallel(model, mesh)
+
+        for unit in ("encoder", "llm", "generator"):
+            if unit not in work.units or not work.units[unit].tp_allowed(tp):
+                continue
+            points = []
+            for items in SIZES[unit]:
+
+                def step(unit=unit, items=items, modules=modules):
+                    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+                        loss = _trial_loss(cfg, modules, unit, items, dev)
+                    loss.backward()
+
+                seconds = _timed(step, repeats)
+                points.append([float(items), seconds])
+            gathered = [None] * world
+            dist.all_gather_object(gathered, points)
+            # the slowest replica sets the pace (a synchronous step waits for it)
+            trials[f"{unit}/{tp}"] = [[p[0], max(g[i][1] for g in gathered)] for i, p in enumerate(points)]
+        del model, modules
+
+    # communication and optimizer step
+    p2p_bw = allreduce_bw = latency = 0.0
+    if world > 1:
+        small = torch.zeros(1)
+        big = torch.zeros(8 * 2**20 // 4)
+
+        def pingpong(t):
+            if rank == 0:
+                dist.send(t, 1)
+                dist.recv(t, 1)
+            elif rank == 1:
+                dist.recv(t, 0)
+                dist.send(t, 0)
+
+        latency = _timed(lambda: pingpong(small), 10) / 2
+        p2p_bw = big.numel() * 4 / max(_timed(lambda: pingpong(big), repeats) / 2 - latency, 1e-9)
+        ar = _timed(lambda: dist.all_reduce(big), repeats)
+        allreduce_bw = 2 * (world - 1) / world * big.numel() * 4 / max(ar - 2 * (world - 1) * latency, 1e-9)
+    n = 2**22
+    param = torch.zeros(n, requires_grad=True)
+    param.grad = torch.randn(n)
+    opt = torch.optim.AdamW([param], lr=1e-4, foreach=True)
+    optimizer_s = _timed(opt.step, repeats) / n
+    flat = torch.zeros(n)
+    copy_s = _timed(lambda: param.data.copy_(flat), repeats) / n
+    return {
+        "trials": trials,
+        "p2p_bw": p2p_bw,
+        "allreduce_bw": allreduce_bw,
+        "latency_s": latency,
+        "optimizer_s_per_param": optimizer_s,
+        "copy_s_per_param": copy_s,
+    }

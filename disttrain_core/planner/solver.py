@@ -1,0 +1,458 @@
+"""DistTrain's disaggregated model orchestration (Algorithm 1), its baselines and a brute-force check.
+
+Algorithm 1. Enumerate the LLM's TP size (1, 2, 4, 8 up to the node size), its DP size
+(divisors of the microbatch count), and for the encoder and the generator either
+colocation or a TP size and a DP size dividing the samples of a microbatch slot. For
+every combination the devices per unit ``(x, y)`` (the generator has one stage, so its
+devices are fixed by its TP and DP) are continuous variables of a convex problem: with
+``K = C(tp) * tp * dp`` (a whole module's time on one device group for one microbatch),
+a stage time is ``K / devices + p2p``, and
+
+    minimize   sum of stage times + (m - 1) t
+    subject to t >= K_e / x + p_e,   t >= K_l / y + p_l + colocated work,   t >= T_g,
+               x + y <= N - z,   bounds from TP x DP, the layer counts and memory,
+
+convex because ``1/x`` is convex for ``x > 0``; it reduces to a convex problem in the
+steady-phase stage time alone, which scipy solves (``_relax``). The
+continuous optimum is rounded to pipeline sizes that divide the layer counts (the
+nearest ones below and above, and the largest that fits the remaining devices), each
+candidate is evaluated exactly (planner/evaluate.py), and the best feasible one is kept.
+
+Combinations are visited in increasing order of a lower bound on their iteration time
+(warm-up with every unit on one stage, steady phase with perfectly balanced stages on all
+``N`` devices); once the bound reaches the best time found, the rest cannot win and are
+skipped. That makes the search exact with respect to its own rounding while solving only
+a small fraction of the convex problems.
+
+``solver=exhaustive`` evaluates every integer layout with the same model, for checking
+on small clusters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import cache
+
+from scipy.optimize import brentq, minimize_scalar
+
+from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
+
+TP_OPTIONS = (1, 2, 4, 8)
+
+
+class PlanningError(ValueError):
+    """No layout satisfies the constraints; the message names the binding one."""
+
+
+@cache
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass
+class Plan:
+    name: str
+    evaluation: Evaluation
+    devices: int
+    solve_seconds: float = 0.0
+    candidates: int = 0  # convex problems solved (or layouts evaluated)
+    baselines: dict[str, Plan] = field(default_factory=dict)
+
+
+class Orchestrator:
+    def __init__(self, model: LayoutModel, tp_options=TP_OPTIONS, vpp_options=(1,), allow_colocation: bool = True):
+        self.m = model
+        c, w = model.c, model.w
+        self.w = w
+        per_node = c.hw.per_node
+        self.tp_options = [t for t in tp_options if t <= per_node]
+        self.vpp_options = tuple(vpp_options)
+        self.allow_colocation = allow_colocation
+        self.has_enc = w.get("encoder") is not None
+        self.has_gen = w.get("generator") is not None
+
+    # ------------------------------------------------------------------ enumeration
+    def tp_ok(self, unit: str, tp: int) -> bool:
+        return self.w.units[unit].tp_allowed(tp)
+
+    def llm_pp_options(self, vpp: int) -> list[int]:
+        layers = self.w.units["llm"].layers
+        return [p for p in divisors(layers) if layers % (p * vpp) == 0]
+
+    def enc_pp_options(self) -> list[int]:
+        return divisors(self.w.units["encoder"].layers) if self.has_enc else [1]
+
+    def llm_options(self):
+        """(tp, dp, vpp) of the LLM: dp divides the number of micro-batches."""
+        per_rank = self.m.batch // self.m.micro
+        for tp in self.tp_options:
+            if not self.tp_ok("llm", tp):
+                continue
+            for dp in divisors(per_rank):
+                if tp * dp > self.m.devices:
+                    break
+                for vpp in self.vpp_options:
+                    yield tp, dp, vpp
+
+    def side_options(self, unit: str, samples: int) -> list[UnitChoice]:
+        """Colocated, or (tp, dp) with dp dividing the samples of a microbatch slot."""
+        present = self.has_enc if unit == "encoder" else self.has_gen
+        if not present:
+            return [None]
+        options = [COLOCATED] if self.allow_colocation else []
+        for tp in self.tp_options:
+            if not self.tp_ok(unit, tp):
+                continue
+            for dp in divisors(samples):
+                if tp * dp <= self.m.devices:
+                    options.append(UnitChoice(tp=tp, dp=dp, pp=1))
+        return options
+
+    # ------------------------------------------------------------------ memory bounds
+    def _fits(self, used: float) -> bool:
+        return used + self.m.c.hw.overhead_bytes <= self.m.limit
+
+    def llm_pp_min(self, tp: int, dp: int, vpp: int, m: int) -> int | None:
+        """Smallest LLM pipeline size whose stages can fit (a lower bound: other units only add)."""
+        c, micro = self.m.c, self.m.micro
+        act = c.activation_bytes("llm", tp, micro)
+        logits = self.m.logits(micro)
+        for pp in self.llm_pp_options(vpp):
+            # the first stage keeps min(pp, m) microbatches in flight, the last one the logits
+            first, last = act / pp * min(pp, m), act / pp + logits
+            held = first + logits if pp == 1 else max(first, last)
+            if self._fits(c.state_bytes("llm", tp, dp, pp) + held):
+                return pp
+        return None
+
+    def enc_pp_min(self, enc: UnitChoice, samples: float, m: int, later_stages: int) -> int | None:
+        c = self.m.c
+        act = c.activation_bytes("encoder", enc.tp, self.m.images(samples))
+        for pp in self.enc_pp_options():
+            if self._fits(c.state_bytes("encoder", enc.tp, enc.dp, pp) + act / pp * min(pp + later_stages, m)):
+                return pp
+        return None
+
+    def gen_fits(self, gen: UnitChoice, samples: float) -> bool:
+        c = self.m.c
+        return self._fits(c.state_bytes("generator", gen.tp, gen.dp, 1) + c.activation_bytes("generator", 1, samples))
+
+    # --------------------------------------------------------------------- Algorithm 1
+    def combinations(self):
+        """Every (LLM tp/dp/vpp, encoder option, generator option) with its bounds and a lower bound."""
+        N, mdl = self.m.devices, self.m
+        fastest = max(mdl.c.hw.intra_bw, mdl.c.hw.inter_bw)  # a bound must not assume the slower link
+        for tp, dp, vpp in self.llm_options():
+            B = mdl.micro * dp
+            m = mdl.batch // B
+            a_l = tp * dp
+            pl_min = self.llm_pp_min(tp, dp, vpp, m)
+            if pl_min is None:
+                continue
+            C_l = mdl.c.compute("llm", tp, mdl.micro)
+            K_l = C_l * a_l
+            p2p_l = mdl.c.p2p_s(mdl.micro * self.w.seq_len * self.w.llm_dim * mdl.c.settings.act_bytes, fastest)
+            tails = {
+                pp: mdl.c.sync_s("llm", tp, dp, pp) + mdl.c.optimizer_s("llm", tp, dp, pp)
+                for pp in self.llm_pp_options(vpp)
+            }
+            gens = []
+            for gen in self.side_options("generator", B):
+                if gen is None:
+                    gens.append((gen, 0.0, 0.0, 0))
+                elif gen.colocated:
+                    gens.append((gen, mdl.colocated_time("generator", tp, mdl.micro), 0.0, 0))
+                elif self.gen_fits(gen, B / gen.dp):
+                    gens.append((gen, 0.0, mdl.c.compute("generator", gen.tp, B / gen.dp), gen.gpus))
+            for enc in self.side_options("encoder", B):
+                x_e = C_e = 0.0
+                a_e = pe_min = 0
+                if enc is not None and enc.colocated:
+                    x_e = mdl.colocated_time("encoder", tp, mdl.micro)
+                elif enc is not None:
+                    pe_min = self.enc_pp_min(enc, B / enc.dp, m, pl_min)
+                    if pe_min is None:
+                        continue
+                    a_e = enc.tp * enc.dp
+                    C_e = mdl.c.compute("encoder", enc.tp, mdl.images(B / enc.dp))
+                for gen, x_g, t_g, g_gpus in gens:
+                    budget = N - g_gpus
+                    x_min = a_e * pe_min
+                    y_fit = [p for p in self.llm_pp_options(vpp) if pl_min <= p and a_l * p <= budget - x_min]
+                    if not y_fit:
+                        continue
+                    y_max = a_l * y_fit[-1]
+                    if a_e:
+                        e_fit = [p for p in self.enc_pp_options() if p >= pe_min and a_e * p <= budget - a_l * pl_min]
+                        if not e_fit:
+                            continue
+                        x_max = a_e * e_fit[-1]
+                    else:
+                        x_max = 0
+                    K_e = C_e * a_e
+                    p2p = p2p_l if pl_min > 1 else 0.0
+                    steady = max(
+                        t_g,
+                        K_l / y_max + p2p + max(x_e, x_g),
+                        K_e / x_max if x_max else 0.0,
+                        (K_e + K_l) / budget,
+                    )
+                    # the LLM's ZeRO-1 traffic and optimizer step shrink as its pipeline grows
+                    tail = tails[y_fit[-1]]
+                    lower = C_e + (C_l + pl_min * p2p) / vpp + x_e + x_g + t_g + (m - 1) * steady + tail
+                    bounds = ((x_min, x_max), (a_l * pl_min, y_max))
+                    yield lower, (tp, dp, vpp), enc, gen, bounds
+
+    def solve(self) -> Plan:
+        started = time.perf_counter()
+        N = self.m.devices
+        combos = sorted(self.combinations(), key=lambda item: item[0])
+        if not combos:
+            raise PlanningError(self._no_layout_reason())
+        best: Evaluation | None = None
+        solved = 0
+        for lower, (tp, dp, vpp), enc, gen, bounds in combos:
+            if best is not None and lower >= best.iteration_s * (1 - 1e-9):
+                break
+            solved += 1
+            relaxed = self._relax(tp, dp, vpp, enc, gen, bounds)
+            for candidate in self._round(relaxed, tp, dp, vpp, enc, gen):
+                if candidate.feasible and (best is None or candidate.iteration_s < best.iteration_s):
+                    best = candidate
+        if best is None:
+            raise PlanningError(self._no_layout_reason())
+        return Plan("disttrain", best, N, time.perf_counter() - started, solved)
+
+    def _relax(self, tp: int, dp: int, vpp: int, enc, gen, bounds) -> tuple[float, float]:
+        """Continuous optimum (encoder devices x, LLM devices y) of one combination.
+
+        The convex problem in (x, y, t) reduces to one dimension: for a steady-phase stage time
+        ``t`` the fewest devices that achieve it are ``x(t) = max(x_lo, K_e / (t - c_e))`` and
+        ``y(t) = max(y_lo, K_l / (t - c_l))`` (convex, decreasing), so the objective
+        ``(m - 1) t + w_x x(t) + w_y y(t)`` is convex in ``t`` on the interval where the bounds
+        and the budget ``x(t) + y(t) <= D`` hold. scipy finds the interval's end with ``brentq``
+        and the minimum with a bounded ``minimize_scalar``.
+        """
+        mdl, c = self.m, self.m.c
+        B = mdl.micro * dp
+        m = mdl.batch // B
+        bw = mdl.pp_bw(mdl.devices)
+        sep_enc = enc is not None and not enc.colocated
+        g_gpus = gen.gpus if gen is not None and not gen.colocated else 0
+        t_g = c.compute("generator", gen.tp, B / gen.dp) if g_gpus else 0.0
+        x_e = mdl.colocated_time("encoder", tp, mdl.micro) if enc is not None and enc.colocated else 0.0
+        x_g = mdl.colocated_time("generator", tp, mdl.micro) if gen is not None and gen.colocated else 0.0
+        a_l = tp * dp
+        K_l = c.compute("llm", tp, mdl.micro) * a_l
+        p_l = c.p2p_s(mdl.micro * self.w.seq_len * self.w.llm_dim * c.settings.act_bytes, bw)
+        c_l = p_l + x_e + x_g
+        if sep_enc:
+            a_e = enc.tp * enc.dp
+            K_e = c.compute("encoder", enc.tp, mdl.images(B / enc.dp)) * a_e
+            c_e = c.p2p_s(c.boundary_bytes("encoder", B / enc.dp), bw)
+        else:
+            a_e, K_e, c_e = 1, 0.0, 0.0
+        D = float(mdl.devices - g_gpus)
+        (x_lo, x_hi), (y_lo, y_hi) = bounds
+        if not sep_enc:
+            x_lo = x_hi = 0.0
+        if x_lo + y_lo > D:
+            return x_lo, y_lo
+
+        def x_of(t: float) -> float:
+            return max(x_lo, K_e / (t - c_e)) if sep_enc else 0.0
+
+        def y_of(t: float) -> float:
+            return max(y_lo, K_l / (t - c_l))
+
+        def objective(t: float) -> float:
+            return (m - 1) * t + c_e / a_e * x_of(t) + p_l / (a_l * vpp) * y_of(t)
+
+        t_lo = max(t_g, c_l + K_l / y_hi, (c_e + K_e / x_hi) if sep_enc else 0.0)
+        t_hi = max(t_g, c_l + K_l / y_lo, (c_e + K_e / x_lo) if sep_enc else 0.0)
+        if x_of(t_lo) + y_of(t_lo) > D:  # the budget binds: the smallest t whose devices fit
+            if x_of(t_hi) + y_of(t_hi) >= D:  # only the lower bounds fit (up to rounding)
+                return x_of(t_hi), y_of(t_hi)
+            t_lo = brentq(lambda t: x_of(t) + y_of(t) - D, t_lo, t_hi, xtol=1e-12 * max(t_hi, 1e-12))
+        if t_hi - t_lo > 1e-12 * t_hi and (c_e > 0 or p_l > 0):
+            t = minimize_scalar(objective, bounds=(t_lo, t_hi), method="bounded").x
+            t = t if objective(t) < objective(t_lo) else t_lo
+        else:
+            t = t_lo
+        return x_of(t), y_of(t)
+
+    def _round(self, relaxed, tp, dp, vpp, enc, gen) -> list[Evaluation]:
+        """Exact evaluations of the integer layouts around a continuous optimum."""
+        x, y = relaxed
+        N = self.m.devices
+        g_gpus = gen.gpus if gen is not None and not gen.colocated else 0
+        sep_enc = enc is not None and not enc.colocated
+        llm_pps = self.llm_pp_options(vpp)
+        enc_pps = self.enc_pp_options() if sep_enc else [1]
+
+        def around(options: list[int], value: float) -> set[int]:
+            below = [p for p in options if p <= value]
+            above = [p for p in options if p > value]
+            picks = set(below[-2:]) | set(above[:2])
+            return picks or {options[0]}
+
+        enc_candidates = around(enc_pps, x / (enc.tp * enc.dp)) if sep_enc else {1}
+        results = []
+        seen = set()
+        for pe in sorted(enc_candidates):
+            e_gpus = pe * enc.tp * enc.dp if sep_enc else 0
+            room = N - g_gpus - e_gpus
+            fitting = [p for p in llm_pps if p * tp * dp <= room]
+            if not fitting:
+                continue
+            llm_candidates = around(fitting, y / (tp * dp)) | {fitting[-1]}
+            for pl in llm_candidates:
+                # with this LLM size, the largest encoder that still fits is a candidate too
+                pes = {pe}
+                if sep_enc:
+                    left = N - g_gpus - pl * tp * dp
+                    fit_e = [p for p in enc_pps if p * enc.tp * enc.dp <= left]
+                    if fit_e:
+                        pes.add(fit_e[-1])
+                for pe2 in pes:
+                    key = (pe2, pl)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    e = UnitChoice(enc.tp, enc.dp, pe2) if sep_enc else enc
+                    results.append(self.m.evaluate(UnitChoice(tp, dp, pl, vpp), e, gen))
+        return results
+
+    # ------------------------------------------------------------------ exhaustive
+    def exhaustive(self) -> Plan:
+        started = time.perf_counter()
+        N = self.m.devices
+        best: Evaluation | None = None
+        count = 0
+        for tp, dp, vpp in self.llm_options():
+            B = self.m.micro * dp
+            for pl in self.llm_pp_options(vpp):
+                llm = UnitChoice(tp, dp, pl, vpp)
+                if llm.gpus > N:
+                    break
+                for enc in self.side_options("encoder", B):
+                    enc_choices = [enc]
+                    if enc is not None and not enc.colocated:
+                        enc_choices = [UnitChoice(enc.tp, enc.dp, pe) for pe in self.enc_pp_options()]
+                    for e in enc_choices:
+                        used = llm.gpus + (e.gpus if e is not None else 0)
+                        if used > N:
+                            break
+                        for gen in self.side_options("generator", B):
+                            if used + (gen.gpus if gen is not None else 0) > N:
+                                continue
+                            count += 1
+                            result = self.m.evaluate(llm, e, gen)
+                            if result.feasible and (best is None or result.iteration_s < best.iteration_s):
+                                best = result
+        if best is None:
+            raise PlanningError(self._no_layout_reason())
+        return Plan("exhaustive", best, N, time.perf_counter() - started, count)
+
+    # ------------------------------------------------------------------- baselines
+    def megatron(self) -> Plan | None:
+        """The rigid layout: every module with the LLM's DP and TP; encoder and generator either
+        folded into the first / last LLM stage (Megatron-LM's multimodal example) or one extra
+        stage each. The best DP/TP/PP of both."""
+        started = time.perf_counter()
+        best = None
+        count = 0
+        for tp, dp, vpp in self.llm_options():
+            for pl in self.llm_pp_options(vpp):
+                llm = UnitChoice(tp, dp, pl, vpp)
+                for separate in (False, True):
+                    if separate and not (self.has_enc or self.has_gen):
+                        continue
+                    side = UnitChoice(tp, dp, 1) if separate else COLOCATED
+                    enc = side if self.has_enc else None
+                    gen = None
+                    if self.has_gen:  # as an extra stage the U-Net is replicated inside a TP group of tp
+                        gen = UnitChoice(tp, dp, 1) if separate else COLOCATED
+                    count += 1
+                    result = self.m.evaluate(llm, enc, gen)
+                    if result.feasible and (best is None or result.iteration_s < best.iteration_s):
+                        best = result
+        if best is None:
+            return None
+        return Plan("megatron", best, self.m.devices, time.perf_counter() - started, count)
+
+    def flops_proportional(self) -> Plan | None:
+        """Devices split in proportion to each module's training FLOPs, then the best strategy
+        inside each share (the "ratio-based" allocation DistTrain compares against)."""
+        started = time.perf_counter()
+        w, N = self.w, self.m.devices
+        flops = {name: u.train_flops * u.items_per_sample for name, u in w.units.items()}
+        total = sum(flops.values())
+        share = {name: max(1, math.floor(N * f / total)) for name, f in flops.items()}
+        best = None
+        count = 0
+        for tp, dp, vpp in self.llm_options():
+            B = self.m.micro * dp
+            llm_fit = [p for p in self.llm_pp_options(vpp) if p * tp * dp <= share["llm"]]
+            if not llm_fit:
+                continue
+            llm = UnitChoice(tp, dp, llm_fit[-1], vpp)
+            enc_best = self._best_side("encoder", share.get("encoder", 0), B, llm)
+            gen_best = self._best_side("generator", share.get("generator", 0), B, llm)
+            if (self.has_enc and enc_best is None) or (self.has_gen and gen_best is None):
+                continue
+            count += 1
+            result = self.m.evaluate(llm, enc_best, gen_best)
+            if result.feasible and (best is None or result.iteration_s < best.iteration_s):
+                best = result
+        if best is None:
+            return None
+        return Plan("flops_proportional", best, N, time.perf_counter() - started, count)
+
+    def _best_side(self, unit: str, devices: int, samples: int, llm: UnitChoice):
+        """The fastest separate choice for ``unit`` within ``devices`` (its own stage time)."""
+        if not (self.has_enc if unit == "encoder" else self.has_gen):
+            return None
+        best, best_t = None, float("inf")
+        pps = self.enc_pp_options() if unit == "encoder" else [1]
+        for option in self.side_options(unit, samples):
+            if option is None or option.colocated:
+                continue
+            for pp in pps:
+                choice = UnitChoice(option.tp, option.dp, pp)
+                if choice.gpus > devices:
+                    break
+                t = self.m.stage_time(unit, choice, samples / choice.dp, self.m.pp_bw(self.m.devices))
+                if t < best_t:
+                    best, best_t = choice, t
+        return best
+
+    # ------------------------------------------------------------------- messages
+    def _no_layout_reason(self) -> str:
+        """Name the binding constraint when nothing is feasible."""
+        N = self.m.devices
+        per_rank = self.m.batch // self.m.micro
+        if self.m.batch % self.m.micro:
+            return (
+                f"optim.global_batch_size={self.m.batch} is not a multiple of optim.micro_batch_size="
+                f"{self.m.micro}: no data-parallel size divides the batch"
+            )
+        # memory: the most memory-friendly LLM layout with all devices
+        tp = max(t for t in self.tp_options if self.tp_ok("llm", t))
+        pp = max(p for p in self.llm_pp_options(1) if p * tp <= max(N, tp)) if N >= tp else 1
+        probe = self.m.evaluate(
+            UnitChoice(tp, 1, pp),
+            COLOCATED if self.has_enc else None,
+            COLOCATED if self.has_gen else None,
+        )
+        if not probe.feasible and "GB" in probe.reason:
+            return (
+                f"memory: even with tp={tp}, pp={pp} the model does not fit ({probe.reason}); "
+                "use more devices, a larger device, a smaller optim.micro_batch_size or planner.recompute=full"
+            )
+        return (
+            f"no layout of {N} devices fits: global batch {self.m.batch} / micro batch {self.m.micro} = "
+            f"{per_rank} micro-batches, LLM TP options {self.tp_options}; {probe.reason or 'add devices'}"
+        )

@@ -1,0 +1,259 @@
+"""What each parallelism unit has to compute and store, read off the model config.
+
+Everything comes from the real modules built on the meta device (parameter counts)
+and from the FLOP counter (models/flops.py), so the planner and the trainer agree
+on the model; nothing is estimated from a formula that could drift from the code.
+
+Work is counted per *item*: the encoder per image, the LLM per sequence, the
+generator per sample. ``items_per_sample`` turns samples into items (images per
+sample for the encoder, from ``model.nominal_images_per_sample``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from ..config import ModelConfig
+
+UNIT_NAMES = ("encoder", "llm", "generator")
+
+
+@dataclass(frozen=True)
+class UnitWork:
+    name: str
+    train_flops: float  # forward + backward FLOPs per item
+    flops_not_tp: float  # the part tensor parallelism does not split (replicated modules, the LM head)
+    params_tp: int  # parameters inside transformer blocks (sharded by TP)
+    params_rep: int  # parameters replicated inside a TP group (embeddings, norms, head, projector, U-Net)
+    trainable_fraction: float  # share of the parameters that have gradients and optimizer states
+    items_per_sample: float
+    layers: int  # transformer blocks (pipeline stages split these); 1 for the U-Net
+    tokens: int  # tokens per item (patches per image, seq_len per sequence, latent cells per sample)
+    dim: int  # block width (activation rows)
+    heads: int
+    mlp_ratio: float  # MLP hidden / dim
+    gated_mlp: bool  # SwiGLU (three matrices) or GELU (two)
+    boundary_floats: int  # floats per item sent to the next unit (0 for the last)
+    counted_activation_bytes: float = 0.0  # U-Net: bytes saved for backward per item (fp32), counted on meta
+    kv_heads: int = 0  # grouped-query attention (LLM)
+
+    @property
+    def params(self) -> int:
+        return self.params_tp + self.params_rep
+
+    def tp_allowed(self, tp: int) -> bool:
+        """Can the runtime shard this unit's blocks over ``tp`` devices (heads, KV heads, MLP width)?"""
+        if tp == 1:
+            return True
+        if not self.params_tp:
+            return False  # replicated inside a TP group (the U-Net): TP would only cost devices
+        hidden = round(self.dim * self.mlp_ratio)
+        return self.heads % tp == 0 and hidden % tp == 0 and (not self.kv_heads or self.kv_heads % tp == 0)
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    seq_len: int
+    vocab: int
+    llm_dim: int
+    units: dict[str, UnitWork]
+
+    def get(self, name: str) -> UnitWork | None:
+        return self.units.get(name)
+
+
+def _counted_saved_bytes(module, inputs) -> float:
+    """Bytes of activations autograd saves for backward in one forward.
+
+    Each tensor counts once however often it is saved (views of one tensor share it), and
+    parameters and views of parameters are not activations. Works on the meta device too."""
+    import torch
+
+    seen: dict = {}  # holding references keeps ids unique during the forward
+
+    def pack(tensor):
+        if isinstance(tensor, torch.Tensor):
+            base = tensor._base if tensor._base is not None else tensor
+            if not isinstance(base, torch.nn.Parameter):
+                key = id(base) if tensor.device.type == "meta" else tensor.untyped_storage().data_ptr()
+                seen.setdefault(key, base)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    return float(sum(t.numel() * t.element_size() for t in seen.values()))
+
+
+def _build(cfg: ModelConfig) -> Workload:
+    import torch
+
+    from ..data.tokenizer import ByteTokenizer
+    from ..models import build_model
+    from ..models.flops import module_flops
+
+    model = build_model(cfg, ByteTokenizer(), device="meta")
+    flops = module_flops(cfg)
+    freeze = cfg.freeze
+
+    def count(module) -> int:
+        return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+    def trainable(*pairs) -> float:
+        total = sum(count(m) for m, _ in pairs)
+        kept = sum(count(m) for m, frozen in pairs if not frozen)
+        return kept / total if total else 0.0
+
+    units: dict[str, UnitWork] = {}
+    llm = model.llm
+    head_flops = 6.0 * cfg.seq_len * cfg.llm.dim * cfg.llm.vocab_size
+    blocks = count(llm.layers)
+    units["llm"] = UnitWork(
+        name="llm",
+        train_flops=flops["llm"].train,
+        flops_not_tp=min(head_flops, flops["llm"].train),
+        params_tp=blocks,
+        params_rep=count(llm) - blocks,
+        trainable_fraction=trainable((llm, freeze.llm)),
+        items_per_sample=1.0,
+        layers=cfg.llm.n_layers,
+        tokens=cfg.seq_len,
+        dim=cfg.llm.dim,
+        heads=cfg.llm.n_heads,
+        mlp_ratio=cfg.llm.ffn_dim / cfg.llm.dim,
+        gated_mlp=True,
+        boundary_floats=cfg.gen_tokens * cfg.llm.dim if cfg.generator is not None else 0,
+        kv_heads=cfg.llm.n_kv_heads,
+    )
+    if cfg.encoder is not None:
+        vit, proj = model.encoder, model.encoder_projector
+        blocks = count(vit.blocks)
+        proj_flops = flops["encoder_projector"].train
+        units["encoder"] = UnitWork(
+            name="encoder",
+            train_flops=flops["encoder"].train + proj_flops,
+            flops_not_tp=proj_flops,
+            params_tp=blocks,
+            params_rep=count(vit) - blocks + count(proj),
+            trainable_fraction=trainable((vit, freeze.encoder), (proj, freeze.encoder_projector)),
+            items_per_sample=float(cfg.nominal_images_per_sample),
+            layers=cfg.encoder.n_layers,
+            tokens=vit.num_patches + int(cfg.encoder.class_token),
+            dim=cfg.encoder.dim,
+            heads=cfg.encoder.n_heads,
+            mlp_ratio=cfg.encoder.mlp_dim / cfg.encoder.dim,
+            gated_mlp=False,
+            boundary_floats=vit.num_patches * cfg.llm.dim,
+        )
+    if cfg.generator is not None:
+        unet, proj = model.generator, model.generator_projector
+        side = cfg.gen_image_size // cfg.latent_downsample
+        with torch.device("meta"):
+            latents = torch.empty(1, cfg.generator.in_channels, side, side)
+            context = torch.empty(1, cfg.gen_tokens, cfg.generator.cross_attention_dim, requires_grad=True)
+            timesteps = torch.zeros(1, dtype=torch.long)
+            saved = _counted_saved_bytes(unet.unet.requires_grad_(True), (latents, timesteps, context))
+        units["generator"] = UnitWork(
+            name="generator",
+            train_flops=flops["generator"].train + flops["generator_projector"].train,
+            flops_not_tp=flops["generator"].train + flops["generator_projector"].train,
+            params_tp=0,
+            params_rep=count(unet) + count(proj),
+            trainable_fraction=trainable((unet, freeze.generator), (proj, freeze.generator_projector)),
+            items_per_sample=1.0,
+            layers=1,
+            tokens=side * side,
+            dim=cfg.generator.block_out_channels[0],
+            heads=1,
+            mlp_ratio=0.0,
+            gated_mlp=False,
+            boundary_floats=0,
+            counted_activation_bytes=saved,
+        )
+    return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units)
+
+
+# Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
+WORKLOAD_VERSION = 3
+
+
+def _cache_file(cfg_yaml: str) -> Path:
+    import torch
+
+    root = Path(os.environ.get("DISTTRAIN_CACHE", Path.home() / ".cache" / "disttrain"))
+    key = hashlib.sha256(f"{WORKLOAD_VERSION}|{torch.__version__}|{cfg_yaml}".encode()).hexdigest()[:24]
+    return root / "workloads" / f"{key}.json"
+
+
+@lru_cache(maxsize=16)
+def _cached(cfg_yaml: str) -> Workload:
+    """Counting a 72B model on meta takes ~10 s; the result is kept on disk by config hash."""
+    path = _cache_file(cfg_yaml)
+    try:
+        raw = json.loads(path.read_text())
+        return Workload(**{**raw, "units": {k: UnitWork(**v) for k, v in raw["units"].items()}})
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(cfg_yaml)))
+    workload = _build(cfg)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(workload)))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return workload
+
+
+def workload_of(model_cfg) -> Workload:
+    """The workload of a model config (cached: building 72B on meta takes a few seconds)."""
+    node = model_cfg if OmegaConf.is_config(model_cfg) else OmegaConf.structured(model_cfg)
+    return _cached(OmegaConf.to_yaml(node))
+
+
+def measured_data(cfg, limit: int = 256) -> tuple[float, float] | None:
+    """(images per sample the encoder really receives, CPU seconds to preprocess one sample):
+    the first ``limit`` samples of the shards through the trainer's own sample encoder (images
+    that do not fit the sequence are dropped there, so this can be well below the raw count)."""
+    import time
+
+    from ..data.reader import RawSample, _read_shard, resolve_shards
+    from ..data.samples import BadSample, SampleEncoder
+    from ..data.tokenizer import build_tokenizer
+
+    encoder = SampleEncoder(cfg.model, build_tokenizer(cfg.data.tokenizer), 0, cfg.data.max_image_pixels)
+    counts = []
+    busy = 0.0
+    for shard in resolve_shards(cfg.data.path):
+        for item in _read_shard(shard):
+            if not isinstance(item, RawSample):
+                continue
+            started = time.process_time()
+            try:
+                counts.append(len(encoder.encode(item.key, item.members).images))
+            except BadSample:
+                continue
+            finally:
+                busy += time.process_time() - started
+            if len(counts) >= limit:
+                break
+        if len(counts) >= limit:
+            break
+    return (sum(counts) / len(counts), busy / len(counts)) if counts else None
+
+
+def with_images_per_sample(work: Workload, images: float) -> Workload:
+    from dataclasses import replace
+
+    if "encoder" not in work.units:
+        return work
+    units = {**work.units, "encoder": replace(work.units["encoder"], items_per_sample=images)}
+    return replace(work, units=units)
