@@ -139,6 +139,28 @@ class SyntheticDataConfig:
 
 
 @dataclass
+class ReorderConfig:
+    intra: bool = True  # Algorithm 2: balance DP groups inside each global batch
+    inter: bool = True  # Algorithm 3: order microbatches against 1F1B bubbles
+
+
+@dataclass
+class ProducerConfig:
+    """Disaggregated preprocessing (docs/DATA.md): decode, tokenize and reorder off the trainers."""
+
+    workers: int = 0  # decode processes of the producer train.py starts (0: decode in the trainers)
+    address: Optional[str] = None  # HOST:PORT of a standalone producer instead (python -m disttrain_core.data.producer)
+    listen: str = "127.0.0.1:0"  # where the producer train.py starts listens (port 0: any free port)
+    # Shared key; null: train.py makes one for the producer it starts (never written to disk).
+    # Standalone: hex:<64 hex digits>, file:<path>, or the environment variable DISTTRAIN_PRODUCER_KEY.
+    key: Optional[str] = None
+    timeout_s: float = 120.0  # a producer that does not answer within this fails the run with a clear error
+    max_frame_mb: int = 1024
+    prefetch_steps: int = 2  # global batches prepared ahead
+    reorder: ReorderConfig = field(default_factory=ReorderConfig)
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     path: str = MISSING  # directory of .tar shards, or a brace pattern like dir/shard-{000..099}.tar
@@ -152,6 +174,7 @@ class DataConfig:
     generate_if_missing: bool = False  # create the embedded synthetic shards if path is empty
     max_image_pixels: int = 64_000_000  # larger images are skipped and counted
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    producer: ProducerConfig = field(default_factory=ProducerConfig)
 
 
 # --------------------------------------------------------------------------- optim

@@ -83,10 +83,29 @@ def launch(cfg: DictConfig) -> float | None:
         print(f"world size {world_size(cfg)}: {cfg.trainer.devices} process(es) x {cfg.trainer.num_nodes} node(s)")
         return None
     prepare_data(cfg)
-    if externally_launched() or world_size(cfg) == 1:
-        run_worker(container, str(run_dir))
-    else:
-        spawn_local_processes(cfg, container, str(run_dir))
+    producer = None
+    if cfg.data.producer.workers > 0 and cfg.data.producer.address is None:
+        # Disaggregated preprocessing on this host: a producer process on 127.0.0.1 with a fresh key
+        # that only this job's processes know (environment, never the saved config).
+        from .data.producer import start_local_producer
+        from .data.transport import new_key
+
+        key = new_key()
+        os.environ["DISTTRAIN_PRODUCER_KEY"] = key
+        producer, address = start_local_producer(cfg, container, key)
+        log.info("data producer with %d decode worker(s) on %s", cfg.data.producer.workers, address)
+        container = {**container, "data": {**container["data"], "producer": {**container["data"]["producer"]}}}
+        container["data"]["producer"]["address"] = address
+        cfg = typed_config(container)
+    try:
+        if externally_launched() or world_size(cfg) == 1:
+            run_worker(container, str(run_dir))
+        else:
+            spawn_local_processes(cfg, container, str(run_dir))
+    finally:
+        if producer is not None:
+            producer.terminate()
+            producer.join(timeout=10)
     summary = run_dir / SUMMARY_FILE
     if summary.is_file():
         return json.loads(summary.read_text()).get(cfg.optimized_metric)

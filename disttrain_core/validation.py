@@ -221,6 +221,17 @@ def validate_data(cfg: Config) -> None:
     _require(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is unknown; available: {sorted(TOKENIZERS)}")
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: use 0 (decode inline) or more")
     _require(0 <= d.worker_nice <= 19, f"data.worker_nice={d.worker_nice}: use 0 (off) to 19")
+    p = d.producer
+    _require(p.workers >= 0, f"data.producer.workers={p.workers}: use 0 (decode in the trainers) or more")
+    _require(p.timeout_s > 0, f"data.producer.timeout_s={p.timeout_s}: use a positive number of seconds")
+    _require(p.prefetch_steps >= 1, f"data.producer.prefetch_steps={p.prefetch_steps}: use 1 or more")
+    for name, value in (("address", p.address), ("listen", p.listen)):
+        if value is not None:
+            host, sep, port = str(value).rpartition(":")
+            _require(
+                bool(sep and host and port.isdigit() and int(port) < 65536),
+                f"data.producer.{name}={value!r}: use HOST:PORT, e.g. 127.0.0.1:7070",
+            )
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
     from .data.reader import resolve_shards

@@ -71,14 +71,17 @@ class Trainer:
         # A microbatch slot carries every LLM replica's micro-batch; several units share it by sample blocks.
         self.slot_samples = optim.micro_batch_size * llm.dp
         self.accumulation = optim.global_batch_size // self.slot_samples
-        self.global_stream = len(self.layout.units) > 1
+        # Several units, or a data producer: every process gets the whole (reordered) global batch and
+        # keeps its unit replica's block of each slot.
+        self.producer = cfg.data.producer.address is not None
+        self.global_stream = len(self.layout.units) > 1 or self.producer
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         single = len(self.layout.units) == 1 and self.unit.pp == 1 and self.unit.tp == 1
         self.schedule = self.broker = None
         timeout = timedelta(seconds=trainer.dist_timeout_s)
         if single:
             self.engine = DataParallelEngine(cfg, fabric, self.tokenizer)
-            self.count_group = dist.group.WORLD if self.world_size > 1 else None
+            self.count_group = dist.group.WORLD if self.world_size > 1 and not self.global_stream else None
         else:
             self.schedule, self.broker, rows_of_units = build_pipeline(cfg, self.layout, self.accumulation)
             self.engine = UnitEngine(
@@ -106,16 +109,20 @@ class Trainer:
         )
         self.step = 0
         data_state = self._resume()
-        self.loader = MicrobatchLoader(
-            self.stream,
-            self.encoder,
-            self.slot_samples if self.global_stream else optim.micro_batch_size,
-            self.accumulation,
-            num_workers=cfg.data.num_workers,
-            prefetch_steps=cfg.data.prefetch_steps,
-            worker_nice=cfg.data.worker_nice,
-            state=data_state,
-        )
+        if self.producer:
+            from ..data.producer import ProducerLoader, resolve_key, trainer_layout
+
+            rows = sum(u.pp for u in self.layout.units)
+            self.loader = ProducerLoader(
+                cfg.data.producer.address,
+                resolve_key(cfg),
+                trainer_layout(cfg, self.layout, self.accumulation, self.slot_samples, rows),
+                {**(data_state or {}), "step": self.step},
+                float(cfg.data.producer.timeout_s),
+                int(cfg.data.producer.max_frame_mb) << 20,
+            )
+        else:
+            self.loader = self._local_loader(data_state)
         self.metrics = MetricsLogger(
             self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logger.tensorboard, jsonl=cfg.logger.jsonl
         )
@@ -132,6 +139,19 @@ class Trainer:
         )
 
     # --------------------------------------------------------------- checkpoints
+    def _local_loader(self, data_state: dict | None) -> MicrobatchLoader:
+        """Decoding inside this process's data workers (no producer)."""
+        return MicrobatchLoader(
+            self.stream,
+            self.encoder,
+            self.slot_samples if self.global_stream else self.cfg.optim.micro_batch_size,
+            self.accumulation,
+            num_workers=self.cfg.data.num_workers,
+            prefetch_steps=self.cfg.data.prefetch_steps,
+            worker_nice=self.cfg.data.worker_nice,
+            state=data_state,
+        )
+
     def _data_file(self) -> str:
         return "data_global.json" if self.global_stream else f"data_dp{self.dp_rank:05d}.json"
 
@@ -218,7 +238,8 @@ class Trainer:
         """The samples this process works on: its unit replica's block of every global microbatch."""
         if not self.global_stream:
             return microbatches
-        self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
+        if self.broker is not None:
+            self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
         block = self.unit.block(self.dp_rank, self.slot_samples)
         return [mb.select(block) for mb in microbatches]
 
