@@ -157,6 +157,7 @@ class ProducerServer:
         self.served: dict[int, int] = {}
         self.failure: str | None = None
         self.rejected = 0
+        self.active = 0  # trainer connections past HELLO
 
     def serve_forever(self) -> None:
         while True:
@@ -167,12 +168,17 @@ class ProducerServer:
         """Begin (or join) the session the first HELLO describes; later ones must agree."""
         session = (layout, tuple(sorted((k, str(v)) for k, v in start.items())))
         with self.lock:
-            if self.session is None or (self.session != session and not self.served and not self.ready):
+            if self.session is None or (self.active == 0 and self.session != session):
+                # a new job, or the same job resumed after all its trainers left: start over
                 self.session = session
+                self.ready.clear()
+                self.served.clear()
+                self.failure = None
                 self.assembler = BatchAssembler(self.cfg, layout, start)
                 threading.Thread(target=self._assemble, daemon=True).start()
             elif self.session != session:
                 raise ProtocolError("a trainer asked for a different layout or start than its peers")
+            self.active += 1
 
     def _assemble(self) -> None:
         assembler = self.assembler
@@ -197,6 +203,7 @@ class ProducerServer:
     def _connection(self, conn: socket.socket) -> None:
         timeout = float(self.cfg.data.producer.timeout_s)
         conn.settimeout(timeout)
+        joined = False
         try:
             channel = server_channel(conn, self.key, self.limit)
             kind, meta, _ = channel.recv()
@@ -207,6 +214,7 @@ class ProducerServer:
             if not isinstance(start, dict):
                 raise ProtocolError("bad start state")
             self._start(layout, start)
+            joined = True
             conn.settimeout(None)
             while True:
                 kind, meta, _ = channel.recv()
@@ -234,6 +242,9 @@ class ProducerServer:
         except (ConnectionError, OSError, TimeoutError):
             pass
         finally:
+            if joined:
+                with self.lock:
+                    self.active -= 1
             conn.close()
 
 

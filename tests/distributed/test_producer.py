@@ -149,7 +149,16 @@ def test_standalone_producer_command(compose_cfg, shards):
             except RuntimeError:
                 assert time.time() < deadline, "the standalone producer did not come up"
                 time.sleep(0.5)
-        assert [s.size for s in loader.next_step()] == [LAYOUT.samples_per_slot] * LAYOUT.slots
+        first = loader.next_step()
+        assert [s.size for s in first] == [LAYOUT.samples_per_slot] * LAYOUT.slots
+        # the job stops and resumes: a new session from the saved state gets the next batch
+        state = loader.state_dict()
+        loader.close()
+        time.sleep(0.5)
+        resumed = ProducerLoader(f"127.0.0.1:{port}", load_key(key), LAYOUT, state, 20.0, 1 << 26)
+        second = resumed.next_step()
+        assert resumed.state_dict()["step"] == 2
+        assert not set(first[0].keys) & set(second[0].keys)
     finally:
         server.kill()
         server.wait(timeout=10)
