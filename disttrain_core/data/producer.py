@@ -192,6 +192,8 @@ class ProducerServer:
                 meta, payload = encode_batch(batch)
                 meta.update(step=step, state=state)
                 with self.lock:
+                    if assembler is not self.assembler:
+                        return  # a new session replaced this one while the batch was being made
                     self.ready[step] = (meta, payload)
                     self.lock.notify_all()
         except Exception as error:  # reported to every trainer instead of a silent stall
