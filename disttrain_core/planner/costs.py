@@ -23,7 +23,6 @@ activations per in-flight microbatch from Korthikanti et al. (docs/PLANNER.md).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +30,6 @@ import numpy as np
 from .workload import UnitWork, Workload
 
 GB = 1e9
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -209,8 +207,4 @@ def interp(points: list[tuple[float, float]], x: float) -> float:
     return float(np.interp(x, xs, ys))
 
 
-def ceil_div(a: float, b: float) -> int:
-    return int(math.ceil(a / b - 1e-9))
-
-
-__all__ = ["CostModel", "Hardware", "PlannerSettings", "UnitWork", "interp", "GIB"]
+__all__ = ["CostModel", "Hardware", "PlannerSettings", "UnitWork", "interp"]

@@ -60,10 +60,6 @@ class Evaluation:
     reason: str = ""  # why infeasible
     choices: dict[str, UnitChoice] = field(default_factory=dict)
 
-    @property
-    def bottleneck(self) -> str:
-        return max(self.stage_times, key=lambda st: st[1])[0] if self.stage_times else ""
-
 
 class LayoutModel:
     """Evaluates layouts for one workload, cost model, batch and device count."""
