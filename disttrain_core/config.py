@@ -286,6 +286,22 @@ class UnitsConfig:
 
 
 @dataclass
+class CommConfig:
+    """How gradient and parameter collectives run (disttrain_core/comm). Results do not depend on it."""
+
+    # ZeRO-1 / DDP: reduce gradient buckets during the last microbatch's backward (off: after backward).
+    overlap_grad_reduce: bool = True
+    # ZeRO-1: all-gather updated parameter buckets during the next forward (off: right after the step).
+    overlap_param_gather: bool = True
+    bucket_mb: float = 25.0  # fp32 MB per gradient bucket (also DDP's bucket_cap_mb); 0: one bucket
+    # Sequence-parallel TP for Llama blocks with chunked all-gather+matmul / matmul+reduce-scatter
+    # (communication of chunk i+1 under the matmul of chunk i). Off: Megatron TP with all-reduces.
+    tp_overlap: bool = False
+    skip_collectives: bool = False  # benchmarks only (compute-only timing): gradients are NOT reduced
+    trace: bool = False  # write compute/communication events to <run>/comm_trace/rank<R>.json
+
+
+@dataclass
 class ParallelConfig:
     name: str = MISSING
     # ddp: whole model on every process. megatron: one dp x tp x pp for the LLM, the encoder and
@@ -297,6 +313,10 @@ class ParallelConfig:
     pp: int = 1
     modality_stages: str = "separate"  # megatron only: separate | folded
     units: UnitsConfig = field(default_factory=UnitsConfig)  # manual only
+    # Pure data parallelism with ZeRO-1 (sharded AdamW, bucketed reduce-scatter/all-gather) instead of
+    # DDP + a replicated AdamW. Layouts with tp, pp or several units always use ZeRO-1.
+    zero1: bool = False
+    comm: CommConfig = field(default_factory=CommConfig)
 
 
 @dataclass

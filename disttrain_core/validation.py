@@ -291,6 +291,11 @@ def validate_layout(cfg: Config) -> None:
         "parallel.units.llm.colocate: only the encoder or the generator can be colocated (with the LLM)",
     )
     _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
+    _require(
+        p.comm.bucket_mb >= 0,
+        f"parallel.comm.bucket_mb={p.comm.bucket_mb}: use a positive size in MB (25 is DDP's default) or 0 for one "
+        "bucket",
+    )
     layout = resolve_units(cfg)
     world = world_size(cfg)
     _require(
@@ -305,6 +310,11 @@ def validate_layout(cfg: Config) -> None:
                 llm = m.llm
                 for what, value in (("n_heads", llm.n_heads), ("n_kv_heads", llm.n_kv_heads), ("ffn_dim", llm.ffn_dim)):
                     _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.llm.{what}={value}")
+                _require(
+                    not p.comm.tp_overlap or m.seq_len % unit.tp == 0,
+                    f"parallel.comm.tp_overlap=true splits the sequence over the TP group, but tp={unit.tp} does "
+                    f"not divide model.seq_len={m.seq_len}; change one of them or set tp_overlap=false",
+                )
             if "encoder" in unit.modules:
                 vit = m.encoder
                 for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):

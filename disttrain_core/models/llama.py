@@ -44,14 +44,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        return self.wo(self.attend(self.wq(x), self.wk(x), self.wv(x), rope))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """Causal attention of projected ``[B, S, heads * head_dim]`` q/k/v (any local head count)."""
+        batch, seq_len, _ = q.shape
+        q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        return out.transpose(1, 2).reshape(batch, seq_len, -1)
 
 
 class SwiGLU(nn.Module):

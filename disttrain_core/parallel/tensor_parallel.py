@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ..models.llama import DecoderBlock
+from ..models.llama import DecoderBlock, Llama
 from ..models.vit import VitBlock
 
 LLAMA_PLAN = {
@@ -41,8 +41,12 @@ VIT_PLAN = {
 }
 
 
-def apply_tensor_parallel(module: nn.Module, mesh) -> int:
-    """Shard every Llama and ViT block of ``module`` over ``mesh``; returns how many blocks."""
+def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = False) -> int:
+    """Shard every Llama and ViT block of ``module`` over ``mesh``; returns how many blocks.
+
+    ``sequence_overlap``: Llama blocks then run sequence-parallel with chunked all-gather+matmul and
+    matmul+reduce-scatter (comm/tp_overlap.py); the weights are sharded the same way.
+    """
     blocks = 0
     for child in module.modules():
         if isinstance(child, DecoderBlock):
@@ -51,7 +55,19 @@ def apply_tensor_parallel(module: nn.Module, mesh) -> int:
         elif isinstance(child, VitBlock):
             parallelize_module(child, mesh, VIT_PLAN)
             blocks += 1
+    if sequence_overlap:
+        from ..comm.tp_overlap import enable_overlapped_sequence_parallel
+
+        for child in module.modules():
+            if isinstance(child, Llama) and len(child.layers):
+                enable_overlapped_sequence_parallel(child, mesh.get_group())
     return blocks
+
+
+def sequence_parallel_partial_params(module: nn.Module) -> list[nn.Parameter]:
+    from ..comm.tp_overlap import sequence_parallel_partial_params as partial
+
+    return partial(module)
 
 
 def is_sharded(param) -> bool:

@@ -1,15 +1,18 @@
 """ZeRO stage 1: AdamW whose states live on 1/dp of the data-parallel replicas each.
 
 This rank's (local, possibly tensor-parallel) parameters are laid end to end in two
-flat fp32 buffers -- weights that decay, and vectors that do not -- each padded to a
-multiple of the unit's data-parallel size and cut into ``dp`` equal shards. A step:
+flat fp32 buffers -- weights that decay, and vectors that do not -- cut into buckets
+(``parallel.comm.bucket_mb``), each bucket padded to a multiple of the unit's
+data-parallel size and split in ``dp`` equal slices (comm/buckets.py). A step:
 
-1. reduce-scatter (sum) the flat gradients: replica ``r`` receives the summed
-   gradient of shard ``r`` only;
+1. reduce-scatter (sum) the gradients bucket by bucket: replica ``r`` receives the
+   summed gradient of its slice of every bucket -- during the last microbatch's
+   backward when ``overlap_grad_reduce`` is on (comm/engine.py);
 2. AdamW on the shard: the fp32 master copy of shard ``r`` and its two moments
    are all this replica stores -- 12 bytes per parameter spread over ``dp`` replicas
    instead of on each (the "1/dp" of optimizer state);
-3. all-gather the updated shards and copy them back into the parameters.
+3. all-gather the updated slices and copy them back into the parameters -- during
+   the next forward, module by module, when ``overlap_param_gather`` is on.
 
 Parameters stay fp32 (the master weights); ``bf16-mixed`` runs the compute in
 bf16 under autocast. The gradient norm for clipping comes from the reduced shards:
@@ -20,50 +23,15 @@ each element counts once over the world (TP-replicated elements are weighted by
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
 
-from ..config import OptimConfig
-from .tensor_parallel import is_sharded, local
-
-
-class _FlatGroup:
-    """One flat buffer (decay or no-decay) of this rank's parameters and its shard."""
-
-    def __init__(self, params: list[tuple[str, torch.nn.Parameter]], dp: int, rank: int, tp: int):
-        self.params = params
-        self.locals = [local(p) for _, p in params]
-        numel = sum(t.numel() for t in self.locals)
-        self.padded = math.ceil(max(numel, 1) / dp) * dp
-        self.shard_size = self.padded // dp
-        self.shard = range(rank * self.shard_size, (rank + 1) * self.shard_size)
-        device = self.locals[0].device if self.locals else torch.device("cpu")
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        weights = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        offset = 0
-        self.offsets = []
-        for (_, param), tensor in zip(params, self.locals, strict=True):
-            self.offsets.append(offset)
-            flat[offset : offset + tensor.numel()] = tensor.detach().reshape(-1).float()
-            weights[offset : offset + tensor.numel()] = 1.0 if is_sharded(param) else 1.0 / tp
-            offset += tensor.numel()
-        self.numel = numel
-        self.master = torch.nn.Parameter(flat[self.shard.start : self.shard.stop].clone())
-        self.norm_weight = weights[self.shard.start : self.shard.stop].clone()
-
-    def flat_grads(self) -> torch.Tensor:
-        device = self.master.device
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
-        for param, tensor, offset in zip((p for _, p in self.params), self.locals, self.offsets, strict=True):
-            if param.grad is not None:
-                flat[offset : offset + tensor.numel()] = local(param.grad).reshape(-1).float()
-        return flat
-
-    def write_back(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            for tensor, offset in zip(self.locals, self.offsets, strict=True):
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor).to(tensor.dtype))
+from ..comm.buckets import FlatBuckets
+from ..comm.engine import BucketedSync
+from ..comm.trace import CommTrace
+from ..config import CommConfig, OptimConfig
 
 
 class ZeroOneOptimizer:
@@ -75,17 +43,40 @@ class ZeroOneOptimizer:
         dp: int,
         dp_rank: int,
         tp: int,
+        comm: CommConfig | None = None,
+        stage_of: dict[int, int] | None = None,
+        partial_grads=(),
+        tp_group=None,
+        trace: CommTrace | None = None,
     ):
+        comm = comm or CommConfig(overlap_grad_reduce=False, overlap_param_gather=False)
         self.group, self.dp, self.dp_rank = dp_group, dp, dp_rank
+        self.trace = trace
+        bucket_numel = comm.bucket_mb * 2**20 / 4 if comm.bucket_mb > 0 else math.inf
         decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim >= 2]
         no_decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim < 2]
-        self.flats = {"decay": _FlatGroup(decay, dp, dp_rank, tp), "no_decay": _FlatGroup(no_decay, dp, dp_rank, tp)}
+        self.flats = {
+            "decay": FlatBuckets(decay, dp, dp_rank, tp, bucket_numel),
+            "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, bucket_numel),
+        }
         groups = [
             {"params": [self.flats["decay"].master], "weight_decay": cfg.weight_decay, "name": "decay"},
             {"params": [self.flats["no_decay"].master], "weight_decay": 0.0, "name": "no_decay"},
         ]
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
         self.params = [p for _, p in named_params if p.requires_grad]
+        self.sync = BucketedSync(
+            self.flats,
+            dp_group,
+            dp,
+            overlap_grad_reduce=comm.overlap_grad_reduce,
+            overlap_param_gather=comm.overlap_param_gather,
+            skip_collectives=comm.skip_collectives,
+            stage_of=stage_of,
+            partial_grads=partial_grads,
+            tp_group=tp_group,
+            trace=trace,
+        )
 
     @property
     def param_groups(self):
@@ -93,14 +84,7 @@ class ZeroOneOptimizer:
 
     def reduce_gradients(self) -> None:
         """Sum gradients over the replicas; keep this replica's shard as the master gradient."""
-        for flat in self.flats.values():
-            grads = flat.flat_grads()
-            if self.dp > 1:
-                shard = torch.empty(flat.shard_size, dtype=grads.dtype, device=grads.device)
-                dist.reduce_scatter_single(shard, grads, group=self.group)
-            else:
-                shard = grads
-            flat.master.grad = shard
+        self.sync.finish_grads()
 
     def grad_norm_squared(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (sum it over the world)."""
@@ -116,14 +100,15 @@ class ZeroOneOptimizer:
                 flat.master.grad.mul_(factor)
 
     def step(self) -> None:
+        started = time.perf_counter()
         self.inner.step()
-        for flat in self.flats.values():
-            if self.dp > 1:
-                full = torch.empty(flat.padded, dtype=torch.float32, device=flat.master.device)
-                dist.all_gather_into_tensor(full, flat.master.detach().contiguous(), group=self.group)
-            else:
-                full = flat.master.detach()
-            flat.write_back(full)
+        if self.trace is not None:
+            self.trace.compute("optimizer", started, time.perf_counter())
+        self.sync.gather_params()  # the new weights arrive during the next forward (or now, without overlap)
+
+    def wait_params(self) -> None:
+        """Finish in-flight parameter gathers (before anything reads the parameters outside a forward)."""
+        self.sync.wait_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self.params:
@@ -142,22 +127,22 @@ class ZeroOneOptimizer:
 
     def sync_master_from_params(self) -> None:
         """Refresh the fp32 master shards after parameters were loaded from a checkpoint."""
+        self.sync.wait_params()
         with torch.no_grad():
-            for flat in self.flats.values():
-                full = torch.zeros(flat.padded, dtype=torch.float32, device=flat.master.device)
-                for tensor, offset in zip(flat.locals, flat.offsets, strict=True):
-                    full[offset : offset + tensor.numel()] = tensor.detach().reshape(-1).float()
-                flat.master.copy_(full[flat.shard.start : flat.shard.stop])
+            for name, flat in self.flats.items():
+                full = flat.gather_params()
+                self.sync.param_flat[name].copy_(full)
+                flat.master.copy_(flat.shard_of(full))
 
     # --------------------------------------------------------- by-name state
     # Saved like a plain AdamW's state keyed by parameter name (full, un-sharded
     # tensors), so it loads into any layout -- ZeRO or not, any dp, tp or pp.
-    def _gather(self, shard: torch.Tensor, flat: _FlatGroup) -> torch.Tensor:
+    def _gather(self, shard: torch.Tensor, flat: FlatBuckets) -> torch.Tensor:
         if self.dp == 1:
-            return shard.detach()
-        full = torch.empty(flat.padded, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(full, shard.detach().contiguous(), group=self.group)
-        return full
+            return flat.unshard(shard.detach())
+        gathered = torch.empty(self.dp * flat.shard_numel, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(gathered, shard.detach().contiguous(), group=self.group)
+        return flat.unshard(gathered)
 
     def state_by_name(self) -> dict:
         """Collective over the data-parallel and tensor-parallel groups; every rank must call it."""
@@ -205,5 +190,5 @@ class ZeroOneOptimizer:
             if step is not None:
                 self.inner.state[flat.master] = {
                     "step": torch.as_tensor(step, dtype=torch.float32).clone(),
-                    **{key: full[flat.shard.start : flat.shard.stop].clone() for key, full in moments.items()},
+                    **{key: flat.shard_of(full) for key, full in moments.items()},
                 }

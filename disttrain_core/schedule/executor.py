@@ -28,7 +28,10 @@ are computed locally (rows from the microbatch, row shapes from the stages), so 
 metadata travels.
 
 Gradients accumulate in ``param.grad`` over the microbatches; the loss terms are
-already normalized by the global batch, so no rescaling happens here.
+already normalized by the global batch, so no rescaling happens here. With a
+``grad_sync`` (comm/engine.py) the executor tells it, just before a stage's last
+backward of the step, that the gradients about to be produced are final, so their
+reduction can start while the rest of the backward runs.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class StepRecord:
 
     sums: dict[str, float] = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
+    origin: float = 0.0  # time.perf_counter() the timeline's times are relative to
 
 
 class PipelineExecutor:
@@ -80,6 +84,18 @@ class PipelineExecutor:
         self.autocast = autocast
         self.last_stage = schedule.num_stages - 1
         self.my_actions = schedule.compute(row)
+        self.grad_sync = None  # set by the engine: arm(stage) / grads_ready(params)
+        # Per stage, the position of the last action that accumulates weight gradients: after it they are final.
+        self.final_backward: dict[int, int] = {}
+        for index, action in enumerate(self.my_actions):
+            if self._accumulates_weight_grads(action):
+                self.final_backward[action.stage] = index
+
+    def _accumulates_weight_grads(self, action: Action) -> bool:
+        if action.kind == Kind.B:
+            return True
+        split = getattr(self.stages[action.stage], "splittable_backward", False)
+        return (action.kind == Kind.I and not split) or (action.kind == Kind.W and split)
 
     # ------------------------------------------------------------ message plan
     def _messages_of(self, action: Action) -> list[tuple[str, int]]:
@@ -118,18 +134,24 @@ class PipelineExecutor:
         result = StepRecord()
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
         origin = time.perf_counter()
-        for action in self.my_actions:
+        for index, action in enumerate(self.my_actions):
             state.prepare(action)  # post pending sends and the receives this action needs, wait for the receives
             started = time.perf_counter()
+            final = self.final_backward.get(action.stage) == index
+            if final and self.grad_sync is not None:
+                self.grad_sync.arm(action.stage)
             if action.kind == Kind.F:
                 self._forward(state, action, loss_fn, sums)
             elif action.kind in (Kind.B, Kind.I):
                 self._backward(state, action, split=action.kind == Kind.I)
             elif action.kind == Kind.W:
                 self._weight(state, action)
+                if final and self.grad_sync is not None:
+                    self.grad_sync.grads_ready(p for p in self.stages[action.stage].parameters() if p.requires_grad)
             if record:
                 result.timeline.append(TimedAction(self.row, action, started - origin, time.perf_counter() - origin))
         state.finish()
+        result.origin = origin
         result.sums = {name: float(value) for name, value in sums.items()}
         return result
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
+from ..comm.engine import allreduce_gradients
 from ..config import Config
 from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
@@ -50,6 +51,9 @@ class Engine:
 
     def after_backward(self) -> None:
         """Make gradients global (sum over data-parallel replicas) if the engine has not already."""
+
+    def synchronize(self) -> None:
+        """Finish communication still in flight that writes parameters (overlapped gathers)."""
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clip to ``max_norm`` (inf: no clipping); returns the global norm before clipping."""
@@ -106,9 +110,17 @@ class DataParallelEngine(Engine):
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
         module = torch.compile(self.raw_model) if cfg.trainer.compile else self.raw_model
         self.model = module
+        comm = cfg.parallel.comm
+        # DDP overlaps its bucketed all-reduces with backward. Without overlap (or skipping communication
+        # for a compute-only benchmark) every microbatch runs under no_sync and after_backward reduces.
+        self.ddp_sync = comm.overlap_grad_reduce and not comm.skip_collectives
+        self.bucket_numel = comm.bucket_mb * 2**20 / 4 if comm.bucket_mb > 0 else math.inf
         if fabric.world_size > 1:
             device_ids = [fabric.device.index] if fabric.device.type == "cuda" else None
-            self.model = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+            bucket_mb = comm.bucket_mb if comm.bucket_mb > 0 else 1e6
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=device_ids, bucket_cap_mb=bucket_mb
+            )
         self.autocast = fabric.autocast if cfg.trainer.precision != "32" else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
 
@@ -117,7 +129,7 @@ class DataParallelEngine(Engine):
         # DDP averages gradients over processes; scale so the result is the global-batch gradient.
         scale = float(self.fabric.world_size)
         for index, microbatch in enumerate(microbatches):
-            last = index == len(microbatches) - 1
+            last = index == len(microbatches) - 1 and self.ddp_sync
             sync = self.model.no_sync() if self.fabric.world_size > 1 and not last else nullcontext()
             with sync:
                 with self.autocast():
@@ -131,6 +143,12 @@ class DataParallelEngine(Engine):
             dist.all_reduce(totals)
             sums = dict(zip(sums, totals.tolist(), strict=True))
         return StepRecord(sums=sums)
+
+    def after_backward(self) -> None:
+        comm = self.cfg.parallel.comm
+        if self.fabric.world_size > 1 and not self.ddp_sync and not comm.skip_collectives:
+            params = [p for _, p in self.named_parameters]
+            allreduce_gradients(params, None, self.bucket_numel, self.fabric.world_size)
 
     def clip_gradients(self, max_norm: float) -> float:
         params = [p for _, p in self.named_parameters]

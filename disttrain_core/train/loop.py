@@ -76,7 +76,7 @@ class Trainer:
         self.producer = cfg.data.producer.address is not None
         self.global_stream = len(self.layout.units) > 1 or self.producer
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        single = len(self.layout.units) == 1 and self.unit.pp == 1 and self.unit.tp == 1
+        single = len(self.layout.units) == 1 and self.unit.pp == 1 and self.unit.tp == 1 and not cfg.parallel.zero1
         self.schedule = self.broker = None
         timeout = timedelta(seconds=trainer.dist_timeout_s)
         if single:
@@ -267,6 +267,9 @@ class Trainer:
         if self.fabric.device.type == "cuda":
             torch.cuda.synchronize(self.fabric.device)
         elapsed = time.perf_counter() - started  # drawing the timeline below is not training time
+        trace = getattr(self.engine, "trace", None)
+        if trace is not None:
+            trace.step(self.step, started, started + elapsed)
         if record:
             self.timelines.report(self.step, result.timeline)
         weight = self.cfg.model.gen_loss_weight
@@ -320,6 +323,8 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         trainer = self.cfg.trainer
         stop_at = self.stop_at
+        if self.rank == 0 and self.cfg.parallel.comm.skip_collectives and self.world_size > 1:
+            log.warning("parallel.comm.skip_collectives=true: gradients are not reduced; for timing only")
         if self.rank == 0:
             layout = self.layout.describe()
             if self.schedule is not None:
@@ -361,6 +366,10 @@ class Trainer:
                 saved_at = self.step
         if trainer.checkpoint.save_last and saved_at != self.step:
             self.save_checkpoint()
+        self.engine.synchronize()
+        trace = getattr(self.engine, "trace", None)
+        if trace is not None:
+            trace.dump(self.run_dir / "comm_trace" / f"rank{self.rank:05d}.json")
         self.checkpoints.wait()
         progress.close()
         self.metrics.close()

@@ -18,11 +18,14 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
+from ..comm.trace import CommTrace
 from ..config import Config
 from ..data.tokenizer import Tokenizer
+from ..models.llama import DecoderBlock
+from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
 from ..parallel.stages import build_rank_stages
-from ..parallel.tensor_parallel import apply_tensor_parallel, local
+from ..parallel.tensor_parallel import apply_tensor_parallel, local, sequence_parallel_partial_params
 from ..parallel.units import ParallelismUnit, UnitLayout
 from ..parallel.zero import ZeroOneOptimizer
 from ..schedule.actions import Schedule
@@ -92,12 +95,17 @@ class UnitEngine(Engine):
             fabric.device,
             cfg.trainer.seed,
         )
+        comm = cfg.parallel.comm
+        self.partial_grads: list[torch.nn.Parameter] = []  # sequence-parallel norms: summed over TP
         if self.unit.tp > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(self.groups.tensor_parallel, fabric.device.type)
             for module in self.stages.values():
-                apply_tensor_parallel(module.model, mesh)
+                apply_tensor_parallel(module.model, mesh, sequence_overlap=comm.tp_overlap)
+                if comm.tp_overlap:
+                    self.partial_grads += sequence_parallel_partial_params(module.model)
+        self.trace = CommTrace() if comm.trace else None
         self.named_parameters = [
             (name, p)
             for module in self.stages.values()
@@ -112,16 +120,37 @@ class UnitEngine(Engine):
 
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self) -> ZeroOneOptimizer:
+        stage_of = {id(p): stage for stage, module in self.stages.items() for p in module.parameters()}
         self.optimizer = ZeroOneOptimizer(
-            self.named_parameters, self.cfg.optim, self.groups.data_parallel, self.unit.dp, self.dp_rank, self.unit.tp
+            self.named_parameters,
+            self.cfg.optim,
+            self.groups.data_parallel,
+            self.unit.dp,
+            self.dp_rank,
+            self.unit.tp,
+            comm=self.cfg.parallel.comm,
+            stage_of=stage_of,
+            partial_grads=self.partial_grads,
+            tp_group=self.groups.tensor_parallel,
+            trace=self.trace,
         )
+        self.optimizer.sync.install_forward_hooks(self.stages.values(), atomic=(DecoderBlock, VitBlock))
+        self.executor.grad_sync = self.optimizer.sync
         return self.optimizer
 
     # --------------------------------------------------------------------- step
     def forward_backward(self, microbatches, n_tokens, n_gen, record=False) -> StepRecord:
         weight = self.cfg.model.gen_loss_weight
         batches = [mb.to(self.fabric.device) for mb in microbatches]
-        result = self.executor.run(batches, lambda out: _loss(out, n_tokens, n_gen, weight), record=record)
+        trace = self.trace is not None
+        result = self.executor.run(batches, lambda out: _loss(out, n_tokens, n_gen, weight), record=record or trace)
+        if trace:
+            names = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
+            for item in result.timeline:
+                label = f"{names[item.action.kind.value]} {item.action.microbatch}"
+                self.trace.compute(label, result.origin + item.start, result.origin + item.end)
+            if not record:
+                result.timeline = []
         # Loss terms live on a few stages: share them (one copy per replica: TP rank 0 only).
         sums = torch.tensor(
             [result.sums.get("lm_loss_sum", 0.0), result.sums.get("gen_loss_sum", 0.0)],
@@ -154,8 +183,13 @@ class UnitEngine(Engine):
         return norm
 
     # -------------------------------------------------------------- checkpoints
+    def synchronize(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.wait_params()
+
     def model_state(self) -> dict[str, torch.Tensor]:
         """Full (un-sharded) parameters by name; a collective inside the TP group."""
+        self.synchronize()
         state = {}
         for name, param in self.named_parameters:
             state[name] = param.full_tensor().detach() if hasattr(param, "full_tensor") else param.detach()
@@ -164,6 +198,7 @@ class UnitEngine(Engine):
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
+        self.synchronize()
         with torch.no_grad():
             for name, param in self.named_parameters:
                 if name not in state:

@@ -1,0 +1,257 @@
+"""Bucketed collectives that run beside the computation (the StepCCL idea).
+
+``BucketedSync`` moves ZeRO-1's two kinds of traffic off the critical path:
+
+* **gradients.** A post-accumulate-grad hook on every parameter counts the
+  gradients of the *last* microbatch as autograd produces them; when a bucket is
+  complete its gradients are copied into the bucket's flat buffer and an
+  asynchronous reduce-scatter is issued over the data-parallel group while
+  autograd keeps computing the earlier layers. Earlier microbatches only
+  accumulate (no communication). ``finish_grads`` issues whatever is left
+  (parameters that got no gradient in the last microbatch), waits, and hands
+  the reduced shard to the optimizer.
+* **parameters.** After the optimizer step every bucket's updated slice is
+  all-gathered asynchronously, in forward order; a forward pre-hook on each
+  module waits only for the buckets holding that module's parameters, so layer
+  ``k + 1``'s gather is in flight while layer ``k`` computes.
+
+With overlap switched off the same buckets are reduced after backward and
+gathered right after the step, synchronously: the arithmetic is identical, only
+the timing changes. Asynchronous work is gloo's background threads on CPU and
+the process group's own CUDA stream under NCCL; nothing here depends on which.
+
+``skip_collectives`` (benchmarks only) replaces every collective with the local
+copy it would have produced on one replica, to time the computation alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.tensor_parallel import local
+from .buckets import FlatBuckets
+from .trace import CommTrace
+
+Key = tuple[str, int]  # (flat buffer name, bucket index)
+
+
+class BucketedSync:
+    def __init__(
+        self,
+        flats: dict[str, FlatBuckets],
+        group,
+        dp: int,
+        *,
+        overlap_grad_reduce: bool,
+        overlap_param_gather: bool,
+        skip_collectives: bool = False,
+        stage_of: dict[int, int] | None = None,
+        partial_grads: Iterable[nn.Parameter] = (),
+        tp_group=None,
+        trace: CommTrace | None = None,
+    ):
+        self.flats, self.group, self.dp = flats, group, dp
+        self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather
+        self.skip = skip_collectives
+        self.trace = trace
+        self.stage_of = stage_of or {}
+        self.partial = {id(p) for p in partial_grads}  # sequence-parallel: sum over the TP group first
+        self.tp_group = tp_group
+        device = next(iter(flats.values())).device
+        self.grad_flat = {n: torch.zeros(f.padded, dtype=torch.float32, device=device) for n, f in flats.items()}
+        self.grad_shard = {n: torch.zeros(f.shard_numel, dtype=torch.float32, device=device) for n, f in flats.items()}
+        self.param_flat = {n: f.gather_params() for n, f in flats.items()}
+        self.where: dict[int, tuple[str, int, int]] = {}  # id(param) -> (flat, bucket, param index)
+        for name, flat in flats.items():
+            for index, (_, param) in enumerate(flat.params):
+                self.where[id(param)] = (name, flat.bucket_of[index], index)
+        self.sizes = {(n, b.index): len(b.members) for n, f in flats.items() for b in f.buckets}
+        self._reset_grads()
+        self.param_works: dict[Key, object] = {}
+        self.hooks = []
+        if overlap_grad_reduce:
+            for flat in flats.values():
+                for _, param in flat.params:
+                    self.hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ------------------------------------------------------------- gradients
+    def _reset_grads(self) -> None:
+        self.armed: set[int] = set()
+        self.ready: set[int] = set()
+        self.remaining = dict(self.sizes)
+        self.grad_works: dict[Key, object] = {}
+
+    def arm(self, stage: int = 0) -> None:
+        """The next backward of ``stage`` is its last in this step: reduce its buckets as they complete."""
+        self.armed.add(stage)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if self.stage_of.get(id(param), 0) in self.armed:
+            self._ready(param)
+
+    def grads_ready(self, params: Iterable[nn.Parameter]) -> None:
+        """Gradients accumulated outside autograd's hooks (the pipeline's deferred weight backward)."""
+        if self.overlap_grad:
+            for param in params:
+                if id(param) in self.where and self.stage_of.get(id(param), 0) in self.armed:
+                    self._ready(param)
+
+    def _ready(self, param: nn.Parameter) -> None:
+        if id(param) in self.ready:
+            return
+        self.ready.add(id(param))
+        name, bucket, _ = self.where[id(param)]
+        self.remaining[(name, bucket)] -= 1
+        if self.remaining[(name, bucket)] == 0:
+            self._reduce((name, bucket), async_op=True)
+
+    def _reduce(self, key: Key, async_op: bool) -> None:
+        name, index = key
+        flat, bucket = self.flats[name], self.flats[name].buckets[index]
+        for member in bucket.members:
+            param = flat.params[member][1]
+            if id(param) in self.partial and param.grad is not None and not self.skip:
+                dist.all_reduce(local(param.grad), group=self.tp_group)
+        source = bucket.full(self.grad_flat[name])
+        flat.fill_grads(bucket, self.grad_flat[name])
+        target = bucket.shard(self.grad_shard[name])
+        issued = time.perf_counter()
+        if self.dp == 1 or self.skip:
+            target.copy_(bucket.slice_of(self.grad_flat[name], flat.rank))
+            work = None
+        else:
+            work = dist.reduce_scatter_single(target, source, group=self.group, async_op=async_op)
+        self.grad_works[key] = work
+        if self.trace is not None:
+            self.trace.comm(f"reduce-scatter {name}[{index}]", issued, work, bucket.padded * 4)
+
+    def finish_grads(self) -> None:
+        """Reduce every bucket not reduced yet, wait for all, and give the optimizer its gradient shards."""
+        for key in self.sizes:
+            if key not in self.grad_works:
+                self._reduce(key, async_op=False)
+        started = time.perf_counter()
+        for work in self.grad_works.values():
+            if work is not None:
+                work.wait()
+        if self.trace is not None:
+            self.trace.compute("wait: gradients", started, time.perf_counter())
+        for name, flat in self.flats.items():
+            flat.master.grad = self.grad_shard[name]
+        self._reset_grads()
+
+    # ------------------------------------------------------------ parameters
+    def gather_params(self) -> None:
+        """All-gather every bucket's updated slice; asynchronously when parameter-gather overlap is on."""
+        self.wait_params()
+        for name, flat in self.flats.items():
+            for bucket in reversed(flat.buckets):  # forward order: first layers first
+                key = (name, bucket.index)
+                own = bucket.shard(flat.master.detach())
+                issued = time.perf_counter()
+                if self.dp == 1 or self.skip:
+                    bucket.slice_of(self.param_flat[name], flat.rank).copy_(own)
+                    work = None
+                else:
+                    work = dist.all_gather_into_tensor(
+                        bucket.full(self.param_flat[name]), own, group=self.group, async_op=self.overlap_param
+                    )
+                if self.trace is not None:
+                    self.trace.comm(f"all-gather {name}[{bucket.index}]", issued, work, bucket.padded * 4)
+                self.param_works[key] = work
+        if not self.overlap_param:
+            self.wait_params()
+
+    def wait_params(self, keys: Iterable[Key] | None = None) -> None:
+        """Finish the pending gathers of ``keys`` (all by default) and write them into the parameters."""
+        if not self.param_works:
+            return
+        started = time.perf_counter()
+        for key in list(self.param_works) if keys is None else keys:
+            work = self.param_works.pop(key, False)
+            if work is False:
+                continue
+            if work is not None:
+                work.wait()
+            name, index = key
+            self.flats[name].write_back(self.flats[name].buckets[index], self.param_flat[name])
+        if self.trace is not None and time.perf_counter() - started > 1e-4:
+            self.trace.compute("wait: parameters", started, time.perf_counter())
+
+    def install_forward_hooks(self, roots: Iterable[nn.Module], atomic: tuple[type, ...] = ()) -> None:
+        """Wait for a module's parameter buckets just before it runs.
+
+        Every module directly owning parameters gets a pre-hook for them. Modules of an ``atomic`` type
+        (blocks whose forward may use their children's weights without calling the children) wait for
+        their whole subtree. A parameter whose owner has children and is not inside an atomic block may
+        be used by a method other than ``forward``: it is waited for when its root module starts.
+        """
+        for root in roots:
+            early: set[Key] = set()
+            self._hook_subtree(root, atomic, early, inside_atomic=False)
+            if early:
+                self.hooks.append(root.register_forward_pre_hook(self._waiter(early)))
+
+    def _keys(self, params: Iterable[nn.Parameter]) -> set[Key]:
+        return {self.where[id(p)][:2] for p in params if id(p) in self.where}
+
+    def _waiter(self, keys: set[Key]):
+        ordered = sorted(keys)
+
+        def hook(_module, _args):
+            if self.param_works:
+                self.wait_params(ordered)
+
+        return hook
+
+    def _hook_subtree(self, module: nn.Module, atomic, early: set[Key], inside_atomic: bool) -> None:
+        is_atomic = isinstance(module, atomic)
+        if is_atomic and not inside_atomic:
+            keys = self._keys(module.parameters())
+            if keys:
+                self.hooks.append(module.register_forward_pre_hook(self._waiter(keys)))
+        own = self._keys(module.parameters(recurse=False))
+        if own and not (inside_atomic or is_atomic):
+            if any(True for _ in module.children()):
+                early |= own
+            else:
+                self.hooks.append(module.register_forward_pre_hook(self._waiter(own)))
+        for child in module.children():
+            self._hook_subtree(child, atomic, early, inside_atomic or is_atomic)
+
+    def close(self) -> None:
+        self.wait_params()
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+
+def allreduce_gradients(params: list[nn.Parameter], group, bucket_numel: float, world: int) -> None:
+    """Average ``params``' gradients over ``group`` in flat buckets, synchronously (DDP without overlap)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    count = 0
+
+    def flush() -> None:
+        nonlocal bucket, count
+        if bucket:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        bucket, count = [], 0
+
+    for grad in reversed(grads):
+        bucket.append(grad)
+        count += grad.numel()
+        if count >= bucket_numel:
+            flush()
+    flush()

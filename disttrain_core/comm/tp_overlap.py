@@ -1,0 +1,232 @@
+"""Sequence-parallel tensor parallelism with communication hidden in the matmuls.
+
+Megatron's sequence parallelism keeps the residual stream of a transformer block
+split along the sequence over the TP group: norms and residual adds run on
+``S / tp`` rows, a column-parallel projection needs the whole sequence
+(all-gather, then matmul) and a row-parallel projection produces partial sums
+to be reduce-scattered back to sequence chunks. Done naively each collective
+waits for, or is waited for by, the matmul beside it.
+
+Here both are decomposed into ``tp`` ring steps (the AsyncTP idea):
+
+* ``all-gather + matmul``: at step ``i`` a rank multiplies the sequence chunk it
+  holds while sending that chunk on to its ring neighbour and receiving the next;
+  the transfer of chunk ``i + 1`` runs under the matmul of chunk ``i``.
+* ``matmul + reduce-scatter``: at step ``i`` a rank computes its contribution to
+  one output chunk while the partial sum of the previous chunk travels; the
+  chunk that ends the ring on a rank is that rank's fully reduced slice.
+
+Each is the other's backward. Norm weights then see only ``S / tp`` rows on
+each rank: their gradients are partial and are summed over the TP group before
+the data-parallel reduction (``sequence_parallel_partial_params``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Ring:
+    """A TP group seen as a ring: this rank, its neighbours (global ranks) and the group size."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one."""
+        buffer = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send.contiguous(), self.next), dist.P2POp(dist.irecv, buffer, self.prev)]
+        return buffer, dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+def ring_gather(ring: Ring, chunk: torch.Tensor, consume: Callable[[torch.Tensor, int], None]) -> list[torch.Tensor]:
+    """All-gather sequence chunks around the ring, calling ``consume(chunk, owner)`` on each as it is held."""
+    chunks: list[torch.Tensor | None] = [None] * ring.size
+    current = chunk.contiguous()
+    for step in range(ring.size):
+        owner = (ring.rank - step) % ring.size
+        chunks[owner] = current
+        if step < ring.size - 1:
+            incoming, works = ring.exchange(current)
+        consume(current, owner)  # under the transfer of the next chunk
+        if step < ring.size - 1:
+            _wait(works)
+            current = incoming
+    return chunks
+
+
+def ring_reduce_scatter(ring: Ring, contribution: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """Sum ``contribution(block)`` over the ring and return this rank's block of the sum."""
+    partial, works = None, None
+    for step in range(ring.size):
+        block = (ring.rank - step - 1) % ring.size
+        mine = contribution(block)  # under the transfer of the previous partial sum
+        if works is not None:
+            _wait(works)
+            mine = mine + partial
+        if step < ring.size - 1:
+            partial, works = ring.exchange(mine)
+        else:
+            return mine
+    raise AssertionError("unreachable")
+
+
+def _block(x: torch.Tensor, index: int, size: int) -> torch.Tensor:
+    rows = x.shape[1] // size
+    return x[:, index * rows : (index + 1) * rows]
+
+
+class AllGatherMatmul(torch.autograd.Function):
+    """``[x_0 .. x_{tp-1}] @ w.T`` for every ``w``: the sequence chunks of x all-gathered under the matmuls."""
+
+    @staticmethod
+    def forward(ctx, ring: Ring, x: torch.Tensor, *weights: torch.Tensor):
+        batch, rows, _ = x.shape
+        outs: list[torch.Tensor | None] = [None] * len(weights)
+
+        def consume(chunk, owner):
+            for index, weight in enumerate(weights):
+                part = F.linear(chunk, weight)  # bf16 under autocast, like the plain projection
+                if outs[index] is None:
+                    outs[index] = part.new_empty(batch, rows * ring.size, weight.shape[0])
+                _block(outs[index], owner, ring.size).copy_(part)
+
+        chunks = ring_gather(ring, x, consume)
+        ctx.ring = ring
+        ctx.save_for_backward(torch.cat(chunks, dim=1), *weights)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        full, *weights = ctx.saved_tensors
+        ring = ctx.ring
+        grads = [g.contiguous() for g in grads]
+
+        def contribution(block):
+            return sum(_block(g, block, ring.size) @ w.to(g.dtype) for g, w in zip(grads, weights, strict=True))
+
+        grad_x = ring_reduce_scatter(ring, contribution).to(full.dtype)
+        flat = full.flatten(0, 1)
+        grad_weights = [
+            (g.flatten(0, 1).t() @ flat.to(g.dtype)).to(w.dtype) for g, w in zip(grads, weights, strict=True)
+        ]
+        return None, grad_x, *grad_weights
+
+
+class MatmulReduceScatter(torch.autograd.Function):
+    """``h @ w.T`` summed over the TP group (row parallel), returned as this rank's sequence chunk."""
+
+    @staticmethod
+    def forward(ctx, ring: Ring, h: torch.Tensor, weight: torch.Tensor):
+        out = ring_reduce_scatter(ring, lambda block: F.linear(_block(h, block, ring.size), weight))
+        ctx.ring = ring
+        ctx.save_for_backward(h, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight = ctx.saved_tensors
+        ring = ctx.ring
+        grad_h = torch.empty(h.shape, dtype=torch.result_type(grad, weight), device=h.device)
+
+        def consume(chunk, owner):
+            _block(grad_h, owner, ring.size).copy_(chunk @ weight.to(chunk.dtype))
+
+        chunks = ring_gather(ring, grad, consume)
+        full = torch.cat(chunks, dim=1).flatten(0, 1)
+        grad_weight = (full.t() @ h.flatten(0, 1).to(full.dtype)).to(weight.dtype)
+        return None, grad_h.to(h.dtype), grad_weight
+
+
+class ScatterSequence(torch.autograd.Function):
+    """Keep this rank's sequence chunk of a replicated tensor; backward all-gathers the chunk gradients."""
+
+    @staticmethod
+    def forward(ctx, ring: Ring, x: torch.Tensor):
+        if x.shape[1] % ring.size:
+            raise ValueError(f"sequence length {x.shape[1]} is not divisible by tp={ring.size} (tp_overlap)")
+        ctx.ring = ring
+        return _block(x, ring.rank, ring.size).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, torch.cat(ring_gather(ctx.ring, grad, lambda *_: None), dim=1)
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather sequence chunks into the replicated tensor; backward keeps this rank's chunk of the
+    (identical on every rank) gradient."""
+
+    @staticmethod
+    def forward(ctx, ring: Ring, x: torch.Tensor):
+        ctx.ring = ring
+        return torch.cat(ring_gather(ring, x, lambda *_: None), dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _block(grad, ctx.ring.rank, ctx.ring.size).contiguous()
+
+
+def _local(weight) -> torch.Tensor:
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def _overlapped_block_forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """A Llama decoder block on this rank's sequence chunk ``x`` [B, S/tp, D]."""
+    ring, attn, ffn = self._ring, self.attention, self.feed_forward
+    q, k, v = AllGatherMatmul.apply(
+        ring, self.attention_norm(x), _local(attn.wq.weight), _local(attn.wk.weight), _local(attn.wv.weight)
+    )
+    h = x + MatmulReduceScatter.apply(ring, attn.attend(q, k, v, rope), _local(attn.wo.weight))
+    gate, up = AllGatherMatmul.apply(ring, self.ffn_norm(h), _local(ffn.w1.weight), _local(ffn.w3.weight))
+    return h + MatmulReduceScatter.apply(ring, F.silu(gate) * up, _local(ffn.w2.weight))
+
+
+def _sequence_parallel_run_layers(self, h: torch.Tensor) -> torch.Tensor:
+    ring = self._ring
+    h = ScatterSequence.apply(ring, h)
+    for layer in self.layers.values():
+        h = layer(h, self.rope)
+    return GatherSequence.apply(ring, h)
+
+
+def enable_overlapped_sequence_parallel(llama: nn.Module, group) -> None:
+    """Switch an (already TP-sharded) Llama's blocks to sequence parallelism with chunked overlap.
+
+    The weights keep their Megatron column/row sharding; only the forward changes (bound methods on
+    the instances, so parameter names and checkpoints are those of the plain model).
+    """
+    ring = Ring(group)
+    seq_len = llama.max_seq_len
+    if seq_len % ring.size:
+        raise ValueError(f"model.seq_len={seq_len} is not divisible by tp={ring.size}; tp_overlap needs it")
+    llama._ring = ring
+    llama.run_layers = types.MethodType(_sequence_parallel_run_layers, llama)
+    for block in llama.layers.values():
+        block._ring = ring
+        block.forward = types.MethodType(_overlapped_block_forward, block)
+        block._sequence_parallel = True
+
+
+def sequence_parallel_partial_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters whose gradient each TP rank computes from its sequence chunk only (the block norms)."""
+    params = []
+    for child in module.modules():
+        if getattr(child, "_sequence_parallel", False):
+            params += list(child.attention_norm.parameters()) + list(child.ffn_norm.parameters())
+    return params

@@ -1,0 +1,36 @@
+"""Bucket layout for overlapped ZeRO-1: every bucket splits evenly over the replicas, buckets follow
+gradient readiness (reverse definition order), and sharding then unsharding is the identity."""
+
+import math
+
+import torch
+
+from disttrain_core.comm.buckets import FlatBuckets, plan_buckets
+
+
+def test_buckets_close_at_the_size_and_follow_reverse_definition_order():
+    buckets = plan_buckets([10, 3, 7, 20, 1], bucket_numel=8, dp=4)
+    assert [b.members for b in buckets] == [(4, 3), (2, 1), (0,)]
+    for bucket in buckets:
+        assert bucket.padded % 4 == 0 and bucket.padded >= bucket.numel
+        assert bucket.shard_size == bucket.padded // 4
+    assert [b.offset for b in buckets] == [0, 24, 36]
+    assert [b.shard_offset for b in buckets] == [0, 6, 9]
+    assert len(plan_buckets([10, 3, 7], math.inf, 2)) == 1
+    assert plan_buckets([], math.inf, 3)[0].padded == 3  # no parameters: one empty, padded bucket
+
+
+def test_shards_of_all_replicas_unshard_to_the_full_buffer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    params = list(model.named_parameters())
+    dp = 3
+    flats = [FlatBuckets(params, dp, rank, tp=1, bucket_numel=20) for rank in range(dp)]
+    assert len(flats[0].buckets) > 1
+    full = flats[0].gather_params()
+    gathered = torch.cat([flat.master.detach() for flat in flats])
+    assert torch.equal(flats[0].unshard(gathered), full)
+    for index, (_, param) in enumerate(params):
+        assert torch.equal(flats[0].parameter_slice(full, index), param.detach())
+    # Shards partition the parameters: every element is owned by exactly one replica.
+    assert sum(flat.master.numel() for flat in flats) == flats[0].padded
