@@ -296,6 +296,10 @@ def validate_layout(cfg: Config) -> None:
         f"parallel.comm.bucket_mb={p.comm.bucket_mb}: use a positive size in MB (25 is DDP's default) or 0 for one "
         "bucket",
     )
+    _require(
+        p.comm.collectives in ("auto", "ring", "native"),
+        f"parallel.comm.collectives={p.comm.collectives!r}: allowed values are auto, ring and native",
+    )
     layout = resolve_units(cfg)
     world = world_size(cfg)
     _require(

@@ -106,6 +106,9 @@ class FlatBuckets:
             weights[offset : offset + tensor.numel()] = 1.0 if is_sharded(param) else 1.0 / tp
         self.master = torch.nn.Parameter(self.shard_of(self.gather_params()))
         self.norm_weight = self.shard_of(weights)
+        self.norm_scale = self.norm_weight.sqrt()  # squared norm = || grad * sqrt(weight) ||^2
+        # Padding has weight 0 but always a zero gradient, so "all ones" may ignore it.
+        self.unit_norm_weight = bool(((self.norm_weight == 1) | (self.norm_weight == 0)).all())
 
     # ----------------------------------------------------------- layout maps
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@
 
 With overlap switched off the same buckets are reduced after backward and
 gathered right after the step, synchronously: the arithmetic is identical, only
-the timing changes. Asynchronous work is gloo's background threads on CPU and
-the process group's own CUDA stream under NCCL; nothing here depends on which.
+the timing changes. The collectives themselves (``parallel.comm.collectives``)
+are NCCL's own on its communication stream, or on gloo point-to-point rings
+driven by a background thread over a process group of their own (comm/ring.py).
 
 ``skip_collectives`` (benchmarks only) replaces every collective with the local
 copy it would have produced on one replica, to time the computation alone.
@@ -44,7 +45,7 @@ class BucketedSync:
     def __init__(
         self,
         flats: dict[str, FlatBuckets],
-        group,
+        collectives,
         dp: int,
         *,
         overlap_grad_reduce: bool,
@@ -54,8 +55,9 @@ class BucketedSync:
         partial_grads: Iterable[nn.Parameter] = (),
         tp_group=None,
         trace: CommTrace | None = None,
+        order: list[nn.Parameter] | None = None,
     ):
-        self.flats, self.group, self.dp = flats, group, dp
+        self.flats, self.collectives, self.dp = flats, collectives, dp
         self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather
         self.skip = skip_collectives
         self.trace = trace
@@ -71,6 +73,18 @@ class BucketedSync:
             for index, (_, param) in enumerate(flat.params):
                 self.where[id(param)] = (name, flat.bucket_of[index], index)
         self.sizes = {(n, b.index): len(b.members) for n, f in flats.items() for b in f.buckets}
+        # Parameter gathers are issued in the order the forward first needs a bucket: by the earliest
+        # definition position (``order``) of its parameters across all flat buffers, so a small buffer
+        # every layer uses (the norm weights) is not gathered after all the others.
+        position = {id(p): i for i, p in enumerate(order or [])}
+
+        def first_use(key: Key) -> tuple:
+            flat = flats[key[0]]
+            members = flat.buckets[key[1]].members
+            earliest = min((position.get(id(flat.params[m][1]), 0) for m in members), default=0)
+            return (earliest, list(flats).index(key[0]), -key[1])
+
+        self.gather_order = sorted(self.sizes, key=first_use)
         self._reset_grads()
         self.param_works: dict[Key, object] = {}
         self.hooks = []
@@ -125,7 +139,7 @@ class BucketedSync:
             target.copy_(bucket.slice_of(self.grad_flat[name], flat.rank))
             work = None
         else:
-            work = dist.reduce_scatter_single(target, source, group=self.group, async_op=async_op)
+            work = self.collectives.reduce_scatter(target, source, async_op=async_op)
         self.grad_works[key] = work
         if self.trace is not None:
             self.trace.comm(f"reduce-scatter {name}[{index}]", issued, work, bucket.padded * 4)
@@ -149,21 +163,19 @@ class BucketedSync:
     def gather_params(self) -> None:
         """All-gather every bucket's updated slice; asynchronously when parameter-gather overlap is on."""
         self.wait_params()
-        for name, flat in self.flats.items():
-            for bucket in reversed(flat.buckets):  # forward order: first layers first
-                key = (name, bucket.index)
-                own = bucket.shard(flat.master.detach())
-                issued = time.perf_counter()
-                if self.dp == 1 or self.skip:
-                    bucket.slice_of(self.param_flat[name], flat.rank).copy_(own)
-                    work = None
-                else:
-                    work = dist.all_gather_into_tensor(
-                        bucket.full(self.param_flat[name]), own, group=self.group, async_op=self.overlap_param
-                    )
-                if self.trace is not None:
-                    self.trace.comm(f"all-gather {name}[{bucket.index}]", issued, work, bucket.padded * 4)
-                self.param_works[key] = work
+        for key in self.gather_order:  # forward order: first layers first
+            name, index = key
+            flat, bucket = self.flats[name], self.flats[name].buckets[index]
+            own = bucket.shard(flat.master.detach())
+            issued = time.perf_counter()
+            if self.dp == 1 or self.skip:
+                bucket.slice_of(self.param_flat[name], flat.rank).copy_(own)
+                work = None
+            else:
+                work = self.collectives.all_gather(bucket.full(self.param_flat[name]), own, self.overlap_param)
+            if self.trace is not None:
+                self.trace.comm(f"all-gather {name}[{index}]", issued, work, bucket.padded * 4)
+            self.param_works[key] = work
         if not self.overlap_param:
             self.wait_params()
 
@@ -229,6 +241,24 @@ class BucketedSync:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+        if self.collectives is not None:
+            self.collectives.close()
+
+
+def make_collectives(kind: str, group, dp: int):
+    """``ring``: point-to-point rings on a background thread (comm/ring.py); ``native``: the process
+    group's collectives; ``auto``: ring on gloo, native on NCCL and others."""
+    from .ring import NativeCollectives, RingCollectives
+
+    if dp == 1 or group is None:
+        return None
+    if kind == "auto":
+        kind = "ring" if dist.get_backend(group) == "gloo" else "native"
+    if kind == "ring":
+        return RingCollectives(group)
+    if kind == "native":
+        return NativeCollectives(group)
+    raise ValueError(f"parallel.comm.collectives={kind!r}: allowed values are auto, ring and native")
 
 
 def allreduce_gradients(params: list[nn.Parameter], group, bucket_numel: float, world: int) -> None:

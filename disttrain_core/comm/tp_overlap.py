@@ -24,66 +24,12 @@ the data-parallel reduction (``sequence_parallel_partial_params``).
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-class Ring:
-    """A TP group seen as a ring: this rank, its neighbours (global ranks) and the group size."""
-
-    def __init__(self, group):
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
-
-    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one."""
-        buffer = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send.contiguous(), self.next), dist.P2POp(dist.irecv, buffer, self.prev)]
-        return buffer, dist.batch_isend_irecv(ops)
-
-
-def _wait(works: list) -> None:
-    for work in works:
-        work.wait()
-
-
-def ring_gather(ring: Ring, chunk: torch.Tensor, consume: Callable[[torch.Tensor, int], None]) -> list[torch.Tensor]:
-    """All-gather sequence chunks around the ring, calling ``consume(chunk, owner)`` on each as it is held."""
-    chunks: list[torch.Tensor | None] = [None] * ring.size
-    current = chunk.contiguous()
-    for step in range(ring.size):
-        owner = (ring.rank - step) % ring.size
-        chunks[owner] = current
-        if step < ring.size - 1:
-            incoming, works = ring.exchange(current)
-        consume(current, owner)  # under the transfer of the next chunk
-        if step < ring.size - 1:
-            _wait(works)
-            current = incoming
-    return chunks
-
-
-def ring_reduce_scatter(ring: Ring, contribution: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """Sum ``contribution(block)`` over the ring and return this rank's block of the sum."""
-    partial, works = None, None
-    for step in range(ring.size):
-        block = (ring.rank - step - 1) % ring.size
-        mine = contribution(block)  # under the transfer of the previous partial sum
-        if works is not None:
-            _wait(works)
-            mine = mine + partial
-        if step < ring.size - 1:
-            partial, works = ring.exchange(mine)
-        else:
-            return mine
-    raise AssertionError("unreachable")
+from .ring import Ring, ring_gather, ring_reduce_scatter
 
 
 def _block(x: torch.Tensor, index: int, size: int) -> torch.Tensor:

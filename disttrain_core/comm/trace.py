@@ -81,6 +81,7 @@ def plot_trace(panels: list[tuple[str, list[dict]]], path: str | Path) -> Path:
         "all-reduce": "#da8bc3",
         "other": "#999999",
     }
+    labels = {"wait": "wait (gradients, parameters)", "other": "other (data, clip, ...)"}
 
     def kind(name: str) -> str:
         for key in colors:
@@ -127,7 +128,7 @@ def plot_trace(panels: list[tuple[str, list[dict]]], path: str | Path) -> Path:
         {kind(e["name"]) for _, events in panels for e in events if e["lane"] != "step"}, key=list(colors).index
     )
     fig.legend(
-        handles=[Patch(color=colors[k], label=k) for k in used],
+        handles=[Patch(color=colors[k], label=labels.get(k, k)) for k in used],
         loc="lower center",
         ncol=len(used),
         fontsize=8,

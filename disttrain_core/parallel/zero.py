@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.buckets import FlatBuckets
-from ..comm.engine import BucketedSync
+from ..comm.engine import BucketedSync, make_collectives
 from ..comm.trace import CommTrace
 from ..config import CommConfig, OptimConfig
 
@@ -48,6 +48,7 @@ class ZeroOneOptimizer:
         partial_grads=(),
         tp_group=None,
         trace: CommTrace | None = None,
+        comm_group=None,
     ):
         comm = comm or CommConfig(overlap_grad_reduce=False, overlap_param_gather=False)
         self.group, self.dp, self.dp_rank = dp_group, dp, dp_rank
@@ -67,7 +68,7 @@ class ZeroOneOptimizer:
         self.params = [p for _, p in named_params if p.requires_grad]
         self.sync = BucketedSync(
             self.flats,
-            dp_group,
+            make_collectives(comm.collectives, comm_group if comm_group is not None else dp_group, dp),
             dp,
             overlap_grad_reduce=comm.overlap_grad_reduce,
             overlap_param_gather=comm.overlap_param_gather,
@@ -76,6 +77,7 @@ class ZeroOneOptimizer:
             partial_grads=partial_grads,
             tp_group=tp_group,
             trace=trace,
+            order=[p for _, p in named_params],
         )
 
     @property
@@ -90,8 +92,10 @@ class ZeroOneOptimizer:
         """This rank's share of the global squared gradient norm (sum it over the world)."""
         total = torch.zeros((), dtype=torch.float64, device=self.flats["decay"].master.device)
         for flat in self.flats.values():
-            if flat.master.grad is not None:
-                total += (flat.master.grad.double().pow(2) * flat.norm_weight.double()).sum()
+            grad = flat.master.grad
+            if grad is not None:
+                weighted = grad if flat.unit_norm_weight else grad * flat.norm_scale
+                total += torch.linalg.vector_norm(weighted, dtype=torch.float64).square()
         return total
 
     def scale_gradients(self, factor: float) -> None:

@@ -60,6 +60,13 @@ class StepRecord:
     sums: dict[str, float] = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
     origin: float = 0.0  # time.perf_counter() the timeline's times are relative to
+    pending_sums: Callable[[], dict[str, float]] | None = None  # sums still being reduced across ranks
+
+    def resolve(self) -> StepRecord:
+        """Wait for loss sums still in flight (engines reduce them in the background)."""
+        if self.pending_sums is not None:
+            self.sums, self.pending_sums = self.pending_sums(), None
+        return self
 
 
 class PipelineExecutor:

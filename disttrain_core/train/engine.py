@@ -14,6 +14,7 @@ into another.
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 
 import torch
@@ -27,6 +28,27 @@ from ..data.tokenizer import Tokenizer
 from ..models import build_model, materialize
 from ..schedule.executor import StepRecord
 from .optim import build_optimizer, load_optimizer_state_by_name, optimizer_state_by_name
+
+
+class GlobalCounts:
+    """The global batch's loss tokens, generation samples, sequences and images.
+
+    Reduced over the data-parallel replicas asynchronously: the reduction is waited for only when the
+    first loss is normalized, so it never queues a step's start behind parameter gathers still on the
+    wire. Calling it returns ``(n_tokens, n_gen)``, the loss normalizers.
+    """
+
+    def __init__(self, values: torch.Tensor, work=None, trace=None):
+        self.values, self.work, self.trace = values, work, trace
+
+    def __call__(self) -> tuple[float, float]:
+        if self.work is not None:
+            started = time.perf_counter()
+            self.work.wait()
+            self.work = None
+            if self.trace is not None:
+                self.trace.compute("wait: batch counts", started, time.perf_counter())
+        return max(float(self.values[0]), 1.0), max(float(self.values[1]), 1.0)
 
 
 class Engine:
@@ -45,9 +67,8 @@ class Engine:
     def load_optimizer_state(self, state: dict) -> None:
         load_optimizer_state_by_name(self.optimizer, self.named_parameters, state)
 
-    def forward_backward(
-        self, microbatches: list[Batch], n_tokens: float, n_gen: float, record: bool = False
-    ) -> StepRecord: ...
+    def forward_backward(self, microbatches: list[Batch], counts: GlobalCounts, record: bool = False) -> StepRecord:
+        """Forward and backward of every microbatch; losses are normalized by ``counts()``."""
 
     def after_backward(self) -> None:
         """Make gradients global (sum over data-parallel replicas) if the engine has not already."""
@@ -124,7 +145,7 @@ class DataParallelEngine(Engine):
         self.autocast = fabric.autocast if cfg.trainer.precision != "32" else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
 
-    def forward_backward(self, microbatches, n_tokens, n_gen, record=False) -> StepRecord:
+    def forward_backward(self, microbatches, counts, record=False) -> StepRecord:
         sums = {"lm_loss_sum": 0.0, "gen_loss_sum": 0.0}
         # DDP averages gradients over processes; scale so the result is the global-batch gradient.
         scale = float(self.fabric.world_size)
@@ -134,7 +155,7 @@ class DataParallelEngine(Engine):
             with sync:
                 with self.autocast():
                     out = self.model(microbatch.to(self.fabric.device))
-                _loss(out, n_tokens, n_gen, self.cfg.model.gen_loss_weight, scale=scale).backward()
+                _loss(out, *counts(), self.cfg.model.gen_loss_weight, scale=scale).backward()
             for name in sums:
                 if name in out:
                     sums[name] += float(out[name].detach())

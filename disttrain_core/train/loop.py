@@ -32,7 +32,7 @@ from ..data.tokenizer import build_tokenizer
 from ..models.flops import batch_flops
 from ..parallel.plan import build_pipeline, resolve_units
 from .checkpoint import CheckpointManager, load_file, read_meta, resolve_resume
-from .engine import DataParallelEngine
+from .engine import DataParallelEngine, GlobalCounts
 from .metrics import MetricsLogger
 from .optim import build_scheduler
 from .perf import peak_flops_per_device, peak_memory_gib
@@ -219,7 +219,7 @@ class Trainer:
         self.checkpoints.save(self.step, files, meta)
 
     # --------------------------------------------------------------------- step
-    def _global_counts(self, microbatches: list[Batch]) -> torch.Tensor:
+    def _global_counts(self, microbatches: list[Batch], trace=None) -> GlobalCounts:
         counts = torch.tensor(
             [
                 sum(mb.loss_tokens() for mb in microbatches),
@@ -230,9 +230,10 @@ class Trainer:
             dtype=torch.float64,
             device=self.fabric.device,
         )
+        work = None
         if self.count_group is not None:  # one copy per data-parallel replica
-            dist.all_reduce(counts, group=self.count_group)
-        return counts
+            work = dist.all_reduce(counts, group=self.count_group, async_op=True)
+        return GlobalCounts(counts, work, trace)
 
     def _local_microbatches(self, microbatches: list[Batch]) -> list[Batch]:
         """The samples this process works on: its unit replica's block of every global microbatch."""
@@ -245,29 +246,35 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         started = time.perf_counter()
+        trace = getattr(self.engine, "trace", None)
         microbatches = self.loader.next_step()
         data_wait = time.perf_counter() - started
-        counts = self._global_counts(microbatches)
+        if trace is not None:
+            trace.compute("data", started, time.perf_counter())
+        counts = self._global_counts(microbatches, trace)
         microbatches = self._local_microbatches(microbatches)
-        n_tokens, n_gen = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
         record = self.timelines is not None and self.timelines.wants(
             self.step + 1, self.cfg.trainer.log_every_n_steps, self.stop_at
         )
         if record:
             self.fabric.barrier()  # a common origin for every rank's timestamps
-        result = self.engine.forward_backward(microbatches, n_tokens, n_gen, record=record)
+        result = self.engine.forward_backward(microbatches, counts, record=record)
+        n_tokens, n_gen = counts()
         self.engine.after_backward()
         clip = self.cfg.optim.grad_clip
+        clipping = time.perf_counter()
         grad_norm = self.engine.clip_gradients(clip if clip > 0 else float("inf"))
+        if trace is not None:
+            trace.compute("clip (norm all-reduce)", clipping, time.perf_counter())
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        result.resolve()
         self.step += 1
         if self.fabric.device.type == "cuda":
             torch.cuda.synchronize(self.fabric.device)
         elapsed = time.perf_counter() - started  # drawing the timeline below is not training time
-        trace = getattr(self.engine, "trace", None)
         if trace is not None:
             trace.step(self.step, started, started + elapsed)
         if record:
@@ -281,9 +288,9 @@ class Trainer:
             gen_loss=gen_loss,
             grad_norm=grad_norm,
             lr=lr,
-            sequences=int(counts[2].item()),
-            images=int(counts[3].item()),
-            loss_tokens=int(counts[0].item()),
+            sequences=int(counts.values[2].item()),
+            images=int(counts.values[3].item()),
+            loss_tokens=int(counts.values[0].item()),
             data_wait_s=data_wait,
             step_time_s=elapsed,
         )

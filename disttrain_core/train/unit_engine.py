@@ -37,24 +37,26 @@ from .engine import Engine
 class UnitGroups:
     data_parallel: object | None  # this rank's replicas of the same (unit, tp, pp) position
     tensor_parallel: object | None
+    data_parallel_comm: object | None = None  # the same members, for the background ring collectives
 
 
-def build_unit_groups(layout: UnitLayout, rank: int, timeout=None) -> UnitGroups:
+def build_unit_groups(layout: UnitLayout, rank: int, timeout=None, comm_groups: bool = False) -> UnitGroups:
     """Every process creates every group, in the same order (gloo needs it)."""
-    dp_group = tp_group = None
+    dp_group = tp_group = comm_group = None
     for unit in layout.units:
         for pp in range(unit.pp):
             for tp in range(unit.tp):
                 members = [unit.rank(d, tp, pp) for d in range(unit.dp)]
                 group = dist.new_group(members, timeout=timeout) if unit.dp > 1 else None
+                extra = dist.new_group(members, timeout=timeout) if unit.dp > 1 and comm_groups else None
                 if rank in members:
-                    dp_group = group
+                    dp_group, comm_group = group, extra
             for dp in range(unit.dp):
                 members = [unit.rank(dp, t, pp) for t in range(unit.tp)]
                 group = dist.new_group(members, timeout=timeout) if unit.tp > 1 else None
                 if rank in members:
                     tp_group = group
-    return UnitGroups(dp_group, tp_group)
+    return UnitGroups(dp_group, tp_group, comm_group)
 
 
 def _loss(out: dict, n_tokens: float, n_gen: float, weight: float) -> torch.Tensor:
@@ -82,7 +84,9 @@ class UnitEngine(Engine):
         rank = fabric.global_rank
         self.unit: ParallelismUnit = layout.unit_of(rank)
         self.dp_rank, self.tp_rank, self.pp_rank = self.unit.coords(rank)
-        self.groups = build_unit_groups(layout, rank, timeout)
+        comm = cfg.parallel.comm
+        ring = comm.collectives == "ring" or (comm.collectives == "auto" and dist.get_backend() == "gloo")
+        self.groups = build_unit_groups(layout, rank, timeout, comm_groups=ring)
         # The schedule row this process runs and the (possibly several, virtual) stages on it.
         self.row = rows_of_units[self.unit.name][self.pp_rank]
         self.stages = build_rank_stages(
@@ -95,7 +99,6 @@ class UnitEngine(Engine):
             fabric.device,
             cfg.trainer.seed,
         )
-        comm = cfg.parallel.comm
         self.partial_grads: list[torch.nn.Parameter] = []  # sequence-parallel norms: summed over TP
         if self.unit.tp > 1:
             from torch.distributed.device_mesh import DeviceMesh
@@ -133,17 +136,18 @@ class UnitEngine(Engine):
             partial_grads=self.partial_grads,
             tp_group=self.groups.tensor_parallel,
             trace=self.trace,
+            comm_group=self.groups.data_parallel_comm,
         )
         self.optimizer.sync.install_forward_hooks(self.stages.values(), atomic=(DecoderBlock, VitBlock))
         self.executor.grad_sync = self.optimizer.sync
         return self.optimizer
 
     # --------------------------------------------------------------------- step
-    def forward_backward(self, microbatches, n_tokens, n_gen, record=False) -> StepRecord:
+    def forward_backward(self, microbatches, counts, record=False) -> StepRecord:
         weight = self.cfg.model.gen_loss_weight
         batches = [mb.to(self.fabric.device) for mb in microbatches]
         trace = self.trace is not None
-        result = self.executor.run(batches, lambda out: _loss(out, n_tokens, n_gen, weight), record=record or trace)
+        result = self.executor.run(batches, lambda out: _loss(out, *counts(), weight), record=record or trace)
         if trace:
             names = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
             for item in result.timeline:
@@ -159,9 +163,16 @@ class UnitEngine(Engine):
         )
         if self.tp_rank != 0:
             sums.zero_()
-        if self.layout.world_size > 1:
-            dist.all_reduce(sums)
-        result.sums = {"lm_loss_sum": float(sums[0]), "gen_loss_sum": float(sums[1])}
+        # Only logged: reduced in the background and read after the optimizer step, so it neither waits
+        # for the slowest rank's backward here nor queues behind gradient buckets on the wire.
+        work = dist.all_reduce(sums, async_op=True) if self.layout.world_size > 1 else None
+
+        def reduced() -> dict[str, float]:
+            if work is not None:
+                work.wait()
+            return {"lm_loss_sum": float(sums[0]), "gen_loss_sum": float(sums[1])}
+
+        result.sums, result.pending_sums = {}, reduced
         return result
 
     def optimizer_state(self) -> dict:

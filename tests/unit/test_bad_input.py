@@ -55,6 +55,20 @@ CASES = [
         "schedule.microbatches=7 disagrees",
     ),
     (["parallel=pp2", "trainer.devices=2", "schedule=zbv", "schedule.vpp=1"], "places 2 stage(s) per rank"),
+    # overlapped communication
+    (["parallel.comm.bucket_mb=-1"], "parallel.comm.bucket_mb=-1.0"),
+    (["parallel.comm.collectives=mpi"], "parallel.comm.collectives='mpi'"),
+    (
+        [
+            "parallel=pp2",
+            "parallel.pp=1",
+            "parallel.tp=2",
+            "trainer.devices=2",
+            "parallel.comm.tp_overlap=true",
+            "model.seq_len=255",
+        ],
+        "tp=2 does not divide model.seq_len=255",
+    ),
     # disaggregated units
     (["parallel=disagg4_enc2", "trainer.devices=3"], "= 4 processes but trainer.devices(3)"),
     (
