@@ -85,7 +85,9 @@ class UnitEngine(Engine):
         self.unit: ParallelismUnit = layout.unit_of(rank)
         self.dp_rank, self.tp_rank, self.pp_rank = self.unit.coords(rank)
         comm = cfg.parallel.comm
-        ring = comm.collectives == "ring" or (comm.collectives == "auto" and dist.get_backend() == "gloo")
+        ring = dist.is_initialized() and (
+            comm.collectives == "ring" or (comm.collectives == "auto" and dist.get_backend() == "gloo")
+        )
         self.groups = build_unit_groups(layout, rank, timeout, comm_groups=ring)
         # The schedule row this process runs and the (possibly several, virtual) stages on it.
         self.row = rows_of_units[self.unit.name][self.pp_rank]

@@ -45,7 +45,6 @@ def pair(shards, tmp_path, name, layout, batch):
     "name,layout,batch",
     [
         ("zero1_accumulate", ["parallel=zero1", "trainer.devices=2"], ACCUMULATE),
-        ("tp2_dp2_accumulate", [*TP2, "trainer.devices=4"], ACCUMULATE),
     ],
 )
 def test_overlap_matches_no_overlap(name, layout, batch, shards, tmp_path):
@@ -59,6 +58,7 @@ def test_overlap_matches_no_overlap(name, layout, batch, shards, tmp_path):
         ("ddp_accumulate", ["parallel=dp", "trainer.devices=2"], ACCUMULATE),
         ("ddp_single", ["parallel=dp", "trainer.devices=2"], SINGLE),
         ("zero1_single", ["parallel=zero1", "trainer.devices=2"], SINGLE),
+        ("tp2_dp2_accumulate", [*TP2, "trainer.devices=4"], ACCUMULATE),
         ("tp2_dp2_single", [*TP2, "trainer.devices=4"], SINGLE),
         ("pp2_zb", ["parallel=pp2", "schedule=zb_h1", "trainer.devices=2"], ACCUMULATE),
     ],

@@ -50,6 +50,7 @@ def test_four_process_layouts_match_one_process(layout, reference, shards, tmp_p
     assert_same_run(train(shards, tmp_path / layout, f"parallel={layout}", *SMALL), reference)
 
 
+@pytest.mark.slow  # 3 runs, two of them on 6 processes: about 50 s of the default suite's 15 minutes
 def test_data_parallel_sizes_that_do_not_divide_each_other(shards, tmp_path):
     """2 encoder replicas feed 3 LLM replicas; and the rigid layout with TP everywhere (6 processes each)."""
     one = train(shards, tmp_path / "one", *SIX)
