@@ -83,6 +83,7 @@ class FlatBuckets:
         rank: int,
         tp: int,
         bucket_numel: float = math.inf,
+        device: torch.device | None = None,
     ):
         self.params = params
         self.dp, self.rank = dp, rank
@@ -99,7 +100,7 @@ class FlatBuckets:
         last = self.buckets[-1]
         self.padded = last.offset + last.padded
         self.shard_numel = last.shard_offset + last.shard_size
-        self.device = self.locals[0].device if self.locals else torch.device("cpu")
+        self.device = device or (self.locals[0].device if self.locals else torch.device("cpu"))
         weights = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         for (_, param), tensor, offset in zip(params, self.locals, self.offsets, strict=True):
             # Elements replicated over the TP group are held by every TP rank: count them 1/tp times.

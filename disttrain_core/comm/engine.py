@@ -64,9 +64,10 @@ class BucketedSync:
         self.stage_of = stage_of or {}
         self.partial = {id(p) for p in partial_grads}  # sequence-parallel: sum over the TP group first
         self.tp_group = tp_group
-        device = next(iter(flats.values())).device
-        self.grad_flat = {n: torch.zeros(f.padded, dtype=torch.float32, device=device) for n, f in flats.items()}
-        self.grad_shard = {n: torch.zeros(f.shard_numel, dtype=torch.float32, device=device) for n, f in flats.items()}
+        self.grad_flat = {n: torch.zeros(f.padded, dtype=torch.float32, device=f.device) for n, f in flats.items()}
+        self.grad_shard = {
+            n: torch.zeros(f.shard_numel, dtype=torch.float32, device=f.device) for n, f in flats.items()
+        }
         self.param_flat = {n: f.gather_params() for n, f in flats.items()}
         self.where: dict[int, tuple[str, int, int]] = {}  # id(param) -> (flat, bucket, param index)
         for name, flat in flats.items():
@@ -85,6 +86,11 @@ class BucketedSync:
             return (earliest, list(flats).index(key[0]), -key[1])
 
         self.gather_order = sorted(self.sizes, key=first_use)
+        # Reduce-scatters are issued strictly in this order (expected completion: the reverse), a bucket
+        # only once every bucket before it is out -- the same sequence on every replica even when a
+        # replica gets no gradient for some parameter in its last microbatch (a replica without images
+        # that microbatch): otherwise the rings would pair different buckets.
+        self.reduce_order = list(reversed(self.gather_order))
         self._reset_grads()
         self.param_works: dict[Key, object] = {}
         self.hooks = []
@@ -99,6 +105,7 @@ class BucketedSync:
         self.ready: set[int] = set()
         self.remaining = dict(self.sizes)
         self.grad_works: dict[Key, object] = {}
+        self.next_reduce = 0  # position in reduce_order of the next bucket to issue
 
     def arm(self, stage: int = 0) -> None:
         """The next backward of ``stage`` is its last in this step: reduce its buckets as they complete."""
@@ -121,8 +128,12 @@ class BucketedSync:
         self.ready.add(id(param))
         name, bucket, _ = self.where[id(param)]
         self.remaining[(name, bucket)] -= 1
-        if self.remaining[(name, bucket)] == 0:
-            self._reduce((name, bucket), async_op=True)
+        while self.next_reduce < len(self.reduce_order):
+            key = self.reduce_order[self.next_reduce]
+            if self.remaining[key]:
+                break
+            self._reduce(key, async_op=True)
+            self.next_reduce += 1
 
     def _reduce(self, key: Key, async_op: bool) -> None:
         name, index = key
@@ -146,9 +157,8 @@ class BucketedSync:
 
     def finish_grads(self) -> None:
         """Reduce every bucket not reduced yet, wait for all, and give the optimizer its gradient shards."""
-        for key in self.sizes:
-            if key not in self.grad_works:
-                self._reduce(key, async_op=False)
+        for key in self.reduce_order[self.next_reduce :]:
+            self._reduce(key, async_op=False)
         started = time.perf_counter()
         for work in self.grad_works.values():
             if work is not None:
@@ -245,17 +255,21 @@ class BucketedSync:
             self.collectives.close()
 
 
-def make_collectives(kind: str, group, dp: int):
-    """``ring``: point-to-point rings on a background thread (comm/ring.py); ``native``: the process
-    group's collectives; ``auto``: ring on gloo, native on NCCL and others."""
+def make_collectives(kind: str, group, dp: int, dedicated_group=None):
+    """``ring``: point-to-point rings on a background thread (comm/ring.py) over ``dedicated_group``
+    (no other thread may use it); ``native``: ``group``'s own collectives; ``auto``: ring on gloo,
+    native on NCCL and others. Without a dedicated group the ring falls back to native: two threads
+    issuing on one process group could interleave differently on different ranks."""
     from .ring import NativeCollectives, RingCollectives
 
     if dp == 1 or group is None:
         return None
     if kind == "auto":
         kind = "ring" if dist.get_backend(group) == "gloo" else "native"
+    if kind == "ring" and dedicated_group is not None:
+        return RingCollectives(dedicated_group)
     if kind == "ring":
-        return RingCollectives(group)
+        return NativeCollectives(group)
     if kind == "native":
         return NativeCollectives(group)
     raise ValueError(f"parallel.comm.collectives={kind!r}: allowed values are auto, ring and native")

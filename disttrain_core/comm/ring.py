@@ -146,7 +146,8 @@ class RingCollectives:
     def __init__(self, group):
         self.ring = Ring(group)
         self.stream = CommStream(f"comm-stream-{self.ring.rank}")
-        sys.setswitchinterval(min(sys.getswitchinterval(), self.SWITCH_INTERVAL_S))
+        self.previous_switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self.previous_switch_interval, self.SWITCH_INTERVAL_S))
 
     def reduce_scatter(self, output: torch.Tensor, source: torch.Tensor, async_op: bool = True):
         """``output`` (this rank's slice) = sum over ranks of its slice of ``source``."""
@@ -180,6 +181,7 @@ class RingCollectives:
 
     def close(self) -> None:
         self.stream.close()
+        sys.setswitchinterval(self.previous_switch_interval)
 
 
 class NativeCollectives:

@@ -47,7 +47,10 @@ class CommTrace:
     def _watch(self) -> None:
         while True:
             event, work = self.queue.get()
-            work.wait()
+            try:
+                work.wait()
+            except Exception:  # the training thread sees the failure when it waits; keep tracing
+                pass
             event["end"] = time.perf_counter()
 
     def dump(self, path: str | Path) -> None:

@@ -56,9 +56,10 @@ class ZeroOneOptimizer:
         bucket_numel = comm.bucket_mb * 2**20 / 4 if comm.bucket_mb > 0 else math.inf
         decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim >= 2]
         no_decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim < 2]
+        device = named_params[0][1].device if named_params else torch.device("cpu")
         self.flats = {
-            "decay": FlatBuckets(decay, dp, dp_rank, tp, bucket_numel),
-            "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, bucket_numel),
+            "decay": FlatBuckets(decay, dp, dp_rank, tp, bucket_numel, device),
+            "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, bucket_numel, device),
         }
         groups = [
             {"params": [self.flats["decay"].master], "weight_decay": cfg.weight_decay, "name": "decay"},
@@ -68,7 +69,7 @@ class ZeroOneOptimizer:
         self.params = [p for _, p in named_params if p.requires_grad]
         self.sync = BucketedSync(
             self.flats,
-            make_collectives(comm.collectives, comm_group if comm_group is not None else dp_group, dp),
+            make_collectives(comm.collectives, dp_group, dp, dedicated_group=comm_group),
             dp,
             overlap_grad_reduce=comm.overlap_grad_reduce,
             overlap_param_gather=comm.overlap_param_gather,
@@ -109,6 +110,10 @@ class ZeroOneOptimizer:
         if self.trace is not None:
             self.trace.compute("optimizer", started, time.perf_counter())
         self.sync.gather_params()  # the new weights arrive during the next forward (or now, without overlap)
+
+    def close(self) -> None:
+        """Finish in-flight gathers, remove the hooks and stop the communication thread."""
+        self.sync.close()
 
     def wait_params(self) -> None:
         """Finish in-flight parameter gathers (before anything reads the parameters outside a forward)."""

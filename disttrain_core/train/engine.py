@@ -40,15 +40,18 @@ class GlobalCounts:
 
     def __init__(self, values: torch.Tensor, work=None, trace=None):
         self.values, self.work, self.trace = values, work, trace
+        self.normalizers: tuple[float, float] | None = None
 
     def __call__(self) -> tuple[float, float]:
-        if self.work is not None:
+        if self.normalizers is None:  # one wait and one device-to-host copy per step
             started = time.perf_counter()
-            self.work.wait()
-            self.work = None
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
             if self.trace is not None:
                 self.trace.compute("wait: batch counts", started, time.perf_counter())
-        return max(float(self.values[0]), 1.0), max(float(self.values[1]), 1.0)
+            self.normalizers = (max(float(self.values[0]), 1.0), max(float(self.values[1]), 1.0))
+        return self.normalizers
 
 
 class Engine:
@@ -75,6 +78,9 @@ class Engine:
 
     def synchronize(self) -> None:
         """Finish communication still in flight that writes parameters (overlapped gathers)."""
+
+    def close(self) -> None:
+        """Stop background communication (threads, hooks) at the end of training."""
 
     def clip_gradients(self, max_norm: float) -> float:
         """Clip to ``max_norm`` (inf: no clipping); returns the global norm before clipping."""

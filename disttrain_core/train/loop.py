@@ -378,6 +378,7 @@ class Trainer:
         if trace is not None:
             trace.dump(self.run_dir / "comm_trace" / f"rank{self.rank:05d}.json")
         self.checkpoints.wait()
+        self.engine.close()
         progress.close()
         self.metrics.close()
         return last_metrics

@@ -200,6 +200,10 @@ class UnitEngine(Engine):
         if self.optimizer is not None:
             self.optimizer.wait_params()
 
+    def close(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.close()
+
     def model_state(self) -> dict[str, torch.Tensor]:
         """Full (un-sharded) parameters by name; a collective inside the TP group."""
         self.synchronize()
