@@ -45,6 +45,11 @@ class Bucket:
         return shard[self.shard_offset : self.shard_offset + self.shard_size]
 
 
+def bucket_numel(bucket_mb: float) -> float:
+    """Elements of fp32 per bucket for ``parallel.comm.bucket_mb`` (0: one bucket, ``inf``)."""
+    return bucket_mb * 2**20 / 4 if bucket_mb > 0 else math.inf
+
+
 def plan_buckets(sizes: list[int], bucket_numel: float, dp: int) -> list[Bucket]:
     """Group parameters (by element count, in definition order) into readiness-ordered buckets.
 

@@ -69,10 +69,10 @@ class BucketedSync:
             n: torch.zeros(f.shard_numel, dtype=torch.float32, device=f.device) for n, f in flats.items()
         }
         self.param_flat = {n: f.gather_params() for n, f in flats.items()}
-        self.where: dict[int, tuple[str, int, int]] = {}  # id(param) -> (flat, bucket, param index)
+        self.where: dict[int, Key] = {}  # id(param) -> (flat buffer name, bucket index)
         for name, flat in flats.items():
             for index, (_, param) in enumerate(flat.params):
-                self.where[id(param)] = (name, flat.bucket_of[index], index)
+                self.where[id(param)] = (name, flat.bucket_of[index])
         self.sizes = {(n, b.index): len(b.members) for n, f in flats.items() for b in f.buckets}
         # Parameter gathers are issued in the order the forward first needs a bucket: by the earliest
         # definition position (``order``) of its parameters across all flat buffers, so a small buffer
@@ -126,7 +126,7 @@ class BucketedSync:
         if id(param) in self.ready:
             return
         self.ready.add(id(param))
-        name, bucket, _ = self.where[id(param)]
+        name, bucket = self.where[id(param)]
         self.remaining[(name, bucket)] -= 1
         while self.next_reduce < len(self.reduce_order):
             key = self.reduce_order[self.next_reduce]
@@ -220,7 +220,7 @@ class BucketedSync:
                 self.hooks.append(root.register_forward_pre_hook(self._waiter(early)))
 
     def _keys(self, params: Iterable[nn.Parameter]) -> set[Key]:
-        return {self.where[id(p)][:2] for p in params if id(p) in self.where}
+        return {self.where[id(p)] for p in params if id(p) in self.where}
 
     def _waiter(self, keys: set[Key]):
         ordered = sorted(keys)

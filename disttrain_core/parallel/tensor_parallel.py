@@ -64,12 +64,6 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
     return blocks
 
 
-def sequence_parallel_partial_params(module: nn.Module) -> list[nn.Parameter]:
-    from ..comm.tp_overlap import sequence_parallel_partial_params as partial
-
-    return partial(module)
-
-
 def is_sharded(param) -> bool:
     """True for a parameter split over the TP group (a DTensor with a Shard placement)."""
     return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)

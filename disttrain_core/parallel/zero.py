@@ -22,13 +22,12 @@ each element counts once over the world (TP-replicated elements are weighted by
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 import torch.distributed as dist
 
-from ..comm.buckets import FlatBuckets
+from ..comm.buckets import FlatBuckets, bucket_numel
 from ..comm.engine import BucketedSync, make_collectives
 from ..comm.trace import CommTrace
 from ..config import CommConfig, OptimConfig
@@ -53,13 +52,12 @@ class ZeroOneOptimizer:
         comm = comm or CommConfig(overlap_grad_reduce=False, overlap_param_gather=False)
         self.group, self.dp, self.dp_rank = dp_group, dp, dp_rank
         self.trace = trace
-        bucket_numel = comm.bucket_mb * 2**20 / 4 if comm.bucket_mb > 0 else math.inf
         decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim >= 2]
         no_decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim < 2]
         device = named_params[0][1].device if named_params else torch.device("cpu")
         self.flats = {
-            "decay": FlatBuckets(decay, dp, dp_rank, tp, bucket_numel, device),
-            "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, bucket_numel, device),
+            "decay": FlatBuckets(decay, dp, dp_rank, tp, bucket_numel(comm.bucket_mb), device),
+            "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, bucket_numel(comm.bucket_mb), device),
         }
         groups = [
             {"params": [self.flats["decay"].master], "weight_decay": cfg.weight_decay, "name": "decay"},

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
+from ..comm.buckets import bucket_numel
 from ..comm.engine import allreduce_gradients
 from ..config import Config
 from ..data.batch import Batch
@@ -141,7 +142,7 @@ class DataParallelEngine(Engine):
         # DDP overlaps its bucketed all-reduces with backward. Without overlap (or skipping communication
         # for a compute-only benchmark) every microbatch runs under no_sync and after_backward reduces.
         self.ddp_sync = comm.overlap_grad_reduce and not comm.skip_collectives
-        self.bucket_numel = comm.bucket_mb * 2**20 / 4 if comm.bucket_mb > 0 else math.inf
+        self.bucket_numel = bucket_numel(comm.bucket_mb)
         if fabric.world_size > 1:
             device_ids = [fabric.device.index] if fabric.device.type == "cuda" else None
             bucket_mb = comm.bucket_mb if comm.bucket_mb > 0 else 1e6

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
+from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
 from ..config import Config
 from ..data.tokenizer import Tokenizer
@@ -25,7 +26,7 @@ from ..models.llama import DecoderBlock
 from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
 from ..parallel.stages import build_rank_stages
-from ..parallel.tensor_parallel import apply_tensor_parallel, local, sequence_parallel_partial_params
+from ..parallel.tensor_parallel import apply_tensor_parallel, local
 from ..parallel.units import ParallelismUnit, UnitLayout
 from ..parallel.zero import ZeroOneOptimizer
 from ..schedule.actions import Schedule
