@@ -31,17 +31,23 @@ def links() -> int:
     return len(subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines())
 
 
-def test_nodes_see_each_other_and_everything_is_removed_on_success_and_failure():
+def test_nodes_see_each_other_and_everything_is_removed_on_success_and_failure(tmp_path):
     before, root_links = namespaces(), links()
+    # Each node writes its own file: the nodes share one stdout pipe, and under PYTHONUNBUFFERED
+    # their prints interleave piece by piece (CI saw "10 10.77.110.1 \n10.77.110.1").
     probe = (
-        "import os, socket; s = socket.socket(); "
+        "import os, socket, sys; s = socket.socket(); "
         "s.bind((os.environ['MASTER_ADDR'], 0)) if os.environ['NODE_RANK'] == '0' else None; "
-        "print(os.environ['NODE_RANK'], os.environ['MASTER_ADDR'])"
+        "open(os.path.join(sys.argv[1], 'node' + os.environ['NODE_RANK']), 'w')"
+        ".write(os.environ['MASTER_ADDR'])"
     )
-    ok = subprocess.run([*TOOL, "nodes=2", "--", sys.executable, "-c", probe], capture_output=True, text=True)
+    ok = subprocess.run(
+        [*TOOL, "nodes=2", "--", sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
-    lines = sorted(ok.stdout.split())
-    assert lines[:2] == ["0", "1"] and ok.stdout.count("10.77.") == 2  # both nodes, one master address
+    seen = {path.name: path.read_text() for path in tmp_path.iterdir()}
+    assert sorted(seen) == ["node0", "node1"]  # both nodes ran
+    assert seen["node0"] == seen["node1"] and seen["node0"].startswith("10.77.")  # one master address
     failed = subprocess.run([*TOOL, "nodes=2", "--", "sh", "-c", "exit 3"], capture_output=True, text=True)
     assert failed.returncode == 3
     assert namespaces() == before and links() == root_links
