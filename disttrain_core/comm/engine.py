@@ -56,6 +56,7 @@ class BucketedSync:
         tp_group=None,
         trace: CommTrace | None = None,
         order: list[nn.Parameter] | None = None,
+        order_group=None,
     ):
         self.flats, self.collectives, self.dp = flats, collectives, dp
         self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather
@@ -86,11 +87,16 @@ class BucketedSync:
             return (earliest, list(flats).index(key[0]), -key[1])
 
         self.gather_order = sorted(self.sizes, key=first_use)
-        # Reduce-scatters are issued strictly in this order (expected completion: the reverse), a bucket
-        # only once every bucket before it is out -- the same sequence on every replica even when a
-        # replica gets no gradient for some parameter in its last microbatch (a replica without images
-        # that microbatch): otherwise the rings would pair different buckets.
+        # Reduce-scatters are issued strictly in this order, a bucket only once every bucket before it
+        # is out -- the same sequence on every replica even when a replica gets no gradient for some
+        # parameter in its last microbatch (a replica without images that microbatch): otherwise the
+        # rings would pair different buckets. The first step uses the reverse of the gather order;
+        # after it, the order in which buckets actually completed on the first replica is broadcast
+        # and used from then on (DDP's rebuilt buckets): an order that differs from autograd's would
+        # hold finished buckets back behind one that completes late.
         self.reduce_order = list(reversed(self.gather_order))
+        self.order_group = order_group
+        self.completed: list[Key] | None = [] if overlap_grad_reduce else None  # recording, first step only
         self._reset_grads()
         self.param_works: dict[Key, object] = {}
         self.hooks = []
@@ -128,6 +134,8 @@ class BucketedSync:
         self.ready.add(id(param))
         name, bucket = self.where[id(param)]
         self.remaining[(name, bucket)] -= 1
+        if self.completed is not None and not self.remaining[(name, bucket)]:
+            self.completed.append((name, bucket))
         while self.next_reduce < len(self.reduce_order):
             key = self.reduce_order[self.next_reduce]
             if self.remaining[key]:
@@ -167,7 +175,22 @@ class BucketedSync:
             self.trace.compute("wait: gradients", started, time.perf_counter())
         for name, flat in self.flats.items():
             flat.master.grad = self.grad_shard[name]
+        if self.completed is not None:
+            self._adopt_recorded_order()
         self._reset_grads()
+
+    def _adopt_recorded_order(self) -> None:
+        """Issue future reduce-scatters in the order buckets completed in this (first) step on the first
+        replica; buckets that got no gradient in the last microbatch keep their place at the end."""
+        done = set(self.completed)
+        recorded = self.completed + [key for key in self.reduce_order if key not in done]
+        self.completed = None
+        keys = sorted(self.sizes)
+        order = torch.tensor([keys.index(key) for key in recorded], dtype=torch.int64)
+        if self.dp > 1 and not self.skip and self.order_group is not None:
+            order = order.to(self.grad_shard[next(iter(self.grad_shard))].device)
+            dist.broadcast(order, src=dist.get_global_rank(self.order_group, 0), group=self.order_group)
+        self.reduce_order = [keys[i] for i in order.tolist()]
 
     # ------------------------------------------------------------ parameters
     def gather_params(self) -> None:

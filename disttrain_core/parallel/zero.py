@@ -77,6 +77,7 @@ class ZeroOneOptimizer:
             tp_group=tp_group,
             trace=trace,
             order=[p for _, p in named_params],
+            order_group=dp_group,
         )
 
     @property

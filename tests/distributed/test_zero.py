@@ -120,3 +120,83 @@ def test_overlapped_reduce_scatter_with_a_gradient_missing_on_one_replica(tmp_pa
     )
     for rank in range(world):
         assert torch.load(tmp_path / f"uneven{rank}.pt", weights_only=True)["worst"] < 1e-6
+
+
+def _order_worker(rank: int, world: int, store: str, out: str) -> None:
+    """The layers run in an order unlike their definition order, and differently on the two replicas."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    from disttrain_core.config import CommConfig, OptimConfig
+    from disttrain_core.parallel.zero import ZeroOneOptimizer
+
+    comm_group = dist.new_group(list(range(world)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(4)))
+    comm = CommConfig(overlap_grad_reduce=True, overlap_param_gather=False, bucket_mb=1e-5)  # a bucket per layer
+    zero = ZeroOneOptimizer(
+        list(model.named_parameters()),
+        OptimConfig(),
+        dist.group.WORLD,
+        world,
+        rank,
+        tp=1,
+        comm=comm,
+        comm_group=comm_group,
+    )
+    bucket_of_layer = {int(n.split(".")[0]): zero.sync.where[id(p)] for n, p in model.named_parameters()}
+
+    def layer_buckets(order):  # the no_decay buffer is empty here: one bucket with no members
+        return [key for key in order if key[0] == "decay"]
+
+    default = layer_buckets(zero.sync.reduce_order)
+    use = [2, 0, 3, 1] if rank == 0 else [0, 1, 2, 3]
+    generator = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(2):
+        zero.sync.arm(0)
+        x = torch.randn(3, 8, generator=generator)
+        for layer in use:
+            x = model[layer](x)
+        x.pow(2).sum().backward()
+        expected = {}
+        for name, param in model.named_parameters():
+            total = param.grad.clone()
+            dist.all_reduce(total)
+            expected[name] = total
+        zero.reduce_gradients()
+        flat = zero.flats["decay"]
+        gathered = torch.empty(world * flat.shard_numel)
+        dist.all_gather_into_tensor(gathered, flat.master.grad.contiguous())
+        full = flat.unshard(gathered)
+        for index, (name, _) in enumerate(flat.params):
+            worst = max(worst, (flat.parameter_slice(full, index) - expected[name]).abs().max().item())
+        zero.zero_grad()
+    adopted = [bucket_of_layer[layer] for layer in reversed([2, 0, 3, 1])]  # rank 0's backward order
+    torch.save(
+        {
+            "worst": worst,
+            "default": default == [bucket_of_layer[i] for i in (3, 2, 1, 0)],
+            "adopted": layer_buckets(zero.sync.reduce_order) == adopted,
+        },
+        os.path.join(out, f"order{rank}.pt"),
+    )
+    zero.close()
+    dist.destroy_process_group()
+
+
+def test_reduce_order_is_the_first_replicas_recorded_completion_order(tmp_path):
+    """After the first step every replica issues reduce-scatters in the order buckets completed on the
+    first replica (not definition order), and the sums stay right when another replica's order differs."""
+    world = 2
+    mp.start_processes(
+        _order_worker,
+        args=(world, str(tmp_path / "store"), str(tmp_path)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
+    for rank in range(world):
+        result = torch.load(tmp_path / f"order{rank}.pt", weights_only=True)
+        assert result["default"] and result["adopted"] and result["worst"] < 1e-6, result
