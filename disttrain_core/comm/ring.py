@@ -36,9 +36,10 @@ class Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def exchange(self, send: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one."""
-        buffer = torch.empty_like(send)
+    def exchange(self, send: torch.Tensor, into: torch.Tensor | None = None) -> tuple[torch.Tensor, list]:
+        """Start sending ``send`` to the next rank and receiving a tensor like it from the previous one
+        (into ``into`` when given: contiguous, like ``send``)."""
+        buffer = torch.empty_like(send) if into is None else into
         ops = [
             dist.P2POp(dist.isend, send.contiguous(), self.next, group=self.group),
             dist.P2POp(dist.irecv, buffer, self.prev, group=self.group),
@@ -51,15 +52,24 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-def ring_gather(ring: Ring, chunk: torch.Tensor, consume: Callable[[torch.Tensor, int], None]) -> list[torch.Tensor]:
-    """All-gather chunks around the ring, calling ``consume(chunk, owner)`` on each while the next travels."""
+def ring_gather(
+    ring: Ring,
+    chunk: torch.Tensor,
+    consume: Callable[[torch.Tensor, int], None],
+    destination: Callable[[int], torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """All-gather chunks around the ring, calling ``consume(chunk, owner)`` on each while the next travels.
+
+    ``destination(owner)``: where to receive ``owner``'s chunk (saves a copy when the caller keeps it).
+    """
     chunks: list[torch.Tensor | None] = [None] * ring.size
     current = chunk.contiguous()
     for step in range(ring.size):
         owner = (ring.rank - step) % ring.size
         chunks[owner] = current
         if step < ring.size - 1:
-            incoming, works = ring.exchange(current)
+            following = (owner - 1) % ring.size
+            incoming, works = ring.exchange(current, None if destination is None else destination(following))
         consume(current, owner)
         if step < ring.size - 1:
             _wait(works)
@@ -67,8 +77,11 @@ def ring_gather(ring: Ring, chunk: torch.Tensor, consume: Callable[[torch.Tensor
     return chunks
 
 
-def ring_reduce_scatter(ring: Ring, contribution: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """Sum ``contribution(block)`` over the ring and return this rank's block of the sum.
+def ring_reduce_scatter(
+    ring: Ring, contribution: Callable[[int], torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sum ``contribution(block)`` over the ring and return this rank's block of the sum (in ``out``
+    when given).
 
     At step ``i`` a rank adds its contribution to block ``rank - i - 1`` to the partial sum received
     from its predecessor and passes it on; the block completed at the last step is its own.
@@ -77,11 +90,14 @@ def ring_reduce_scatter(ring: Ring, contribution: Callable[[int], torch.Tensor])
     for step in range(ring.size):
         block = (ring.rank - step - 1) % ring.size
         mine = contribution(block)  # computed while the previous partial sum travels
+        last = step == ring.size - 1
         if works is not None:
             _wait(works)
-            mine = mine + partial
-        if step < ring.size - 1:
+            mine = torch.add(mine, partial, out=out) if last and out is not None else mine + partial
+        if not last:
             partial, works = ring.exchange(mine)
+        elif out is not None and mine.data_ptr() != out.data_ptr():
+            return out.copy_(mine)  # one rank: nothing was added
         else:
             return mine
     raise AssertionError("unreachable")
@@ -155,7 +171,7 @@ class RingCollectives:
         ring = self.ring
 
         def job() -> None:
-            output.copy_(ring_reduce_scatter(ring, lambda block: source[block * size : (block + 1) * size]))
+            ring_reduce_scatter(ring, lambda block: source[block * size : (block + 1) * size], out=output)
 
         return self._finish(self.stream.submit(job), async_op)
 
@@ -165,10 +181,8 @@ class RingCollectives:
         ring = self.ring
 
         def job() -> None:
-            def place(chunk, owner):
-                output[owner * size : (owner + 1) * size].copy_(chunk)
-
-            ring_gather(ring, shard, place)
+            output[ring.rank * size : (ring.rank + 1) * size].copy_(shard)
+            ring_gather(ring, shard, lambda *_: None, lambda owner: output[owner * size : (owner + 1) * size])
 
         return self._finish(self.stream.submit(job), async_op)
 
