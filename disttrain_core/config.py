@@ -294,6 +294,9 @@ class CommConfig:
     # ZeRO-1: all-gather updated parameter buckets during the next forward (off: right after the step).
     overlap_param_gather: bool = True
     bucket_mb: float = 25.0  # fp32 MB per gradient bucket (also DDP's bucket_cap_mb); 0: one bucket
+    # ZeRO-1: the first-used parameters go into buckets of 1/8, 1/4 and 1/2 of bucket_mb, so the first
+    # layer's parameter wait and the last gradient reduce-scatter after backward are short.
+    graded_buckets: bool = True
     # ZeRO-1 reduce-scatter / all-gather: auto (ring on gloo, the backend's own on NCCL) | ring | native.
     # ring: point-to-point rings on a background thread over their own process group (comm/ring.py).
     collectives: str = "auto"

@@ -50,11 +50,30 @@ def bucket_numel(bucket_mb: float) -> float:
     return bucket_mb * 2**20 / 4 if bucket_mb > 0 else math.inf
 
 
-def plan_buckets(sizes: list[int], bucket_numel: float, dp: int) -> list[Bucket]:
+GRADED = (1 / 8, 1 / 4, 1 / 2)  # sizes, in bucket sizes, of the buckets holding the first-used parameters
+
+
+def plan_buckets(sizes: list[int], bucket_numel: float, dp: int, graded: bool = False) -> list[Bucket]:
     """Group parameters (by element count, in definition order) into readiness-ordered buckets.
 
     A bucket closes once it holds at least ``bucket_numel`` elements; ``inf`` gives one bucket.
+
+    ``graded``: the parameters defined first -- the first the forward needs and the last whose
+    gradients are ready -- go into smaller buckets of 1/8, 1/4 and 1/2 of the size (in definition
+    order). Their all-gather is what the first layer waits for after a step, and their reduce-scatter
+    is what the step waits for after backward; with full-size buckets both waits are a whole bucket.
     """
+    head: list[list[int]] = []  # definition-order groups for the first-used parameters
+    start = 0
+    if graded and math.isfinite(bucket_numel):
+        for fraction in GRADED:
+            group, count = [], 0
+            while start < len(sizes) and count < fraction * bucket_numel:
+                group.append(start)
+                count += sizes[start]
+                start += 1
+            if group:
+                head.append(group)
     buckets: list[Bucket] = []
     members: list[int] = []
     count = offset = shard_offset = 0
@@ -68,12 +87,15 @@ def plan_buckets(sizes: list[int], bucket_numel: float, dp: int) -> list[Bucket]
         shard_offset += padded // dp
         members, count = [], 0
 
-    for index in reversed(range(len(sizes))):
+    for index in reversed(range(start, len(sizes))):
         members.append(index)
         count += sizes[index]
         if count >= bucket_numel:
             close()
-    if members or not buckets:
+    if members or not (buckets or head):
+        close()
+    for group in reversed(head):  # readiness order: the group defined last is ready first
+        members, count = list(reversed(group)), sum(sizes[i] for i in group)
         close()
     return buckets
 
@@ -89,11 +111,12 @@ class FlatBuckets:
         tp: int,
         bucket_numel: float = math.inf,
         device: torch.device | None = None,
+        graded: bool = False,
     ):
         self.params = params
         self.dp, self.rank = dp, rank
         self.locals = [local(p) for _, p in params]
-        self.buckets = plan_buckets([t.numel() for t in self.locals], bucket_numel, dp)
+        self.buckets = plan_buckets([t.numel() for t in self.locals], bucket_numel, dp, graded)
         self.offsets = [0] * len(params)
         self.bucket_of = [0] * len(params)
         for bucket in self.buckets:

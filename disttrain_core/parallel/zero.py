@@ -55,9 +55,10 @@ class ZeroOneOptimizer:
         decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim >= 2]
         no_decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim < 2]
         device = named_params[0][1].device if named_params else torch.device("cpu")
+        size, graded = bucket_numel(comm.bucket_mb), comm.graded_buckets
         self.flats = {
-            "decay": FlatBuckets(decay, dp, dp_rank, tp, bucket_numel(comm.bucket_mb), device),
-            "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, bucket_numel(comm.bucket_mb), device),
+            "decay": FlatBuckets(decay, dp, dp_rank, tp, size, device, graded),
+            "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, size, device, graded),
         }
         groups = [
             {"params": [self.flats["decay"].master], "weight_decay": cfg.weight_decay, "name": "decay"},
