@@ -304,6 +304,11 @@ class CommConfig:
     # (communication of chunk i+1 under the matmul of chunk i). Off: Megatron TP with all-reduces.
     tp_overlap: bool = False
     skip_collectives: bool = False  # benchmarks only (compute-only timing): gradients are NOT reduced
+    # Benchmarks only (ZeRO-1): step n runs in mode interleave_modes[((n - 1) // interleave_block) % len],
+    # each of overlap | no_overlap | compute_only, so the modes are timed in one run under the same
+    # machine load (tools/bench_overlap.py). compute_only trains a wrong model.
+    interleave_modes: list[str] = field(default_factory=list)
+    interleave_block: int = 4
     trace: bool = False  # write compute/communication events to <run>/comm_trace/rank<R>.json
 
 

@@ -302,6 +302,25 @@ def validate_layout(cfg: Config) -> None:
     )
     layout = resolve_units(cfg)
     world = world_size(cfg)
+    if p.comm.interleave_modes:
+        from .comm.engine import MODES
+
+        unknown = [mode for mode in p.comm.interleave_modes if mode not in MODES]
+        _require(
+            not unknown,
+            f"parallel.comm.interleave_modes: unknown mode(s) {unknown}; allowed: {', '.join(MODES)}",
+        )
+        _require(
+            p.comm.interleave_block >= 1,
+            f"parallel.comm.interleave_block={p.comm.interleave_block}: use a positive number of steps",
+        )
+        unit = layout.units[0]
+        plain_ddp = len(layout.units) == 1 and unit.pp == 1 and unit.tp == 1 and not p.zero1
+        _require(
+            not plain_ddp,
+            "parallel.comm.interleave_modes switches ZeRO-1's collectives; this layout trains with DDP. "
+            "Use parallel=zero1 (or a layout with tp, pp or several units)",
+        )
     _require(
         layout.world_size == world,
         f"the layout needs {_unit_formula(layout.units)} = {layout.world_size} processes but trainer.devices"

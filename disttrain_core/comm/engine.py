@@ -40,6 +40,18 @@ from .trace import CommTrace
 
 Key = tuple[str, int]  # (flat buffer name, bucket index)
 
+# ``parallel.comm.interleave_modes``: the switches each benchmark mode sets.
+MODES = {
+    "overlap": {"overlap_grad_reduce": True, "overlap_param_gather": True, "skip_collectives": False},
+    "no_overlap": {"overlap_grad_reduce": False, "overlap_param_gather": False, "skip_collectives": False},
+    "compute_only": {"overlap_grad_reduce": True, "overlap_param_gather": True, "skip_collectives": True},
+}
+
+
+def interleaved_mode(modes: list[str], block: int, step: int) -> str:
+    """The mode of (1-based) ``step`` when ``modes`` take turns in blocks of ``block`` steps."""
+    return modes[((step - 1) // block) % len(modes)]
+
 
 class BucketedSync:
     def __init__(
@@ -100,10 +112,17 @@ class BucketedSync:
         self._reset_grads()
         self.param_works: dict[Key, object] = {}
         self.hooks = []
-        if overlap_grad_reduce:
-            for flat in flats.values():
-                for _, param in flat.params:
-                    self.hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+        for flat in flats.values():  # they act only while overlap_grad is on (set_mode may switch it)
+            for _, param in flat.params:
+                self.hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def set_mode(self, overlap_grad_reduce: bool, overlap_param_gather: bool, skip_collectives: bool) -> None:
+        """Switch the overlap and skip switches between two steps (benchmarks interleave modes in a run).
+        Results never depend on the first two; skipping collectives trains a wrong model."""
+        if self.grad_works or self.next_reduce:
+            raise RuntimeError("BucketedSync.set_mode: gradient buckets of this step are in flight")
+        self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather
+        self.skip = skip_collectives
 
     # ------------------------------------------------------------- gradients
     def _reset_grads(self) -> None:
@@ -118,7 +137,7 @@ class BucketedSync:
         self.armed.add(stage)
 
     def _on_grad(self, param: nn.Parameter) -> None:
-        if self.stage_of.get(id(param), 0) in self.armed:
+        if self.overlap_grad and self.stage_of.get(id(param), 0) in self.armed:
             self._ready(param)
 
     def grads_ready(self, params: Iterable[nn.Parameter]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -109,6 +110,7 @@ class Handle:
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self.started: float | None = None  # perf_counter when the stream began running it
 
     def wait(self) -> bool:
         self.done.wait()
@@ -139,6 +141,7 @@ class CommStream:
             if item is None:
                 return
             job, handle = item
+            handle.started = time.perf_counter()
             try:
                 job()
             except BaseException as error:  # handed to whoever waits for the job

@@ -52,6 +52,8 @@ class CommTrace:
             except Exception:  # the training thread sees the failure when it waits; keep tracing
                 pass
             event["end"] = time.perf_counter()
+            if getattr(work, "started", None) is not None:
+                event["began"] = work.started  # left the queue (a ring job): start..began is queueing
 
     def dump(self, path: str | Path) -> None:
         path = Path(path)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 from tqdm import tqdm
 
+from ..comm.engine import interleaved_mode
 from ..config import Config
 from ..data.batch import Batch
 from ..data.loader import MicrobatchLoader
@@ -246,6 +247,9 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         started = time.perf_counter()
+        comm = self.cfg.parallel.comm
+        if comm.interleave_modes:
+            self.engine.set_comm_mode(interleaved_mode(comm.interleave_modes, comm.interleave_block, self.step + 1))
         trace = getattr(self.engine, "trace", None)
         microbatches = self.loader.next_step()
         data_wait = time.perf_counter() - started
@@ -330,7 +334,8 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         trainer = self.cfg.trainer
         stop_at = self.stop_at
-        if self.rank == 0 and self.cfg.parallel.comm.skip_collectives and self.world_size > 1:
+        skipping = self.cfg.parallel.comm.skip_collectives or "compute_only" in self.cfg.parallel.comm.interleave_modes
+        if self.rank == 0 and skipping and self.world_size > 1:
             log.warning("parallel.comm.skip_collectives=true: gradients are not reduced; for timing only")
         if self.rank == 0:
             layout = self.layout.describe()

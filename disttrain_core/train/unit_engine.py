@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
+from ..comm.engine import MODES
 from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
 from ..config import Config
@@ -197,6 +198,10 @@ class UnitEngine(Engine):
         return norm
 
     # -------------------------------------------------------------- checkpoints
+    def set_comm_mode(self, mode: str) -> None:
+        """``parallel.comm.interleave_modes``: switch this step's overlap / skip switches."""
+        self.optimizer.sync.set_mode(**MODES[mode])
+
     def synchronize(self) -> None:
         if self.optimizer is not None:
             self.optimizer.wait_params()

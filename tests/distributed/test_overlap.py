@@ -41,14 +41,22 @@ def pair(shards, tmp_path, name, layout, batch):
     return on, off
 
 
-@pytest.mark.parametrize(
-    "name,layout,batch",
-    [
-        ("zero1_accumulate", ["parallel=zero1", "trainer.devices=2"], ACCUMULATE),
-    ],
-)
-def test_overlap_matches_no_overlap(name, layout, batch, shards, tmp_path):
-    assert_equal_runs(*pair(shards, tmp_path, name, layout, batch), tolerance=1e-6)
+def test_overlap_matches_no_overlap_and_modes_switch_between_steps(shards, tmp_path):
+    """ZeRO-1 with accumulation; a third run switches overlap on and off every two steps
+    (``parallel.comm.interleave_modes``, what bench_overlap times) and must agree as well."""
+    layout = ["parallel=zero1", "trainer.devices=2"]
+    on, off = pair(shards, tmp_path, "zero1_accumulate", layout, ACCUMULATE)
+    assert_equal_runs(on, off, tolerance=1e-6)
+    switching = train(
+        shards,
+        tmp_path / "switching",
+        *layout,
+        *ACCUMULATE,
+        *OVERLAP,
+        "parallel.comm.interleave_modes=[overlap,no_overlap]",
+        "parallel.comm.interleave_block=2",
+    )
+    assert_equal_runs(switching, off, tolerance=1e-6)
 
 
 @pytest.mark.slow

@@ -58,6 +58,8 @@ CASES = [
     # overlapped communication
     (["parallel.comm.bucket_mb=-1"], "parallel.comm.bucket_mb=-1.0"),
     (["parallel.comm.collectives=mpi"], "parallel.comm.collectives='mpi'"),
+    (["parallel=zero1", "parallel.comm.interleave_modes=[overlap,fast]"], "unknown mode(s) ['fast']"),
+    (["parallel.comm.interleave_modes=[overlap]"], "this layout trains with DDP"),
     (
         [
             "parallel=pp2",

@@ -45,3 +45,10 @@ def test_shards_of_all_replicas_unshard_to_the_full_buffer():
         assert torch.equal(flats[0].parameter_slice(full, index), param.detach())
     # Shards partition the parameters: every element is owned by exactly one replica.
     assert sum(flat.master.numel() for flat in flats) == flats[0].padded
+
+
+def test_interleaved_modes_take_turns_in_blocks_of_steps():
+    from disttrain_core.comm.engine import interleaved_mode
+
+    modes = ["overlap", "no_overlap", "compute_only"]
+    assert [interleaved_mode(modes, 2, step)[0] for step in range(1, 9)] == list("oonnccoo")
