@@ -206,7 +206,7 @@ class BucketedSync:
         self.completed = None
         keys = sorted(self.sizes)
         order = torch.tensor([keys.index(key) for key in recorded], dtype=torch.int64)
-        if self.dp > 1 and not self.skip and self.order_group is not None:
+        if self.dp > 1 and self.order_group is not None:  # also when skipping: a later mode may not skip
             order = order.to(self.grad_shard[next(iter(self.grad_shard))].device)
             dist.broadcast(order, src=dist.get_global_rank(self.order_group, 0), group=self.order_group)
         self.reduce_order = [keys[i] for i in order.tolist()]

@@ -336,7 +336,9 @@ class Trainer:
         stop_at = self.stop_at
         skipping = self.cfg.parallel.comm.skip_collectives or "compute_only" in self.cfg.parallel.comm.interleave_modes
         if self.rank == 0 and skipping and self.world_size > 1:
-            log.warning("parallel.comm.skip_collectives=true: gradients are not reduced; for timing only")
+            log.warning(
+                "parallel.comm: collectives are skipped (compute only): gradients are not reduced; for timing only"
+            )
         if self.rank == 0:
             layout = self.layout.describe()
             if self.schedule is not None:

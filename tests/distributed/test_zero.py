@@ -43,6 +43,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     worst = max((a - b).abs().max().item() for a, b in zip(sharded.parameters(), reference.parameters(), strict=True))
     total = sum(p.numel() for p in reference.parameters())
     torch.save({"worst": worst, "bytes": zero.state_bytes(), "total": total}, os.path.join(out, f"{rank}.pt"))
+    dist.barrier()  # tear down together (one gloo teardown aborted once when a peer left first)
     dist.destroy_process_group()
 
 
