@@ -232,7 +232,8 @@ def main(argv: list[str]) -> int:
                 per_round.append(summarize(measured)["hidden_fraction"])
                 if options["format"] != "json":
                     medians = "  ".join(f"{mode} {statistics.median(measured[mode]):.3f} s" for mode in MODES)
-                    print(f"{network:9s} round {round_}: {medians}  hidden {per_round[-1]:.0%}", flush=True)
+                    hidden = "n/a" if per_round[-1] is None else f"{per_round[-1]:.0%}"  # no communication seen
+                    print(f"{network:9s} round {round_}: {medians}  hidden {hidden}", flush=True)
             entry = summarize(times)
             entry["hidden_fraction_per_round"] = per_round
             if network == "emulated":
