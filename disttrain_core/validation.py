@@ -314,10 +314,8 @@ def validate_layout(cfg: Config) -> None:
             p.comm.interleave_block >= 1,
             f"parallel.comm.interleave_block={p.comm.interleave_block}: use a positive number of steps",
         )
-        unit = layout.units[0]
-        plain_ddp = len(layout.units) == 1 and unit.pp == 1 and unit.tp == 1 and not p.zero1
         _require(
-            not plain_ddp,
+            not layout.trains_with_ddp(p.zero1),
             "parallel.comm.interleave_modes switches ZeRO-1's collectives; this layout trains with DDP. "
             "Use parallel=zero1 (or a layout with tp, pp or several units)",
         )

@@ -42,6 +42,8 @@ import tempfile
 from pathlib import Path
 
 from disttrain_core.cli import split_tool_args
+from disttrain_core.comm.engine import MODES as COMM_MODES
+from disttrain_core.comm.engine import interleaved_mode
 from disttrain_core.config import REPO_ROOT
 
 OPTIONS = {
@@ -72,10 +74,10 @@ MODEL = [
     "model.llm.n_heads=8",
     "model.llm.n_kv_heads=4",
 ]
+# The switches of each mode, as overrides (the same table parallel.comm.interleave_modes uses).
 MODES = {
-    "overlap": ["parallel.comm.overlap_grad_reduce=true", "parallel.comm.overlap_param_gather=true"],
-    "no_overlap": ["parallel.comm.overlap_grad_reduce=false", "parallel.comm.overlap_param_gather=false"],
-    "compute_only": ["parallel.comm.skip_collectives=true"],
+    mode: [f"parallel.comm.{name}={str(value).lower()}" for name, value in switches.items()]
+    for mode, switches in COMM_MODES.items()
 }
 
 
@@ -137,8 +139,6 @@ def train(network: str, mode: str, run_dir: Path, options: dict, trace: bool = F
 def interleaved_times(metrics: list[dict], options: dict) -> dict[str, list[float]]:
     """Step times of an interleaved run by mode, without the first cycle and each turn's first step
     (whose forward used parameters gathered the previous mode's way)."""
-    from disttrain_core.comm.engine import interleaved_mode
-
     block, modes = int(options["block"]), list(MODES)
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for m in metrics:

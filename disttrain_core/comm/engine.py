@@ -204,10 +204,11 @@ class BucketedSync:
         done = set(self.completed)
         recorded = self.completed + [key for key in self.reduce_order if key not in done]
         self.completed = None
-        keys = sorted(self.sizes)
-        order = torch.tensor([keys.index(key) for key in recorded], dtype=torch.int64)
+        keys = sorted(self.sizes)  # the same numbering on every replica
+        number = {key: i for i, key in enumerate(keys)}
+        order = torch.tensor([number[key] for key in recorded], dtype=torch.int64)
         if self.dp > 1 and self.order_group is not None:  # also when skipping: a later mode may not skip
-            order = order.to(self.grad_shard[next(iter(self.grad_shard))].device)
+            order = order.to(next(iter(self.flats.values())).device)
             dist.broadcast(order, src=dist.get_global_rank(self.order_group, 0), group=self.order_group)
         self.reduce_order = [keys[i] for i in order.tolist()]
 

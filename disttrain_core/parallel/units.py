@@ -81,6 +81,11 @@ class UnitLayout:
     def unit(self, name: str) -> ParallelismUnit:
         return next(u for u in self.units if u.name == name)
 
+    def trains_with_ddp(self, zero1: bool) -> bool:
+        """One unit without TP or PP and no ZeRO-1: the whole model under torch DDP (DataParallelEngine)."""
+        unit = self.units[0]
+        return len(self.units) == 1 and unit.pp == 1 and unit.tp == 1 and not zero1
+
     def has_unit(self, name: str) -> bool:
         return any(u.name == name for u in self.units)
 

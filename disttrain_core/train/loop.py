@@ -77,7 +77,7 @@ class Trainer:
         self.producer = cfg.data.producer.address is not None
         self.global_stream = len(self.layout.units) > 1 or self.producer
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        single = len(self.layout.units) == 1 and self.unit.pp == 1 and self.unit.tp == 1 and not cfg.parallel.zero1
+        single = self.layout.trains_with_ddp(cfg.parallel.zero1)
         self.schedule = self.broker = None
         timeout = timedelta(seconds=trainer.dist_timeout_s)
         if single:

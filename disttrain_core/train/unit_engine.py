@@ -188,6 +188,10 @@ class UnitEngine(Engine):
     def after_backward(self) -> None:
         self.optimizer.reduce_gradients()
 
+    def set_comm_mode(self, mode: str) -> None:
+        """``parallel.comm.interleave_modes``: switch this step's overlap / skip switches."""
+        self.optimizer.sync.set_mode(**MODES[mode])
+
     def clip_gradients(self, max_norm: float) -> float:
         squared = self.optimizer.grad_norm_squared()
         if self.layout.world_size > 1:
@@ -198,10 +202,6 @@ class UnitEngine(Engine):
         return norm
 
     # -------------------------------------------------------------- checkpoints
-    def set_comm_mode(self, mode: str) -> None:
-        """``parallel.comm.interleave_modes``: switch this step's overlap / skip switches."""
-        self.optimizer.sync.set_mode(**MODES[mode])
-
     def synchronize(self) -> None:
         if self.optimizer is not None:
             self.optimizer.wait_params()

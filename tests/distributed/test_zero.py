@@ -49,9 +49,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
 def test_zero1_matches_adamw_and_holds_a_dp_th_of_the_state(tmp_path):
     world = 2
-    mp.start_processes(
-        _worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
-    )
+    _spawn(_worker, tmp_path, world)
     for rank in range(world):
         result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert result["worst"] < 1e-6
@@ -60,8 +58,8 @@ def test_zero1_matches_adamw_and_holds_a_dp_th_of_the_state(tmp_path):
         assert abs(result["bytes"] - full / world) <= padding, (result["bytes"], full)
 
 
-def _uneven_worker(rank: int, world: int, store: str, out: str) -> None:
-    """Replica 1 gives layer 1 no gradient in its last microbatch (think: no images there)."""
+def _overlapped_zero(rank: int, world: int, store: str, model: torch.nn.Module, overlap_param_gather: bool):
+    """A process group, a dedicated ring group and an overlapped ZeRO-1 with about a bucket a tensor."""
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group(
         "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -70,10 +68,8 @@ def _uneven_worker(rank: int, world: int, store: str, out: str) -> None:
     from disttrain_core.parallel.zero import ZeroOneOptimizer
 
     comm_group = dist.new_group(list(range(world)))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
-    comm = CommConfig(overlap_grad_reduce=True, overlap_param_gather=True, bucket_mb=1e-5)  # ~1 tensor a bucket
-    zero = ZeroOneOptimizer(
+    comm = CommConfig(overlap_grad_reduce=True, overlap_param_gather=overlap_param_gather, bucket_mb=1e-5)
+    return ZeroOneOptimizer(
         list(model.named_parameters()),
         OptimConfig(),
         dist.group.WORLD,
@@ -83,6 +79,36 @@ def _uneven_worker(rank: int, world: int, store: str, out: str) -> None:
         comm=comm,
         comm_group=comm_group,
     )
+
+
+def _worst_reduced_error(zero, model: torch.nn.Module, world: int) -> float:
+    """Largest difference between ZeRO-1's reduced gradient shards and an all-reduce of every gradient."""
+    expected = {}
+    for name, param in model.named_parameters():
+        total = param.grad.clone()
+        dist.all_reduce(total)
+        expected[name] = total
+    worst = 0.0
+    for flat in zero.flats.values():
+        gathered = torch.empty(world * flat.shard_numel)
+        dist.all_gather_into_tensor(gathered, flat.master.grad.contiguous())
+        full = flat.unshard(gathered)
+        for index, (name, _) in enumerate(flat.params):
+            worst = max(worst, (flat.parameter_slice(full, index) - expected[name]).abs().max().item())
+    return worst
+
+
+def _spawn(worker, tmp_path, world: int = 2) -> None:
+    mp.start_processes(
+        worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
+    )
+
+
+def _uneven_worker(rank: int, world: int, store: str, out: str) -> None:
+    """Replica 1 gives layer 1 no gradient in its last microbatch (think: no images there)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    zero = _overlapped_zero(rank, world, store, model, overlap_param_gather=True)
     assert len(zero.flats["decay"].buckets) == 4
     generator = torch.Generator().manual_seed(rank)
     model(torch.randn(3, 8, generator=generator)).pow(2).sum().backward()  # an earlier microbatch
@@ -91,61 +117,23 @@ def _uneven_worker(rank: int, world: int, store: str, out: str) -> None:
     last = model(x) if rank == 0 else model[2:](model[0](x))  # layer 1 unused: its buckets wait
     last.pow(2).sum().backward()
     zero.reduce_gradients()
-    expected = {}
-    for name, param in model.named_parameters():
-        total = param.grad.clone()
-        dist.all_reduce(total)
-        expected[name] = total
-    reduced = {}
-    for flat in zero.flats.values():
-        gathered = torch.empty(world * flat.shard_numel)
-        dist.all_gather_into_tensor(gathered, flat.master.grad.contiguous())
-        full = flat.unshard(gathered)
-        for index, (name, _) in enumerate(flat.params):
-            reduced[name] = flat.parameter_slice(full, index)
-    worst = max((reduced[n] - expected[n]).abs().max().item() for n in expected)
-    torch.save({"worst": worst}, os.path.join(out, f"uneven{rank}.pt"))
+    torch.save({"worst": _worst_reduced_error(zero, model, world)}, os.path.join(out, f"uneven{rank}.pt"))
     zero.close()
     dist.destroy_process_group()
 
 
 def test_overlapped_reduce_scatter_with_a_gradient_missing_on_one_replica(tmp_path):
     """Buckets go out in one fixed order on every replica, so the rings never pair different buckets."""
-    world = 2
-    mp.start_processes(
-        _uneven_worker,
-        args=(world, str(tmp_path / "store"), str(tmp_path)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-    for rank in range(world):
+    _spawn(_uneven_worker, tmp_path)
+    for rank in range(2):
         assert torch.load(tmp_path / f"uneven{rank}.pt", weights_only=True)["worst"] < 1e-6
 
 
 def _order_worker(rank: int, world: int, store: str, out: str) -> None:
     """The layers run in an order unlike their definition order, and differently on the two replicas."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    from disttrain_core.config import CommConfig, OptimConfig
-    from disttrain_core.parallel.zero import ZeroOneOptimizer
-
-    comm_group = dist.new_group(list(range(world)))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(4)))
-    comm = CommConfig(overlap_grad_reduce=True, overlap_param_gather=False, bucket_mb=1e-5)  # a bucket per layer
-    zero = ZeroOneOptimizer(
-        list(model.named_parameters()),
-        OptimConfig(),
-        dist.group.WORLD,
-        world,
-        rank,
-        tp=1,
-        comm=comm,
-        comm_group=comm_group,
-    )
+    zero = _overlapped_zero(rank, world, store, model, overlap_param_gather=False)  # a bucket per layer
     bucket_of_layer = {int(n.split(".")[0]): zero.sync.where[id(p)] for n, p in model.named_parameters()}
 
     def layer_buckets(order):  # the no_decay buffer is empty here: one bucket with no members
@@ -161,18 +149,8 @@ def _order_worker(rank: int, world: int, store: str, out: str) -> None:
         for layer in use:
             x = model[layer](x)
         x.pow(2).sum().backward()
-        expected = {}
-        for name, param in model.named_parameters():
-            total = param.grad.clone()
-            dist.all_reduce(total)
-            expected[name] = total
         zero.reduce_gradients()
-        flat = zero.flats["decay"]
-        gathered = torch.empty(world * flat.shard_numel)
-        dist.all_gather_into_tensor(gathered, flat.master.grad.contiguous())
-        full = flat.unshard(gathered)
-        for index, (name, _) in enumerate(flat.params):
-            worst = max(worst, (flat.parameter_slice(full, index) - expected[name]).abs().max().item())
+        worst = max(worst, _worst_reduced_error(zero, model, world))
         zero.zero_grad()
     adopted = [bucket_of_layer[layer] for layer in reversed([2, 0, 3, 1])]  # rank 0's backward order
     torch.save(
@@ -190,14 +168,7 @@ def _order_worker(rank: int, world: int, store: str, out: str) -> None:
 def test_reduce_order_is_the_first_replicas_recorded_completion_order(tmp_path):
     """After the first step every replica issues reduce-scatters in the order buckets completed on the
     first replica (not definition order), and the sums stay right when another replica's order differs."""
-    world = 2
-    mp.start_processes(
-        _order_worker,
-        args=(world, str(tmp_path / "store"), str(tmp_path)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-    for rank in range(world):
+    _spawn(_order_worker, tmp_path)
+    for rank in range(2):
         result = torch.load(tmp_path / f"order{rank}.pt", weights_only=True)
         assert result["default"] and result["adopted"] and result["worst"] < 1e-6, result
