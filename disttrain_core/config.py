@@ -5,8 +5,8 @@ unknown key or a value of the wrong type fails while Hydra composes the config,
 with a message naming the key. Semantic checks (divisibility, ranges, files on
 disk) live in :mod:`disttrain_core.validation`.
 
-Field documentation is the docstring-like comment after each field; the same
-text is rendered in docs/CONFIG.md.
+Field documentation is the comment after each field (``python train.py --cfg job``
+prints the composed values).
 """
 
 from __future__ import annotations
@@ -207,13 +207,18 @@ class TrainerConfig:
     accelerator: str = "auto"  # auto | cpu | cuda
     devices: int = 1  # processes per node
     num_nodes: int = 1
-    precision: str = "32"  # 32 | bf16-mixed
+    precision: str = "auto"  # auto (bf16-mixed on CUDA, 32 on CPU) | 32 | bf16-mixed
     backend: str = "auto"  # auto (gloo on CPU, nccl on CUDA) | gloo | nccl
     max_steps: int = 300
     exit_after_step: Optional[int] = None  # stop cleanly after this step (preemption drills)
     log_every_n_steps: int = 10
     seed: int = 42
-    deterministic: bool = True
+    # auto (on for CPU, off on CUDA) | true | false | warn. true: torch.use_deterministic_algorithms, and an
+    # operator without a deterministic kernel fails (checked before launch); warn: such operators only warn.
+    deterministic: Any = "auto"
+    tf32: bool = True  # CUDA: TF32 tensor cores for fp32 matmuls and convolutions (bf16-mixed is unaffected)
+    # Host synchronizations on the hot path (train/host_sync.py): off | warn | error.
+    sync_debug: str = "off"
     threads_per_rank: int = 0  # torch intra-op threads per process; 0 = cores / local processes
     dist_timeout_s: int = 300
     resume: str = "none"  # none | auto | path to a checkpoint or run directory
@@ -303,6 +308,9 @@ class CommConfig:
     # Sequence-parallel TP for Llama blocks with chunked all-gather+matmul / matmul+reduce-scatter
     # (communication of chunk i+1 under the matmul of chunk i). Off: Megatron TP with all-reduces.
     tp_overlap: bool = False
+    # What pipeline stage boundaries and ZeRO-1 parameter all-gathers carry: auto (bf16 under bf16-mixed,
+    # fp32 otherwise) | fp32 | bf16. The fp32 master weights stay in the optimizer either way.
+    wire_dtype: str = "auto"
     skip_collectives: bool = False  # benchmarks only (compute-only timing): gradients are NOT reduced
     # Benchmarks only (ZeRO-1): step n runs in mode interleave_modes[((n - 1) // interleave_block) % len],
     # each of overlap | no_overlap | compute_only, so the modes are timed in one run under the same
@@ -369,6 +377,20 @@ class Config:
     tags: list[str] = field(default_factory=list)
     # Name of the metric a sweep optimizes (returned by train.py's main).
     optimized_metric: str = "train/loss"
+
+
+def training_precision(precision: str, device_type: str) -> str:
+    """``trainer.precision`` with ``auto`` resolved: bf16-mixed on CUDA, 32 elsewhere."""
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if device_type == "cuda" else "32"
+
+
+def determinism(choice: Any, device_type: str) -> bool | str:
+    """``trainer.deterministic`` resolved: True (strict), False, or "warn" (torch's warn_only)."""
+    if choice == "auto":
+        return device_type != "cuda"
+    return choice
 
 
 def group_options(group: str) -> list[str]:

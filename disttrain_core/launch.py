@@ -22,8 +22,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import Config, cpu_count
-from .validation import ConfigError, externally_launched, resolve_accelerator, validate_config, world_size
+from .config import Config, cpu_count, determinism, training_precision
+from .validation import (
+    ConfigError,
+    externally_launched,
+    resolve_accelerator,
+    resolve_backend,
+    validate_config,
+    world_size,
+)
 
 log = logging.getLogger("disttrain")
 
@@ -56,12 +63,24 @@ def prepare_data(cfg: Config) -> None:
     generate_shards(cfg.data.synthetic, cfg.data.path)
 
 
+def with_device_defaults(container: dict) -> dict:
+    """``auto`` precision and determinism made concrete for this run's accelerator (recorded in the run's
+    config.yaml): bf16-mixed and non-deterministic kernels on CUDA, fp32 and deterministic on CPU."""
+    trainer = dict(container["trainer"])
+    device = resolve_accelerator(trainer["accelerator"])
+    trainer["precision"] = training_precision(trainer["precision"], device)
+    trainer["deterministic"] = determinism(trainer["deterministic"], device)
+    return {**container, "trainer": trainer}
+
+
 def launch(cfg: DictConfig) -> float | None:
     """Validate, prepare and run one training job; returns the optimized metric."""
     container = OmegaConf.to_container(cfg, resolve=True)
     cfg = typed_config(container)
     try:
         validate_config(cfg)
+        container = with_device_defaults(container)
+        cfg = typed_config(container)
         if cfg.parallel.mode == "auto":
             from .planner.auto import resolve_auto
 
@@ -159,11 +178,29 @@ def configure_threads(cfg: Config) -> int:
     return threads
 
 
+def configure_device(cfg: Config, accelerator: str) -> None:
+    """Determinism, TF32 and CUDA launch settings; before the first CUDA call of this process."""
+    import torch
+
+    strict = determinism(cfg.trainer.deterministic, accelerator)
+    if strict:
+        if accelerator == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=strict == "warn")
+    if accelerator != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = cfg.trainer.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
+    if cfg.parallel.comm.tp_overlap:
+        # The chunked TP overlap relies on kernels running in the order they are queued across the compute
+        # and communication streams (Megatron's requirement for sequence-parallel overlap).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
 def run_worker(container: dict, run_dir: str) -> dict[str, Any]:
     """One training process: Fabric setup, then the training loop."""
     from datetime import timedelta
 
-    import torch
     from lightning_fabric import Fabric
     from lightning_fabric.strategies import DDPStrategy
 
@@ -175,20 +212,18 @@ def run_worker(container: dict, run_dir: str) -> dict[str, Any]:
     _setup_worker_logging(rank, run_dir)
     configure_threads(cfg)
     accelerator = resolve_accelerator(trainer.accelerator)
-    if trainer.deterministic:
-        if accelerator == "cuda":
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    backend = trainer.backend if trainer.backend != "auto" else ("nccl" if accelerator == "cuda" else "gloo")
+    configure_device(cfg, accelerator)
+    backend = resolve_backend(trainer.backend, accelerator)
     strategy: Any = "auto"
     if world_size(cfg) > 1:
         strategy = DDPStrategy(process_group_backend=backend, timeout=timedelta(seconds=trainer.dist_timeout_s))
+    precision = training_precision(trainer.precision, accelerator)
     fabric = Fabric(
         accelerator=accelerator,
         devices=trainer.devices,
         num_nodes=trainer.num_nodes,
         strategy=strategy,
-        precision="32-true" if trainer.precision == "32" else trainer.precision,
+        precision="32-true" if precision == "32" else precision,
     )
     fabric.launch()
     fabric.seed_everything(trainer.seed, verbose=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .config import Config, cpu_count
+from .config import Config, cpu_count, determinism
 
 CPU_PROCESSES_PER_CORE = 4  # beyond this, oversubscription is surely a typo, not a test setup
 
@@ -36,6 +36,12 @@ def resolve_accelerator(accelerator: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_backend(backend: str, accelerator: str) -> str:
+    if backend != "auto":
+        return backend
+    return "nccl" if accelerator == "cuda" else "gloo"
 
 
 def world_size(cfg: Config) -> int:
@@ -161,8 +167,8 @@ def validate_trainer(cfg: Config) -> None:
         f"trainer.accelerator={t.accelerator!r}: allowed values are auto, cpu, cuda",
     )
     _require(
-        t.precision in ("32", "bf16-mixed"),
-        f"trainer.precision={t.precision!r}: allowed values are '32' and 'bf16-mixed'",
+        t.precision in ("auto", "32", "bf16-mixed"),
+        f"trainer.precision={t.precision!r}: allowed values are auto, '32' and 'bf16-mixed'",
     )
     _require(
         t.backend in ("auto", "gloo", "nccl"), f"trainer.backend={t.backend!r}: allowed values are auto, gloo, nccl"
@@ -212,6 +218,40 @@ def validate_trainer(cfg: Config) -> None:
         t.resume in ("none", "auto") or os.path.exists(t.resume),
         f"trainer.resume={t.resume!r}: use none, auto, or an existing checkpoint or run directory",
     )
+
+
+def validate_device_contract(cfg: Config) -> None:
+    """Settings that cannot work on the accelerator the run will use, found before any device is touched
+    (so they are reported the same way on a laptop planning a GPU job)."""
+    t, comm = cfg.trainer, cfg.parallel.comm
+    _require(
+        t.deterministic in ("auto", "warn", True, False),
+        f"trainer.deterministic={t.deterministic!r}: allowed values are auto, true, false and warn",
+    )
+    from .train.host_sync import MODES
+
+    _require(t.sync_debug in MODES, f"trainer.sync_debug={t.sync_debug!r}: allowed values are {', '.join(MODES)}")
+    _require(
+        comm.wire_dtype in ("auto", "fp32", "bf16"),
+        f"parallel.comm.wire_dtype={comm.wire_dtype!r}: allowed values are auto, fp32 and bf16",
+    )
+    accelerator = resolve_accelerator(t.accelerator)
+    backend = resolve_backend(t.backend, accelerator)
+    _require(
+        not (comm.collectives == "ring" and backend == "nccl"),
+        "parallel.comm.collectives=ring drives gloo point-to-point rings from a CPU thread; NCCL runs its own "
+        "rings on a communication stream: use parallel.comm.collectives=auto (or native) with NCCL",
+    )
+    if accelerator == "cuda" and determinism(t.deterministic, accelerator) is True:
+        from .models.kernels import nondeterministic_cuda_ops
+
+        found = nondeterministic_cuda_ops(cfg.model)
+        _require(
+            not found,
+            f"trainer.deterministic=true on CUDA, but the model's training step uses {', '.join(found)}, which "
+            "has no deterministic CUDA kernel and would fail at its first call; use trainer.deterministic=warn "
+            "(run it anyway, with a warning) or false",
+        )
 
 
 def validate_data(cfg: Config) -> None:
@@ -404,6 +444,7 @@ def validate_schedule_config(cfg: Config) -> None:
             f"schedule={s.name} places several stages per rank, which a pipeline across units does not support; "
             "use gpipe, 1f1b or zb_h1",
         )
+        check_pipeline(cfg, layout, micro)
         return
     if s.name == "interleaved_1f1b":
         _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per rank")
@@ -424,6 +465,20 @@ def validate_schedule_config(cfg: Config) -> None:
         )
     else:
         _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
+    check_pipeline(cfg, layout, micro)
+
+
+def check_pipeline(cfg: Config, layout, microbatches: int) -> None:
+    """Build the schedule the run will use and validate it with the layout's routing, including the replay
+    of every rank's point-to-point posts under NCCL's rules: a schedule that would deadlock fails here."""
+    from .parallel.plan import pipeline_schedule, validate_pipeline
+    from .schedule.simulator import ScheduleError
+
+    try:
+        schedule = pipeline_schedule(cfg, layout, microbatches)
+        validate_pipeline(layout, schedule, cfg.optim.micro_batch_size * layout.llm.dp)
+    except (ScheduleError, ValueError) as error:
+        raise ConfigError(f"schedule={cfg.schedule.csv or cfg.schedule.name}: {error}") from error
 
 
 def validate_cluster(cfg: Config) -> None:
@@ -457,6 +512,7 @@ def validate_config(cfg: Config) -> None:
     if missing:
         raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")
     validate_model(cfg)
+    validate_device_contract(cfg)
     auto = cfg.parallel.mode == "auto"  # the layout is checked once the planner has chosen it
     if not auto:
         validate_trainer(cfg)

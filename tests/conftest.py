@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 # Tests must not touch the user's cache and must leave cores to each other.
 os.environ.setdefault("DISTTRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / "disttrain-test-cache"))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Point-to-point transfers keep NCCL's contract on gloo too: one handle per batch_isend_irecv call, received
+# data valid only once it is waited on (disttrain_core/comm/p2p.py). A wait that NCCL would need fails here.
+os.environ.setdefault("DISTTRAIN_STRICT_P2P", "1")
 
 # Shrinks every large model config to CPU-test size while keeping its structure
 # (GQA ratios, vocabulary, U-Net levels and cross-attention pattern).

@@ -69,6 +69,7 @@ class BucketedSync:
         trace: CommTrace | None = None,
         order: list[nn.Parameter] | None = None,
         order_group=None,
+        gather_dtype: torch.dtype = torch.float32,
     ):
         self.flats, self.collectives, self.dp = flats, collectives, dp
         self.overlap_grad, self.overlap_param = overlap_grad_reduce, overlap_param_gather
@@ -81,7 +82,10 @@ class BucketedSync:
         self.grad_shard = {
             n: torch.zeros(f.shard_numel, dtype=torch.float32, device=f.device) for n, f in flats.items()
         }
-        self.param_flat = {n: f.gather_params() for n, f in flats.items()}
+        # Updated parameters travel in ``gather_dtype`` (bf16 under bf16-mixed: half the bytes); the fp32
+        # master shard stays in the optimizer and the parameters hold the gathered values.
+        self.gather_dtype = gather_dtype
+        self.param_flat = {n: f.gather_params().to(gather_dtype) for n, f in flats.items()}
         self.where: dict[int, Key] = {}  # id(param) -> (flat buffer name, bucket index)
         for name, flat in flats.items():
             for index, (_, param) in enumerate(flat.params):
@@ -172,7 +176,7 @@ class BucketedSync:
         source = bucket.full(self.grad_flat[name])
         flat.fill_grads(bucket, self.grad_flat[name])
         target = bucket.shard(self.grad_shard[name])
-        issued = time.perf_counter()
+        issued = self.trace.now() if self.trace is not None else None
         if self.dp == 1 or self.skip:
             target.copy_(bucket.slice_of(self.grad_flat[name], flat.rank))
             work = None
@@ -180,18 +184,18 @@ class BucketedSync:
             work = self.collectives.reduce_scatter(target, source, async_op=async_op)
         self.grad_works[key] = work
         if self.trace is not None:
-            self.trace.comm(f"reduce-scatter {name}[{index}]", issued, work, bucket.padded * 4)
+            self.trace.comm(f"reduce-scatter {name}[{index}]", issued, work, bucket.padded * source.element_size())
 
     def finish_grads(self) -> None:
         """Reduce every bucket not reduced yet, wait for all, and give the optimizer its gradient shards."""
         for key in self.reduce_order[self.next_reduce :]:
             self._reduce(key, async_op=False)
-        started = time.perf_counter()
+        started = self.trace.now() if self.trace is not None else None
         for work in self.grad_works.values():
             if work is not None:
                 work.wait()
         if self.trace is not None:
-            self.trace.compute("wait: gradients", started, time.perf_counter())
+            self.trace.compute("wait: gradients", started, self.trace.now())
         for name, flat in self.flats.items():
             flat.master.grad = self.grad_shard[name]
         if self.completed is not None:
@@ -220,14 +224,17 @@ class BucketedSync:
             name, index = key
             flat, bucket = self.flats[name], self.flats[name].buckets[index]
             own = bucket.shard(flat.master.detach())
-            issued = time.perf_counter()
+            if own.dtype != self.gather_dtype:  # e.g. bf16 on the wire under bf16-mixed; the master stays fp32
+                own = own.to(self.gather_dtype)
+            issued = self.trace.now() if self.trace is not None else None
             if self.dp == 1 or self.skip:
                 bucket.slice_of(self.param_flat[name], flat.rank).copy_(own)
                 work = None
             else:
                 work = self.collectives.all_gather(bucket.full(self.param_flat[name]), own, self.overlap_param)
             if self.trace is not None:
-                self.trace.comm(f"all-gather {name}[{index}]", issued, work, bucket.padded * 4)
+                nbytes = bucket.padded * own.element_size()
+                self.trace.comm(f"all-gather {name}[{index}]", issued, work, nbytes)
             self.param_works[key] = work
         if not self.overlap_param:
             self.wait_params()
@@ -236,7 +243,7 @@ class BucketedSync:
         """Finish the pending gathers of ``keys`` (all by default) and write them into the parameters."""
         if not self.param_works:
             return
-        started = time.perf_counter()
+        started, stamp = time.perf_counter(), self.trace.now() if self.trace is not None else None
         for key in list(self.param_works) if keys is None else keys:
             work = self.param_works.pop(key, False)
             if work is False:
@@ -246,7 +253,7 @@ class BucketedSync:
             name, index = key
             self.flats[name].write_back(self.flats[name].buckets[index], self.param_flat[name])
         if self.trace is not None and time.perf_counter() - started > 1e-4:
-            self.trace.compute("wait: parameters", started, time.perf_counter())
+            self.trace.compute("wait: parameters", stamp, self.trace.now())
 
     def install_forward_hooks(self, roots: Iterable[nn.Module], atomic: tuple[type, ...] = ()) -> None:
         """Wait for a module's parameter buckets just before it runs.

@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .p2p import post
+
 
 class Ring:
     """A process group seen as a ring: this rank, its neighbours (global ranks) and the group size."""
@@ -45,7 +47,7 @@ class Ring:
             dist.P2POp(dist.isend, send.contiguous(), self.next, group=self.group),
             dist.P2POp(dist.irecv, buffer, self.prev, group=self.group),
         ]
-        return buffer, dist.batch_isend_irecv(ops)
+        return buffer, post(ops)
 
 
 def _wait(works: list) -> None:

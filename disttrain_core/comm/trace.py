@@ -1,10 +1,14 @@
 """A record of when this rank computed and when its collectives ran, and its picture.
 
-Compute spans (pipeline actions, the optimizer, waits) are timed on the training
-thread. A collective is stamped when it is issued and when it completes (a
-watcher thread waits for each in issue order; not every backend gives
-collectives a future), so the communication lane shows what the network really did --
-including how much of it ran under the computation.
+Compute spans (pipeline actions, the optimizer, waits) are stamped on the
+training thread with a ``DeviceClock`` (clock.py): host times on a CPU, CUDA
+events on the current stream on a GPU, so a span is when the work ran, not when
+it was queued; stamps become seconds when the trace is written. A collective
+is stamped when it is issued and when it completes: a watcher thread waits for
+each in issue order on a CPU (not every backend gives collectives a future) and
+polls ``is_completed()`` on a GPU (where ``wait()`` only orders streams), so the
+communication lane shows what the network really did -- including how much of
+it ran under the computation.
 """
 
 from __future__ import annotations
@@ -15,28 +19,38 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
+from ..clock import DeviceClock, Stamp
+
 
 class CommTrace:
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.events: list[dict] = []
         self.lock = threading.Lock()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.watcher: threading.Thread | None = None
+        self.clock = DeviceClock(device or torch.device("cpu"))
+        self.clock.anchor()  # ties GPU events to host time (one synchronization, when tracing starts)
+
+    def now(self) -> Stamp:
+        """When work queued now will run: read the clock at this point of the current stream."""
+        return self.clock.stamp()
 
     def _add(self, event: dict) -> None:
         with self.lock:
             self.events.append(event)
 
-    def compute(self, name: str, start: float, end: float) -> None:
+    def compute(self, name: str, start: Stamp, end: Stamp) -> None:
         self._add({"lane": "compute", "name": name, "start": start, "end": end})
 
-    def step(self, number: int, start: float, end: float) -> None:
+    def step(self, number: int, start: Stamp, end: Stamp) -> None:
         self._add({"lane": "step", "name": f"step {number}", "start": start, "end": end})
 
-    def comm(self, name: str, issued: float, work, nbytes: int) -> None:
+    def comm(self, name: str, issued: Stamp, work, nbytes: int) -> None:
         event = {"lane": "comm", "name": name, "start": issued, "end": None, "bytes": nbytes}
         if work is None:
-            event["end"] = time.perf_counter()
+            event["end"] = self.now()
         else:  # not every backend gives collectives a future (gloo's reduce-scatter): a thread waits
             self.queue.put((event, work))
             if self.watcher is None:
@@ -48,7 +62,11 @@ class CommTrace:
         while True:
             event, work = self.queue.get()
             try:
-                work.wait()
+                if self.clock.cuda:  # wait() would only make this thread's stream wait
+                    while not work.is_completed():
+                        time.sleep(50e-6)
+                else:
+                    work.wait()
             except Exception:  # the training thread sees the failure when it waits; keep tracing
                 pass
             event["end"] = time.perf_counter()
@@ -60,6 +78,8 @@ class CommTrace:
         path.parent.mkdir(parents=True, exist_ok=True)
         with self.lock:
             events = [e for e in self.events if e["end"] is not None]
+        seconds = self.clock.seconds
+        events = [{**e, "start": seconds(e["start"]), "end": seconds(e["end"])} for e in events]
         path.write_text(json.dumps(events))
 
 

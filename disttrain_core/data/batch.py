@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -23,13 +24,15 @@ class Batch:
     def size(self) -> int:
         return int(self.tokens.shape[0])
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+        """The batch with ``fn`` applied to every tensor (moving it to a device, pinning it, ...)."""
         moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
+            f.name: fn(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return Batch(**moved, keys=list(self.keys))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return self.map(lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
     def select(self, samples: range) -> Batch:
         """The sub-batch of a contiguous range of samples (with their images)."""

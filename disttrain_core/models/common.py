@@ -25,6 +25,56 @@ def _seeded_normal(shape: torch.Size, std: float, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=generator, dtype=torch.float32) * std
 
 
+# torch's CPU normal generator fills blocks of 16 values from 16 uniforms, and recomputes the last 16 of
+# a tensor from fresh uniforms when its size is not a multiple of 16. Drawing a tensor in calls of whole
+# blocks, with a last call of at least 16 values, therefore gives exactly the values of one call
+# (tests/unit/test_models.py checks it on odd sizes).
+BLOCK = 16
+
+
+def _seeded_normal_into(
+    target: torch.Tensor, shape: torch.Size, offset: tuple[int, ...], std: float, seed: int
+) -> None:
+    """Write the block ``target`` of the tensor ``_seeded_normal(shape, std, seed)``, starting at ``offset``,
+    without ever holding the whole tensor: it is drawn in chunks of whole dim-0 slices and only the
+    chunk being drawn exists besides ``target`` (a tensor-parallel shard, or a whole replicated weight).
+    """
+    numel = math.prod(shape)
+    if numel < BLOCK or target.ndim == 0:  # tiny tensors are drawn elementwise by torch: draw them whole
+        full = _seeded_normal(shape, std, seed)
+        target.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, target.shape, strict=True))])
+        return
+    rows, row = shape[0], numel // shape[0]
+    first, last = offset[0], offset[0] + target.shape[0]
+    inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], target.shape[1:], strict=True))
+    # Chunk: whole rows, a multiple of BLOCK values, about 1/32 of the target (transient memory), >= 1 block.
+    unit = BLOCK // math.gcd(BLOCK, row)  # rows per multiple of BLOCK values
+    per_chunk = unit * max(1, (target.numel() // 32) // (unit * row))
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    # Values in the last BLOCK of the tensor depend on the final call: draw to the end only if needed.
+    stop = rows if last * row > numel - BLOCK else last
+    start = 0
+    while start < stop:
+        count = rows - start if (rows - start) * row < per_chunk * row + BLOCK else per_chunk  # last: >= BLOCK
+        chunk = torch.randn(count * row, generator=generator, dtype=torch.float32).view(count, *shape[1:])
+        lo, hi = max(start, first), min(start + count, last)
+        if lo < hi:
+            target[lo - first : hi - first].copy_(chunk[lo - start : hi - start][(slice(None), *inner)] * std)
+        start += count
+
+
+def _local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The tensor to write and its offset in the full parameter: a DTensor's local shard, else the whole."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param, (0,) * param.ndim
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(offset)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, std: float = 0.02, prefix: str = "") -> None:
     """Initialize every parameter of ``model`` deterministically from ``seed``.
@@ -33,6 +83,9 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02, prefix: str = "
     submodule initialized on its own gets exactly the weights it would get as
     part of the whole model. Rules: norm weights 1, biases 0; convolution
     weights N(0, 1/fan_in); every other weight N(0, std).
+    A tensor-parallel parameter (a DTensor) gets only its local shard, with the
+    values that shard has in the full tensor: a rank never allocates the full
+    weight, only its shard and a chunk being drawn (shard before materialize).
     Non-persistent buffers are rebuilt through ``reset_buffers`` hooks.
     """
     for module_name, module in model.named_modules():
@@ -40,16 +93,18 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02, prefix: str = "
             module.reset_buffers()
         for param_name, param in module.named_parameters(recurse=False):
             full_name = ".".join(p for p in (prefix, module_name, param_name) if p)
+            target, offset = _local_block(param)
             if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or param_name == "norm_weight":
-                value = torch.ones(param.shape) if param_name == "weight" else torch.zeros(param.shape)
+                target.fill_(1.0 if param_name == "weight" else 0.0)
             elif param_name == "bias":
-                value = torch.zeros(param.shape)
+                target.zero_()
             elif isinstance(module, nn.Conv2d):
                 fan_in = param.shape[1] * param.shape[2] * param.shape[3]
-                value = _seeded_normal(param.shape, 1.0 / math.sqrt(fan_in), parameter_seed(seed, full_name))
+                _seeded_normal_into(
+                    target, param.shape, offset, 1.0 / math.sqrt(fan_in), parameter_seed(seed, full_name)
+                )
             else:
-                value = _seeded_normal(param.shape, std, parameter_seed(seed, full_name))
-            param.copy_(value.to(device=param.device, dtype=param.dtype))
+                _seeded_normal_into(target, param.shape, offset, std, parameter_seed(seed, full_name))
 
 
 def count_parameters(module: nn.Module | None, trainable_only: bool = False) -> int:

@@ -33,6 +33,15 @@ from .vit import VisionTransformer
 MODULE_NAMES = ("encoder", "encoder_projector", "llm", "generator_projector", "generator")
 
 
+def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the first ``count`` True entries of ``mask`` along its last dimension, in order.
+
+    Boolean indexing would size its output from the data (a device-to-host read); a stable sort that
+    puts the True entries first has a fixed shape.
+    """
+    return torch.argsort((~mask).to(torch.int8), dim=-1, stable=True)[..., :count]
+
+
 class MultimodalLLM(nn.Module):
     def __init__(self, cfg: ModelConfig, image_token_id: int, gen_token_id: int):
         super().__init__()
@@ -64,8 +73,11 @@ class MultimodalLLM(nn.Module):
     def embed_tokens(self, tokens: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
         h = self.llm.embed(tokens)
         if image_embeds is not None:
-            slots = (tokens == self.image_token_id).unsqueeze(-1)
-            h = h.masked_scatter(slots, image_embeds.to(h.dtype))
+            # The image slots, in sequence order; their count is known from the shapes (images x patches),
+            # so the copy has a fixed shape and never reads a value back to the host.
+            count = image_embeds.shape[0] * image_embeds.shape[1]
+            slots = _positions(tokens.flatten() == self.image_token_id, count)
+            h = h.flatten(0, 1).index_copy(0, slots, image_embeds.flatten(0, 1).to(h.dtype)).view_as(h)
         return h
 
     def lm_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -73,8 +85,9 @@ class MultimodalLLM(nn.Module):
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
     def generation_queries(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The final hidden states at the <gen> positions: [B, gen_tokens, D]."""
-        return hidden[tokens == self.gen_token_id].view(hidden.shape[0], self.cfg.gen_tokens, -1)
+        """The final hidden states at the <gen> positions: [B, gen_tokens, D] (every sample has gen_tokens)."""
+        positions = _positions(tokens == self.gen_token_id, self.cfg.gen_tokens)  # [B, G]
+        return hidden.gather(1, positions.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
 
     def generation_loss_from_queries(self, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
         context = self.generator_projector(queries)

@@ -14,6 +14,9 @@ trainer, the tools).
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from ..config import Config
 from .units import UnitLayout, build_layout
 
@@ -52,8 +55,8 @@ def stages_per_rank(cfg: Config) -> int:
     return {"interleaved_1f1b": cfg.schedule.vpp, "zbv": 2}.get(cfg.schedule.name, 1)
 
 
-def build_pipeline(cfg: Config, layout: UnitLayout, microbatches: int):
-    """The schedule over the layout's pipeline rows, its broker, and which rows each unit runs.
+def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
+    """The schedule over the layout's pipeline rows.
 
     One unit: its pipeline ranks are the rows and may hold several (virtual) stages each
     (interleaved, V). Several units: one row and one stage per pipeline stage of every unit,
@@ -61,7 +64,6 @@ def build_pipeline(cfg: Config, layout: UnitLayout, microbatches: int):
     """
     from ..schedule.actions import Schedule
     from ..schedule.generators import build_schedule
-    from ..schedule.validate import validate_schedule
 
     rows = sum(unit.pp for unit in layout.units)
     if cfg.schedule.csv:
@@ -70,13 +72,39 @@ def build_pipeline(cfg: Config, layout: UnitLayout, microbatches: int):
             raise ValueError(
                 f"schedule.csv has {schedule.num_ranks} rank rows but the layout has {rows} pipeline stages"
             )
-    elif rows == 1:
-        schedule = build_schedule("1f1b", 1, microbatches)  # one stage: forward and backward per microbatch
-    else:
-        vpp = cfg.schedule.vpp if len(layout.units) == 1 else 1
-        schedule = build_schedule(cfg.schedule.name, rows, microbatches, vpp)
-    validate_schedule(schedule)
-    broker, rows_of_units = pipeline_broker(layout, schedule, cfg.optim.micro_batch_size * layout.llm.dp)
+        return schedule
+    if rows == 1:
+        return build_schedule("1f1b", 1, microbatches)  # one stage: forward and backward per microbatch
+    vpp = cfg.schedule.vpp if len(layout.units) == 1 else 1
+    return build_schedule(cfg.schedule.name, rows, microbatches, vpp)
+
+
+def validate_pipeline(layout: UnitLayout, schedule, samples_per_microbatch: int) -> None:
+    """``validate_schedule`` with the layout's routing: the data flow, and every rank's point-to-point
+    posts replayed under NCCL's rules (schedule/replay.py). Raises ScheduleError.
+
+    The replay runs on the layout with every unit's data-parallel size divided by their greatest common
+    divisor g: the samples of a microbatch then fall into g blocks that no transfer crosses, so the
+    layout is g identical, independent copies of the reduced one (1072 GPUs in 18 stages replay as 67).
+    """
+    from ..schedule.validate import validate_schedule
+
+    g = math.gcd(*(unit.dp for unit in layout.units))
+    units, first = [], 0
+    for unit in layout.units:
+        units.append(replace(unit, dp=unit.dp // g, first_rank=first))
+        first += units[-1].size
+    reduced = UnitLayout(tuple(units))
+    broker, _ = pipeline_broker(reduced, schedule, samples_per_microbatch // g)
+    validate_schedule(schedule, broker)
+
+
+def build_pipeline(cfg: Config, layout: UnitLayout, microbatches: int):
+    """The schedule over the layout's pipeline rows (validated), its broker, and which rows each unit runs."""
+    schedule = pipeline_schedule(cfg, layout, microbatches)
+    samples = cfg.optim.micro_batch_size * layout.llm.dp
+    validate_pipeline(layout, schedule, samples)
+    broker, rows_of_units = pipeline_broker(layout, schedule, samples)
     return schedule, broker, rows_of_units
 
 
@@ -98,4 +126,7 @@ def pipeline_broker(layout: UnitLayout, schedule, samples_per_microbatch: int):
             rows_of_units[unit.name] = list(range(row, row + unit.pp))
             row += unit.pp
     image_rows = [unit.name == "encoder" for unit, _ in stage_places]
-    return CommBroker(stage_places, row_places, image_rows, samples_per_microbatch), rows_of_units
+    broker = CommBroker(stage_places, row_places, image_rows, samples_per_microbatch)
+    # Until a step sets the real counts: one image per sample, so every piece that can ever travel does.
+    broker.set_image_counts([[1] * samples_per_microbatch for _ in range(schedule.num_microbatches)])
+    return broker, rows_of_units

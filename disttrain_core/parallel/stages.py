@@ -192,14 +192,23 @@ def build_rank_stages(
     row: int,
     device: torch.device,
     seed: int,
+    tp_mesh=None,
+    sequence_overlap: bool = False,
 ) -> dict[int, nn.Module]:
-    """The materialized stage modules of one schedule row, keyed by schedule stage."""
+    """The materialized stage modules of one schedule row, keyed by schedule stage.
+
+    Shard before materialize: the stage is cut and tensor-parallelized on the meta device, then only this
+    rank's shards (and the replicated weights) get memory and their seeded values -- never the whole stage.
+    """
     from ..models.common import init_weights
+    from .tensor_parallel import apply_tensor_parallel
 
     unit_stages = [s for s in range(schedule.num_stages) if schedule.stage_to_rank[s] in unit_rows]
     stages = {}
     for stage in schedule.stages_of(row):
         module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, unit_stages.index(stage), len(unit_stages))
+        if tp_mesh is not None:
+            apply_tensor_parallel(module.model, tp_mesh, sequence_overlap=sequence_overlap)
         module.to_empty(device=device)
         init_weights(module.model, seed=seed, std=cfg.init_std)
         stages[stage] = module

@@ -14,15 +14,16 @@ data-parallel size and split in ``dp`` equal slices (comm/buckets.py). A step:
 3. all-gather the updated slices and copy them back into the parameters -- during
    the next forward, module by module, when ``overlap_param_gather`` is on.
 
-Parameters stay fp32 (the master weights); ``bf16-mixed`` runs the compute in
-bf16 under autocast. The gradient norm for clipping comes from the reduced shards:
+The fp32 master shard lives in the optimizer. Parameters are fp32 tensors; under
+``bf16-mixed`` the updated slices travel in bf16 (``gather_dtype``: half the
+bytes), so the parameters hold bf16-rounded values -- what autocast feeds the
+matmuls anyway -- and checkpoints carry the master values beside the moments.
+The gradient norm for clipping comes from the reduced shards:
 each element counts once over the world (TP-replicated elements are weighted by
 1/tp because every TP rank holds them).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,17 @@ from ..comm.buckets import FlatBuckets, bucket_numel
 from ..comm.engine import BucketedSync, make_collectives
 from ..comm.trace import CommTrace
 from ..config import CommConfig, OptimConfig
+
+
+def adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch's fused AdamW: one kernel for all tensors, and its step counters live on the device, so a
+    step reads nothing back (the foreach version calls ``.item()`` on every counter). Foreach where a
+    device has no fused kernel."""
+    devices = {p.device.type for g in groups for p in g["params"]}
+    fused = all(t in ("cuda", "cpu") for t in devices)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused or None, foreach=None if fused else True
+    )
 
 
 class ZeroOneOptimizer:
@@ -48,6 +60,7 @@ class ZeroOneOptimizer:
         tp_group=None,
         trace: CommTrace | None = None,
         comm_group=None,
+        gather_dtype: torch.dtype = torch.float32,
     ):
         comm = comm or CommConfig(overlap_grad_reduce=False, overlap_param_gather=False)
         self.group, self.dp, self.dp_rank = dp_group, dp, dp_rank
@@ -64,7 +77,7 @@ class ZeroOneOptimizer:
             {"params": [self.flats["decay"].master], "weight_decay": cfg.weight_decay, "name": "decay"},
             {"params": [self.flats["no_decay"].master], "weight_decay": 0.0, "name": "no_decay"},
         ]
-        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+        self.inner = adamw(groups, cfg)
         self.params = [p for _, p in named_params if p.requires_grad]
         self.sync = BucketedSync(
             self.flats,
@@ -79,6 +92,7 @@ class ZeroOneOptimizer:
             trace=trace,
             order=[p for _, p in named_params],
             order_group=dp_group,
+            gather_dtype=gather_dtype,
         )
 
     @property
@@ -99,16 +113,15 @@ class ZeroOneOptimizer:
                 total += torch.linalg.vector_norm(weighted, dtype=torch.float64).square()
         return total
 
-    def scale_gradients(self, factor: float) -> None:
-        for flat in self.flats.values():
-            if flat.master.grad is not None:
-                flat.master.grad.mul_(factor)
+    def master_params(self) -> list[torch.nn.Parameter]:
+        """This replica's fp32 master shards that hold a gradient (what clipping scales)."""
+        return [flat.master for flat in self.flats.values() if flat.master.grad is not None]
 
     def step(self) -> None:
-        started = time.perf_counter()
+        started = self.trace.now() if self.trace is not None else None
         self.inner.step()
         if self.trace is not None:
-            self.trace.compute("optimizer", started, time.perf_counter())
+            self.trace.compute("optimizer", started, self.trace.now())
         self.sync.gather_params()  # the new weights arrive during the next forward (or now, without overlap)
 
     def close(self) -> None:
@@ -164,6 +177,8 @@ class ZeroOneOptimizer:
             if not inner:
                 continue
             moments = {key: self._gather(inner[key], flat) for key in ("exp_avg", "exp_avg_sq")}
+            if self.sync.gather_dtype != flat.master.dtype:  # parameters hold rounded values: keep the master
+                moments["master"] = self._gather(flat.master, flat)
             for (name, param), tensor, offset in zip(flat.params, flat.locals, flat.offsets, strict=True):
                 entry = {"step": inner["step"].detach().clone()}
                 for key, full in moments.items():
@@ -185,19 +200,24 @@ class ZeroOneOptimizer:
                 key: torch.zeros(flat.padded, dtype=torch.float32, device=flat.master.device)
                 for key in ("exp_avg", "exp_avg_sq")
             }
+            master = flat.gather_params()
             step = None
             for (name, param), tensor, offset in zip(flat.params, flat.locals, flat.offsets, strict=True):
                 entry = saved["state"].get(name)
                 if entry is None:
                     continue
                 step = entry["step"]
-                for key, full in moments.items():
+                targets = {**moments, "master": master} if "master" in entry else moments
+                for key, full in targets.items():
                     value = entry[key].to(flat.master.device)
                     if isinstance(param, DTensor):
                         value = distribute_tensor(value, param.device_mesh, param.placements).to_local()
                     full[offset : offset + tensor.numel()] = value.reshape(-1).float()
+            with torch.no_grad():
+                flat.master.copy_(flat.shard_of(master))
             if step is not None:
                 self.inner.state[flat.master] = {
-                    "step": torch.as_tensor(step, dtype=torch.float32).clone(),
+                    # fused AdamW keeps its step counter on the parameters' device
+                    "step": torch.as_tensor(step, dtype=torch.float32).clone().to(flat.master.device),
                     **{key: flat.shard_of(full) for key, full in moments.items()},
                 }

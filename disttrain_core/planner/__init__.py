@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import training_precision
 from .costs import CostModel, Hardware, PlannerSettings
 from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
 from .solver import Orchestrator, Plan, PlanningError
@@ -52,7 +53,7 @@ def planned_devices(cfg) -> int:
 def planned_precision(cfg) -> str:
     choice = cfg.planner.precision
     if choice == "auto":
-        return "bf16-mixed" if cfg.cluster.device == "cuda" else cfg.trainer.precision
+        return "bf16-mixed" if cfg.cluster.device == "cuda" else training_precision(cfg.trainer.precision, "cpu")
     if choice not in ("32", "bf16-mixed"):
         raise PlanningError(f"planner.precision={choice!r}: allowed values are auto, 32 and bf16-mixed")
     return choice

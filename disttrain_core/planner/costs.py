@@ -142,13 +142,15 @@ class CostModel:
         return (w.params_tp / tp + w.params_rep) / pp
 
     def sync_s(self, unit: str, tp: int, dp: int, pp: int) -> float:
-        """ZeRO-1 reduce-scatter of fp32 gradients + all-gather of fp32 parameters, exposed part."""
+        """ZeRO-1 reduce-scatter of fp32 gradients + all-gather of the updated parameters (in the wire dtype:
+        bf16 under bf16-mixed, as the runtime sends them), exposed part."""
         if dp <= 1:
             return 0.0
         w = self.work.units[unit]
-        nbytes = self.local_params(unit, tp, pp) * w.trainable_fraction * 4
-        # reduce-scatter + all-gather move what one all-reduce moves
-        seconds = self.allreduce_s(nbytes, dp, self.link_bw(tp * dp))
+        local = self.local_params(unit, tp, pp) * w.trainable_fraction
+        bw = self.link_bw(tp * dp)
+        # a reduce-scatter and an all-gather each move half of what an all-reduce of the same bytes moves
+        seconds = (self.allreduce_s(local * 4, dp, bw) + self.allreduce_s(local * self.settings.act_bytes, dp, bw)) / 2
         return seconds * (1.0 - self.settings.dp_overlap)
 
     def optimizer_s(self, unit: str, tp: int, dp: int, pp: int) -> float:

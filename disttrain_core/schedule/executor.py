@@ -18,14 +18,15 @@
 
 Who talks to whom is the broker's business (parallel/broker.py): a tensor may go to
 several ranks in row pieces (different data-parallel sizes on the two sides) and
-arrive from several. Every rank knows the whole schedule and the routing, so for
-each peer it can list the pieces that peer will send it, in the peer's order.
-Receives follow that order strictly (early pieces are kept until used): no tags,
-and the in-order semantics NCCL has too. Before each compute action the pending
-sends and the receives it needs are posted together with ``batch_isend_irecv``;
-only receives are waited for; sends are waited for at the end of the step. Shapes
-are computed locally (rows from the microbatch, row shapes from the stages), so no
-metadata travels.
+arrive from several. Every rank knows the whole schedule and the routing, so it
+plans its step's transfers before running it (transfers.py): before each action
+it posts the receives the action needs (one call per source, on that source's
+channel to this rank, preceded by whatever the source sends earlier) and waits
+on every handle; right after an action it posts one send per target on its own
+channel to that target. Sends are waited for at the end of the step. This is
+the order ``validate_schedule`` replays under NCCL's rules before launch. Shapes
+are computed locally (rows from the microbatch, row shapes from the stages), so
+no metadata travels.
 
 Gradients accumulate in ``param.grad`` over the microbatches; the loss terms are
 already normalized by the global batch, so no rescaling happens here. With a
@@ -36,34 +37,32 @@ reduction can start while the rest of the backward runs.
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict, deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from ..clock import DeviceClock
+from ..comm.p2p import Channels, wait_all
 from ..data.batch import Batch
 from .actions import Action, Kind, Schedule
 from .simulator import TimedAction
-
-ACT, GRAD = "act", "grad"  # a forward activation travelling up, an input gradient travelling down
+from .transfers import ACT, GRAD, Routing, Step, plan_rank
 
 
 @dataclass
 class StepRecord:
-    """What one step did on this rank: loss sums (stages that compute losses) and timed actions."""
+    """What one step did on this rank: loss sums (on the device) and, when recorded, timed actions."""
 
-    sums: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
     timeline: list[TimedAction] = field(default_factory=list)
-    origin: float = 0.0  # time.perf_counter() the timeline's times are relative to
-    pending_sums: Callable[[], dict[str, float]] | None = None  # sums still being reduced across ranks
+    origin: float = 0.0  # host time.perf_counter() the timeline's times are relative to
+    pending_sums: Callable[[], dict[str, torch.Tensor]] | None = None  # sums still being reduced across ranks
 
     def resolve(self) -> StepRecord:
-        """Wait for loss sums still in flight (engines reduce them in the background)."""
+        """The loss sums once reductions in flight are done (on a GPU: queued behind them, no host wait)."""
         if self.pending_sums is not None:
             self.sums, self.pending_sums = self.pending_sums(), None
         return self
@@ -76,7 +75,8 @@ class PipelineExecutor:
         stages: dict[int, torch.nn.Module],
         row: int,
         rank: int,
-        broker,
+        routing: Routing,
+        channels: Channels | None,
         device: torch.device,
         boundary_dtype: torch.dtype = torch.float32,
         autocast: Callable[[], AbstractContextManager] = nullcontext,
@@ -85,10 +85,12 @@ class PipelineExecutor:
         self.stages = stages
         self.row = row
         self.rank = rank
-        self.broker = broker
+        self.routing = routing
+        self.channels = channels  # None only when no stage boundary leaves this process
         self.device = device
-        self.dtype = boundary_dtype
+        self.dtype = boundary_dtype  # on the wire; a receiving stage computes in its parameters' dtype
         self.autocast = autocast
+        self.clock = DeviceClock(device)
         self.last_stage = schedule.num_stages - 1
         self.my_actions = schedule.compute(row)
         self.grad_sync = None  # set by the engine: arm(stage) / grads_ready(params)
@@ -104,80 +106,71 @@ class PipelineExecutor:
         split = getattr(self.stages[action.stage], "splittable_backward", False)
         return (action.kind == Kind.I and not split) or (action.kind == Kind.W and split)
 
-    # ------------------------------------------------------------ message plan
-    def _messages_of(self, action: Action) -> list[tuple[str, int]]:
-        """(kind, destination stage) of what an action produces."""
-        s = action.stage
-        if action.kind == Kind.F and s < self.last_stage:
-            return [(ACT, s + 1)]
-        if action.kind in (Kind.B, Kind.I) and s > 0:
-            return [(GRAD, s - 1)]
-        return []
-
-    def incoming_order(self) -> dict[int, deque]:
-        """For each peer, the pieces it will send this rank this step, in its order."""
-        mine = set(self.stages)
-        rows = {self.schedule.stage_to_rank[s + d] for s in mine for d in (-1, 1) if 0 <= s + d <= self.last_stage}
-        order: dict[int, deque] = defaultdict(deque)
-        for row in sorted(rows):
-            actions = self.schedule.compute(row)
-            for peer in self.broker.ranks_of_row(row):
-                if peer == self.rank:
-                    continue
-                for action in actions:
-                    for kind, target in self._messages_of(action):
-                        if target not in mine:
-                            continue
-                        for piece in self.broker.outgoing(kind, action.stage, action.microbatch, peer):
-                            if piece.rank == self.rank:
-                                order[peer].append((kind, target, action.microbatch, len(piece.rows)))
-        return order
-
     # -------------------------------------------------------------------- step
     def run(
         self, microbatches: list[Batch], loss_fn: Callable[[dict], torch.Tensor], record: bool = False
     ) -> StepRecord:
+        """One optimizer step's actions. Loss sums stay on the device (read them at logging steps only)."""
+        plan = plan_rank(self.schedule, self.routing, self.row, self.rank)  # image counts change every step
         state = _StepState(self, microbatches)
         result = StepRecord()
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
-        origin = time.perf_counter()
-        for index, action in enumerate(self.my_actions):
-            state.prepare(action)  # post pending sends and the receives this action needs, wait for the receives
-            started = time.perf_counter()
+        sums: dict[str, torch.Tensor] = {}
+        origin = self.clock.anchor() if record else 0.0
+        stamps = []
+        for index, step in enumerate(plan):
+            state.receive(step)  # post this action's receives (and earlier pieces of the same channels), wait
+            started = self.clock.stamp() if record else None
+            action = step.action
             final = self.final_backward.get(action.stage) == index
             if final and self.grad_sync is not None:
                 self.grad_sync.arm(action.stage)
+            produced = None
             if action.kind == Kind.F:
-                self._forward(state, action, loss_fn, sums)
+                produced = self._forward(state, action, loss_fn, sums)
             elif action.kind in (Kind.B, Kind.I):
-                self._backward(state, action, split=action.kind == Kind.I)
+                produced = self._backward(state, action, split=action.kind == Kind.I)
             elif action.kind == Kind.W:
                 self._weight(state, action)
                 if final and self.grad_sync is not None:
                     self.grad_sync.grads_ready(p for p in self.stages[action.stage].parameters() if p.requires_grad)
+            if produced is not None:
+                state.send(step, produced)
             if record:
-                result.timeline.append(TimedAction(self.row, action, started - origin, time.perf_counter() - origin))
+                stamps.append((action, started, self.clock.stamp()))
         state.finish()
         result.origin = origin
-        result.sums = {name: float(value) for name, value in sums.items()}
+        result.sums = sums
+        result.timeline = [
+            TimedAction(self.row, action, self.clock.seconds(a) - origin, self.clock.seconds(b) - origin)
+            for action, a, b in stamps
+        ]
         return result
 
-    def _forward(self, state: _StepState, action: Action, loss_fn, sums) -> None:
+    def _forward(self, state: _StepState, action: Action, loss_fn, sums) -> torch.Tensor | None:
         stage, k = action.stage, action.microbatch
         module = self.stages[stage]
-        inbound = state.take(ACT, stage, k).requires_grad_(True) if module.inbound_row() is not None else None
+        inbound = None
+        if module.inbound_row() is not None:
+            inbound = state.take(ACT, stage, k).requires_grad_(True)
         with self.autocast():
-            out = module(inbound, state.batches[k])
+            out = module(None if inbound is None else inbound.to(self._compute_dtype(module)), state.batches[k])
         loss = None
         if out.loss_sums:
             loss = loss_fn(out.loss_sums)
             for name, value in out.loss_sums.items():
-                sums[name] += value.detach().double().cpu()
-        if out.send is not None and stage < self.last_stage:
-            state.deliver(ACT, stage, k, out.send.detach().to(self.dtype))
+                total = value.detach().double()
+                sums[name] = sums[name] + total if name in sums else total
         state.saved[(stage, k)] = (inbound, out.send, loss)
+        if out.send is not None and stage < self.last_stage:
+            return out.send.detach().to(self.dtype)
+        return None
 
-    def _backward(self, state: _StepState, action: Action, split: bool) -> None:
+    @staticmethod
+    def _compute_dtype(module: torch.nn.Module) -> torch.dtype:
+        param = next(module.parameters(), None)
+        return param.dtype if param is not None else torch.float32
+
+    def _backward(self, state: _StepState, action: Action, split: bool) -> torch.Tensor | None:
         stage, k = action.stage, action.microbatch
         inbound, sent, loss = state.saved.pop((stage, k))
         outputs, grads = [], []
@@ -195,7 +188,8 @@ class PipelineExecutor:
             state.weight_work[(stage, k)] = (params, groups)
         if stage > 0 and inbound is not None:
             grad = inbound.grad if inbound.grad is not None else torch.zeros_like(inbound)
-            state.deliver(GRAD, stage, k, grad.to(self.dtype))
+            return grad.to(self.dtype)
+        return None
 
     def _weight(self, state: _StepState, action: Action) -> None:
         work = state.weight_work.pop((action.stage, action.microbatch), None)
@@ -214,80 +208,45 @@ class _StepState:
         self.batches = batches
         self.saved: dict[tuple[int, int], tuple] = {}
         self.weight_work: dict[tuple[int, int], tuple] = {}
-        self.local: dict[tuple[str, int, int], torch.Tensor] = {}
-        self.received: dict[tuple[str, int, int, int], torch.Tensor] = {}
-        self.pending_sends: list[tuple[torch.Tensor, int]] = []
+        self.arrived: dict[tuple[str, int, int, int], torch.Tensor] = {}  # Transfer.key -> tensor
         self.send_works: list = []
-        self.channels = executor.incoming_order()
 
     def _row_shape(self, kind: str, stage: int) -> tuple[int, ...]:
         module = self.x.stages[stage]
         return module.inbound_row() if kind == ACT else module.outbound_row()
 
-    def deliver(self, kind: str, stage: int, k: int, tensor: torch.Tensor) -> None:
-        target = stage + 1 if kind == ACT else stage - 1
-        for piece in self.x.broker.outgoing(kind, stage, k, self.x.rank):
-            part = tensor[piece.rows.start : piece.rows.stop]
-            if piece.rank == self.x.rank:
-                self.local[(kind, target, k)] = part
-            else:
-                self.pending_sends.append((part.contiguous(), piece.rank))
+    def receive(self, step: Step) -> None:
+        """Post one call per source for the step's receives, then wait on every handle they return."""
+        works = []
+        for source, batch in step.receives.items():
+            buffers = []
+            for transfer in batch:
+                shape = (len(transfer.rows), *self._row_shape(transfer.kind, transfer.stage))
+                buffer = torch.empty(shape, dtype=self.x.dtype, device=self.x.device)
+                self.arrived[transfer.key] = buffer
+                buffers.append(buffer)
+            works += self.x.channels.receive(buffers, source)
+        wait_all(works)  # NCCL: one handle per call, and received data is valid only after it
 
-    def _needs(self, action: Action) -> list[tuple[str, int, int]]:
-        s, k = action.stage, action.microbatch
-        module = self.x.stages[s]
-        if action.kind == Kind.F and module.inbound_row() is not None:
-            return [(ACT, s, k)]
-        if action.kind in (Kind.B, Kind.I) and s < self.x.last_stage and module.outbound_row() is not None:
-            return [(GRAD, s, k)]
-        return []
-
-    def prepare(self, action: Action) -> None:
-        ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in self.pending_sends]
-        n_sends = len(ops)
-        self.pending_sends = []
-        recvs = []
-        for kind, stage, k in self._needs(action):
-            for piece in self.x.broker.incoming(kind, stage, k, self.x.rank):
-                if piece.rank == self.x.rank or (kind, stage, k, piece.rank) in self.received:
-                    continue
-                channel = self.channels[piece.rank]
-                while True:  # receive everything the peer sends before the piece we need
-                    message = channel.popleft()
-                    m_kind, m_stage, m_k, rows = message
-                    shape = (rows, *self._row_shape(m_kind, m_stage))
-                    buffer = torch.empty(shape, dtype=self.x.dtype, device=self.x.device)
-                    ops.append(dist.P2POp(dist.irecv, buffer, piece.rank))
-                    recvs.append(((m_kind, m_stage, m_k, piece.rank), buffer))
-                    if (m_kind, m_stage, m_k) == (kind, stage, k):
-                        break
-        if not ops:
-            return
-        works = dist.batch_isend_irecv(ops)
-        self.send_works += works[:n_sends]
-        for work in works[n_sends:]:
-            work.wait()
-        for key, buffer in recvs:
-            self.received[key] = buffer
+    def send(self, step: Step, tensor: torch.Tensor) -> None:
+        """Hand the action's output on: its own rows to this rank's next stage, the rest to their targets."""
+        for transfer in step.local:
+            self.arrived[transfer.key] = tensor[transfer.rows.start : transfer.rows.stop]
+        for transfer in step.sends:
+            part = tensor[transfer.rows.start : transfer.rows.stop].contiguous()
+            self.send_works += self.x.channels.send(part, transfer.target)
 
     def take(self, kind: str, stage: int, k: int) -> torch.Tensor:
-        parts = []
-        for piece in self.x.broker.incoming(kind, stage, k, self.x.rank):
-            if piece.rank == self.x.rank:
-                parts.append(self.local.pop((kind, stage, k)))
-            else:
-                parts.append(self.received.pop((kind, stage, k, piece.rank)))
+        parts = [
+            self.arrived.pop((kind, stage, k, piece.rank))
+            for piece in self.x.routing.incoming(kind, stage, k, self.x.rank)
+        ]
         if not parts:
             return torch.zeros((0, *self._row_shape(kind, stage)), dtype=self.x.dtype, device=self.x.device)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def finish(self) -> None:
-        if self.pending_sends:
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, p) for t, p in self.pending_sends])
-            self.send_works += works
-            self.pending_sends = []
-        for work in self.send_works:
-            work.wait()
-        leftovers = len(self.saved) + len(self.weight_work) + len(self.received) + len(self.local)
+        wait_all(self.send_works)
+        leftovers = len(self.saved) + len(self.weight_work) + len(self.arrived)
         if leftovers:
             raise RuntimeError(f"pipeline step ended with {leftovers} unconsumed buffers: the schedule is inconsistent")

@@ -4,7 +4,9 @@ Catches: actions on a rank that does not hold their stage, microbatches or
 stages out of range, missing or duplicated actions (every (stage, microbatch)
 needs exactly one F and either one B or one I plus one W), a W before its I or
 a backward before its forward on the same rank, and deadlocks -- orders in which
-some rank waits forever (found by running the simulator with unit durations).
+some rank waits forever: in the data flow (the simulator with unit durations),
+and in the executor's point-to-point posts replayed rank by rank under NCCL's
+rules (replay.py), with the routing of the layout that will run it.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from __future__ import annotations
 from collections import Counter
 
 from .actions import Kind, Schedule
+from .replay import executor_programs, replay
 from .simulator import ScheduleError, simulate
+from .transfers import Routing, RowRouting, plan_all
 
 
-def validate_schedule(schedule: Schedule) -> None:
+def validate_schedule(schedule: Schedule, routing: Routing | None = None) -> None:
+    """Raise ScheduleError naming the first problem. ``routing``: who holds which rows (the broker of the
+    layout); by default every schedule row is one rank."""
     stages, m = schedule.num_stages, schedule.num_microbatches
     if len(schedule.actions) != max(schedule.stage_to_rank, default=-1) + 1:
         raise ScheduleError(
@@ -50,4 +56,6 @@ def validate_schedule(schedule: Schedule) -> None:
                 raise ScheduleError(
                     f"schedule {schedule.name!r}: {name} has B={b} I={i} W={w}; needs one B, or one I and one W"
                 )
-    simulate(schedule, lambda action: 1.0)  # raises ScheduleError on deadlock
+    simulate(schedule, lambda action: 1.0)  # raises ScheduleError on a data-flow deadlock
+    plans = plan_all(schedule, routing or RowRouting(schedule))
+    replay(executor_programs(plans), what=f"schedule {schedule.name!r}")

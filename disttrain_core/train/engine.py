@@ -14,7 +14,6 @@ into another.
 from __future__ import annotations
 
 import math
-import time
 from contextlib import nullcontext
 
 import torch
@@ -23,7 +22,7 @@ from lightning_fabric import Fabric
 
 from ..comm.buckets import bucket_numel
 from ..comm.engine import allreduce_gradients
-from ..config import Config
+from ..config import Config, training_precision
 from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
 from ..models import build_model, materialize
@@ -31,27 +30,40 @@ from ..schedule.executor import StepRecord
 from .optim import build_optimizer, load_optimizer_state_by_name, optimizer_state_by_name
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the host: pinned and copied asynchronously on CUDA."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def batch_to_device(batch: Batch, device: torch.device) -> Batch:
+    return batch.map(lambda tensor: to_device(tensor, device))
+
+
 class GlobalCounts:
-    """The global batch's loss tokens, generation samples, sequences and images.
+    """The global batch's loss tokens, generation samples, sequences and images, on the device.
 
     Reduced over the data-parallel replicas asynchronously: the reduction is waited for only when the
-    first loss is normalized, so it never queues a step's start behind parameter gathers still on the
-    wire. Calling it returns ``(n_tokens, n_gen)``, the loss normalizers.
+    first loss is normalized (on NCCL a stream dependency, not a host wait), so it never queues a step's
+    start behind parameter gathers still on the wire. Calling it returns ``(n_tokens, n_gen)``, the loss
+    normalizers, as device tensors: nothing is read on the host.
     """
 
     def __init__(self, values: torch.Tensor, work=None, trace=None):
         self.values, self.work, self.trace = values, work, trace
-        self.normalizers: tuple[float, float] | None = None
+        self.normalizers: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def __call__(self) -> tuple[float, float]:
-        if self.normalizers is None:  # one wait and one device-to-host copy per step
-            started = time.perf_counter()
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.normalizers is None:
+            started = self.trace.now() if self.trace is not None else None
             if self.work is not None:
                 self.work.wait()
                 self.work = None
             if self.trace is not None:
-                self.trace.compute("wait: batch counts", started, time.perf_counter())
-            self.normalizers = (max(float(self.values[0]), 1.0), max(float(self.values[1]), 1.0))
+                self.trace.compute("wait: batch counts", started, self.trace.now())
+            normalizers = self.values[:2].float().clamp(min=1.0)  # fp32, as the loss sums
+            self.normalizers = (normalizers[0], normalizers[1])
         return self.normalizers
 
 
@@ -83,8 +95,8 @@ class Engine:
     def close(self) -> None:
         """Stop background communication (threads, hooks) at the end of training."""
 
-    def clip_gradients(self, max_norm: float) -> float:
-        """Clip to ``max_norm`` (inf: no clipping); returns the global norm before clipping."""
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip to ``max_norm`` (inf: no clipping); returns the global norm before clipping (on the device)."""
         raise NotImplementedError
 
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -98,30 +110,17 @@ class Engine:
                 param.copy_(state[name])
 
 
-def _loss(out: dict, n_tokens: float, n_gen: float, weight: float, scale: float = 1.0) -> torch.Tensor:
+def _loss(out: dict, n_tokens: torch.Tensor, n_gen: torch.Tensor, weight: float, scale: float = 1.0) -> torch.Tensor:
     loss = out["lm_loss_sum"] / n_tokens
     if "gen_loss_sum" in out:
         loss = loss + weight * out["gen_loss_sum"] / n_gen
     return loss * scale
 
 
-def _global_norm(params: list[torch.nn.Parameter], groups: list) -> float:
-    """L2 norm of all gradients; squared partial norms are summed over ``groups`` (disjoint shards)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    device = params[0].device if params else torch.device("cpu")
-    local = torch.nn.utils.get_total_norm(grads, foreach=True).float() if grads else torch.zeros((), device=device)
-    if groups:
-        squared = local.pow(2)
-        for group in groups:
-            dist.all_reduce(squared, group=group)
-        return math.sqrt(float(squared))
-    return float(local)
-
-
-def _scale_grads(params: list[torch.nn.Parameter], norm: float, max_norm: float) -> None:
-    if math.isfinite(max_norm) and norm > max_norm:
-        grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+def clip_by_norm(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients by min(1, max_norm / norm) on the device (torch's clipping, no host read)."""
+    if math.isfinite(max_norm) and params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
 
 
 class DataParallelEngine(Engine):
@@ -149,11 +148,13 @@ class DataParallelEngine(Engine):
             self.model = torch.nn.parallel.DistributedDataParallel(
                 module, device_ids=device_ids, bucket_cap_mb=bucket_mb
             )
-        self.autocast = fabric.autocast if cfg.trainer.precision != "32" else nullcontext
+        mixed = training_precision(cfg.trainer.precision, fabric.device.type) != "32"
+        self.autocast = fabric.autocast if mixed else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
 
     def forward_backward(self, microbatches, counts, record=False) -> StepRecord:
-        sums = {"lm_loss_sum": 0.0, "gen_loss_sum": 0.0}
+        device = self.fabric.device
+        totals = torch.zeros(2, dtype=torch.float64, device=device)  # lm, gen loss sums: kept on the device
         # DDP averages gradients over processes; scale so the result is the global-batch gradient.
         scale = float(self.fabric.world_size)
         for index, microbatch in enumerate(microbatches):
@@ -161,16 +162,21 @@ class DataParallelEngine(Engine):
             sync = self.model.no_sync() if self.fabric.world_size > 1 and not last else nullcontext()
             with sync:
                 with self.autocast():
-                    out = self.model(microbatch.to(self.fabric.device))
+                    out = self.model(batch_to_device(microbatch, device))
                 _loss(out, *counts(), self.cfg.model.gen_loss_weight, scale=scale).backward()
-            for name in sums:
+            for position, name in enumerate(("lm_loss_sum", "gen_loss_sum")):
                 if name in out:
-                    sums[name] += float(out[name].detach())
-        if self.fabric.world_size > 1:  # every process logs global-batch losses
-            totals = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.fabric.device)
-            dist.all_reduce(totals)
-            sums = dict(zip(sums, totals.tolist(), strict=True))
-        return StepRecord(sums=sums)
+                    totals[position] += out[name].detach().double()
+        work = None
+        if self.fabric.world_size > 1:  # every process logs global-batch losses; read at logging steps
+            work = dist.all_reduce(totals, async_op=True)
+
+        def reduced() -> dict[str, torch.Tensor]:
+            if work is not None:
+                work.wait()
+            return {"lm_loss_sum": totals[0], "gen_loss_sum": totals[1]}
+
+        return StepRecord(pending_sums=reduced)
 
     def after_backward(self) -> None:
         comm = self.cfg.parallel.comm
@@ -178,8 +184,12 @@ class DataParallelEngine(Engine):
             params = [p for _, p in self.named_parameters]
             allreduce_gradients(params, None, self.bucket_numel, self.fabric.world_size)
 
-    def clip_gradients(self, max_norm: float) -> float:
-        params = [p for _, p in self.named_parameters]
-        norm = _global_norm(params, [])  # DDP gradients are already identical on every process
-        _scale_grads(params, norm, max_norm)
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        params = [p for _, p in self.named_parameters if p.grad is not None]
+        # DDP gradients are already identical on every process: the local norm is the global one.
+        grads = [p.grad for p in params]
+        norm = (
+            torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.fabric.device)
+        )
+        clip_by_norm(params, norm, max_norm)
         return norm

@@ -23,8 +23,9 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 from tqdm import tqdm
 
+from ..clock import DeviceClock, Stamp
 from ..comm.engine import interleaved_mode
-from ..config import Config
+from ..config import Config, training_precision
 from ..data.batch import Batch
 from ..data.loader import MicrobatchLoader
 from ..data.reader import ShardStream, resolve_shards
@@ -33,7 +34,8 @@ from ..data.tokenizer import build_tokenizer
 from ..models.flops import batch_flops
 from ..parallel.plan import build_pipeline, resolve_units
 from .checkpoint import CheckpointManager, load_file, read_meta, resolve_resume
-from .engine import DataParallelEngine, GlobalCounts
+from .engine import DataParallelEngine, GlobalCounts, to_device
+from .host_sync import HostSyncGuard
 from .metrics import MetricsLogger
 from .optim import build_scheduler
 from .perf import peak_flops_per_device, peak_memory_gib
@@ -45,6 +47,21 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
+    """One step, as the device left it: nothing here has been read on the host yet."""
+
+    sums: dict[str, torch.Tensor]  # global loss sums (lm_loss_sum, gen_loss_sum)
+    counts: torch.Tensor  # global [loss tokens, generation samples, sequences, images]
+    grad_norm: torch.Tensor
+    lr: float
+    data_wait_s: float  # host seconds waiting for the batch
+    started: Stamp  # device clock at the start of the step (before its batch was fetched)
+    ended: Stamp
+
+
+@dataclass
+class StepValues:
+    """A StepResult read on the host (at a logging step)."""
+
     loss: float
     lm_loss: float
     gen_loss: float
@@ -55,6 +72,44 @@ class StepResult:
     loss_tokens: int
     data_wait_s: float
     step_time_s: float
+
+
+def read_results(results: list[StepResult], weight: float) -> list[StepValues]:
+    """One device-to-host copy for a window of steps."""
+    if not results:
+        return []
+    zero = results[0].counts.new_zeros(())
+    rows = torch.stack(
+        [
+            torch.stack(
+                [
+                    r.sums.get("lm_loss_sum", zero).double(),
+                    r.sums.get("gen_loss_sum", zero).double(),
+                    r.grad_norm.double() if torch.is_tensor(r.grad_norm) else zero + r.grad_norm,
+                    *r.counts.double(),
+                ]
+            )
+            for r in results
+        ]
+    ).tolist()
+    values = []
+    for r, (lm_sum, gen_sum, grad_norm, tokens, gen, sequences, images) in zip(results, rows, strict=True):
+        lm_loss, gen_loss = lm_sum / max(tokens, 1.0), gen_sum / max(gen, 1.0)
+        values.append(
+            StepValues(
+                loss=lm_loss + weight * gen_loss,
+                lm_loss=lm_loss,
+                gen_loss=gen_loss,
+                grad_norm=grad_norm,
+                lr=r.lr,
+                sequences=int(sequences),
+                images=int(images),
+                loss_tokens=int(tokens),
+                data_wait_s=r.data_wait_s,
+                step_time_s=DeviceClock.elapsed(r.started, r.ended),
+            )
+        )
+    return values
 
 
 class Trainer:
@@ -135,8 +190,13 @@ class Trainer:
             )
         stop = trainer.exit_after_step
         self.stop_at = trainer.max_steps if stop is None else min(trainer.max_steps, stop)
+        self.clock = DeviceClock(fabric.device)
+        self.sync_guard = HostSyncGuard(trainer.sync_debug, fabric.device)
         self.peak_flops = peak_flops_per_device(
-            cfg.trainer.precision, fabric.device, cfg.cluster.peak_flops_bf16, cfg.cluster.peak_flops_fp32
+            training_precision(cfg.trainer.precision, fabric.device.type),
+            fabric.device,
+            cfg.cluster.peak_flops_bf16,
+            cfg.cluster.peak_flops_fp32,
         )
 
     # --------------------------------------------------------------- checkpoints
@@ -221,15 +281,17 @@ class Trainer:
 
     # --------------------------------------------------------------------- step
     def _global_counts(self, microbatches: list[Batch], trace=None) -> GlobalCounts:
-        counts = torch.tensor(
-            [
-                sum(mb.loss_tokens() for mb in microbatches),
-                sum(mb.gen_samples() for mb in microbatches),
-                sum(mb.size for mb in microbatches),
-                sum(int(mb.images.shape[0]) for mb in microbatches),
-            ],
-            dtype=torch.float64,
-            device=self.fabric.device,
+        counts = to_device(  # host-side batch tensors: reading them synchronizes nothing
+            torch.tensor(
+                [
+                    sum(mb.loss_tokens() for mb in microbatches),
+                    sum(mb.gen_samples() for mb in microbatches),
+                    sum(mb.size for mb in microbatches),
+                    sum(int(mb.images.shape[0]) for mb in microbatches),
+                ],
+                dtype=torch.float64,
+            ),
+            self.fabric.device,
         )
         work = None
         if self.count_group is not None:  # one copy per data-parallel replica
@@ -246,61 +308,65 @@ class Trainer:
         return [mb.select(block) for mb in microbatches]
 
     def train_step(self) -> StepResult:
-        started = time.perf_counter()
+        """One optimizer step. Nothing is read back from the device here (see train/host_sync.py)."""
+        started = self.clock.stamp()
+        host_started = time.perf_counter()
         comm = self.cfg.parallel.comm
         if comm.interleave_modes:
             self.engine.set_comm_mode(interleaved_mode(comm.interleave_modes, comm.interleave_block, self.step + 1))
         trace = getattr(self.engine, "trace", None)
         microbatches = self.loader.next_step()
-        data_wait = time.perf_counter() - started
+        data_wait = time.perf_counter() - host_started
         if trace is not None:
-            trace.compute("data", started, time.perf_counter())
+            trace.compute("data", host_started, time.perf_counter())
         counts = self._global_counts(microbatches, trace)
         microbatches = self._local_microbatches(microbatches)
-        record = self.timelines is not None and self.timelines.wants(
-            self.step + 1, self.cfg.trainer.log_every_n_steps, self.stop_at
-        )
+        step = self.step + 1
+        trainer = self.cfg.trainer
+        record = self.timelines is not None and self.timelines.wants(step, trainer.log_every_n_steps, self.stop_at)
         if record:
             self.fabric.barrier()  # a common origin for every rank's timestamps
-        result = self.engine.forward_backward(microbatches, counts, record=record)
-        n_tokens, n_gen = counts()
-        self.engine.after_backward()
-        clip = self.cfg.optim.grad_clip
-        clipping = time.perf_counter()
-        grad_norm = self.engine.clip_gradients(clip if clip > 0 else float("inf"))
+        with self.sync_guard.check(self._checks_host_syncs(step)):
+            result = self.engine.forward_backward(microbatches, counts, record=record)
+            self.engine.after_backward()
+            clip = self.cfg.optim.grad_clip
+            clipping = trace.now() if trace is not None else None
+            grad_norm = self.engine.clip_gradients(clip if clip > 0 else float("inf"))
+            if trace is not None:
+                trace.compute("clip (norm all-reduce)", clipping, trace.now())
+            lr = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            result.resolve()
+            ended = self.clock.stamp()
+        self.step = step
         if trace is not None:
-            trace.compute("clip (norm all-reduce)", clipping, time.perf_counter())
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        result.resolve()
-        self.step += 1
-        if self.fabric.device.type == "cuda":
-            torch.cuda.synchronize(self.fabric.device)
-        elapsed = time.perf_counter() - started  # drawing the timeline below is not training time
-        if trace is not None:
-            trace.step(self.step, started, started + elapsed)
-        if record:
+            trace.step(self.step, started, ended)
+        if record:  # drawing the timeline is not training time: the step ended above
             self.timelines.report(self.step, result.timeline)
-        weight = self.cfg.model.gen_loss_weight
-        lm_loss = result.sums.get("lm_loss_sum", 0.0) / n_tokens
-        gen_loss = result.sums.get("gen_loss_sum", 0.0) / n_gen
         return StepResult(
-            loss=lm_loss + weight * gen_loss,
-            lm_loss=lm_loss,
-            gen_loss=gen_loss,
+            sums=result.sums,
+            counts=counts.values,
             grad_norm=grad_norm,
             lr=lr,
-            sequences=int(counts.values[2].item()),
-            images=int(counts.values[3].item()),
-            loss_tokens=int(counts.values[0].item()),
             data_wait_s=data_wait,
-            step_time_s=elapsed,
+            started=started,
+            ended=ended,
         )
 
+    def _logs(self, step: int) -> bool:
+        return step % self.cfg.trainer.log_every_n_steps == 0 or step == self.stop_at
+
+    def _checks_host_syncs(self, step: int) -> bool:
+        """trainer.sync_debug checks this step: not the first, a logging or a checkpoint step (timelines are
+        recorded at logging steps), and not while the communication trace (which anchors its clock) is on."""
+        every = self.cfg.trainer.checkpoint.every_n_steps
+        checkpoint = bool(every) and step % every == 0
+        return step > 1 and not self._logs(step) and not checkpoint and not self.cfg.parallel.comm.trace
+
     # --------------------------------------------------------------------- loop
-    def _metrics(self, result: StepResult, window: list[StepResult]) -> dict[str, float]:
+    def _metrics(self, result: StepValues, window: list[StepValues]) -> dict[str, float]:
         seconds = sum(r.step_time_s for r in window)
         sequences = sum(r.sequences for r in window)
         flops = sum(
@@ -363,14 +429,17 @@ class Trainer:
         window: list[StepResult] = []
         last_metrics: dict[str, float] = {}
         saved_at = self.step
+        weight = self.cfg.model.gen_loss_weight
         while self.step < stop_at:
-            result = self.train_step()
-            window.append(result)
+            window.append(self.train_step())
             progress.update(1)
-            progress.set_postfix(loss=f"{result.loss:.3f}", refresh=False)
-            if self.step % trainer.log_every_n_steps == 0 or self.step == stop_at:
-                last_metrics = self._metrics(result, window)
+            if self._logs(self.step):  # the only place step results are read back from the device
+                values = read_results(window, weight)
+                last_metrics = self._metrics(values[-1], values)
+                if self.sync_guard.enabled:
+                    last_metrics.update(self.sync_guard.summary())
                 self.metrics.log(self.step, last_metrics)
+                progress.set_postfix(loss=f"{values[-1].loss:.3f}", refresh=False)
                 if self.rank == 0:
                     progress.write(self._format(last_metrics))
                 window = []

@@ -7,6 +7,7 @@ import math
 import torch
 
 from ..config import OptimConfig
+from ..parallel.zero import adamw
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -19,9 +20,7 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConf
         {"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True
-    )
+    return adamw([g for g in groups if g["params"]], cfg)
 
 
 def optimizer_state_by_name(

@@ -9,7 +9,6 @@ data-parallel replicas by ZeRO-1, and the gradient norm is summed over the world
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -19,20 +18,22 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from ..comm.engine import MODES
+from ..comm.p2p import Channels
 from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
-from ..config import Config
+from ..config import Config, training_precision
 from ..data.tokenizer import Tokenizer
 from ..models.llama import DecoderBlock
 from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
 from ..parallel.stages import build_rank_stages
-from ..parallel.tensor_parallel import apply_tensor_parallel, local
+from ..parallel.tensor_parallel import local
 from ..parallel.units import ParallelismUnit, UnitLayout
 from ..parallel.zero import ZeroOneOptimizer
 from ..schedule.actions import Schedule
 from ..schedule.executor import PipelineExecutor, StepRecord
-from .engine import Engine
+from ..schedule.transfers import channel_pairs
+from .engine import Engine, batch_to_device, clip_by_norm
 
 
 @dataclass
@@ -61,7 +62,16 @@ def build_unit_groups(layout: UnitLayout, rank: int, timeout=None, comm_groups: 
     return UnitGroups(dp_group, tp_group, comm_group)
 
 
-def _loss(out: dict, n_tokens: float, n_gen: float, weight: float) -> torch.Tensor:
+def wire_dtype(cfg: Config, device_type: str) -> torch.dtype:
+    """What stage boundaries and ZeRO parameter gathers carry: ``parallel.comm.wire_dtype``, where ``auto``
+    is bf16 under bf16-mixed (the compute rounds to bf16 anyway) and fp32 otherwise."""
+    choice = cfg.parallel.comm.wire_dtype
+    if choice == "auto":
+        choice = "bf16" if training_precision(cfg.trainer.precision, device_type) == "bf16-mixed" else "fp32"
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
+
+
+def _loss(out: dict, n_tokens: torch.Tensor, n_gen: torch.Tensor, weight: float) -> torch.Tensor:
     loss = 0.0
     if "lm_loss_sum" in out:
         loss = out["lm_loss_sum"] / n_tokens
@@ -93,6 +103,11 @@ class UnitEngine(Engine):
         self.groups = build_unit_groups(layout, rank, timeout, comm_groups=ring)
         # The schedule row this process runs and the (possibly several, virtual) stages on it.
         self.row = rows_of_units[self.unit.name][self.pp_rank]
+        mesh = None
+        if self.unit.tp > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(self.groups.tensor_parallel, fabric.device.type)
         self.stages = build_rank_stages(
             cfg.model,
             tokenizer,
@@ -102,26 +117,38 @@ class UnitEngine(Engine):
             self.row,
             fabric.device,
             cfg.trainer.seed,
+            tp_mesh=mesh,
+            sequence_overlap=comm.tp_overlap,
         )
         self.partial_grads: list[torch.nn.Parameter] = []  # sequence-parallel norms: summed over TP
-        if self.unit.tp > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            mesh = DeviceMesh.from_group(self.groups.tensor_parallel, fabric.device.type)
+        if mesh is not None and comm.tp_overlap:
             for module in self.stages.values():
-                apply_tensor_parallel(module.model, mesh, sequence_overlap=comm.tp_overlap)
-                if comm.tp_overlap:
-                    self.partial_grads += sequence_parallel_partial_params(module.model)
-        self.trace = CommTrace() if comm.trace else None
+                self.partial_grads += sequence_parallel_partial_params(module.model)
+        self.trace = CommTrace(fabric.device) if comm.trace else None
+        self.wire_dtype = wire_dtype(cfg, fabric.device.type)
         self.named_parameters = [
             (name, p)
             for module in self.stages.values()
             for name, p in module.model.named_parameters()
             if p.requires_grad
         ]
-        autocast: Callable = fabric.autocast if cfg.trainer.precision != "32" else nullcontext
+        mixed = training_precision(cfg.trainer.precision, fabric.device.type) != "32"
+        autocast: Callable = fabric.autocast if mixed else nullcontext
+        # One communicator per direction of every pair of ranks that exchange tensors (comm/p2p.py); created
+        # by every process in the same order.
+        channels = None
+        if dist.is_initialized():
+            channels = Channels(channel_pairs(schedule, broker), rank, fabric.device, timeout)
         self.executor = PipelineExecutor(
-            schedule, self.stages, self.row, rank, broker, fabric.device, autocast=autocast
+            schedule,
+            self.stages,
+            self.row,
+            rank,
+            broker,
+            channels,
+            fabric.device,
+            boundary_dtype=self.wire_dtype,
+            autocast=autocast,
         )
         self.optimizer: ZeroOneOptimizer | None = None
 
@@ -141,6 +168,7 @@ class UnitEngine(Engine):
             tp_group=self.groups.tensor_parallel,
             trace=self.trace,
             comm_group=self.groups.data_parallel_comm,
+            gather_dtype=self.wire_dtype,
         )
         self.optimizer.sync.install_forward_hooks(self.stages.values(), atomic=(DecoderBlock, VitBlock))
         self.executor.grad_sync = self.optimizer.sync
@@ -149,7 +177,8 @@ class UnitEngine(Engine):
     # --------------------------------------------------------------------- step
     def forward_backward(self, microbatches, counts, record=False) -> StepRecord:
         weight = self.cfg.model.gen_loss_weight
-        batches = [mb.to(self.fabric.device) for mb in microbatches]
+        device = self.fabric.device
+        batches = [batch_to_device(mb, device) for mb in microbatches]
         trace = self.trace is not None
         result = self.executor.run(batches, lambda out: _loss(out, *counts(), weight), record=record or trace)
         if trace:
@@ -160,21 +189,18 @@ class UnitEngine(Engine):
             if not record:
                 result.timeline = []
         # Loss terms live on a few stages: share them (one copy per replica: TP rank 0 only).
-        sums = torch.tensor(
-            [result.sums.get("lm_loss_sum", 0.0), result.sums.get("gen_loss_sum", 0.0)],
-            dtype=torch.float64,
-            device=self.fabric.device,
-        )
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        sums = torch.stack([result.sums.get("lm_loss_sum", zero), result.sums.get("gen_loss_sum", zero)])
         if self.tp_rank != 0:
             sums.zero_()
-        # Only logged: reduced in the background and read after the optimizer step, so it neither waits
-        # for the slowest rank's backward here nor queues behind gradient buckets on the wire.
+        # Only logged: reduced in the background and read at a logging step, so it neither waits for the
+        # slowest rank's backward here nor queues behind gradient buckets on the wire.
         work = dist.all_reduce(sums, async_op=True) if self.layout.world_size > 1 else None
 
-        def reduced() -> dict[str, float]:
+        def reduced() -> dict[str, torch.Tensor]:
             if work is not None:
                 work.wait()
-            return {"lm_loss_sum": float(sums[0]), "gen_loss_sum": float(sums[1])}
+            return {"lm_loss_sum": sums[0], "gen_loss_sum": sums[1]}
 
         result.sums, result.pending_sums = {}, reduced
         return result
@@ -192,13 +218,12 @@ class UnitEngine(Engine):
         """``parallel.comm.interleave_modes``: switch this step's overlap / skip switches."""
         self.optimizer.sync.set_mode(**MODES[mode])
 
-    def clip_gradients(self, max_norm: float) -> float:
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
         squared = self.optimizer.grad_norm_squared()
         if self.layout.world_size > 1:
             dist.all_reduce(squared)
-        norm = math.sqrt(float(squared))
-        if math.isfinite(max_norm) and norm > max_norm:
-            self.optimizer.scale_gradients(max_norm / (norm + 1e-6))
+        norm = squared.sqrt()
+        clip_by_norm(self.optimizer.master_params(), norm, max_norm)
         return norm
 
     # -------------------------------------------------------------- checkpoints

@@ -84,3 +84,16 @@ def test_checkpoint_from_data_parallel_resumes_in_a_pipeline_layout(shards, tmp_
     )
     resumed = {m["step"]: m["loss"] for m in read_metrics(moved)}
     assert [resumed[s] for s in (4, 5, 6)] == pytest.approx(straight[3:], abs=1e-5)
+
+
+def test_bf16_stage_boundaries_under_bf16_mixed(shards, tmp_path):
+    """bf16-mixed sends bf16 across stages by default (half the bytes); the receiving stage computes in
+    fp32 again, so only the boundary is rounded: the losses follow the fp32-wire run closely."""
+    common = [*TEXT, "trainer.max_steps=3", "parallel=pp2", "schedule=1f1b", "trainer.devices=2"]
+    common = [o for o in common if o != "trainer.precision=32"] + ["trainer.precision=bf16-mixed"]
+    wire = {
+        dtype: losses(train(shards, tmp_path / dtype, *common, f"parallel.comm.wire_dtype={dtype}"))
+        for dtype in ("fp32", "auto")
+    }
+    assert wire["auto"] != wire["fp32"]  # bf16 really travelled
+    assert wire["auto"] == pytest.approx(wire["fp32"], rel=1e-2)

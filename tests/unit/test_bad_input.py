@@ -58,6 +58,12 @@ CASES = [
     # overlapped communication
     (["parallel.comm.bucket_mb=-1"], "parallel.comm.bucket_mb=-1.0"),
     (["parallel.comm.collectives=mpi"], "parallel.comm.collectives='mpi'"),
+    # settings that cannot work on the accelerator the run will use (checked before any device is touched)
+    (["trainer.accelerator=cuda", "parallel.comm.collectives=ring"], "parallel.comm.collectives=ring drives gloo"),
+    (["trainer.backend=nccl", "parallel.comm.collectives=ring"], "use parallel.comm.collectives=auto (or native)"),
+    (["trainer.deterministic=maybe"], "trainer.deterministic='maybe': allowed values are auto, true, false and warn"),
+    (["trainer.sync_debug=loud"], "trainer.sync_debug='loud': allowed values are off, warn, error"),
+    (["parallel.comm.wire_dtype=fp8"], "parallel.comm.wire_dtype='fp8': allowed values are auto, fp32 and bf16"),
     (["parallel=zero1", "parallel.comm.interleave_modes=[overlap,fast]"], "unknown mode(s) ['fast']"),
     (["parallel.comm.interleave_modes=[overlap]"], "this layout trains with DDP"),
     (
@@ -122,3 +128,45 @@ def test_train_py_reports_a_type_error_on_one_line(tmp_path):
     result = run_train(["optim.lr=abc", f"hydra.run.dir={tmp_path / 'run'}"], timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "optim.lr=abc" in result.stderr
+
+
+def _preflight_error(overrides: list[str], shards, tmp_path, monkeypatch) -> str:
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(PreflightError) as info:
+        check_overrides(base_overrides(shards, tmp_path / "run") + overrides)
+    message = str(info.value)
+    assert "\n" not in message and not (tmp_path / "run").exists()
+    return message
+
+
+def test_a_schedule_that_deadlocks_is_refused_before_launch(shards, tmp_path, monkeypatch):
+    """A CSV whose two ranks each wait for the other: caught by the same validation the workers run."""
+    csv = tmp_path / "crossed.csv"
+    csv.write_text("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")  # 0B0 needs 1B0, which waits for 1F1, which needs 0F1
+    overrides = ["model=llama_tiny", "parallel=pp2", "trainer.devices=2", f"schedule.csv={csv}", "schedule=1f1b"]
+    overrides += ["optim.global_batch_size=4", "optim.micro_batch_size=2"]
+    message = _preflight_error(overrides, shards, tmp_path, monkeypatch)
+    assert "deadlock" in message and "crossed" in message, message
+
+
+def test_deterministic_cuda_run_with_an_operator_that_has_no_deterministic_kernel(shards, tmp_path, monkeypatch):
+    """trainer.deterministic=true on CUDA fails at the first call of such an operator; here it is named
+    before launch (on a machine without a GPU too: nothing touches a device)."""
+    from disttrain_core.models import latents
+
+    class IntegralImageLatents(latents.PixelLatentEncoder):
+        def forward(self, images):
+            return super().forward(images).cumsum(-1)  # cumsum of floats: no deterministic CUDA kernel
+
+    monkeypatch.setitem(
+        latents._LATENT_ENCODERS,
+        "integral",
+        lambda cfg: IntegralImageLatents(cfg.generator.in_channels, cfg.latent_downsample),
+    )
+    base = ["model.latent_encoder=integral", "trainer.accelerator=cuda"]
+    message = _preflight_error(base + ["trainer.deterministic=true"], shards, tmp_path, monkeypatch)
+    assert "aten.cumsum" in message and "trainer.deterministic=warn" in message, message
+    # warn (or off, the CUDA default) gets past this check; this machine then has no GPU to run it on
+    message = _preflight_error(base + ["trainer.deterministic=warn"], shards, tmp_path, monkeypatch)
+    assert "no CUDA device" in message, message

@@ -152,3 +152,22 @@ def test_a_microbatch_without_images_trains():
     (out["lm_loss_sum"] + out["gen_loss_sum"]).backward()
     assert model.encoder.patch_embed.weight.grad is not None
     assert float(model.encoder.patch_embed.weight.grad.abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("shape", [(5,), (17,), (1000,), (37, 11), (128, 7), (7, 128), (4, 3, 3, 3), (33, 17, 2)])
+def test_chunked_init_of_a_block_equals_the_same_block_of_the_whole_draw(shape):
+    """Shard before materialize draws a weight in chunks and keeps one block: exactly today's values."""
+    from disttrain_core.models.common import _seeded_normal, _seeded_normal_into
+
+    shape = torch.Size(shape)
+    whole = _seeded_normal(shape, 0.02, seed=123)
+    for dim, size in enumerate(shape):
+        for parts in (1, 2, 3, 4):
+            if size % parts:
+                continue
+            for index in range(parts):
+                offset = [0] * len(shape)
+                offset[dim] = index * size // parts
+                block = torch.empty(*shape[:dim], size // parts, *shape[dim + 1 :])
+                _seeded_normal_into(block, shape, tuple(offset), 0.02, seed=123)
+                assert torch.equal(block, whole.narrow(dim, offset[dim], size // parts)), (dim, parts, index)
