@@ -55,3 +55,31 @@ def test_same_seed_gives_bit_identical_runs(compose_cfg, tmp_path):
         launch(compose_cfg("trainer.max_steps=3", run_dir=tmp_path / name))
         losses.append([r["loss"] for r in read_metrics(tmp_path / name)])
     assert losses[0] == losses[1]
+
+
+def test_matmul_peak_stops_growing_at_the_time_budget():
+    import time
+
+    import torch
+
+    from disttrain_core.train.perf import measure_matmul_peak
+
+    started = time.perf_counter()
+    assert measure_matmul_peak(torch.float32, torch.device("cpu"), size=4096, budget_s=0.05) > 0
+    assert time.perf_counter() - started < 10  # a 4096-square fp32 matmul alone takes longer here
+
+
+def test_bf16_peak_on_a_cpu_is_never_below_the_fp32_peak(monkeypatch):
+    """Without native bf16 a CPU emulates bf16 matmuls slowly; autocast's work can still run at fp32
+    speed, so the MFU denominator for bf16-mixed is the faster of the two."""
+    import torch
+
+    from disttrain_core.train import perf
+
+    measured = {torch.bfloat16: 2.5e9, torch.float32: 79e9}
+    monkeypatch.setattr(perf, "_measured", lambda dtype, device: measured[dtype])
+    assert perf.peak_flops_per_device("bf16-mixed", torch.device("cpu"), None, None) == 79e9
+    assert perf.peak_flops_per_device("32", torch.device("cpu"), None, None) == 79e9
+    measured[torch.bfloat16] = 300e9
+    assert perf.peak_flops_per_device("bf16-mixed", torch.device("cpu"), None, None) == 300e9
+    assert perf.peak_flops_per_device("bf16-mixed", torch.device("cpu"), 1e12, None) == 1e12  # configured wins
