@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parallel.tensor_parallel import is_sharded, local
+from ..dtensor import is_sharded, local
 
 
 @dataclass(frozen=True)

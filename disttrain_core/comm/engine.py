@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.tensor_parallel import local
+from ..dtensor import local
 from .buckets import FlatBuckets
 from .trace import CommTrace
 

@@ -16,7 +16,6 @@ skip connections have no standard TP plan and it is small next to the LLM.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..models.llama import DecoderBlock, Llama
@@ -62,12 +61,3 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
             if isinstance(child, Llama) and len(child.layers):
                 enable_overlapped_sequence_parallel(child, mesh.get_group())
     return blocks
-
-
-def is_sharded(param) -> bool:
-    """True for a parameter split over the TP group (a DTensor with a Shard placement)."""
-    return isinstance(param, DTensor) and any(p.is_shard() for p in param.placements)
-
-
-def local(tensor):
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

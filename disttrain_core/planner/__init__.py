@@ -98,9 +98,11 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
             work = with_images_per_sample(work, measured[0])
             if cfg.cluster.device == "cpu":
                 data_s_per_sample = measured[1]
-        from .profiler import _threads, load_or_profile
+        from .profiler import _threads, load_or_profile, profiling_processes
 
-        profile = load_or_profile(cfg, devices, list(cfg.planner.tp_options), progress=progress)
+        world = profiling_processes(cfg, devices, work, progress)
+        if world:
+            profile = load_or_profile(cfg, world, list(cfg.planner.tp_options), progress=progress)
         if cfg.cluster.device == "cpu":
             import torch
 
@@ -134,12 +136,59 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
     return model
 
 
-def make_plan(cfg, devices: int | None = None, progress=print) -> PlanResult:
+GB = 1e9
+
+
+def check_model_fits(cfg, devices: int) -> None:
+    """Refuse, before any profiling, a model whose training state cannot fit the planned devices however
+    it is split: the weights, gradients and Adam moments in fp32 (16 bytes per trainable parameter, 4 per
+    frozen one) spread evenly over every device is the least any layout needs."""
+    work = workload_of(cfg.model)
+    params = sum(u.params for u in work.units.values())
+    state = sum(u.params * (4 + 12 * u.trainable_fraction) for u in work.units.values())
+    capacity = devices * float(cfg.cluster.memory_per_device_gb) * GB * float(cfg.planner.memory_margin)
+    if state <= capacity:
+        return
+    gpus = smallest_gpu_cluster(cfg)
+    where = (
+        f"cluster=h100_80g cluster.num_gpus={gpus}" if gpus else "cluster=h100_80g cluster.num_gpus=<more than 8192>"
+    )
+    raise PlanningError(
+        f"model={cfg.model.name} has {params / 1e9:.1f} B parameters; its training state alone (fp32 weights, "
+        f"gradients and Adam moments) is {state / GB:,.0f} GB, more than the {devices} device(s) x "
+        f"{cfg.cluster.memory_per_device_gb:g} GB of cluster={cfg.cluster.name} can hold under any layout. "
+        f"Plan it for a GPU cluster instead (the smallest power-of-two H100 cluster it fits): "
+        f"python train.py model={cfg.model.name} parallel=auto {where} trainer.dry_run=true"
+    )
+
+
+def smallest_gpu_cluster(cfg, preset: str = "h100_80g", largest: int = 8192) -> int | None:
+    """The fewest GPUs (a power of two) of a cluster preset for which the analytic planner finds a layout."""
+    from omegaconf import OmegaConf
+
+    from ..config import CONF_DIR
+
+    trial = OmegaConf.merge(cfg, {"planner": {"cost": "analytic", "baselines": False}})
+    trial.cluster = OmegaConf.merge(trial.cluster, OmegaConf.load(CONF_DIR / "cluster" / f"{preset}.yaml"))
+    gpus = 8
+    while gpus <= largest:
+        trial.cluster.num_gpus = gpus
+        try:
+            make_plan(trial, progress=lambda *_: None, check_fit=False)
+            return gpus
+        except PlanningError:
+            gpus *= 2
+    return None
+
+
+def make_plan(cfg, devices: int | None = None, progress=print, check_fit: bool = True) -> PlanResult:
     if cfg.optim.global_batch_size % cfg.optim.micro_batch_size:
         raise PlanningError(
             f"optim.global_batch_size={cfg.optim.global_batch_size} is not a multiple of "
             f"optim.micro_batch_size={cfg.optim.micro_batch_size}: no data-parallel size can divide the batch"
         )
+    if check_fit:  # before profiling anything
+        check_model_fits(cfg, devices or planned_devices(cfg))
     model = build_layout_model(cfg, devices, progress)
     solver = Orchestrator(
         model,
@@ -162,6 +211,7 @@ def make_plan(cfg, devices: int | None = None, progress=print) -> PlanResult:
         "micro_batch": model.micro,
         "precision": model.c.settings.precision,
         "cost_model": model.c.source,
+        "profiled": model.c.profiled(),  # unit -> TP sizes timed here; the rest is analytic
         "solver": cfg.planner.solver,
     }
     return PlanResult(plan, model, summary)

@@ -96,6 +96,12 @@ class CostModel:
     def source(self) -> str:
         return "profiled" if self.profile is not None else "analytic"
 
+    def profiled(self) -> dict[str, list[int]]:
+        """The TP sizes of each unit whose compute was timed on this machine (everything else is analytic)."""
+        if self.profile is None:
+            return {}
+        return {unit: self.profile.tp_sizes(unit) for unit in self.work.units if self.profile.tp_sizes(unit)}
+
     # ------------------------------------------------------------------ communication
     def link_bw(self, group_span: int) -> float:
         """Bandwidth for a group spanning ``group_span`` consecutive devices."""

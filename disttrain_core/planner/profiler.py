@@ -31,6 +31,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .costs import interp
+from .solver import PlanningError
 
 PROFILE_VERSION = 2
 SIZES = {"encoder": (2, 4, 8, 16, 32), "llm": (1, 2, 4, 8), "generator": (1, 2, 4, 8)}
@@ -74,6 +75,54 @@ def profile_key(model_cfg, world: int, threads: int, precision: str, device: str
 
 def cache_path(cache_dir: str, key: str) -> Path:
     return Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def available_memory_bytes(device: str) -> float:
+    """Memory a profiling run may use: the host's available RAM, or one CUDA device's memory."""
+    if device == "cuda":
+        import torch
+
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def profiling_processes(cfg, devices: int, work, progress=print) -> int:
+    """How many processes the profiler may start (0: do not profile; costs are then analytic).
+
+    Never more than the machine has devices (CUDA) or than will train (CPU). Every profiling process
+    materializes the whole model in fp32 and keeps one module's gradients: if that cannot fit in memory,
+    profiling is skipped (``planner.cost=auto``) or refused (``planner.cost=profiled``) before anything
+    starts.
+    """
+    import torch
+
+    device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
+    world = devices
+    if device == "cuda":
+        world = min(world, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    params = sum(u.params for u in work.units.values())
+    largest = max(u.params for u in work.units.values())
+    per_process = 4.0 * (params + largest)
+    processes_per_memory = 1 if device == "cuda" else max(world, 1)
+    needed, have = per_process * processes_per_memory, 0.8 * available_memory_bytes(device)
+    if world and needed <= have:
+        return world
+    why = (
+        f"profiling {cfg.model.name} needs about {needed / 1e9:,.1f} GB ({processes_per_memory} process(es), each "
+        f"holding the fp32 model and one module's gradients) and this machine has {have / 1e9:,.1f} GB to spare"
+        if world
+        else "this machine has no CUDA device to profile on"
+    )
+    if cfg.planner.cost == "profiled":
+        raise PlanningError(f"planner.cost=profiled: {why}; use planner.cost=analytic, or plan on the target machine")
+    progress(f"{why}: compute times are analytic (planner.cost=analytic)")
+    return 0
 
 
 def load_or_profile(cfg, world: int, tp_options: list[int], progress=print) -> Profile:

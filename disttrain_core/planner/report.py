@@ -95,9 +95,13 @@ def plan_dict(result: PlanResult) -> dict:
 
 def plan_table(result: PlanResult) -> str:
     d = plan_dict(result)
+    costs = f"{d['cost_model']} costs"
+    if d.get("profiled"):
+        timed = ", ".join(f"{unit} tp {'/'.join(map(str, sizes))}" for unit, sizes in d["profiled"].items())
+        costs = f"costs profiled for {timed}, analytic otherwise"
     lines = [
         f"plan for {d['model']} on {d['devices']} x {d['cluster']} ({d['precision']}, "
-        f"global batch {d['global_batch']}, micro batch {d['micro_batch']}, {d['cost_model']} costs, "
+        f"global batch {d['global_batch']}, micro batch {d['micro_batch']}, {costs}, "
         f"{d['solver']} in {d['solve_seconds'] * 1e3:.0f} ms)",
         "",
         f"{'unit':10s} {'gpus':>6s} {'dp':>5s} {'tp':>3s} {'pp':>4s} {'vpp':>4s} {'memory/device':>14s}",

@@ -23,11 +23,11 @@ from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
 from ..config import Config, training_precision
 from ..data.tokenizer import Tokenizer
+from ..dtensor import local
 from ..models.llama import DecoderBlock
 from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
 from ..parallel.stages import build_rank_stages
-from ..parallel.tensor_parallel import local
 from ..parallel.units import ParallelismUnit, UnitLayout
 from ..parallel.zero import ZeroOneOptimizer
 from ..schedule.actions import Schedule

@@ -186,3 +186,41 @@ def test_auto_dry_run_plans_a_gpu_cluster_and_a_real_run_stops_before_launching(
     real = subprocess.run([*base, f"hydra.run.dir={tmp_path / 'real'}"], capture_output=True, text=True, timeout=300)
     assert real.returncode == 2
     assert "CUDA devices" in real.stderr and "trainer.dry_run=true" in real.stderr
+
+
+def test_the_design_card_command_on_a_small_machine_ends_in_one_line(tmp_path):
+    """`python train.py model=mllm72b parallel=auto` on the default local cluster: no profiling of 72B on a
+    laptop, one line saying what does not fit and a GPU command that plans it."""
+    import time
+
+    started = time.perf_counter()
+    args = [sys.executable, str(REPO_ROOT / "train.py"), "model=mllm72b", "parallel=auto", f"hydra.run.dir={tmp_path}"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert time.perf_counter() - started < 30
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "training state alone" in lines[0] and "cluster=h100_80g cluster.num_gpus=" in lines[0]
+    suggested = lines[0].split("python train.py ", 1)[1].split()
+    dry = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "train.py"), *suggested, f"hydra.run.dir={tmp_path / 'dry'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert dry.returncode == 0 and "predicted iteration" in dry.stdout, dry.stderr[-2000:]  # the advice works
+
+
+def test_profiling_only_starts_what_fits(monkeypatch):
+    from disttrain_core.planner import profiler
+
+    cfg = compose(["model=mllm_tiny", "trainer.devices=2"])
+    work = workload_of(cfg.model)
+    messages = []
+    assert profiler.profiling_processes(cfg, 2, work, messages.append) == 2  # a tiny model fits here
+    monkeypatch.setattr(profiler, "available_memory_bytes", lambda device: 1e6)
+    assert profiler.profiling_processes(cfg, 2, work, messages.append) == 0
+    assert "compute times are analytic" in messages[-1]
+    cfg.planner.cost = "profiled"
+    with pytest.raises(PlanningError, match="planner.cost=profiled: profiling mllm_tiny needs about"):
+        profiler.profiling_processes(cfg, 2, work, messages.append)
