@@ -263,7 +263,10 @@ class PlannerConfig:
     # single-unit layouts today, so plans that are meant to run keep [1].
     vpp_options: list[int] = field(default_factory=lambda: [1])
     colocation: bool = True  # may the encoder / generator run inside the LLM's first / last stage
-    recompute: str = "none"  # none | selective | full (activation memory model)
+    # Activation recompute the plan assumes and the runtime then applies to every unit (parallel/recompute.py):
+    # none | full | selective_op | every_k
+    recompute: str = "none"
+    recompute_every: int = 2
     dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (issue 7 raises it)
     memory_margin: float = 0.9  # plan to this share of device memory
     baselines: bool = True  # also evaluate the Megatron and FLOPs-proportional layouts
@@ -281,6 +284,9 @@ class UnitConfig:
     # Encoder or generator only: run inside the LLM unit (its first / last stage) instead of on
     # processes of its own.
     colocate: bool = False
+    # Activation recompute of this unit's blocks (parallel/recompute.py): none | full | selective_op | every_k
+    recompute: str = "none"
+    recompute_every: int = 2  # every_k: recompute every k-th block
 
 
 @dataclass
@@ -332,6 +338,10 @@ class ParallelConfig:
     pp: int = 1
     modality_stages: str = "separate"  # megatron only: separate | folded
     units: UnitsConfig = field(default_factory=UnitsConfig)  # manual only
+    # Activation recompute for ddp and megatron layouts (manual: parallel.units.<unit>.recompute):
+    # none | full | selective_op | every_k (parallel/recompute.py)
+    recompute: str = "none"
+    recompute_every: int = 2  # every_k: recompute every k-th block
     # Pure data parallelism with ZeRO-1 (sharded AdamW, bucketed reduce-scatter/all-gather) instead of
     # DDP + a replicated AdamW. Layouts with tp, pp or several units always use ZeRO-1.
     zero1: bool = False

@@ -30,22 +30,29 @@ def world_size_of(cfg: Config) -> int:
 def resolve_units(cfg: Config) -> UnitLayout:
     p, model = cfg.parallel, cfg.model
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
+    same = {name: (p.recompute, p.recompute_every) for name in ("encoder", "llm", "generator")}
     if p.mode == "ddp":
         sizes = {"llm": (world_size_of(cfg), 1, 1)}
-        return build_layout(sizes, has_encoder, has_generator, True, True)
+        return build_layout(sizes, has_encoder, has_generator, True, True, same)
     if p.mode == "megatron":
         folded = p.modality_stages == "folded"
         extra = 0 if folded else int(has_encoder) + int(has_generator)
         dp = p.dp if p.dp > 0 else max(1, world_size_of(cfg) // (p.tp * (p.pp + extra)))
         sizes = {"encoder": (dp, p.tp, 1), "llm": (dp, p.tp, p.pp), "generator": (dp, p.tp, 1)}
-        return build_layout(sizes, has_encoder, has_generator, folded, folded)
+        return build_layout(sizes, has_encoder, has_generator, folded, folded, same)
     if p.mode == "manual":
         units = p.units
         sizes = {
             name: (u.dp, u.tp, u.pp)
             for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
         }
-        return build_layout(sizes, has_encoder, has_generator, units.encoder.colocate, units.generator.colocate)
+        recompute = {
+            name: (u.recompute, u.recompute_every)
+            for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
+        }
+        return build_layout(
+            sizes, has_encoder, has_generator, units.encoder.colocate, units.generator.colocate, recompute
+        )
     if p.mode == "auto":
         raise ValueError("parallel.mode=auto is resolved into units by the planner before anything is built")
     raise ValueError(f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")

@@ -201,6 +201,7 @@ def build_rank_stages(
     rank's shards (and the replicated weights) get memory and their seeded values -- never the whole stage.
     """
     from ..models.common import init_weights
+    from .recompute import apply_recompute
     from .tensor_parallel import apply_tensor_parallel
 
     unit_stages = [s for s in range(schedule.num_stages) if schedule.stage_to_rank[s] in unit_rows]
@@ -209,6 +210,7 @@ def build_rank_stages(
         module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, unit_stages.index(stage), len(unit_stages))
         if tp_mesh is not None:
             apply_tensor_parallel(module.model, tp_mesh, sequence_overlap=sequence_overlap)
+        apply_recompute(module.model, unit.recompute, unit.recompute_every)
         module.to_empty(device=device)
         init_weights(module.model, seed=seed, std=cfg.init_std)
         stages[stage] = module

@@ -38,6 +38,8 @@ class ParallelismUnit:
     first_rank: int
     modules: tuple[str, ...]
     vpp: int = 1
+    recompute: str = "none"  # parallel/recompute.py
+    recompute_every: int = 2
 
     @property
     def size(self) -> int:
@@ -117,8 +119,9 @@ def build_layout(
     has_generator: bool,
     colocate_encoder: bool,
     colocate_generator: bool,
+    recompute: dict[str, tuple[str, int]] | None = None,
 ) -> UnitLayout:
-    """Units in data-flow order from per-unit (dp, tp, pp) sizes."""
+    """Units in data-flow order from per-unit (dp, tp, pp) sizes and (policy, every) recompute settings."""
     llm_modules = list(LLM_MODULES)
     plan: list[tuple[str, tuple[str, ...]]] = []
     if has_encoder:
@@ -134,6 +137,7 @@ def build_layout(
     units, first = [], 0
     for name, modules in plan:
         dp, tp, pp = sizes[name]
-        units.append(ParallelismUnit(name, dp, tp, pp, first, modules))
+        policy, every = (recompute or {}).get(name, ("none", 2))
+        units.append(ParallelismUnit(name, dp, tp, pp, first, modules, recompute=policy, recompute_every=every))
         first += dp * tp * pp
     return UnitLayout(tuple(units))

@@ -82,6 +82,7 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
     settings = PlannerSettings(
         precision=precision,
         recompute=cfg.planner.recompute,
+        recompute_every=int(cfg.planner.recompute_every),
         dp_overlap=float(cfg.planner.dp_overlap),
         memory_margin=float(cfg.planner.memory_margin),
     )

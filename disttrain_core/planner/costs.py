@@ -76,7 +76,8 @@ class Hardware:
 @dataclass(frozen=True)
 class PlannerSettings:
     precision: str = "bf16-mixed"
-    recompute: str = "none"  # none | selective | full
+    recompute: str = "none"  # none | full | selective_op | every_k: what parallel/recompute.py does
+    recompute_every: int = 2  # every_k
     dp_overlap: float = 0.0  # share of the ZeRO-1 traffic hidden behind compute
     memory_margin: float = 0.9  # plan to this share of device memory
 
@@ -169,28 +170,72 @@ class CostModel:
         return (28.0 * local / dp + 8.0 * local) / self.hw.hbm_bw
 
     # ------------------------------------------------------------------------- memory
-    def activation_bytes(self, unit: str, tp: int, items: float) -> float:
-        """Bytes saved for backward by the whole unit for ``items`` items (one microbatch)."""
+    def _block_units(self, unit: str, tp: int) -> tuple[float, float]:
+        """[s, h] tensors one block keeps for backward without recompute, and with selective_op.
+
+        Without recompute (Korthikanti et al.'s accounting, redone for these blocks and checked against
+        what autograd saves in tests/unit/test_planner.py): the input, both norm outputs and the residual
+        (TP does not split these), then q, k, v (k and v scaled by kv_heads / heads), the RoPE'd q and k,
+        the attention output, and the MLP's hidden activations (2 for GELU, 4 for SwiGLU: gate, up, SiLU,
+        product). Flash attention (CUDA and CPU SDPA) keeps no s x s scores.
+        selective_op keeps the block input and the outputs of the matmuls and of attention (q, k, v,
+        the attention output, the two projections back to h, the MLP's first matmul(s)).
+        """
         w = self.work.units[unit]
-        scale = self.settings.act_bytes / 2  # Korthikanti's coefficients assume 16-bit activations
-        if w.counted_activation_bytes:  # U-Net: counted on meta in fp32
-            return items * w.counted_activation_bytes * self.settings.act_bytes / 4
-        s, h = w.tokens, w.dim
-        if self.settings.recompute == "full":
-            per_layer = 2.0 * s * h  # the block input only, 16-bit units
-        else:
-            # Tensors of [s, h] a block keeps for backward (Korthikanti et al.'s accounting, redone
-            # for these blocks and checked against autograd in tests/unit/test_planner.py): the
-            # input, both norm outputs and the residual (TP does not split these), then q, k, v
-            # (k and v scaled by kv_heads / heads), the RoPE'd q and k, the attention output, and
-            # the MLP's hidden activations (2 for GELU, 4 for SwiGLU: gate, up, SiLU, product).
-            # Flash attention (CUDA and CPU SDPA) keeps no s x s scores, so recompute=selective
-            # saves nothing more here.
-            kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
-            rope = (1.0 + kv) if w.kv_heads else 0.0
-            split = 1.0 + 2.0 * kv + rope + 1.0 + (4.0 if w.gated_mlp else 2.0) * w.mlp_ratio
-            per_layer = 2.0 * s * h * (4.0 + split / tp)  # 16-bit units (2 bytes per element)
-        return items * per_layer * w.layers * scale  # the LLM's logits are counted on its last stage
+        kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
+        rope = (1.0 + kv) if w.kv_heads else 0.0
+        hidden = (4.0 if w.gated_mlp else 2.0) * w.mlp_ratio
+        none = 4.0 + (1.0 + 2.0 * kv + rope + 1.0 + hidden) / tp
+        first_matmuls = (2.0 if w.gated_mlp else 1.0) * w.mlp_ratio
+        selective = 3.0 + (1.0 + 2.0 * kv + 1.0 + first_matmuls) / tp
+        return none, selective
+
+    def activation_bytes(self, unit: str, tp: int, items: float) -> float:
+        """Bytes saved for backward by the whole unit for ``items`` items (one microbatch), under the
+        recompute policy (parallel/recompute.py): none, full (a block keeps its input), selective_op, or
+        every_k (every k-th block full, the rest none)."""
+        w = self.work.units[unit]
+        scale = self.settings.act_bytes / 2  # the units below are 16-bit elements
+        policy = self.settings.recompute
+        if w.counted_activation_bytes:  # U-Net: counted on meta in fp32 with the runtime's wrappers
+            counted = {"none": w.counted_activation_bytes, **w.counted_recompute_bytes}
+            if policy == "every_k":  # between none and full, by the share of blocks recomputed
+                k = self.settings.recompute_every
+                kept = counted["none"] - (counted["none"] - counted["full"]) / k
+            else:
+                kept = counted[policy]
+            return items * kept * self.settings.act_bytes / 4
+        none, selective = self._block_units(unit, tp)
+        per_layer = {
+            "none": none,
+            "full": 1.0,
+            "selective_op": selective,
+            "every_k": (1.0 + (self.settings.recompute_every - 1) * none) / self.settings.recompute_every,
+        }[policy]
+        return items * 2.0 * w.tokens * w.dim * per_layer * w.layers * scale  # logits: the LLM's last stage
+
+    def recompute_transient_bytes(self, unit: str, tp: int, items: float) -> float:
+        """Extra bytes while one recomputed block runs its backward: what recompute dropped, for one block."""
+        w = self.work.units[unit]
+        if self.settings.recompute == "none":
+            return 0.0
+        if w.counted_activation_bytes:  # U-Net: its largest block, counted on meta
+            return items * w.counted_recompute_bytes.get("largest_block", 0.0) * self.settings.act_bytes / 4
+        none, selective = self._block_units(unit, tp)
+        dropped = none - (selective if self.settings.recompute == "selective_op" else 1.0)
+        return items * 2.0 * w.tokens * w.dim * dropped * self.settings.act_bytes / 2
+
+    def recompute_factor(self, unit: str) -> float:
+        """Compute time with recompute over without: full runs each block's forward again (a third of its
+        forward + backward FLOPs), every_k does so for 1/k of the blocks; selective_op reruns no matmul and
+        is counted as free."""
+        w = self.work.units[unit]
+        policy = self.settings.recompute
+        if policy in ("none", "selective_op") or w.counted_activation_bytes or not w.train_flops:
+            return 1.0
+        blocks = (w.train_flops - w.flops_not_tp) / w.train_flops
+        share = 1.0 if policy == "full" else 1.0 / self.settings.recompute_every
+        return 1.0 + blocks * share / 3.0
 
     def state_bytes(self, unit: str, tp: int, dp: int, pp: int) -> float:
         w = self.work.units[unit]

@@ -84,7 +84,7 @@ class LayoutModel:
     def stage_time(self, unit: str, choice: UnitChoice, samples: float, bw: float) -> float:
         """Seconds per microbatch of one stage of a separate unit (compute share + boundary p2p)."""
         items = self.images(samples) if unit == "encoder" else samples
-        compute = self.c.compute(unit, choice.tp, items) / choice.pp
+        compute = self.c.compute(unit, choice.tp, items) * self.c.recompute_factor(unit) / choice.pp
         boundary = self.c.boundary_bytes(unit, samples) if unit != "generator" else 0.0
         if unit == "llm" and choice.pp > 1:
             boundary = max(boundary, samples * self.w.seq_len * self.w.llm_dim * self.c.settings.act_bytes)
@@ -92,7 +92,7 @@ class LayoutModel:
 
     def colocated_time(self, unit: str, tp: int, samples: float) -> float:
         items = self.images(samples) if unit == "encoder" else samples
-        return self.c.compute(unit, tp, items)
+        return self.c.compute(unit, tp, items) * self.c.recompute_factor(unit)
 
     # -------------------------------------------------------------------- evaluation
     def evaluate(self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None) -> Evaluation:
@@ -171,13 +171,16 @@ class LayoutModel:
         memory: dict[str, float] = {}
         r = 0
         if enc is not None and not enc.colocated:
-            act = c.activation_bytes("encoder", enc.tp, self.images(B / enc.dp)) / enc.pp
+            items = self.images(B / enc.dp)
+            act = c.activation_bytes("encoder", enc.tp, items) / enc.pp
             memory["encoder"] = c.state_bytes("encoder", enc.tp, enc.dp, enc.pp) + act * min(S, m)
+            memory["encoder"] += c.recompute_transient_bytes("encoder", enc.tp, items)
             r = enc.pp
         llm_state = c.state_bytes("llm", llm.tp, llm.dp, llm.pp)
         llm_act = c.activation_bytes("llm", llm.tp, self.micro) / llm.pp
-        first = llm_state + llm_act * min(S - r, m)
-        last = llm_state + llm_act * min(S - (r + llm.pp - 1), m) + self.logits(self.micro)
+        transient = c.recompute_transient_bytes("llm", llm.tp, self.micro)  # one block at a time
+        first = llm_state + llm_act * min(S - r, m) + transient
+        last = llm_state + llm_act * min(S - (r + llm.pp - 1), m) + self.logits(self.micro) + transient
         if enc is not None and enc.colocated:
             coloc = c.state_bytes("encoder", llm.tp, llm.dp, 1)
             coloc += c.activation_bytes("encoder", llm.tp, self.images(self.micro)) * min(S - r, m)
@@ -191,8 +194,10 @@ class LayoutModel:
                 first += coloc
         memory["llm"] = max(first, last)
         if gen is not None and not gen.colocated:
-            memory["generator"] = c.state_bytes("generator", gen.tp, gen.dp, 1) + c.activation_bytes(
-                "generator", gen.tp, B / gen.dp
+            memory["generator"] = (
+                c.state_bytes("generator", gen.tp, gen.dp, 1)
+                + c.activation_bytes("generator", gen.tp, B / gen.dp)
+                + c.recompute_transient_bytes("generator", gen.tp, B / gen.dp)
             )
         memory = {k: v + c.hw.overhead_bytes for k, v in memory.items()}
         for name, used in memory.items():

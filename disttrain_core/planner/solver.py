@@ -450,7 +450,8 @@ class Orchestrator:
         if not probe.feasible and "GB" in probe.reason:
             return (
                 f"memory: even with tp={tp}, pp={pp} the model does not fit ({probe.reason}); "
-                "use more devices, a larger device, a smaller optim.micro_batch_size or planner.recompute=full"
+                "use more devices, a larger device, a smaller optim.micro_batch_size or planner.recompute=full "
+                "(or selective_op, every_k)"
             )
         return (
             f"no layout of {N} devices fits: global batch {self.m.batch} / micro batch {self.m.micro} = "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -42,6 +42,7 @@ class UnitWork:
     gated_mlp: bool  # SwiGLU (three matrices) or GELU (two)
     boundary_floats: int  # floats per item sent to the next unit (0 for the last)
     counted_activation_bytes: float = 0.0  # U-Net: bytes saved for backward per item (fp32), counted on meta
+    counted_recompute_bytes: dict = field(default_factory=dict)  # U-Net: the same under full / selective_op
     kv_heads: int = 0  # grouped-query attention (LLM)
 
     @property
@@ -92,12 +93,103 @@ def _counted_saved_bytes(module, inputs) -> float:
     return float(sum(t.numel() * t.element_size() for t in seen.values()))
 
 
+def _counted_kept_bytes(make_module, inputs, policy: str) -> float:
+    """Bytes a module keeps for backward under a recompute policy, counted on meta with the runtime's own
+    wrappers (parallel/recompute.py): what autograd saves outside recomputed blocks, plus each recomputed
+    block's inputs (its checkpoint holds them), plus under selective_op the outputs the policy keeps."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ..parallel.recompute import _SAVED, BLOCKS, apply_recompute
+
+    module = make_module()
+    apply_recompute(module, policy, every=1)
+    seen: dict = {}
+    inside = [0]
+
+    def keep(tensor) -> None:
+        if isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+            base = tensor._base if tensor._base is not None else tensor
+            if not isinstance(base, torch.nn.Parameter):
+                seen.setdefault(id(base), base)
+
+    def enter(block, args):
+        inside[0] += 1
+        for arg in args:
+            keep(arg)
+
+    def leave(block, args, out):
+        inside[0] -= 1
+
+    class KeptOutputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if inside[0] and getattr(func, "overloadpacket", None) in _SAVED:
+                for tensor in out if isinstance(out, tuple) else (out,):
+                    keep(tensor)
+            return out
+
+    for block in module.modules():
+        if getattr(block, "_recompute", False) and isinstance(block, BLOCKS):
+            block.register_forward_pre_hook(enter)
+            block.register_forward_hook(leave)
+
+    def pack(tensor):
+        keep(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if policy == "selective_op":
+            with KeptOutputs():
+                module(*inputs)
+        else:
+            module(*inputs)
+    return float(sum(t.numel() * t.element_size() for t in seen.values()))
+
+
+def _largest_block_bytes(module, inputs) -> float:
+    """The most bytes any one recomputable block saves for backward (what it holds again while its
+    recomputation and backward run), counted on meta."""
+    import torch
+
+    from ..parallel.recompute import BLOCKS
+
+    current: list = []
+    per_block: dict[int, dict] = {}
+
+    def enter(block, args):
+        current.append(id(block))
+        per_block.setdefault(id(block), {})
+
+    def leave(block, args, out):
+        current.pop()
+
+    handles = []
+    for block in module.modules():
+        if isinstance(block, BLOCKS):
+            handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+
+    def pack(tensor):
+        if current and isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+            base = tensor._base if tensor._base is not None else tensor
+            if not isinstance(base, torch.nn.Parameter):
+                per_block[current[-1]].setdefault(id(base), base)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*inputs)
+    for handle in handles:
+        handle.remove()
+    return max((sum(t.numel() * t.element_size() for t in saved.values()) for saved in per_block.values()), default=0.0)
+
+
 def _build(cfg: ModelConfig) -> Workload:
     import torch
 
     from ..data.tokenizer import ByteTokenizer
     from ..models import build_model
     from ..models.flops import module_flops
+    from ..models.unet import UNet
 
     model = build_model(cfg, ByteTokenizer(), device="meta")
     flops = module_flops(cfg)
@@ -160,6 +252,9 @@ def _build(cfg: ModelConfig) -> Workload:
             context = torch.empty(1, cfg.gen_tokens, cfg.generator.cross_attention_dim, requires_grad=True)
             timesteps = torch.zeros(1, dtype=torch.long)
             saved = _counted_saved_bytes(unet.unet.requires_grad_(True), (latents, timesteps, context))
+            make = lambda: UNet(cfg.generator).requires_grad_(True)  # noqa: E731  a fresh one per policy
+            kept = {p: _counted_kept_bytes(make, (latents, timesteps, context), p) for p in ("full", "selective_op")}
+            kept["largest_block"] = _largest_block_bytes(make(), (latents, timesteps, context))
         units["generator"] = UnitWork(
             name="generator",
             train_flops=flops["generator"].train + flops["generator_projector"].train,
@@ -176,12 +271,13 @@ def _build(cfg: ModelConfig) -> Workload:
             gated_mlp=False,
             boundary_floats=0,
             counted_activation_bytes=saved,
+            counted_recompute_bytes=kept,
         )
     return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units)
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 3
+WORKLOAD_VERSION = 4
 
 
 def _cache_file(cfg_yaml: str) -> Path:

@@ -26,6 +26,8 @@ from ..config import Config, training_precision
 from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
 from ..models import build_model, materialize
+from ..parallel.plan import resolve_units
+from ..parallel.recompute import apply_recompute
 from ..schedule.executor import StepRecord
 from .optim import build_optimizer, load_optimizer_state_by_name, optimizer_state_by_name
 
@@ -135,6 +137,8 @@ class DataParallelEngine(Engine):
         self.cfg, self.fabric = cfg, fabric
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
+        unit = resolve_units(cfg).llm  # the one unit: every module on every process
+        apply_recompute(self.raw_model, unit.recompute, unit.recompute_every)
         module = torch.compile(self.raw_model) if cfg.trainer.compile else self.raw_model
         self.model = module
         comm = cfg.parallel.comm

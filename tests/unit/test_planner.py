@@ -27,8 +27,8 @@ from disttrain_core.planner.report import plan_dict
 
 MODELS = {
     "mllm_tiny": "none",
-    "mllm9b": "selective",
-    "mllm15b": "selective",
+    "mllm9b": "selective_op",
+    "mllm15b": "selective_op",
     "mllm72b": "full",  # without recompute 72B at 4k tokens fits no layout of <= 64 H100s (tested below)
 }
 
@@ -91,7 +91,7 @@ def test_a_batch_no_data_parallel_size_divides_is_named():
 
 
 def test_baselines_are_evaluated_by_the_same_model_and_never_beat_the_plan():
-    cfg = compose(["model=mllm15b", "cluster=a100_80g", "cluster.num_gpus=256", "planner.recompute=selective"])
+    cfg = compose(["model=mllm15b", "cluster=a100_80g", "cluster.num_gpus=256", "planner.recompute=selective_op"])
     result = make_plan(cfg, progress=lambda *_: None)
     details = plan_dict(result)
     assert set(details["baselines"]) == {"megatron", "flops_proportional"}
@@ -103,7 +103,7 @@ def test_baselines_are_evaluated_by_the_same_model_and_never_beat_the_plan():
 
 
 def test_vpp_shortens_the_warm_up():
-    model = layout_model("mllm9b", 32, 64, "selective")
+    model = layout_model("mllm9b", 32, 64, "selective_op")
     plain = model.evaluate(UnitChoice(2, 2, 4), COLOCATED, COLOCATED)
     interleaved = model.evaluate(UnitChoice(2, 2, 4, vpp=2), COLOCATED, COLOCATED)
     assert interleaved.iteration_s < plain.iteration_s

@@ -1,51 +1,18 @@
-"""Semantic checks of a composed config, run before any process starts.
-
-Each problem raises :class:`ConfigError` with one line that names the bad
-value and says how to fix it. Type and unknown-key errors are caught earlier,
-by the schema, when Hydra composes the config.
-"""
+"""Checks of the model, optimizer, trainer, device, data and cluster settings."""
 
 from __future__ import annotations
 
 import os
 
-from .config import Config, cpu_count, determinism
-
-CPU_PROCESSES_PER_CORE = 4  # beyond this, oversubscription is surely a typo, not a test setup
-
-
-class ConfigError(ValueError):
-    """A configuration mistake; the message is one actionable line."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def externally_launched() -> bool:
-    """True when torchrun, SLURM or a parent launcher already created the processes."""
-    if "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        return True
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
-
-
-def resolve_accelerator(accelerator: str) -> str:
-    if accelerator != "auto":
-        return accelerator
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_backend(backend: str, accelerator: str) -> str:
-    if backend != "auto":
-        return backend
-    return "nccl" if accelerator == "cuda" else "gloo"
-
-
-def world_size(cfg: Config) -> int:
-    return cfg.trainer.devices * cfg.trainer.num_nodes
+from ..config import Config, cpu_count, determinism
+from .common import (
+    CPU_PROCESSES_PER_CORE,
+    _require,
+    externally_launched,
+    resolve_accelerator,
+    resolve_backend,
+)
+from .layout import layout_of, reads_global_stream
 
 
 def validate_model(cfg: Config) -> None:
@@ -62,7 +29,7 @@ def validate_model(cfg: Config) -> None:
         f"model.llm head size {llm.dim // llm.n_heads} must be even for rotary embeddings",
     )
     _require(m.seq_len >= 8, f"model.seq_len={m.seq_len}: use at least 8 tokens")
-    from .data.tokenizer import TOKENIZERS
+    from ..data.tokenizer import TOKENIZERS
 
     if cfg.data.tokenizer in TOKENIZERS:
         vocab = TOKENIZERS[cfg.data.tokenizer]().vocab_size
@@ -130,7 +97,7 @@ def _validate_generator(cfg: Config) -> None:
         f"latent side {side} (gen_image_size / latent_downsample) must be divisible by {factor} for "
         f"{len(unet.block_out_channels)} U-Net levels; change model.gen_image_size",
     )
-    from .models.latents import latent_encoder_names
+    from ..models.latents import latent_encoder_names
 
     _require(
         m.latent_encoder in latent_encoder_names(),
@@ -228,7 +195,7 @@ def validate_device_contract(cfg: Config) -> None:
         t.deterministic in ("auto", "warn", True, False),
         f"trainer.deterministic={t.deterministic!r}: allowed values are auto, true, false and warn",
     )
-    from .train.host_sync import MODES
+    from ..train.host_sync import MODES
 
     _require(t.sync_debug in MODES, f"trainer.sync_debug={t.sync_debug!r}: allowed values are {', '.join(MODES)}")
     _require(
@@ -243,7 +210,7 @@ def validate_device_contract(cfg: Config) -> None:
         "rings on a communication stream: use parallel.comm.collectives=auto (or native) with NCCL",
     )
     if accelerator == "cuda" and determinism(t.deterministic, accelerator) is True:
-        from .models.kernels import nondeterministic_cuda_ops
+        from ..models.kernels import nondeterministic_cuda_ops
 
         found = nondeterministic_cuda_ops(cfg.model)
         _require(
@@ -256,7 +223,7 @@ def validate_device_contract(cfg: Config) -> None:
 
 def validate_data(cfg: Config) -> None:
     d = cfg.data
-    from .data.tokenizer import TOKENIZERS
+    from ..data.tokenizer import TOKENIZERS
 
     _require(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is unknown; available: {sorted(TOKENIZERS)}")
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: use 0 (decode inline) or more")
@@ -274,7 +241,7 @@ def validate_data(cfg: Config) -> None:
             )
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
-    from .data.reader import resolve_shards
+    from ..data.reader import resolve_shards
 
     shards = resolve_shards(d.path)
     if not shards:
@@ -294,191 +261,12 @@ def validate_data(cfg: Config) -> None:
     )
 
 
-def layout_of(cfg: Config) -> tuple[int, int]:
-    """(data-parallel size of the LLM, pipeline stages of the LLM) of the configured layout."""
-    from .parallel.plan import resolve_units
+def validate_planner(cfg: Config) -> None:
+    from ..parallel.recompute import POLICIES
 
-    llm = resolve_units(cfg).llm
-    return llm.dp, llm.pp
-
-
-def reads_global_stream(cfg: Config) -> bool:
-    """Several units read the one canonical sample stream; a single unit splits shards by replica."""
-    from .parallel.plan import resolve_units
-
-    return len(resolve_units(cfg).units) > 1
-
-
-def _unit_formula(units) -> str:
-    return " + ".join(f"{u.name} dp({u.dp}) x tp({u.tp}) x pp({u.pp})" for u in units)
-
-
-def validate_layout(cfg: Config) -> None:
-    from .parallel.plan import MODES, resolve_units
-
-    p, m = cfg.parallel, cfg.model
-    _require(p.mode in MODES, f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")
-    _require(
-        p.modality_stages in ("separate", "folded"),
-        f"parallel.modality_stages={p.modality_stages!r}: allowed values are separate and folded",
-    )
-    _require(p.dp == -1 or p.dp >= 1, f"parallel.dp={p.dp}: use -1 (derive from the world size) or a positive size")
-    for name in ("encoder", "llm", "generator"):
-        u = getattr(p.units, name)
-        _require(min(u.dp, u.tp, u.pp, u.vpp) >= 1, f"parallel.units.{name}: dp, tp, pp and vpp must be at least 1")
-    _require(
-        not p.units.llm.colocate,
-        "parallel.units.llm.colocate: only the encoder or the generator can be colocated (with the LLM)",
-    )
-    _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
-    _require(
-        p.comm.bucket_mb >= 0,
-        f"parallel.comm.bucket_mb={p.comm.bucket_mb}: use a positive size in MB (25 is DDP's default) or 0 for one "
-        "bucket",
-    )
-    _require(
-        p.comm.collectives in ("auto", "ring", "native"),
-        f"parallel.comm.collectives={p.comm.collectives!r}: allowed values are auto, ring and native",
-    )
-    layout = resolve_units(cfg)
-    world = world_size(cfg)
-    if p.comm.interleave_modes:
-        from .comm.engine import MODES
-
-        unknown = [mode for mode in p.comm.interleave_modes if mode not in MODES]
-        _require(
-            not unknown,
-            f"parallel.comm.interleave_modes: unknown mode(s) {unknown}; allowed: {', '.join(MODES)}",
-        )
-        _require(
-            p.comm.interleave_block >= 1,
-            f"parallel.comm.interleave_block={p.comm.interleave_block}: use a positive number of steps",
-        )
-        _require(
-            not layout.trains_with_ddp(p.zero1),
-            "parallel.comm.interleave_modes switches ZeRO-1's collectives; this layout trains with DDP. "
-            "Use parallel=zero1 (or a layout with tp, pp or several units)",
-        )
-    _require(
-        layout.world_size == world,
-        f"the layout needs {_unit_formula(layout.units)} = {layout.world_size} processes but trainer.devices"
-        f"({cfg.trainer.devices}) x trainer.num_nodes({cfg.trainer.num_nodes}) = {world}; make them equal",
-    )
-    for unit in layout.units:
-        where = f"parallel {unit.name} unit"
-        if unit.tp > 1:
-            if "llm" in unit.modules:
-                llm = m.llm
-                for what, value in (("n_heads", llm.n_heads), ("n_kv_heads", llm.n_kv_heads), ("ffn_dim", llm.ffn_dim)):
-                    _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.llm.{what}={value}")
-                _require(
-                    not p.comm.tp_overlap or m.seq_len % unit.tp == 0,
-                    f"parallel.comm.tp_overlap=true splits the sequence over the TP group, but tp={unit.tp} does "
-                    f"not divide model.seq_len={m.seq_len}; change one of them or set tp_overlap=false",
-                )
-            if "encoder" in unit.modules:
-                vit = m.encoder
-                for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
-                    _require(
-                        value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}"
-                    )
-        if unit.name == "encoder":
-            _require(
-                m.encoder.n_layers % unit.pp == 0,
-                f"{where}: pp={unit.pp} does not divide model.encoder.n_layers={m.encoder.n_layers}",
-            )
-        if unit.name == "generator":
-            _require(
-                unit.pp == 1,
-                f"{where}: pp={unit.pp}; the U-Net's skip connections cross every level, so it "
-                "is not split into pipeline stages: use pp=1 (more dp instead)",
-            )
-    _require(
-        p.units.llm.vpp == 1 or p.mode != "manual",
-        f"parallel.units.llm.vpp={p.units.llm.vpp}: virtual stages inside one unit of a multi-unit pipeline are "
-        "not supported; use vpp=1 (or interleave a single-unit layout with schedule=interleaved_1f1b)",
-    )
-
-
-def validate_schedule_config(cfg: Config) -> None:
-    from .parallel.plan import resolve_units, stages_per_rank
-    from .schedule.generators import SCHEDULES
-
-    s, layout = cfg.schedule, resolve_units(cfg)
-    llm = layout.llm
-    rows = sum(u.pp for u in layout.units)
-    per_rank = stages_per_rank(cfg)
-    # Samples per global microbatch: every LLM replica's micro-batch, together.
-    samples = cfg.optim.micro_batch_size * llm.dp
-    micro = cfg.optim.global_batch_size // samples
-    for unit in layout.units:
-        _require(
-            samples % unit.dp == 0,
-            f"a microbatch slot holds optim.micro_batch_size({cfg.optim.micro_batch_size}) x llm dp({llm.dp}) = "
-            f"{samples} samples, which the {unit.name} unit's dp({unit.dp}) cannot share evenly; choose sizes so "
-            f"{unit.dp} divides it",
-        )
-    if rows == 1:
-        _require(
-            s.name == "none" and not s.csv,
-            f"schedule={s.name} needs pipeline stages; set parallel.pp > 1 or use schedule=none",
-        )
-        return
-    _require(
-        s.name != "none" or s.csv,
-        f"this layout has {rows} pipeline stages and needs a schedule: pick "
-        f"schedule=<one of {', '.join(SCHEDULES)}> (1f1b is the usual choice)",
-    )
-    _require(
-        s.csv is not None or s.name in SCHEDULES, f"schedule={s.name!r} is unknown; available: {', '.join(SCHEDULES)}"
-    )
-    _require(
-        s.microbatches is None or s.microbatches == micro,
-        f"schedule.microbatches={s.microbatches} disagrees with optim.global_batch_size("
-        f"{cfg.optim.global_batch_size}) / (optim.micro_batch_size({cfg.optim.micro_batch_size}) x dp({llm.dp})) "
-        f"= {micro}; leave schedule.microbatches unset or change the batch sizes",
-    )
-    if len(layout.units) > 1:
-        _require(
-            per_rank == 1 and not s.csv,
-            f"schedule={s.name} places several stages per rank, which a pipeline across units does not support; "
-            "use gpipe, 1f1b or zb_h1",
-        )
-        check_pipeline(cfg, layout, micro)
-        return
-    if s.name == "interleaved_1f1b":
-        _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per rank")
-        _require(
-            micro % llm.pp == 0 and micro >= llm.pp,
-            f"interleaved_1f1b needs the microbatches per step ({micro}) to be a multiple of the pipeline size "
-            f"({llm.pp}); raise optim.global_batch_size or lower optim.micro_batch_size",
-        )
-    elif not s.csv:
-        _require(s.vpp == per_rank, f"schedule={s.name} places {per_rank} stage(s) per rank; got schedule.vpp={s.vpp}")
-    if not s.csv:
-        stages = llm.pp * per_rank
-        layers = cfg.model.llm.n_layers
-        _require(
-            layers % stages == 0,
-            f"model.llm.n_layers={layers} cannot be split into pipeline size ({llm.pp}) x stages per rank "
-            f"({per_rank}) = {stages} equal stages; change parallel.pp or schedule.vpp",
-        )
-    else:
-        _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
-    check_pipeline(cfg, layout, micro)
-
-
-def check_pipeline(cfg: Config, layout, microbatches: int) -> None:
-    """Build the schedule the run will use and validate it with the layout's routing, including the replay
-    of every rank's point-to-point posts under NCCL's rules: a schedule that would deadlock fails here."""
-    from .parallel.plan import pipeline_schedule, validate_pipeline
-    from .schedule.simulator import ScheduleError
-
-    try:
-        schedule = pipeline_schedule(cfg, layout, microbatches)
-        validate_pipeline(layout, schedule, cfg.optim.micro_batch_size * layout.llm.dp)
-    except (ScheduleError, ValueError) as error:
-        raise ConfigError(f"schedule={cfg.schedule.csv or cfg.schedule.name}: {error}") from error
+    p = cfg.planner
+    _require(p.recompute in POLICIES, f"planner.recompute={p.recompute!r}: allowed values are {', '.join(POLICIES)}")
+    _require(p.recompute_every >= 1, f"planner.recompute_every={p.recompute_every}: use 1 or more")
 
 
 def validate_cluster(cfg: Config) -> None:
@@ -488,37 +276,3 @@ def validate_cluster(cfg: Config) -> None:
         _require(value is None or value > 0, f"cluster.{name}={value}: use a positive FLOP/s value or null")
     _require(c.memory_per_device_gb > 0, f"cluster.memory_per_device_gb={c.memory_per_device_gb}: use a positive size")
     _require(c.num_gpus >= 1 and c.gpus_per_node >= 1, "cluster.num_gpus and cluster.gpus_per_node must be >= 1")
-
-
-def missing_keys(node, prefix: str = "") -> list[str]:
-    """Dotted names of mandatory values (``???``) nobody set."""
-    from omegaconf import DictConfig, OmegaConf
-
-    out = []
-    for key in node:
-        name = f"{prefix}{key}"
-        if OmegaConf.is_missing(node, key):
-            out.append(name)
-        else:
-            value = node._get_node(key)
-            if isinstance(value, DictConfig) and not value._is_none():
-                out.extend(missing_keys(value, name + "."))
-    return out
-
-
-def validate_config(cfg: Config) -> None:
-    """Raise ConfigError on the first problem found."""
-    missing = [key for key in missing_keys(cfg) if not key.startswith("paths.")]
-    if missing:
-        raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")
-    validate_model(cfg)
-    validate_device_contract(cfg)
-    auto = cfg.parallel.mode == "auto"  # the layout is checked once the planner has chosen it
-    if not auto:
-        validate_trainer(cfg)
-        validate_layout(cfg)
-    validate_data(cfg)
-    validate_optim(cfg)
-    if not auto:
-        validate_schedule_config(cfg)
-    validate_cluster(cfg)

@@ -1,0 +1,219 @@
+"""Checks of the parallel layout and the pipeline schedule (before any process starts)."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import Config
+from .common import ConfigError, _require, world_size
+
+
+def layout_of(cfg: Config) -> tuple[int, int]:
+    """(data-parallel size of the LLM, pipeline stages of the LLM) of the configured layout."""
+    from ..parallel.plan import resolve_units
+
+    llm = resolve_units(cfg).llm
+    return llm.dp, llm.pp
+
+
+def reads_global_stream(cfg: Config) -> bool:
+    """Several units read the one canonical sample stream; a single unit splits shards by replica."""
+    from ..parallel.plan import resolve_units
+
+    return len(resolve_units(cfg).units) > 1
+
+
+def _unit_formula(units) -> str:
+    return " + ".join(f"{u.name} dp({u.dp}) x tp({u.tp}) x pp({u.pp})" for u in units)
+
+
+def validate_layout(cfg: Config) -> None:
+    from ..parallel.plan import MODES, resolve_units
+
+    p, m = cfg.parallel, cfg.model
+    _require(p.mode in MODES, f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")
+    _require(
+        p.modality_stages in ("separate", "folded"),
+        f"parallel.modality_stages={p.modality_stages!r}: allowed values are separate and folded",
+    )
+    _require(p.dp == -1 or p.dp >= 1, f"parallel.dp={p.dp}: use -1 (derive from the world size) or a positive size")
+    for name in ("encoder", "llm", "generator"):
+        u = getattr(p.units, name)
+        _require(min(u.dp, u.tp, u.pp, u.vpp) >= 1, f"parallel.units.{name}: dp, tp, pp and vpp must be at least 1")
+    _require(
+        not p.units.llm.colocate,
+        "parallel.units.llm.colocate: only the encoder or the generator can be colocated (with the LLM)",
+    )
+    from ..parallel.recompute import POLICIES
+
+    settings = [("parallel", p)] + [
+        (f"parallel.units.{n}", getattr(p.units, n)) for n in ("encoder", "llm", "generator")
+    ]
+    for where, s in settings:
+        _require(
+            s.recompute in POLICIES,
+            f"{where}.recompute={s.recompute!r}: allowed values are {', '.join(POLICIES)}",
+        )
+        _require(s.recompute_every >= 1, f"{where}.recompute_every={s.recompute_every}: use 1 or more")
+    if p.mode == "manual":
+        _require(
+            p.recompute == "none",
+            f"parallel.recompute={p.recompute} sets every unit of a ddp or megatron layout; this layout has units: "
+            "set parallel.units.<encoder|llm|generator>.recompute",
+        )
+        for name in ("encoder", "generator"):
+            unit = getattr(p.units, name)
+            _require(
+                not (unit.colocate and unit.recompute != "none"),
+                f"parallel.units.{name}.recompute={unit.recompute}: the {name} is colocated with the LLM and "
+                "recomputes as the LLM unit does; set parallel.units.llm.recompute",
+            )
+    _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
+    _require(
+        p.comm.bucket_mb >= 0,
+        f"parallel.comm.bucket_mb={p.comm.bucket_mb}: use a positive size in MB (25 is DDP's default) or 0 for one "
+        "bucket",
+    )
+    _require(
+        p.comm.collectives in ("auto", "ring", "native"),
+        f"parallel.comm.collectives={p.comm.collectives!r}: allowed values are auto, ring and native",
+    )
+    layout = resolve_units(cfg)
+    world = world_size(cfg)
+    if p.comm.interleave_modes:
+        from ..comm.engine import MODES
+
+        unknown = [mode for mode in p.comm.interleave_modes if mode not in MODES]
+        _require(
+            not unknown,
+            f"parallel.comm.interleave_modes: unknown mode(s) {unknown}; allowed: {', '.join(MODES)}",
+        )
+        _require(
+            p.comm.interleave_block >= 1,
+            f"parallel.comm.interleave_block={p.comm.interleave_block}: use a positive number of steps",
+        )
+        _require(
+            not layout.trains_with_ddp(p.zero1),
+            "parallel.comm.interleave_modes switches ZeRO-1's collectives; this layout trains with DDP. "
+            "Use parallel=zero1 (or a layout with tp, pp or several units)",
+        )
+    _require(
+        layout.world_size == world,
+        f"the layout needs {_unit_formula(layout.units)} = {layout.world_size} processes but trainer.devices"
+        f"({cfg.trainer.devices}) x trainer.num_nodes({cfg.trainer.num_nodes}) = {world}; make them equal",
+    )
+    for unit in layout.units:
+        where = f"parallel {unit.name} unit"
+        if unit.tp > 1:
+            if "llm" in unit.modules:
+                llm = m.llm
+                for what, value in (("n_heads", llm.n_heads), ("n_kv_heads", llm.n_kv_heads), ("ffn_dim", llm.ffn_dim)):
+                    _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.llm.{what}={value}")
+                _require(
+                    not p.comm.tp_overlap or m.seq_len % unit.tp == 0,
+                    f"parallel.comm.tp_overlap=true splits the sequence over the TP group, but tp={unit.tp} does "
+                    f"not divide model.seq_len={m.seq_len}; change one of them or set tp_overlap=false",
+                )
+            if "encoder" in unit.modules:
+                vit = m.encoder
+                for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
+                    _require(
+                        value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}"
+                    )
+        if unit.name == "encoder":
+            _require(
+                m.encoder.n_layers % unit.pp == 0,
+                f"{where}: pp={unit.pp} does not divide model.encoder.n_layers={m.encoder.n_layers}",
+            )
+        if unit.name == "generator":
+            _require(
+                unit.pp == 1,
+                f"{where}: pp={unit.pp}; the U-Net's skip connections cross every level, so it "
+                "is not split into pipeline stages: use pp=1 (more dp instead)",
+            )
+    _require(
+        p.units.llm.vpp == 1 or p.mode != "manual",
+        f"parallel.units.llm.vpp={p.units.llm.vpp}: virtual stages inside one unit of a multi-unit pipeline are "
+        "not supported; use vpp=1 (or interleave a single-unit layout with schedule=interleaved_1f1b)",
+    )
+
+
+def validate_schedule_config(cfg: Config) -> None:
+    from ..parallel.plan import resolve_units, stages_per_rank
+    from ..schedule.generators import SCHEDULES
+
+    s, layout = cfg.schedule, resolve_units(cfg)
+    llm = layout.llm
+    rows = sum(u.pp for u in layout.units)
+    per_rank = stages_per_rank(cfg)
+    # Samples per global microbatch: every LLM replica's micro-batch, together.
+    samples = cfg.optim.micro_batch_size * llm.dp
+    micro = cfg.optim.global_batch_size // samples
+    for unit in layout.units:
+        _require(
+            samples % unit.dp == 0,
+            f"a microbatch slot holds optim.micro_batch_size({cfg.optim.micro_batch_size}) x llm dp({llm.dp}) = "
+            f"{samples} samples, which the {unit.name} unit's dp({unit.dp}) cannot share evenly; choose sizes so "
+            f"{unit.dp} divides it",
+        )
+    if rows == 1:
+        _require(
+            s.name == "none" and not s.csv,
+            f"schedule={s.name} needs pipeline stages; set parallel.pp > 1 or use schedule=none",
+        )
+        return
+    _require(
+        s.name != "none" or s.csv,
+        f"this layout has {rows} pipeline stages and needs a schedule: pick "
+        f"schedule=<one of {', '.join(SCHEDULES)}> (1f1b is the usual choice)",
+    )
+    _require(
+        s.csv is not None or s.name in SCHEDULES, f"schedule={s.name!r} is unknown; available: {', '.join(SCHEDULES)}"
+    )
+    _require(
+        s.microbatches is None or s.microbatches == micro,
+        f"schedule.microbatches={s.microbatches} disagrees with optim.global_batch_size("
+        f"{cfg.optim.global_batch_size}) / (optim.micro_batch_size({cfg.optim.micro_batch_size}) x dp({llm.dp})) "
+        f"= {micro}; leave schedule.microbatches unset or change the batch sizes",
+    )
+    if len(layout.units) > 1:
+        _require(
+            per_rank == 1 and not s.csv,
+            f"schedule={s.name} places several stages per rank, which a pipeline across units does not support; "
+            "use gpipe, 1f1b or zb_h1",
+        )
+        check_pipeline(cfg, layout, micro)
+        return
+    if s.name == "interleaved_1f1b":
+        _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per rank")
+        _require(
+            micro % llm.pp == 0 and micro >= llm.pp,
+            f"interleaved_1f1b needs the microbatches per step ({micro}) to be a multiple of the pipeline size "
+            f"({llm.pp}); raise optim.global_batch_size or lower optim.micro_batch_size",
+        )
+    elif not s.csv:
+        _require(s.vpp == per_rank, f"schedule={s.name} places {per_rank} stage(s) per rank; got schedule.vpp={s.vpp}")
+    if not s.csv:
+        stages = llm.pp * per_rank
+        layers = cfg.model.llm.n_layers
+        _require(
+            layers % stages == 0,
+            f"model.llm.n_layers={layers} cannot be split into pipeline size ({llm.pp}) x stages per rank "
+            f"({per_rank}) = {stages} equal stages; change parallel.pp or schedule.vpp",
+        )
+    else:
+        _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
+    check_pipeline(cfg, layout, micro)
+
+
+def check_pipeline(cfg: Config, layout, microbatches: int) -> None:
+    """Build the schedule the run will use and validate it with the layout's routing, including the replay
+    of every rank's point-to-point posts under NCCL's rules: a schedule that would deadlock fails here."""
+    from ..parallel.plan import pipeline_schedule, validate_pipeline
+    from ..schedule.simulator import ScheduleError
+
+    try:
+        schedule = pipeline_schedule(cfg, layout, microbatches)
+        validate_pipeline(layout, schedule, cfg.optim.micro_batch_size * layout.llm.dp)
+    except (ScheduleError, ValueError) as error:
+        raise ConfigError(f"schedule={cfg.schedule.csv or cfg.schedule.name}: {error}") from error
