@@ -263,8 +263,8 @@ class PlannerConfig:
     # single-unit layouts today, so plans that are meant to run keep [1].
     vpp_options: list[int] = field(default_factory=lambda: [1])
     colocation: bool = True  # may the encoder / generator run inside the LLM's first / last stage
-    # Activation recompute the plan assumes and the runtime then applies to every unit (parallel/recompute.py):
-    # none | full | selective_op | every_k
+    # Activation recompute the plan assumes and the runtime then applies (parallel/recompute.py): none | full |
+    # selective_op | every_k for every unit, or auto: per unit the least recomputation that fits
     recompute: str = "none"
     recompute_every: int = 2
     dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (issue 7 raises it)

@@ -21,7 +21,7 @@ def available_devices(cfg) -> tuple[str, int]:
     return "cpu", int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
 
 
-def layout_container(plan_evaluation, recompute: str = "none", every: int = 2) -> dict:
+def layout_container(plan_evaluation, every: int = 2) -> dict:
     """The ``parallel`` section that runs a plan through the units runtime."""
     choices = plan_evaluation.choices
     units = {}
@@ -34,7 +34,7 @@ def layout_container(plan_evaluation, recompute: str = "none", every: int = 2) -
         else:
             units[name] = {"dp": choice.dp, "tp": choice.tp, "pp": choice.pp, "vpp": choice.vpp, "colocate": False}
             # the recompute the memory model assumed (colocated modules recompute as the LLM unit does)
-            units[name].update(recompute=recompute, recompute_every=every)
+            units[name].update(recompute=plan_evaluation.recompute.get(name, "none"), recompute_every=every)
     return {"name": "auto", "mode": "manual", "dp": -1, "tp": 1, "pp": 1, "modality_stages": "separate", "units": units}
 
 
@@ -65,8 +65,7 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
             "or add trainer.dry_run=true to only plan"
         )
     out = copy.deepcopy(container)
-    settings = result.model.c.settings
-    out["parallel"] = layout_container(result.plan.evaluation, settings.recompute, settings.recompute_every)
+    out["parallel"] = layout_container(result.plan.evaluation, result.model.c.settings.recompute_every)
     out["schedule"] = {**out["schedule"], "name": "1f1b" if len(result.plan.evaluation.stage_times) > 1 else "none"}
     if kind == "cpu":
         nodes = int(cfg.trainer.num_nodes)

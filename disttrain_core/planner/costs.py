@@ -76,7 +76,9 @@ class Hardware:
 @dataclass(frozen=True)
 class PlannerSettings:
     precision: str = "bf16-mixed"
-    recompute: str = "none"  # none | full | selective_op | every_k: what parallel/recompute.py does
+    # none | full | selective_op | every_k: what parallel/recompute.py does; auto: per unit, the least
+    # recompute that fits (LayoutModel.evaluate)
+    recompute: str = "none"
     recompute_every: int = 2  # every_k
     dp_overlap: float = 0.0  # share of the ZeRO-1 traffic hidden behind compute
     memory_margin: float = 0.9  # plan to this share of device memory
@@ -170,6 +172,12 @@ class CostModel:
         return (28.0 * local / dp + 8.0 * local) / self.hw.hbm_bw
 
     # ------------------------------------------------------------------------- memory
+    def _policy(self, policy: str | None) -> str:
+        """The policy to cost: the given one, else the setting; ``auto`` (chosen per unit by
+        LayoutModel.evaluate) costs as ``full`` where no unit is given, so memory bounds stay lower bounds."""
+        policy = policy or self.settings.recompute
+        return "full" if policy == "auto" else policy
+
     def _block_units(self, unit: str, tp: int) -> tuple[float, float]:
         """[s, h] tensors one block keeps for backward without recompute, and with selective_op.
 
@@ -190,13 +198,13 @@ class CostModel:
         selective = 3.0 + (1.0 + 2.0 * kv + 1.0 + first_matmuls) / tp
         return none, selective
 
-    def activation_bytes(self, unit: str, tp: int, items: float) -> float:
+    def activation_bytes(self, unit: str, tp: int, items: float, policy: str | None = None) -> float:
         """Bytes saved for backward by the whole unit for ``items`` items (one microbatch), under the
         recompute policy (parallel/recompute.py): none, full (a block keeps its input), selective_op, or
         every_k (every k-th block full, the rest none)."""
         w = self.work.units[unit]
         scale = self.settings.act_bytes / 2  # the units below are 16-bit elements
-        policy = self.settings.recompute
+        policy = self._policy(policy)
         if w.counted_activation_bytes:  # U-Net: counted on meta in fp32 with the runtime's wrappers
             counted = {"none": w.counted_activation_bytes, **w.counted_recompute_bytes}
             if policy == "every_k":  # between none and full, by the share of blocks recomputed
@@ -214,24 +222,25 @@ class CostModel:
         }[policy]
         return items * 2.0 * w.tokens * w.dim * per_layer * w.layers * scale  # logits: the LLM's last stage
 
-    def recompute_transient_bytes(self, unit: str, tp: int, items: float) -> float:
+    def recompute_transient_bytes(self, unit: str, tp: int, items: float, policy: str | None = None) -> float:
         """Extra bytes while one recomputed block runs its backward: what recompute dropped, for one block."""
         w = self.work.units[unit]
-        if self.settings.recompute == "none":
+        policy = self._policy(policy)
+        if policy == "none":
             return 0.0
         if w.counted_activation_bytes:  # U-Net: its largest block, counted on meta
             return items * w.counted_recompute_bytes.get("largest_block", 0.0) * self.settings.act_bytes / 4
         none, selective = self._block_units(unit, tp)
-        dropped = none - (selective if self.settings.recompute == "selective_op" else 1.0)
+        dropped = none - (selective if policy == "selective_op" else 1.0)
         return items * 2.0 * w.tokens * w.dim * dropped * self.settings.act_bytes / 2
 
-    def recompute_factor(self, unit: str) -> float:
+    def recompute_factor(self, unit: str, policy: str | None = None) -> float:
         """Compute time with recompute over without: full runs each block's forward again (a third of its
         forward + backward FLOPs), every_k does so for 1/k of the blocks; selective_op reruns no matmul and
         is counted as free."""
         w = self.work.units[unit]
-        policy = self.settings.recompute
-        if policy in ("none", "selective_op") or w.counted_activation_bytes or not w.train_flops:
+        policy = policy or self.settings.recompute  # auto without a unit's choice: no recompute (a lower bound)
+        if policy in ("none", "selective_op", "auto") or w.counted_activation_bytes or not w.train_flops:
             return 1.0
         blocks = (w.train_flops - w.flops_not_tp) / w.train_flops
         share = 1.0 if policy == "full" else 1.0 / self.settings.recompute_every

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 from .costs import CostModel
 
+AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full")  # least recomputation first
+
 
 @dataclass(frozen=True)
 class UnitChoice:
@@ -59,6 +61,7 @@ class Evaluation:
     sync_s: float
     reason: str = ""  # why infeasible
     choices: dict[str, UnitChoice] = field(default_factory=dict)
+    recompute: dict[str, str] = field(default_factory=dict)  # unit -> policy (colocated modules: the LLM's)
 
 
 class LayoutModel:
@@ -81,18 +84,73 @@ class LayoutModel:
     def pp_bw(self, gpus: int) -> float:
         return self.c.link_bw(gpus)
 
-    def stage_time(self, unit: str, choice: UnitChoice, samples: float, bw: float) -> float:
+    def stage_time(self, unit: str, choice: UnitChoice, samples: float, bw: float, policy: str | None = None) -> float:
         """Seconds per microbatch of one stage of a separate unit (compute share + boundary p2p)."""
         items = self.images(samples) if unit == "encoder" else samples
-        compute = self.c.compute(unit, choice.tp, items) * self.c.recompute_factor(unit) / choice.pp
+        compute = self.c.compute(unit, choice.tp, items) * self.c.recompute_factor(unit, policy) / choice.pp
         boundary = self.c.boundary_bytes(unit, samples) if unit != "generator" else 0.0
         if unit == "llm" and choice.pp > 1:
             boundary = max(boundary, samples * self.w.seq_len * self.w.llm_dim * self.c.settings.act_bytes)
         return compute + self.c.p2p_s(boundary, bw)
 
-    def colocated_time(self, unit: str, tp: int, samples: float) -> float:
+    def colocated_time(self, unit: str, tp: int, samples: float, policy: str | None = None) -> float:
         items = self.images(samples) if unit == "encoder" else samples
-        return self.c.compute(unit, tp, items) * self.c.recompute_factor(unit)
+        return self.c.compute(unit, tp, items) * self.c.recompute_factor(unit, policy)
+
+    # ------------------------------------------------------------------------ memory
+    def unit_memory(self, name: str, choices: dict, S: int, m: int, policy: str) -> float:
+        """Bytes on the fullest device of unit ``name`` (the LLM's counts its colocated modules) under a
+        recompute policy: model states, in-flight activations, the recompute transient, the runtime."""
+        c, B = self.c, self.micro * choices["llm"].dp
+        enc, gen, llm = choices.get("encoder"), choices.get("generator"), choices["llm"]
+        r = enc.pp if enc is not None and not enc.colocated else 0
+        if name == "encoder":
+            items = self.images(B / enc.dp)
+            act = c.activation_bytes("encoder", enc.tp, items, policy) / enc.pp
+            used = c.state_bytes("encoder", enc.tp, enc.dp, enc.pp) + act * min(S, m)
+            used += c.recompute_transient_bytes("encoder", enc.tp, items, policy)
+        elif name == "generator":
+            used = (
+                c.state_bytes("generator", gen.tp, gen.dp, 1)
+                + c.activation_bytes("generator", gen.tp, B / gen.dp, policy)
+                + c.recompute_transient_bytes("generator", gen.tp, B / gen.dp, policy)
+            )
+        else:
+            state = c.state_bytes("llm", llm.tp, llm.dp, llm.pp)
+            act = c.activation_bytes("llm", llm.tp, self.micro, policy) / llm.pp
+            transient = c.recompute_transient_bytes("llm", llm.tp, self.micro, policy)  # one block at a time
+            first = state + act * min(S - r, m) + transient
+            last = state + act * min(S - (r + llm.pp - 1), m) + self.logits(self.micro) + transient
+            if enc is not None and enc.colocated:
+                coloc = c.state_bytes("encoder", llm.tp, llm.dp, 1)
+                coloc += c.activation_bytes("encoder", llm.tp, self.images(self.micro), policy) * min(S - r, m)
+                first += coloc
+                if llm.pp == 1:
+                    last += coloc
+            if gen is not None and gen.colocated:
+                coloc = c.state_bytes("generator", llm.tp, llm.dp, 1)
+                coloc += c.activation_bytes("generator", llm.tp, self.micro, policy)
+                last += coloc
+                if llm.pp == 1:
+                    first += coloc
+            used = max(first, last)
+        return used + c.hw.overhead_bytes
+
+    def recompute_policies(self, choices: dict, S: int, m: int) -> tuple[dict[str, str], dict[str, float]]:
+        """Each unit's recompute policy and memory: ``planner.recompute``, or under ``auto`` the first of
+        none, selective_op, every_k, full (least recomputation first) that fits the device."""
+        setting = self.c.settings.recompute
+        options = AUTO_RECOMPUTE if setting == "auto" else (setting,)
+        policies, memory = {}, {}
+        for name, choice in choices.items():
+            if choice.colocated:
+                continue
+            for policy in options:
+                used = self.unit_memory(name, choices, S, m, policy)
+                if used <= self.limit:
+                    break
+            policies[name], memory[name] = policy, used
+        return policies, memory
 
     # -------------------------------------------------------------------- evaluation
     def evaluate(self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None) -> Evaluation:
@@ -122,23 +180,30 @@ class LayoutModel:
                 return infeasible(f"{name} TP groups of {ch.tp} would straddle nodes of {per_node}")
             offset += ch.gpus
 
-        t_llm = self.stage_time("llm", llm, self.micro, bw)
-        x_enc = self.colocated_time("encoder", llm.tp, self.micro) if enc is not None and enc.colocated else 0.0
-        x_gen = self.colocated_time("generator", llm.tp, self.micro) if gen is not None and gen.colocated else 0.0
+        S = (enc.pp if enc is not None and not enc.colocated else 0) + llm.pp
+        S += 1 if gen is not None and not gen.colocated else 0
+        policies, memory = self.recompute_policies(choices, S, m)
+        p_llm = policies["llm"]  # colocated modules recompute as the LLM unit does
+
+        t_llm = self.stage_time("llm", llm, self.micro, bw, p_llm)
+        x_enc = self.colocated_time("encoder", llm.tp, self.micro, p_llm) if enc is not None and enc.colocated else 0.0
+        x_gen = (
+            self.colocated_time("generator", llm.tp, self.micro, p_llm) if gen is not None and gen.colocated else 0.0
+        )
         if gen is not None and not gen.colocated:
             t_llm_last_extra = c.p2p_s(c.boundary_bytes("llm", self.micro), bw)
         else:
             t_llm_last_extra = 0.0
         stages: list[tuple[str, float]] = []
         if enc is not None and not enc.colocated:
-            t_enc = self.stage_time("encoder", enc, B / enc.dp, bw)
+            t_enc = self.stage_time("encoder", enc, B / enc.dp, bw, policies["encoder"])
             stages += [("encoder", t_enc)] * enc.pp
         llm_times = [t_llm] * llm.pp
         llm_times[0] += x_enc
         llm_times[-1] += x_gen + t_llm_last_extra
         stages += [("llm", t) for t in llm_times]
         if gen is not None and not gen.colocated:
-            stages.append(("generator", self.stage_time("generator", gen, B / gen.dp, bw)))
+            stages.append(("generator", self.stage_time("generator", gen, B / gen.dp, bw, policies["generator"])))
 
         warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
         steady = (m - 1) * max(t for _, t in stages)
@@ -166,40 +231,6 @@ class LayoutModel:
             decoded = self.batch * (llm.tp * llm.pp if single else gpus)
             iteration += self.data_s_per_sample * decoded / self.data_cores
 
-        # memory on the fullest devices
-        S = len(stages)
-        memory: dict[str, float] = {}
-        r = 0
-        if enc is not None and not enc.colocated:
-            items = self.images(B / enc.dp)
-            act = c.activation_bytes("encoder", enc.tp, items) / enc.pp
-            memory["encoder"] = c.state_bytes("encoder", enc.tp, enc.dp, enc.pp) + act * min(S, m)
-            memory["encoder"] += c.recompute_transient_bytes("encoder", enc.tp, items)
-            r = enc.pp
-        llm_state = c.state_bytes("llm", llm.tp, llm.dp, llm.pp)
-        llm_act = c.activation_bytes("llm", llm.tp, self.micro) / llm.pp
-        transient = c.recompute_transient_bytes("llm", llm.tp, self.micro)  # one block at a time
-        first = llm_state + llm_act * min(S - r, m) + transient
-        last = llm_state + llm_act * min(S - (r + llm.pp - 1), m) + self.logits(self.micro) + transient
-        if enc is not None and enc.colocated:
-            coloc = c.state_bytes("encoder", llm.tp, llm.dp, 1)
-            coloc += c.activation_bytes("encoder", llm.tp, self.images(self.micro)) * min(S - r, m)
-            first += coloc
-            if llm.pp == 1:
-                last += coloc
-        if gen is not None and gen.colocated:
-            coloc = c.state_bytes("generator", llm.tp, llm.dp, 1) + c.activation_bytes("generator", llm.tp, self.micro)
-            last += coloc
-            if llm.pp == 1:
-                first += coloc
-        memory["llm"] = max(first, last)
-        if gen is not None and not gen.colocated:
-            memory["generator"] = (
-                c.state_bytes("generator", gen.tp, gen.dp, 1)
-                + c.activation_bytes("generator", gen.tp, B / gen.dp)
-                + c.recompute_transient_bytes("generator", gen.tp, B / gen.dp)
-            )
-        memory = {k: v + c.hw.overhead_bytes for k, v in memory.items()}
         for name, used in memory.items():
             if used > self.limit:
                 return Evaluation(
@@ -213,8 +244,9 @@ class LayoutModel:
                     f"{name} needs {used / 1e9:.1f} GB per device, over {self.limit / 1e9:.1f} GB "
                     f"({c.settings.memory_margin:.0%} of {c.hw.memory_bytes / 1e9:.0f} GB)",
                     choices,
+                    policies,
                 )
-        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices)
+        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies)
 
     def logits(self, samples: float) -> float:
         return samples * self.w.seq_len * self.w.vocab * (self.c.settings.act_bytes + 8)

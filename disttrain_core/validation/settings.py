@@ -265,7 +265,8 @@ def validate_planner(cfg: Config) -> None:
     from ..parallel.recompute import POLICIES
 
     p = cfg.planner
-    _require(p.recompute in POLICIES, f"planner.recompute={p.recompute!r}: allowed values are {', '.join(POLICIES)}")
+    allowed = ("auto", *POLICIES)
+    _require(p.recompute in allowed, f"planner.recompute={p.recompute!r}: allowed values are {', '.join(allowed)}")
     _require(p.recompute_every >= 1, f"planner.recompute_every={p.recompute_every}: use 1 or more")
 
 

@@ -82,7 +82,7 @@ CASES = [
     (["parallel.recompute=every_k", "parallel.recompute_every=0"], "parallel.recompute_every=0: use 1 or more"),
     (["parallel=disagg2", "parallel.recompute=full"], "set parallel.units.<encoder|llm|generator>.recompute"),
     (["parallel=disagg2", "parallel.units.generator.recompute=full"], "the generator is colocated with the LLM"),
-    (["planner.recompute=selective"], "planner.recompute='selective': allowed values are none, full, selective_op"),
+    (["planner.recompute=selective"], "planner.recompute='selective': allowed values are auto, none, full"),
     # disaggregated units
     (["parallel=disagg4_enc2", "trainer.devices=3"], "= 4 processes but trainer.devices(3)"),
     (

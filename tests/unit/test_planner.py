@@ -224,3 +224,21 @@ def test_profiling_only_starts_what_fits(monkeypatch):
     cfg.planner.cost = "profiled"
     with pytest.raises(PlanningError, match="planner.cost=profiled: profiling mllm_tiny needs about"):
         profiler.profiling_processes(cfg, 2, work, messages.append)
+
+
+def test_recompute_auto_picks_per_unit_the_least_recomputation_that_fits():
+    from disttrain_core.planner.auto import layout_container
+
+    cfg = compose(["model=mllm72b", "cluster=h100_80g", "cluster.num_gpus=64", "planner.cost=analytic"])
+    with pytest.raises(PlanningError, match="memory"):
+        make_plan(cfg, progress=lambda *_: None)  # no recompute: 72B fits no layout of 64 H100s
+    cfg.planner.recompute = "auto"
+    result = make_plan(cfg, progress=lambda *_: None)
+    chosen = result.plan.evaluation.recompute
+    assert chosen["llm"] != "none"
+    assert all(used <= result.model.limit for used in result.plan.evaluation.memory.values())
+    parallel = layout_container(result.plan.evaluation)
+    assert parallel["units"]["llm"]["recompute"] == chosen["llm"]  # the runtime recomputes what was planned
+    small = compose(["model=mllm_tiny", "cluster=h100_80g", "cluster.num_gpus=8", "planner.cost=analytic"])
+    small.planner.recompute = "auto"
+    assert set(make_plan(small, progress=lambda *_: None).plan.evaluation.recompute.values()) == {"none"}
