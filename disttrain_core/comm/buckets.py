@@ -101,7 +101,14 @@ def plan_buckets(sizes: list[int], bucket_numel: float, dp: int, graded: bool = 
 
 
 class FlatBuckets:
-    """One flat, bucketed fp32 view of a list of (possibly tensor-parallel) parameters."""
+    """One flat, bucketed fp32 layout of a list of (possibly tensor-parallel) parameters.
+
+    ``bind`` makes the parameters and their gradients *views* into two flat buffers laid out this way
+    (Megatron's distributed-optimizer layout): the all-gather of updated slices lands in the parameters
+    and the reduce-scatter of gradients lands in this replica's slice of the gradient buffer, which is
+    also its master shards' gradient -- no copies, no second buffer. ``masters`` holds one fp32 master
+    tensor per bucket (this replica's slice), the parameters of the optimizer.
+    """
 
     def __init__(
         self,
@@ -129,15 +136,21 @@ class FlatBuckets:
         self.padded = last.offset + last.padded
         self.shard_numel = last.shard_offset + last.shard_size
         self.device = device or (self.locals[0].device if self.locals else torch.device("cpu"))
-        weights = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
-        for (_, param), tensor, offset in zip(params, self.locals, self.offsets, strict=True):
-            # Elements replicated over the TP group are held by every TP rank: count them 1/tp times.
-            weights[offset : offset + tensor.numel()] = 1.0 if is_sharded(param) else 1.0 / tp
-        self.master = torch.nn.Parameter(self.shard_of(self.gather_params()))
-        self.norm_weight = self.shard_of(weights)
-        self.norm_scale = self.norm_weight.sqrt()  # squared norm = || grad * sqrt(weight) ||^2
-        # Padding has weight 0 but always a zero gradient, so "all ones" may ignore it.
-        self.unit_norm_weight = bool(((self.norm_weight == 1) | (self.norm_weight == 0)).all())
+        full = self.gather_params()
+        self.masters = [torch.nn.Parameter(b.slice_of(full, rank).clone()) for b in self.buckets]
+        # Elements replicated over the TP group are held by every TP rank: in the global gradient norm they
+        # count 1/tp times. Kept as (bucket, start, stop, weight) ranges of this replica's slices, not as a
+        # buffer the size of the shard.
+        self.norm_ranges: list[tuple[int, int, int, float]] = []
+        if tp > 1:
+            for index, ((_, param), tensor, offset) in enumerate(zip(params, self.locals, self.offsets, strict=True)):
+                if is_sharded(param):
+                    continue
+                bucket = self.buckets[self.bucket_of[index]]
+                own = bucket.offset + rank * bucket.shard_size
+                start, stop = max(offset, own), min(offset + tensor.numel(), own + bucket.shard_size)
+                if start < stop:
+                    self.norm_ranges.append((bucket.index, start - own, stop - own, 1.0 / tp))
 
     # ----------------------------------------------------------- layout maps
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
@@ -156,27 +169,53 @@ class FlatBuckets:
         tensor = self.locals[index]
         return full[self.offsets[index] : self.offsets[index] + tensor.numel()].view_as(tensor)
 
+    def master_shard(self) -> torch.Tensor:
+        """The master values of this replica as one shard (bucket after bucket; a copy)."""
+        return torch.cat([m.detach() for m in self.masters])
+
+    def squared_grad_norm(self) -> torch.Tensor:
+        """This replica's share of the global squared gradient norm (fp64), TP-replicated elements weighted."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for master in self.masters:
+            if master.grad is not None:
+                total += torch.linalg.vector_norm(master.grad, dtype=torch.float64).square()
+        for index, start, stop, weight in self.norm_ranges:
+            grad = self.masters[index].grad
+            if grad is not None:
+                total += (weight - 1.0) * torch.linalg.vector_norm(grad[start:stop], dtype=torch.float64).square()
+        return total
+
     # --------------------------------------------------------------- copies
     def gather_params(self) -> torch.Tensor:
-        """The parameters' current values as a full flat fp32 buffer."""
+        """The parameters' current values as a full flat fp32 buffer (a new one)."""
         full = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
         with torch.no_grad():
             for index, tensor in enumerate(self.locals):
                 self.parameter_slice(full, index).copy_(tensor.detach())
         return full
 
-    def fill_grads(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        """Copy the bucket's parameter gradients into its part of ``flat`` (zeros where a gradient is None)."""
-        for index in bucket.members:
-            grad = self.params[index][1].grad
-            target = self.parameter_slice(flat, index)
-            if grad is None:
-                target.zero_()
-            else:
-                target.copy_(local(grad).detach())
+    def bind(self, param_flat: torch.Tensor | None, grad_flat: torch.Tensor) -> None:
+        """Make the parameters (when ``param_flat`` is given: it must hold their values) and their gradients
+        views into the flat buffers, and each master's gradient this replica's slice of ``grad_flat``.
+        Gradients then accumulate in place and are zeroed, never set to None."""
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for index, (_, param) in enumerate(self.params):
+                grad = self.parameter_slice(grad_flat, index)
+                if param_flat is not None:
+                    target = param._local_tensor if isinstance(param, DTensor) else param
+                    target.data = self.parameter_slice(param_flat, index)
+                if isinstance(param, DTensor):
+                    param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+                else:
+                    param.grad = grad
+            self.locals = [local(p) for _, p in self.params]
+        for bucket, master in zip(self.buckets, self.masters, strict=True):
+            master.grad = bucket.slice_of(grad_flat, self.rank)
 
     def write_back(self, bucket: Bucket, flat: torch.Tensor) -> None:
-        """Copy the bucket's part of a full flat buffer into the parameters."""
+        """Copy the bucket's part of a full flat buffer into the parameters (when they are not views of it)."""
         with torch.no_grad():
             for index in bucket.members:
                 self.locals[index].copy_(self.parameter_slice(flat, index))

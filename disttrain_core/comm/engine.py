@@ -78,14 +78,18 @@ class BucketedSync:
         self.stage_of = stage_of or {}
         self.partial = {id(p) for p in partial_grads}  # sequence-parallel: sum over the TP group first
         self.tp_group = tp_group
-        self.grad_flat = {n: torch.zeros(f.padded, dtype=torch.float32, device=f.device) for n, f in flats.items()}
-        self.grad_shard = {
-            n: torch.zeros(f.shard_numel, dtype=torch.float32, device=f.device) for n, f in flats.items()
-        }
-        # Updated parameters travel in ``gather_dtype`` (bf16 under bf16-mixed: half the bytes); the fp32
-        # master shard stays in the optimizer and the parameters hold the gathered values.
+        # Gradients accumulate in place in ``grad_flat`` (the parameters' .grad are views of it) and the
+        # reduce-scatter lands in this replica's slice, which is the masters' gradient. Updated parameters
+        # travel in ``gather_dtype``: in fp32 the all-gather lands in ``param_flat``, of which the
+        # parameters are views; in bf16 (under bf16-mixed: half the bytes) into a bf16 buffer whose slices
+        # are copied into the parameters, which then hold bf16-rounded values while the fp32 masters stay
+        # in the optimizer.
         self.gather_dtype = gather_dtype
+        self.grad_flat = {n: torch.zeros(f.padded, dtype=torch.float32, device=f.device) for n, f in flats.items()}
         self.param_flat = {n: f.gather_params().to(gather_dtype) for n, f in flats.items()}
+        self.params_are_views = gather_dtype == torch.float32
+        for name, flat in flats.items():
+            flat.bind(self.param_flat[name] if self.params_are_views else None, self.grad_flat[name])
         self.where: dict[int, Key] = {}  # id(param) -> (flat buffer name, bucket index)
         for name, flat in flats.items():
             for index, (_, param) in enumerate(flat.params):
@@ -136,6 +140,11 @@ class BucketedSync:
         self.grad_works: dict[Key, object] = {}
         self.next_reduce = 0  # position in reduce_order of the next bucket to issue
 
+    def zero_grads(self) -> None:
+        """Zero the gradient buffers (the parameters' .grad are views of them: never set to None)."""
+        for grad in self.grad_flat.values():
+            grad.zero_()
+
     def arm(self, stage: int = 0) -> None:
         """The next backward of ``stage`` is its last in this step: reduce its buckets as they complete."""
         self.armed.add(stage)
@@ -174,11 +183,9 @@ class BucketedSync:
             if id(param) in self.partial and param.grad is not None and not self.skip:
                 dist.all_reduce(local(param.grad), group=self.tp_group)
         source = bucket.full(self.grad_flat[name])
-        flat.fill_grads(bucket, self.grad_flat[name])
-        target = bucket.shard(self.grad_shard[name])
+        target = bucket.slice_of(self.grad_flat[name], flat.rank)  # in place: the masters' gradient
         issued = self.trace.now() if self.trace is not None else None
-        if self.dp == 1 or self.skip:
-            target.copy_(bucket.slice_of(self.grad_flat[name], flat.rank))
+        if self.dp == 1 or self.skip:  # this replica's own sums are already there
             work = None
         else:
             work = self.collectives.reduce_scatter(target, source, async_op=async_op)
@@ -196,8 +203,6 @@ class BucketedSync:
                 work.wait()
         if self.trace is not None:
             self.trace.compute("wait: gradients", started, self.trace.now())
-        for name, flat in self.flats.items():
-            flat.master.grad = self.grad_shard[name]
         if self.completed is not None:
             self._adopt_recorded_order()
         self._reset_grads()
@@ -223,14 +228,13 @@ class BucketedSync:
         for key in self.gather_order:  # forward order: first layers first
             name, index = key
             flat, bucket = self.flats[name], self.flats[name].buckets[index]
-            own = bucket.shard(flat.master.detach())
-            if own.dtype != self.gather_dtype:  # e.g. bf16 on the wire under bf16-mixed; the master stays fp32
-                own = own.to(self.gather_dtype)
+            own = bucket.slice_of(self.param_flat[name], flat.rank)
+            with torch.no_grad():
+                own.copy_(flat.masters[index].detach())  # casts to bf16 on a bf16 wire
             issued = self.trace.now() if self.trace is not None else None
             if self.dp == 1 or self.skip:
-                bucket.slice_of(self.param_flat[name], flat.rank).copy_(own)
                 work = None
-            else:
+            else:  # in place: this replica's slice is already where the gather puts it
                 work = self.collectives.all_gather(bucket.full(self.param_flat[name]), own, self.overlap_param)
             if self.trace is not None:
                 nbytes = bucket.padded * own.element_size()
@@ -250,8 +254,9 @@ class BucketedSync:
                 continue
             if work is not None:
                 work.wait()
-            name, index = key
-            self.flats[name].write_back(self.flats[name].buckets[index], self.param_flat[name])
+            if not self.params_are_views:
+                name, index = key
+                self.flats[name].write_back(self.flats[name].buckets[index], self.param_flat[name])
         if self.trace is not None and time.perf_counter() - started > 1e-4:
             self.trace.compute("wait: parameters", stamp, self.trace.now())
 

@@ -14,10 +14,17 @@ data-parallel size and split in ``dp`` equal slices (comm/buckets.py). A step:
 3. all-gather the updated slices and copy them back into the parameters -- during
    the next forward, module by module, when ``overlap_param_gather`` is on.
 
-The fp32 master shard lives in the optimizer. Parameters are fp32 tensors; under
-``bf16-mixed`` the updated slices travel in bf16 (``gather_dtype``: half the
-bytes), so the parameters hold bf16-rounded values -- what autocast feeds the
-matmuls anyway -- and checkpoints carry the master values beside the moments.
+Memory (Megatron's distributed-optimizer layout, "lean"): the parameters and their
+gradients are *views* into per-bucket flat fp32 buffers (comm/buckets.py ``bind``).
+Gradients accumulate in place, the reduce-scatter lands in this replica's slice of the
+gradient buffer -- which is the fp32 master shard's gradient -- and gradients are
+zeroed, never set to None. Per parameter a replica holds 4 bytes of parameter, 4 of
+gradient and 12/dp of master + two moments: (8 + 12/dp) bytes plus bucket padding
+(tests/distributed/test_zero.py counts it from tensor storages). Under ``bf16-mixed``
+the updated slices travel in bf16 (``gather_dtype``: half the bytes) into a bf16
+gather buffer (2 more bytes per parameter) whose slices are copied into the
+parameters, which then hold bf16-rounded values -- what autocast feeds the matmuls
+anyway -- while the fp32 masters stay in the optimizer and in checkpoints.
 The gradient norm for clipping comes from the reduced shards:
 each element counts once over the world (TP-replicated elements are weighted by
 1/tp because every TP rank holds them).
@@ -32,6 +39,8 @@ from ..comm.buckets import FlatBuckets, bucket_numel
 from ..comm.engine import BucketedSync, make_collectives
 from ..comm.trace import CommTrace
 from ..config import CommConfig, OptimConfig
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def adamw(groups: list[dict], cfg: OptimConfig) -> torch.optim.AdamW:
@@ -74,11 +83,10 @@ class ZeroOneOptimizer:
             "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, size, device, graded),
         }
         groups = [
-            {"params": [self.flats["decay"].master], "weight_decay": cfg.weight_decay, "name": "decay"},
-            {"params": [self.flats["no_decay"].master], "weight_decay": 0.0, "name": "no_decay"},
+            {"params": self.flats["decay"].masters, "weight_decay": cfg.weight_decay, "name": "decay"},
+            {"params": self.flats["no_decay"].masters, "weight_decay": 0.0, "name": "no_decay"},
         ]
         self.inner = adamw(groups, cfg)
-        self.params = [p for _, p in named_params if p.requires_grad]
         self.sync = BucketedSync(
             self.flats,
             make_collectives(comm.collectives, dp_group, dp, dedicated_group=comm_group),
@@ -105,17 +113,11 @@ class ZeroOneOptimizer:
 
     def grad_norm_squared(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (sum it over the world)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.flats["decay"].master.device)
-        for flat in self.flats.values():
-            grad = flat.master.grad
-            if grad is not None:
-                weighted = grad if flat.unit_norm_weight else grad * flat.norm_scale
-                total += torch.linalg.vector_norm(weighted, dtype=torch.float64).square()
-        return total
+        return sum(flat.squared_grad_norm() for flat in self.flats.values())
 
     def master_params(self) -> list[torch.nn.Parameter]:
-        """This replica's fp32 master shards that hold a gradient (what clipping scales)."""
-        return [flat.master for flat in self.flats.values() if flat.master.grad is not None]
+        """This replica's fp32 master slices (what clipping scales: their gradients are views)."""
+        return [m for flat in self.flats.values() for m in flat.masters]
 
     def step(self) -> None:
         started = self.trace.now() if self.trace is not None else None
@@ -133,16 +135,16 @@ class ZeroOneOptimizer:
         self.sync.wait_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for param in self.params:
-            param.grad = None
-        self.inner.zero_grad(set_to_none=set_to_none)
+        """Zero the flat gradient buffers. ``set_to_none`` is accepted for torch's signature and ignored:
+        the parameters' and masters' gradients are views of those buffers and stay bound."""
+        self.sync.zero_grads()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (master shard + moments)."""
         total = 0
-        for flat in self.flats.values():
-            total += flat.master.numel() * flat.master.element_size()
-            for value in self.inner.state.get(flat.master, {}).values():
+        for master in self.master_params():
+            total += master.numel() * master.element_size()
+            for value in self.inner.state.get(master, {}).values():
                 if torch.is_tensor(value) and value.numel() > 1:
                     total += value.numel() * value.element_size()
         return total
@@ -154,7 +156,8 @@ class ZeroOneOptimizer:
             for name, flat in self.flats.items():
                 full = flat.gather_params()
                 self.sync.param_flat[name].copy_(full)
-                flat.master.copy_(flat.shard_of(full))
+                for bucket, master in zip(flat.buckets, flat.masters, strict=True):
+                    master.copy_(bucket.slice_of(full, flat.rank))
 
     # --------------------------------------------------------- by-name state
     # Saved like a plain AdamW's state keyed by parameter name (full, un-sharded
@@ -173,12 +176,15 @@ class ZeroOneOptimizer:
         state: dict = {}
         groups = {g["name"]: {k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups}
         for flat in self.flats.values():
-            inner = self.inner.state.get(flat.master, {})
-            if not inner:
+            states = [self.inner.state.get(master, {}) for master in flat.masters]
+            if not all(states):
                 continue
-            moments = {key: self._gather(inner[key], flat) for key in ("exp_avg", "exp_avg_sq")}
-            if self.sync.gather_dtype != flat.master.dtype:  # parameters hold rounded values: keep the master
-                moments["master"] = self._gather(flat.master, flat)
+            inner = {"step": states[0]["step"]}
+            moments = {
+                key: self._gather(torch.cat([s[key] for s in states]), flat) for key in ("exp_avg", "exp_avg_sq")
+            }
+            if self.sync.gather_dtype != torch.float32:  # parameters hold rounded values: keep the master
+                moments["master"] = self._gather(flat.master_shard(), flat)
             for (name, param), tensor, offset in zip(flat.params, flat.locals, flat.offsets, strict=True):
                 entry = {"step": inner["step"].detach().clone()}
                 for key, full in moments.items():
@@ -197,7 +203,7 @@ class ZeroOneOptimizer:
             group.update({k: v for k, v in saved["groups"].get(group["name"], {}).items() if k != "params"})
         for flat in self.flats.values():
             moments = {
-                key: torch.zeros(flat.padded, dtype=torch.float32, device=flat.master.device)
+                key: torch.zeros(flat.padded, dtype=torch.float32, device=flat.device)
                 for key in ("exp_avg", "exp_avg_sq")
             }
             master = flat.gather_params()
@@ -209,15 +215,17 @@ class ZeroOneOptimizer:
                 step = entry["step"]
                 targets = {**moments, "master": master} if "master" in entry else moments
                 for key, full in targets.items():
-                    value = entry[key].to(flat.master.device)
+                    value = entry[key].to(flat.device)
                     if isinstance(param, DTensor):
                         value = distribute_tensor(value, param.device_mesh, param.placements).to_local()
                     full[offset : offset + tensor.numel()] = value.reshape(-1).float()
             with torch.no_grad():
-                flat.master.copy_(flat.shard_of(master))
+                for bucket, shard in zip(flat.buckets, flat.masters, strict=True):
+                    shard.copy_(bucket.slice_of(master, flat.rank))
             if step is not None:
-                self.inner.state[flat.master] = {
-                    # fused AdamW keeps its step counter on the parameters' device
-                    "step": torch.as_tensor(step, dtype=torch.float32).clone().to(flat.master.device),
-                    **{key: flat.shard_of(full) for key, full in moments.items()},
-                }
+                for bucket, shard in zip(flat.buckets, flat.masters, strict=True):
+                    self.inner.state[shard] = {
+                        # fused AdamW keeps its step counter on the parameters' device
+                        "step": torch.as_tensor(step, dtype=torch.float32).clone().to(flat.device),
+                        **{key: bucket.slice_of(full, flat.rank).clone() for key, full in moments.items()},
+                    }

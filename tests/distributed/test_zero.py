@@ -1,5 +1,6 @@
 """ZeRO-1: the same updates as AdamW, with 1/dp of the optimizer state on each replica."""
 
+import copy
 import os
 from datetime import timedelta
 
@@ -32,7 +33,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
         grads = [torch.Generator().manual_seed(100 * step + r) for r in range(world)]
         per_rank = [[torch.randn(p.shape, generator=g) for p in reference.parameters()] for g in grads]
         for p, g in zip(sharded.parameters(), per_rank[rank], strict=True):
-            p.grad = g.clone()
+            p.grad.copy_(g)  # the .grad are views of ZeRO-1's gradient buffer: written in place, never replaced
         for i, p in enumerate(reference.parameters()):  # the reference sees the summed gradient
             p.grad = sum(per_rank[r][i] for r in range(world))
         zero.reduce_gradients()
@@ -81,17 +82,19 @@ def _overlapped_zero(rank: int, world: int, store: str, model: torch.nn.Module, 
     )
 
 
-def _worst_reduced_error(zero, model: torch.nn.Module, world: int) -> float:
-    """Largest difference between ZeRO-1's reduced gradient shards and an all-reduce of every gradient."""
+def _worst_reduced_error(zero, reference: torch.nn.Module, world: int) -> float:
+    """Largest difference between ZeRO-1's reduced gradient shards and an all-reduce of the gradients a plain
+    copy of the model computed (the sharded model's own .grad are views the reduce-scatter writes into)."""
     expected = {}
-    for name, param in model.named_parameters():
+    for name, param in reference.named_parameters():
         total = param.grad.clone()
         dist.all_reduce(total)
         expected[name] = total
     worst = 0.0
     for flat in zero.flats.values():
         gathered = torch.empty(world * flat.shard_numel)
-        dist.all_gather_into_tensor(gathered, flat.master.grad.contiguous())
+        shard = torch.cat([master.grad for master in flat.masters])
+        dist.all_gather_into_tensor(gathered, shard)
         full = flat.unshard(gathered)
         for index, (name, _) in enumerate(flat.params):
             worst = max(worst, (flat.parameter_slice(full, index) - expected[name]).abs().max().item())
@@ -108,16 +111,22 @@ def _uneven_worker(rank: int, world: int, store: str, out: str) -> None:
     """Replica 1 gives layer 1 no gradient in its last microbatch (think: no images there)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+    reference = copy.deepcopy(model)
     zero = _overlapped_zero(rank, world, store, model, overlap_param_gather=True)
     assert len(zero.flats["decay"].buckets) == 4
-    generator = torch.Generator().manual_seed(rank)
-    model(torch.randn(3, 8, generator=generator)).pow(2).sum().backward()  # an earlier microbatch
-    zero.sync.arm(0)  # the last microbatch
-    x = torch.randn(3, 8, generator=generator)
-    last = model(x) if rank == 0 else model[2:](model[0](x))  # layer 1 unused: its buckets wait
-    last.pow(2).sum().backward()
+
+    def microbatches(net, arm=lambda: None):
+        generator = torch.Generator().manual_seed(rank)
+        net(torch.randn(3, 8, generator=generator)).pow(2).sum().backward()  # an earlier microbatch
+        arm()  # the last microbatch
+        x = torch.randn(3, 8, generator=generator)
+        last = net(x) if rank == 0 else net[2:](net[0](x))  # layer 1 unused: its buckets wait
+        last.pow(2).sum().backward()
+
+    microbatches(model, lambda: zero.sync.arm(0))
+    microbatches(reference)
     zero.reduce_gradients()
-    torch.save({"worst": _worst_reduced_error(zero, model, world)}, os.path.join(out, f"uneven{rank}.pt"))
+    torch.save({"worst": _worst_reduced_error(zero, reference, world)}, os.path.join(out, f"uneven{rank}.pt"))
     zero.close()
     dist.destroy_process_group()
 
@@ -133,6 +142,7 @@ def _order_worker(rank: int, world: int, store: str, out: str) -> None:
     """The layers run in an order unlike their definition order, and differently on the two replicas."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(4)))
+    reference = copy.deepcopy(model)
     zero = _overlapped_zero(rank, world, store, model, overlap_param_gather=False)  # a bucket per layer
     bucket_of_layer = {int(n.split(".")[0]): zero.sync.where[id(p)] for n, p in model.named_parameters()}
 
@@ -146,12 +156,15 @@ def _order_worker(rank: int, world: int, store: str, out: str) -> None:
     for _ in range(2):
         zero.sync.arm(0)
         x = torch.randn(3, 8, generator=generator)
+        h, r = x, x
         for layer in use:
-            x = model[layer](x)
-        x.pow(2).sum().backward()
+            h, r = model[layer](h), reference[layer](r)
+        h.pow(2).sum().backward()
+        r.pow(2).sum().backward()
         zero.reduce_gradients()
-        worst = max(worst, _worst_reduced_error(zero, model, world))
+        worst = max(worst, _worst_reduced_error(zero, reference, world))
         zero.zero_grad()
+        reference.zero_grad()
     adopted = [bucket_of_layer[layer] for layer in reversed([2, 0, 3, 1])]  # rank 0's backward order
     torch.save(
         {
@@ -172,3 +185,39 @@ def test_reduce_order_is_the_first_replicas_recorded_completion_order(tmp_path):
     for rank in range(2):
         result = torch.load(tmp_path / f"order{rank}.pt", weights_only=True)
         assert result["default"] and result["adopted"] and result["worst"] < 1e-6, result
+
+
+def _state_bytes_worker(rank: int, world: int, store: str, out: str) -> None:
+    """Model-state bytes at a step boundary, from the unique storages behind parameters, gradients, the
+    masters and the optimizer state (lean ZeRO-1: the parameters and gradients are views of the flat
+    buffers, and the reduce-scatter lands in place)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.LayerNorm(96), torch.nn.Linear(96, 64))
+    zero = _overlapped_zero(rank, world, store, model, overlap_param_gather=True)
+    for _ in range(2):
+        zero.sync.arm(0)
+        model(torch.randn(5, 64)).pow(2).sum().backward()
+        zero.reduce_gradients()
+        zero.step()
+        zero.zero_grad()
+    zero.wait_params()
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    tensors += zero.master_params() + [v for s in zero.inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    params = sum(p.numel() for p in model.parameters())
+    padding = sum(f.padded for f in zero.flats.values()) - params
+    torch.save(
+        {"bytes": sum(storages.values()), "params": params, "padding": padding}, os.path.join(out, f"s{rank}.pt")
+    )
+    zero.close()
+    dist.destroy_process_group()
+
+
+def test_lean_zero1_holds_8_plus_12_over_dp_bytes_per_parameter(tmp_path):
+    world = 2
+    _spawn(_state_bytes_worker, tmp_path, world)
+    for rank in range(world):
+        r = torch.load(tmp_path / f"s{rank}.pt", weights_only=True)
+        bound = (8 + 12 / world) * (r["params"] + r["padding"]) + 64  # + the step counters
+        assert r["bytes"] <= bound, (r, bound)
+        assert r["bytes"] >= (8 + 12 / world) * r["params"]  # everything counted: nothing left out

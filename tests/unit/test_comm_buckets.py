@@ -39,12 +39,12 @@ def test_shards_of_all_replicas_unshard_to_the_full_buffer():
     flats = [FlatBuckets(params, dp, rank, tp=1, bucket_numel=20, graded=True) for rank in range(dp)]
     assert len(flats[0].buckets) > 1
     full = flats[0].gather_params()
-    gathered = torch.cat([flat.master.detach() for flat in flats])
+    gathered = torch.cat([flat.master_shard() for flat in flats])
     assert torch.equal(flats[0].unshard(gathered), full)
     for index, (_, param) in enumerate(params):
         assert torch.equal(flats[0].parameter_slice(full, index), param.detach())
     # Shards partition the parameters: every element is owned by exactly one replica.
-    assert sum(flat.master.numel() for flat in flats) == flats[0].padded
+    assert sum(m.numel() for flat in flats for m in flat.masters) == flats[0].padded
 
 
 def test_interleaved_modes_take_turns_in_blocks_of_steps():

@@ -21,8 +21,8 @@ def _train(*pairs, steps=3):
     for step in range(steps):
         for model, zero in pairs:
             generator = torch.Generator().manual_seed(step)
-            for param in model.parameters():
-                param.grad = torch.randn(param.shape, generator=generator)
+            for param in model.parameters():  # in place: the .grad are views of ZeRO-1's gradient buffer
+                param.grad.copy_(torch.randn(param.shape, generator=generator))
             zero.reduce_gradients()
             zero.step()
             zero.zero_grad()
