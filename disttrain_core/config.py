@@ -226,6 +226,10 @@ class TrainerConfig:
     compile: bool = False
     dry_run: bool = False  # validate and print the plan, then exit
     record_timeline: bool = False  # pipeline runs: measured + simulated timeline PNGs at every log step
+    # Count this rank's model-state bytes (unique tensor storages) after the last optimizer step and its peak
+    # live tensor bytes during the step given here (the allocator's events, via torch.profiler), beside
+    # the planner's prediction for its role: <run>/memory/rank<R>.json (train/memory_report.py). 0: off.
+    memory_report_step: int = 0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
@@ -267,6 +271,9 @@ class PlannerConfig:
     # selective_op | every_k for every unit, or auto: per unit the least recomputation that fits
     recompute: str = "none"
     recompute_every: int = 2
+    # Model-state sharding the plan assumes and runs per unit (parallel/fsdp.py): zero1 | zero2 | zero3 |
+    # auto (per unit, the least sharding that fits: zero1, zero2, zero3, before any recompute)
+    shard: str = "auto"
     dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (issue 7 raises it)
     memory_margin: float = 0.9  # plan to this share of device memory
     baselines: bool = True  # also evaluate the Megatron and FLOPs-proportional layouts
@@ -287,6 +294,11 @@ class UnitConfig:
     # Activation recompute of this unit's blocks (parallel/recompute.py): none | full | selective_op | every_k
     recompute: str = "none"
     recompute_every: int = 2  # every_k: recompute every k-th block
+    # How this unit's model state is sharded over its DP replicas (parallel/fsdp.py): zero1 (ZeRO-1:
+    # sharded AdamW state, lean flat buffers) | zero2 | zero3 (FSDP2: gradients and optimizer state
+    # sharded; zero3 also reshards parameters after forward). A colocated module shards as the LLM unit.
+    shard: str = "zero1"
+    hsdp_replicas: int = 1  # zero2/zero3: HSDP, the DP replicas as replicas x shards (must divide dp)
 
 
 @dataclass
@@ -342,9 +354,12 @@ class ParallelConfig:
     # none | full | selective_op | every_k (parallel/recompute.py)
     recompute: str = "none"
     recompute_every: int = 2  # every_k: recompute every k-th block
-    # Pure data parallelism with ZeRO-1 (sharded AdamW, bucketed reduce-scatter/all-gather) instead of
-    # DDP + a replicated AdamW. Layouts with tp, pp or several units always use ZeRO-1.
-    zero1: bool = False
+    # Model-state sharding of ddp and megatron layouts (manual: parallel.units.<unit>.shard):
+    # none (torch DDP + a replicated AdamW; ddp layouts only) | zero1 | zero2 | zero3; null: the layout's
+    # default (ddp: none, megatron: zero1). Layouts with tp, pp or several units shard at least zero1.
+    shard: Optional[str] = None
+    hsdp_replicas: int = 1  # zero2/zero3: HSDP replicate x shard mesh over the DP replicas
+    zero1: bool = False  # alias of shard=zero1 (parallel=zero1)
     comm: CommConfig = field(default_factory=CommConfig)
 
 

@@ -97,9 +97,12 @@ def launch(cfg: DictConfig) -> float | None:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     if cfg.trainer.dry_run:
         from .models.info import model_table
+        from .train.rehearsal import rehearse
 
         print(model_table(cfg.model))
         print(f"world size {world_size(cfg)}: {cfg.trainer.devices} process(es) x {cfg.trainer.num_nodes} node(s)")
+        print("rehearsal: each rank role built on the meta device, model state planned vs counted")
+        rehearse(cfg, run_dir)
         return None
     prepare_data(cfg)
     producer = None

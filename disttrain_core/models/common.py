@@ -63,7 +63,7 @@ def _seeded_normal_into(
         start += count
 
 
-def _local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The tensor to write and its offset in the full parameter: a DTensor's local shard, else the whole."""
     from torch.distributed.tensor import DTensor
 
@@ -93,7 +93,7 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02, prefix: str = "
             module.reset_buffers()
         for param_name, param in module.named_parameters(recurse=False):
             full_name = ".".join(p for p in (prefix, module_name, param_name) if p)
-            target, offset = _local_block(param)
+            target, offset = local_block(param)
             if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or param_name == "norm_weight":
                 target.fill_(1.0 if param_name == "weight" else 0.0)
             elif param_name == "bias":

@@ -27,19 +27,28 @@ def world_size_of(cfg: Config) -> int:
     return cfg.trainer.devices * cfg.trainer.num_nodes
 
 
+def layout_shard(p, default: str) -> str:
+    """``parallel.shard`` of a ddp or megatron layout: the setting, its ``zero1=true`` alias, or ``default``."""
+    if p.shard is not None:
+        return p.shard
+    return "zero1" if p.zero1 else default
+
+
 def resolve_units(cfg: Config) -> UnitLayout:
     p, model = cfg.parallel, cfg.model
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
     same = {name: (p.recompute, p.recompute_every) for name in ("encoder", "llm", "generator")}
     if p.mode == "ddp":
         sizes = {"llm": (world_size_of(cfg), 1, 1)}
-        return build_layout(sizes, has_encoder, has_generator, True, True, same)
+        shard = {"llm": (layout_shard(p, "none"), p.hsdp_replicas)}
+        return build_layout(sizes, has_encoder, has_generator, True, True, same, shard)
     if p.mode == "megatron":
         folded = p.modality_stages == "folded"
         extra = 0 if folded else int(has_encoder) + int(has_generator)
         dp = p.dp if p.dp > 0 else max(1, world_size_of(cfg) // (p.tp * (p.pp + extra)))
         sizes = {"encoder": (dp, p.tp, 1), "llm": (dp, p.tp, p.pp), "generator": (dp, p.tp, 1)}
-        return build_layout(sizes, has_encoder, has_generator, folded, folded, same)
+        shard = {name: (layout_shard(p, "zero1"), p.hsdp_replicas) for name in sizes}
+        return build_layout(sizes, has_encoder, has_generator, folded, folded, same, shard)
     if p.mode == "manual":
         units = p.units
         sizes = {
@@ -50,8 +59,12 @@ def resolve_units(cfg: Config) -> UnitLayout:
             name: (u.recompute, u.recompute_every)
             for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
         }
+        shard = {
+            name: (u.shard, u.hsdp_replicas)
+            for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
+        }
         return build_layout(
-            sizes, has_encoder, has_generator, units.encoder.colocate, units.generator.colocate, recompute
+            sizes, has_encoder, has_generator, units.encoder.colocate, units.generator.colocate, recompute, shard
         )
     if p.mode == "auto":
         raise ValueError("parallel.mode=auto is resolved into units by the planner before anything is built")

@@ -39,6 +39,10 @@ class StageOutput:
     loss_sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+# A pytree node, so hooks that look for tensors in a module's outputs (FSDP2's pre-backward) find them.
+torch.utils._pytree.register_dataclass(StageOutput)
+
+
 def split_evenly(count: int, parts: int, what: str) -> list[range]:
     if count % parts:
         raise ValueError(
@@ -194,6 +198,7 @@ def build_rank_stages(
     seed: int,
     tp_mesh=None,
     sequence_overlap: bool = False,
+    shard=None,
 ) -> dict[int, nn.Module]:
     """The materialized stage modules of one schedule row, keyed by schedule stage.
 
@@ -211,6 +216,8 @@ def build_rank_stages(
         if tp_mesh is not None:
             apply_tensor_parallel(module.model, tp_mesh, sequence_overlap=sequence_overlap)
         apply_recompute(module.model, unit.recompute, unit.recompute_every)
+        if shard is not None:  # FSDP2 (parallel/fsdp.py), still on meta: only this rank's shards get memory
+            shard(module)
         module.to_empty(device=device)
         init_weights(module.model, seed=seed, std=cfg.init_std)
         stages[stage] = module

@@ -40,6 +40,13 @@ class ParallelismUnit:
     vpp: int = 1
     recompute: str = "none"  # parallel/recompute.py
     recompute_every: int = 2
+    shard: str = "zero1"  # none | zero1 | zero2 | zero3 (parallel/fsdp.py)
+    hsdp_replicas: int = 1
+
+    @property
+    def fsdp(self) -> bool:
+        """Sharded by FSDP2 (zero2 / zero3, HSDP included) rather than ZeRO-1 or DDP."""
+        return self.shard in ("zero2", "zero3")
 
     @property
     def size(self) -> int:
@@ -83,10 +90,10 @@ class UnitLayout:
     def unit(self, name: str) -> ParallelismUnit:
         return next(u for u in self.units if u.name == name)
 
-    def trains_with_ddp(self, zero1: bool) -> bool:
-        """One unit without TP or PP and no ZeRO-1: the whole model under torch DDP (DataParallelEngine)."""
+    def trains_with_ddp(self) -> bool:
+        """One unit without TP or PP and no sharding: the whole model under torch DDP (DataParallelEngine)."""
         unit = self.units[0]
-        return len(self.units) == 1 and unit.pp == 1 and unit.tp == 1 and not zero1
+        return len(self.units) == 1 and unit.pp == 1 and unit.tp == 1 and unit.shard == "none"
 
     def has_unit(self, name: str) -> bool:
         return any(u.name == name for u in self.units)
@@ -120,8 +127,10 @@ def build_layout(
     colocate_encoder: bool,
     colocate_generator: bool,
     recompute: dict[str, tuple[str, int]] | None = None,
+    shard: dict[str, tuple[str, int]] | None = None,
 ) -> UnitLayout:
-    """Units in data-flow order from per-unit (dp, tp, pp) sizes and (policy, every) recompute settings."""
+    """Units in data-flow order from per-unit (dp, tp, pp) sizes, (policy, every) recompute settings and
+    (mode, hsdp_replicas) shard settings (colocated modules take the LLM unit's)."""
     llm_modules = list(LLM_MODULES)
     plan: list[tuple[str, tuple[str, ...]]] = []
     if has_encoder:
@@ -138,6 +147,20 @@ def build_layout(
     for name, modules in plan:
         dp, tp, pp = sizes[name]
         policy, every = (recompute or {}).get(name, ("none", 2))
-        units.append(ParallelismUnit(name, dp, tp, pp, first, modules, recompute=policy, recompute_every=every))
+        mode, replicas = (shard or {}).get(name, ("zero1", 1))
+        units.append(
+            ParallelismUnit(
+                name,
+                dp,
+                tp,
+                pp,
+                first,
+                modules,
+                recompute=policy,
+                recompute_every=every,
+                shard=mode,
+                hsdp_replicas=replicas,
+            )
+        )
         first += dp * tp * pp
     return UnitLayout(tuple(units))

@@ -83,6 +83,7 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
         precision=precision,
         recompute=cfg.planner.recompute,
         recompute_every=int(cfg.planner.recompute_every),
+        shard=cfg.planner.shard,
         dp_overlap=float(cfg.planner.dp_overlap),
         memory_margin=float(cfg.planner.memory_margin),
     )

@@ -35,6 +35,7 @@ def layout_container(plan_evaluation, every: int = 2) -> dict:
             units[name] = {"dp": choice.dp, "tp": choice.tp, "pp": choice.pp, "vpp": choice.vpp, "colocate": False}
             # the recompute the memory model assumed (colocated modules recompute as the LLM unit does)
             units[name].update(recompute=plan_evaluation.recompute.get(name, "none"), recompute_every=every)
+            units[name]["shard"] = plan_evaluation.shard.get(name, "zero1")  # what the memory model assumed
     return {"name": "auto", "mode": "manual", "dp": -1, "tp": 1, "pp": 1, "modality_stages": "separate", "units": units}
 
 
@@ -52,8 +53,17 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
         predicted_timelines(result, run_dir / "plan.png")
     except Exception as error:  # a picture must never stop a run
         print(f"(no plan picture: {error})")
+    planned = copy.deepcopy(container)
+    planned["parallel"] = layout_container(result.plan.evaluation, result.model.c.settings.recompute_every)
+    stages = len(result.plan.evaluation.stage_times)
+    planned["schedule"] = {**planned["schedule"], "name": "1f1b" if stages > 1 else "none"}
     if cfg.trainer.dry_run:
-        print(f"dry run: plan written to {run_dir / 'plan.json'}")
+        print(f"dry run: plan written to {run_dir / 'plan.json'}; rehearsing each rank role on the meta device")
+        from ..launch import typed_config
+        from ..train.rehearsal import rehearse
+
+        rehearse(typed_config(planned), run_dir)
+        print(f"rehearsal written to {run_dir / 'rehearsal.json'}")
         return None
     needed = result.plan.evaluation.gpus
     kind, have = available_devices(cfg)
@@ -64,9 +74,7 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
             f"{cfg.cluster.gpus_per_node} trainer.num_nodes={-(-needed // cfg.cluster.gpus_per_node)}, "
             "or add trainer.dry_run=true to only plan"
         )
-    out = copy.deepcopy(container)
-    out["parallel"] = layout_container(result.plan.evaluation, result.model.c.settings.recompute_every)
-    out["schedule"] = {**out["schedule"], "name": "1f1b" if len(result.plan.evaluation.stage_times) > 1 else "none"}
+    out = planned
     if kind == "cpu":
         nodes = int(cfg.trainer.num_nodes)
         if needed % nodes:

@@ -15,10 +15,10 @@ Communication outside a unit's TP group uses ring formulas with the cluster's ba
 point-to-point between pipeline stages (activations forward, gradients back), and the
 ZeRO-1 reduce-scatter + all-gather of a unit's gradients and parameters.
 
-Memory per device (``memory_bytes``) follows this runtime's layout: fp32 parameters and
-fp32 gradients on every replica, fp32 master copy + two AdamW moments sharded over the
-unit's DP group (``12 / dp`` bytes per parameter), a bf16 weight copy under autocast, and
-activations per in-flight microbatch from Korthikanti et al. (docs/PLANNER.md).
+Memory per device (``memory_bytes``) follows this runtime's layout: the model state of the unit's
+shard mode (none, zero1, zero2, zero3: planner/memory.py, the same table tools/memory.py prints), what
+a step holds beyond it (FSDP2's gathered parameters, autocast's bf16 weight copies per in-flight
+microbatch), and activations per in-flight microbatch from Korthikanti et al. (docs/PLANNER.md).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .memory import FSDP, ModelState, model_state, transient_bytes
 from .workload import UnitWork, Workload
 
 GB = 1e9
@@ -80,6 +81,8 @@ class PlannerSettings:
     # recompute that fits (LayoutModel.evaluate)
     recompute: str = "none"
     recompute_every: int = 2  # every_k
+    # none | zero1 | zero2 | zero3 (planner/memory.py); auto: per unit, the least sharding that fits
+    shard: str = "auto"
     dp_overlap: float = 0.0  # share of the ZeRO-1 traffic hidden behind compute
     memory_margin: float = 0.9  # plan to this share of device memory
 
@@ -146,20 +149,35 @@ class CostModel:
         w = self.work.units[unit]
         return samples * w.items_per_sample * w.boundary_floats * self.settings.act_bytes
 
-    def local_params(self, unit: str, tp: int, pp: int) -> float:
+    def local_params(self, unit: str, tp: int, pp: int, stage: int | None = None) -> float:
+        """Parameters on one TP rank of a pipeline stage: the stage's share of the blocks (split by TP)
+        plus the embeddings on the first stage and the head on the last; ``stage=None``: the average."""
         w = self.work.units[unit]
-        return (w.params_tp / tp + w.params_rep) / pp
+        if stage is None:
+            return (w.params_tp / tp + w.params_rep) / pp
+        held = w.params_tp / tp / pp
+        if w.params_first + w.params_last != w.params_rep:  # a workload without the split: spread evenly
+            return held + w.params_rep / pp
+        return held + (w.params_first if stage == 0 else 0) + (w.params_last if stage == pp - 1 else 0)
 
-    def sync_s(self, unit: str, tp: int, dp: int, pp: int) -> float:
-        """ZeRO-1 reduce-scatter of fp32 gradients + all-gather of the updated parameters (in the wire dtype:
-        bf16 under bf16-mixed, as the runtime sends them), exposed part."""
+    def sync_s(self, unit: str, tp: int, dp: int, pp: int, shard: str | None = None, microbatches: int = 1) -> float:
+        """Data-parallel traffic of a step, exposed part. ZeRO-1 (and DDP, the same bytes): one reduce-scatter
+        of fp32 gradients + one all-gather of the updated parameters in the wire dtype (bf16 under
+        bf16-mixed, as the runtime sends them). FSDP2 per microbatch: an all-gather of parameters for the
+        forward (zero3: again for the backward) and a reduce-scatter of the fp32 gradients."""
         if dp <= 1:
             return 0.0
+        shard = self.shard_of(shard)
         w = self.work.units[unit]
         local = self.local_params(unit, tp, pp) * w.trainable_fraction
         bw = self.link_bw(tp * dp)
         # a reduce-scatter and an all-gather each move half of what an all-reduce of the same bytes moves
-        seconds = (self.allreduce_s(local * 4, dp, bw) + self.allreduce_s(local * self.settings.act_bytes, dp, bw)) / 2
+        reduce = self.allreduce_s(local * 4, dp, bw) / 2
+        gather = self.allreduce_s(local * self.settings.act_bytes, dp, bw) / 2
+        if shard in FSDP:
+            seconds = microbatches * (reduce + gather * (2 if shard == "zero3" else 1))
+        else:
+            seconds = reduce + gather
         return seconds * (1.0 - self.settings.dp_overlap)
 
     def optimizer_s(self, unit: str, tp: int, dp: int, pp: int) -> float:
@@ -246,12 +264,41 @@ class CostModel:
         share = 1.0 if policy == "full" else 1.0 / self.settings.recompute_every
         return 1.0 + blocks * share / 3.0
 
-    def state_bytes(self, unit: str, tp: int, dp: int, pp: int) -> float:
+    def shard_of(self, shard: str | None) -> str:
+        """A unit's shard mode: given, or ``planner.shard``; ``auto`` without a unit's choice is zero3, the
+        least state (a lower bound, as pruning needs)."""
+        shard = shard or self.settings.shard
+        return "zero3" if shard == "auto" else shard
+
+    def state(
+        self, unit: str, tp: int, dp: int, pp: int, shard: str | None = None, stage: int | None = None
+    ) -> ModelState:
+        """Model state per rank (planner/memory.py) of pipeline stage ``stage`` of ``unit`` (None: the
+        average stage, a lower bound of the fullest)."""
         w = self.work.units[unit]
-        local = self.local_params(unit, tp, pp)
-        trainable = local * w.trainable_fraction
-        weights = 4.0 * local + (2.0 * local if self.settings.precision.startswith("bf16") else 0.0)
-        return weights + 4.0 * trainable + 12.0 * trainable / dp
+        local = self.local_params(unit, tp, pp, stage)
+        return model_state(local, local * w.trainable_fraction, dp, self.shard_of(shard), 1, self.settings.act_bytes)
+
+    def state_bytes(
+        self, unit: str, tp: int, dp: int, pp: int, shard: str | None = None, stage: int | None = None
+    ) -> float:
+        return self.state(unit, tp, dp, pp, shard, stage).total
+
+    def largest_group(self, unit: str, tp: int) -> float:
+        """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head."""
+        w = self.work.units[unit]
+        block = w.params_tp / max(1, w.layers) / tp if w.params_tp else float(w.params_rep)
+        return max(block, float(self.work.vocab * w.dim) if unit == "llm" else 0.0)
+
+    def step_transient_bytes(
+        self, unit: str, tp: int, pp: int, shard: str | None, in_flight: int, stage: int | None = None
+    ) -> float:
+        """Gathered FSDP2 parameters and autocast's weight copies (planner/memory.py ``transient_bytes``)."""
+        mixed = self.settings.precision.startswith("bf16")
+        local = self.local_params(unit, tp, pp, stage)
+        return transient_bytes(
+            local, self.largest_group(unit, tp), self.shard_of(shard), in_flight, mixed, self.settings.act_bytes
+        )
 
 
 def interp(points: list[tuple[float, float]], x: float) -> float:

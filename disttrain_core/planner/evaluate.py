@@ -25,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .costs import CostModel
+from .memory import FSDP
 
 AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full")  # least recomputation first
+AUTO_SHARD = ("zero1", "zero2", "zero3")  # least traffic first
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Evaluation:
     reason: str = ""  # why infeasible
     choices: dict[str, UnitChoice] = field(default_factory=dict)
     recompute: dict[str, str] = field(default_factory=dict)  # unit -> policy (colocated modules: the LLM's)
+    shard: dict[str, str] = field(default_factory=dict)  # unit -> shard mode (colocated modules: the LLM's)
 
 
 class LayoutModel:
@@ -98,59 +101,44 @@ class LayoutModel:
         return self.c.compute(unit, tp, items) * self.c.recompute_factor(unit, policy)
 
     # ------------------------------------------------------------------------ memory
-    def unit_memory(self, name: str, choices: dict, S: int, m: int, policy: str) -> float:
+    def unit_memory(self, name: str, choices: dict, S: int, m: int, policy: str, shard: str | None = None) -> float:
         """Bytes on the fullest device of unit ``name`` (the LLM's counts its colocated modules) under a
-        recompute policy: model states, in-flight activations, the recompute transient, the runtime."""
-        c, B = self.c, self.micro * choices["llm"].dp
-        enc, gen, llm = choices.get("encoder"), choices.get("generator"), choices["llm"]
-        r = enc.pp if enc is not None and not enc.colocated else 0
-        if name == "encoder":
-            items = self.images(B / enc.dp)
-            act = c.activation_bytes("encoder", enc.tp, items, policy) / enc.pp
-            used = c.state_bytes("encoder", enc.tp, enc.dp, enc.pp) + act * min(S, m)
-            used += c.recompute_transient_bytes("encoder", enc.tp, items, policy)
-        elif name == "generator":
-            used = (
-                c.state_bytes("generator", gen.tp, gen.dp, 1)
-                + c.activation_bytes("generator", gen.tp, B / gen.dp, policy)
-                + c.recompute_transient_bytes("generator", gen.tp, B / gen.dp, policy)
-            )
-        else:
-            state = c.state_bytes("llm", llm.tp, llm.dp, llm.pp)
-            act = c.activation_bytes("llm", llm.tp, self.micro, policy) / llm.pp
-            transient = c.recompute_transient_bytes("llm", llm.tp, self.micro, policy)  # one block at a time
-            first = state + act * min(S - r, m) + transient
-            last = state + act * min(S - (r + llm.pp - 1), m) + self.logits(self.micro) + transient
-            if enc is not None and enc.colocated:
-                coloc = c.state_bytes("encoder", llm.tp, llm.dp, 1)
-                coloc += c.activation_bytes("encoder", llm.tp, self.images(self.micro), policy) * min(S - r, m)
-                first += coloc
-                if llm.pp == 1:
-                    last += coloc
-            if gen is not None and gen.colocated:
-                coloc = c.state_bytes("generator", llm.tp, llm.dp, 1)
-                coloc += c.activation_bytes("generator", llm.tp, self.micro, policy)
-                last += coloc
-                if llm.pp == 1:
-                    first += coloc
-            used = max(first, last)
-        return used + c.hw.overhead_bytes
+        recompute policy and a shard mode: the fuller of its first and last pipeline stage
+        (planner/breakdown.py: model state, gathered FSDP2 parameters and autocast copies, in-flight
+        activations, logits, the recompute transient, the runtime overhead)."""
+        from .breakdown import role_memory
 
-    def recompute_policies(self, choices: dict, S: int, m: int) -> tuple[dict[str, str], dict[str, float]]:
-        """Each unit's recompute policy and memory: ``planner.recompute``, or under ``auto`` the first of
-        none, selective_op, every_k, full (least recomputation first) that fits the device."""
-        setting = self.c.settings.recompute
-        options = AUTO_RECOMPUTE if setting == "auto" else (setting,)
-        policies, memory = {}, {}
+        shard = self.c.shard_of(shard)
+        stages = 1 if name == "generator" else choices[name].pp
+        ends = {0, stages - 1}
+        return max(role_memory(self, name, choices, S, m, policy, shard, p).total for p in ends)
+
+    def memory_options(self) -> list[tuple[str, str]]:
+        """(shard, recompute) pairs to try, cheapest first: ``planner.shard`` / ``planner.recompute`` or, under
+        ``auto``, sharding before recomputation (FSDP2's traffic overlaps compute; recompute adds compute):
+        zero1, zero2, zero3 without recompute, then each recompute policy with each shard mode."""
+        settings = self.c.settings
+        shards = AUTO_SHARD if settings.shard == "auto" else (settings.shard,)
+        policies = AUTO_RECOMPUTE if settings.recompute == "auto" else (settings.recompute,)
+        return [(shard, policy) for policy in policies for shard in shards]
+
+    def recompute_policies(
+        self, choices: dict, S: int, m: int
+    ) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
+        """Each unit's recompute policy, memory and shard mode: the settings, or under ``auto`` the first
+        option of ``memory_options`` that fits the device. A unit with one replica cannot shard: zero1."""
+        policies, memory, shards = {}, {}, {}
         for name, choice in choices.items():
             if choice.colocated:
                 continue
-            for policy in options:
-                used = self.unit_memory(name, choices, S, m, policy)
+            for shard, policy in self.memory_options():
+                if shard in FSDP and choice.dp < 2:
+                    shard = "zero1"
+                used = self.unit_memory(name, choices, S, m, policy, shard)
                 if used <= self.limit:
                     break
-            policies[name], memory[name] = policy, used
-        return policies, memory
+            policies[name], memory[name], shards[name] = policy, used, shard
+        return policies, memory, shards
 
     # -------------------------------------------------------------------- evaluation
     def evaluate(self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None) -> Evaluation:
@@ -182,7 +170,7 @@ class LayoutModel:
 
         S = (enc.pp if enc is not None and not enc.colocated else 0) + llm.pp
         S += 1 if gen is not None and not gen.colocated else 0
-        policies, memory = self.recompute_policies(choices, S, m)
+        policies, memory, shards = self.recompute_policies(choices, S, m)
         p_llm = policies["llm"]  # colocated modules recompute as the LLM unit does
 
         t_llm = self.stage_time("llm", llm, self.micro, bw, p_llm)
@@ -208,20 +196,20 @@ class LayoutModel:
         warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
         steady = (m - 1) * max(t for _, t in stages)
 
-        # ZeRO-1 traffic and the optimizer step, per unit (colocated modules ride with the LLM's stages)
-        def tail(name: str, ch: UnitChoice, dp: int) -> float:
-            return c.sync_s(name, ch.tp, dp, ch.pp) + c.optimizer_s(name, ch.tp, dp, ch.pp)
+        # Data-parallel traffic and the optimizer step, per unit (colocated modules ride with the LLM's stages)
+        def tail(name: str, ch: UnitChoice, dp: int, shard: str) -> float:
+            return c.sync_s(name, ch.tp, dp, ch.pp, shard, m) + c.optimizer_s(name, ch.tp, dp, ch.pp)
 
-        llm_tail = tail("llm", llm, llm.dp)
+        llm_tail = tail("llm", llm, llm.dp, shards["llm"])
         extra = 0.0
         tails = []
         for name, ch in (("encoder", enc), ("generator", gen)):
             if ch is None:
                 continue
             if ch.colocated:
-                extra = max(extra, tail(name, UnitChoice(tp=llm.tp, dp=llm.dp), llm.dp))
+                extra = max(extra, tail(name, UnitChoice(tp=llm.tp, dp=llm.dp), llm.dp, shards["llm"]))
             else:
-                tails.append(tail(name, ch, ch.dp))
+                tails.append(tail(name, ch, ch.dp, shards[name]))
         sync = max([llm_tail + extra, *tails])
         iteration = warmup + steady + sync
         if self.data_s_per_sample:
@@ -245,8 +233,9 @@ class LayoutModel:
                     f"({c.settings.memory_margin:.0%} of {c.hw.memory_bytes / 1e9:.0f} GB)",
                     choices,
                     policies,
+                    shards,
                 )
-        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies)
+        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies, shards)
 
     def logits(self, samples: float) -> float:
         return samples * self.w.seq_len * self.w.vocab * (self.c.settings.act_bytes + 8)

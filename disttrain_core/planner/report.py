@@ -60,6 +60,8 @@ def unit_rows(evaluation: Evaluation) -> dict:
         rows[name] = choice.as_dict()
         if name in evaluation.recompute:
             rows[name]["recompute"] = evaluation.recompute[name]
+        if name in evaluation.shard:
+            rows[name]["shard"] = evaluation.shard[name]
         if name in evaluation.memory:
             rows[name]["memory_gb"] = round(evaluation.memory[name] / 1e9, 3)
     return rows
@@ -106,7 +108,7 @@ def plan_table(result: PlanResult) -> str:
         f"global batch {d['global_batch']}, micro batch {d['micro_batch']}, {costs}, "
         f"{d['solver']} in {d['solve_seconds'] * 1e3:.0f} ms)",
         "",
-        f"{'unit':10s} {'gpus':>6s} {'dp':>5s} {'tp':>3s} {'pp':>4s} {'vpp':>4s} {'recompute':>13s} "
+        f"{'unit':10s} {'gpus':>6s} {'dp':>5s} {'tp':>3s} {'pp':>4s} {'vpp':>4s} {'shard':>6s} {'recompute':>13s} "
         f"{'memory/device':>14s}",
     ]
     for name, row in d["units"].items():
@@ -116,7 +118,7 @@ def plan_table(result: PlanResult) -> str:
         mem = f"{row['memory_gb']:.1f} GB" if "memory_gb" in row else ""
         lines.append(
             f"{name:10s} {row['gpus']:6d} {row['dp']:5d} {row['tp']:3d} {row['pp']:4d} {row['vpp']:4d} "
-            f"{row.get('recompute', 'none'):>13s} {mem:>14s}"
+            f"{row.get('shard', 'zero1'):>6s} {row.get('recompute', 'none'):>13s} {mem:>14s}"
         )
     lines += [
         "",

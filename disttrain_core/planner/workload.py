@@ -44,6 +44,10 @@ class UnitWork:
     counted_activation_bytes: float = 0.0  # U-Net: bytes saved for backward per item (fp32), counted on meta
     counted_recompute_bytes: dict = field(default_factory=dict)  # U-Net: the same under full / selective_op
     kv_heads: int = 0  # grouped-query attention (LLM)
+    # Of params_rep, what the first pipeline stage holds (embeddings) and the last (final norm, head,
+    # projector); the blocks split evenly. params_rep = params_first + params_last.
+    params_first: int = 0
+    params_last: int = 0
 
     @property
     def params(self) -> int:
@@ -223,6 +227,8 @@ def _build(cfg: ModelConfig) -> Workload:
         gated_mlp=True,
         boundary_floats=cfg.gen_tokens * cfg.llm.dim if cfg.generator is not None else 0,
         kv_heads=cfg.llm.n_kv_heads,
+        params_first=count(llm.tok_embeddings),
+        params_last=count(llm) - blocks - count(llm.tok_embeddings),
     )
     if cfg.encoder is not None:
         vit, proj = model.encoder, model.encoder_projector
@@ -243,6 +249,8 @@ def _build(cfg: ModelConfig) -> Workload:
             mlp_ratio=cfg.encoder.mlp_dim / cfg.encoder.dim,
             gated_mlp=False,
             boundary_floats=vit.num_patches * cfg.llm.dim,
+            params_first=count(vit) - blocks - count(vit.norm_post) - count(vit.proj),
+            params_last=count(vit.norm_post) + count(vit.proj) + count(proj),
         )
     if cfg.generator is not None:
         unet, proj = model.generator, model.generator_projector
@@ -272,12 +280,13 @@ def _build(cfg: ModelConfig) -> Workload:
             boundary_floats=0,
             counted_activation_bytes=saved,
             counted_recompute_bytes=kept,
+            params_first=count(unet) + count(proj),
         )
     return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units)
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 4
+WORKLOAD_VERSION = 5
 
 
 def _cache_file(cfg_yaml: str) -> Path:

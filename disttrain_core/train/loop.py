@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from ..parallel.plan import build_pipeline, resolve_units
 from .checkpoint import CheckpointManager, load_file, read_meta, resolve_resume
 from .engine import DataParallelEngine, GlobalCounts, to_device
 from .host_sync import HostSyncGuard
+from .memory_report import MemoryReport, allocation_peak
 from .metrics import MetricsLogger
 from .optim import build_scheduler
 from .perf import peak_flops_per_device, peak_memory_gib
@@ -65,7 +67,7 @@ class Trainer:
         self.producer = cfg.data.producer.address is not None
         self.global_stream = len(self.layout.units) > 1 or self.producer
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        single = self.layout.trains_with_ddp(cfg.parallel.zero1)
+        single = self.layout.trains_with_ddp()
         self.schedule = self.broker = None
         timeout = timedelta(seconds=trainer.dist_timeout_s)
         if single:
@@ -125,6 +127,9 @@ class Trainer:
         self.stop_at = trainer.max_steps if stop is None else min(trainer.max_steps, stop)
         self.clock = DeviceClock(fabric.device)
         self.sync_guard = HostSyncGuard(trainer.sync_debug, fabric.device)
+        self.memory_report = None
+        if trainer.memory_report_step:
+            self.memory_report = MemoryReport(cfg, self.run_dir, self.rank, self.layout, self.pp_rank, self.unit.name)
         self.peak_flops = peak_flops_per_device(
             training_precision(cfg.trainer.precision, fabric.device.type),
             fabric.device,
@@ -259,7 +264,14 @@ class Trainer:
         record = self.timelines is not None and self.timelines.wants(step, trainer.log_every_n_steps, self.stop_at)
         if record:
             self.fabric.barrier()  # a common origin for every rank's timestamps
-        with self.sync_guard.check(self._checks_host_syncs(step)):
+        report = self.memory_report if self.memory_report is not None and step == self.memory_report.step else None
+        peak: dict = {}
+        if report is not None:
+            report.start_of_step(self.engine, self.optimizer)
+        with (
+            self.sync_guard.check(self._checks_host_syncs(step)),
+            allocation_peak(peak) if report is not None else nullcontext(),
+        ):
             result = self.engine.forward_backward(microbatches, counts, record=record)
             self.engine.after_backward()
             clip = self.cfg.optim.grad_clip
@@ -269,11 +281,15 @@ class Trainer:
                 trace.compute("clip (norm all-reduce)", clipping, trace.now())
             lr = self.optimizer.param_groups[0]["lr"]
             self.optimizer.step()
+            if report is not None:
+                report.after_optimizer_step(self.engine, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             result.resolve()
             ended = self.clock.stamp()
         self.step = step
+        if report is not None:
+            report.write(peak)
         if trace is not None:
             trace.step(self.step, started, ended)
         if record:  # drawing the timeline is not training time: the step ended above

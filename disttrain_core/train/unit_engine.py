@@ -23,10 +23,11 @@ from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
 from ..config import Config, training_precision
 from ..data.tokenizer import Tokenizer
-from ..dtensor import local
+from ..models.common import local_block
 from ..models.llama import DecoderBlock
 from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
+from ..parallel.fsdp import ShardedOptimizer, apply_fsdp, unit_meshes
 from ..parallel.stages import build_rank_stages
 from ..parallel.units import ParallelismUnit, UnitLayout
 from ..parallel.zero import ZeroOneOptimizer
@@ -41,11 +42,13 @@ class UnitGroups:
     data_parallel: object | None  # this rank's replicas of the same (unit, tp, pp) position
     tensor_parallel: object | None
     data_parallel_comm: object | None = None  # the same members, for the background ring collectives
+    hsdp_replicate: object | None = None  # HSDP: the replicas of this rank's shard position
+    hsdp_shard: object | None = None  # HSDP: the ranks that share one copy of the state
 
 
 def build_unit_groups(layout: UnitLayout, rank: int, timeout=None, comm_groups: bool = False) -> UnitGroups:
     """Every process creates every group, in the same order (gloo needs it)."""
-    dp_group = tp_group = comm_group = None
+    dp_group = tp_group = comm_group = replicate_group = shard_group = None
     for unit in layout.units:
         for pp in range(unit.pp):
             for tp in range(unit.tp):
@@ -54,12 +57,23 @@ def build_unit_groups(layout: UnitLayout, rank: int, timeout=None, comm_groups: 
                 extra = dist.new_group(members, timeout=timeout) if unit.dp > 1 and comm_groups else None
                 if rank in members:
                     dp_group, comm_group = group, extra
+                replicas = unit.hsdp_replicas
+                if replicas > 1:  # replica r holds data-parallel positions [r S, (r + 1) S)
+                    per = unit.dp // replicas
+                    for r in range(replicas):
+                        group = dist.new_group(members[r * per : (r + 1) * per], timeout=timeout)
+                        if rank in members[r * per : (r + 1) * per]:
+                            shard_group = group
+                    for s in range(per):
+                        group = dist.new_group(members[s::per], timeout=timeout)
+                        if rank in members[s::per]:
+                            replicate_group = group
             for dp in range(unit.dp):
                 members = [unit.rank(dp, t, pp) for t in range(unit.tp)]
                 group = dist.new_group(members, timeout=timeout) if unit.tp > 1 else None
                 if rank in members:
                     tp_group = group
-    return UnitGroups(dp_group, tp_group, comm_group)
+    return UnitGroups(dp_group, tp_group, comm_group, replicate_group, shard_group)
 
 
 def wire_dtype(cfg: Config, device_type: str) -> torch.dtype:
@@ -103,8 +117,15 @@ class UnitEngine(Engine):
         self.groups = build_unit_groups(layout, rank, timeout, comm_groups=ring)
         # The schedule row this process runs and the (possibly several, virtual) stages on it.
         self.row = rows_of_units[self.unit.name][self.pp_rank]
-        mesh = None
-        if self.unit.tp > 1:
+        self.wire_dtype = wire_dtype(cfg, fabric.device.type)
+        mesh = shard = None
+        if self.unit.fsdp:  # one root mesh: FSDP2 over the replicas, TP inside (parallel/fsdp.py)
+            fsdp_mesh, mesh = unit_meshes(self.unit, self.pp_rank, self.groups, fabric.device.type)
+
+            def shard(module: torch.nn.Module) -> None:
+                apply_fsdp(module, fsdp_mesh, self.unit.shard, self.wire_dtype)
+
+        elif self.unit.tp > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(self.groups.tensor_parallel, fabric.device.type)
@@ -119,13 +140,13 @@ class UnitEngine(Engine):
             cfg.trainer.seed,
             tp_mesh=mesh,
             sequence_overlap=comm.tp_overlap,
+            shard=shard,
         )
         self.partial_grads: list[torch.nn.Parameter] = []  # sequence-parallel norms: summed over TP
         if mesh is not None and comm.tp_overlap:
             for module in self.stages.values():
                 self.partial_grads += sequence_parallel_partial_params(module.model)
         self.trace = CommTrace(fabric.device) if comm.trace else None
-        self.wire_dtype = wire_dtype(cfg, fabric.device.type)
         self.named_parameters = [
             (name, p)
             for module in self.stages.values()
@@ -134,6 +155,10 @@ class UnitEngine(Engine):
         ]
         mixed = training_precision(cfg.trainer.precision, fabric.device.type) != "32"
         autocast: Callable = fabric.autocast if mixed else nullcontext
+        # One autocast region around the whole step (the executor's per-forward regions nest inside it):
+        # autocast caches each weight's bf16 cast until the outermost region ends, so every in-flight
+        # microbatch shares one copy instead of saving its own (planner/memory.py counts one).
+        self.step_autocast = autocast
         # One communicator per direction of every pair of ranks that exchange tensors (comm/p2p.py); created
         # by every process in the same order.
         channels = None
@@ -150,10 +175,19 @@ class UnitEngine(Engine):
             boundary_dtype=self.wire_dtype,
             autocast=autocast,
         )
-        self.optimizer: ZeroOneOptimizer | None = None
+        self.optimizer: ZeroOneOptimizer | ShardedOptimizer | None = None
 
     # ---------------------------------------------------------------- optimizer
-    def build_optimizer(self) -> ZeroOneOptimizer:
+    def build_optimizer(self) -> ZeroOneOptimizer | ShardedOptimizer:
+        if self.unit.fsdp:  # FSDP2 reduces gradients in its own backward hooks
+            self.optimizer = ShardedOptimizer(
+                self.named_parameters,
+                self.cfg.optim,
+                copies=self.unit.dp * self.unit.tp,
+                partial_grads=self.partial_grads,
+                tp_group=self.groups.tensor_parallel,
+            )
+            return self.optimizer
         stage_of = {id(p): stage for stage, module in self.stages.items() for p in module.parameters()}
         self.optimizer = ZeroOneOptimizer(
             self.named_parameters,
@@ -180,7 +214,8 @@ class UnitEngine(Engine):
         device = self.fabric.device
         batches = [batch_to_device(mb, device) for mb in microbatches]
         trace = self.trace is not None
-        result = self.executor.run(batches, lambda out: _loss(out, *counts(), weight), record=record or trace)
+        with self.step_autocast():
+            result = self.executor.run(batches, lambda out: _loss(out, *counts(), weight), record=record or trace)
         if trace:
             names = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
             for item in result.timeline:
@@ -244,16 +279,13 @@ class UnitEngine(Engine):
         return state
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         self.synchronize()
         with torch.no_grad():
             for name, param in self.named_parameters:
                 if name not in state:
                     raise KeyError(f"checkpoint has no parameter {name!r}")
-                value = state[name].to(param.device)
-                if isinstance(param, DTensor):
-                    value = distribute_tensor(value, param.device_mesh, param.placements).to_local()
-                local(param).copy_(value)
+                block, offset = local_block(param)  # this rank's shard (TP, FSDP2 or both) and where it starts
+                index = tuple(slice(o, o + n) for o, n in zip(offset, block.shape, strict=True))
+                block.copy_(state[name][index].to(block.device))
         if self.optimizer is not None:
             self.optimizer.sync_master_from_params()

@@ -27,6 +27,74 @@ def _unit_formula(units) -> str:
     return " + ".join(f"{u.name} dp({u.dp}) x tp({u.tp}) x pp({u.pp})" for u in units)
 
 
+def _validate_shard_settings(p) -> None:
+    """Names and combinations of the shard settings, before the layout is resolved."""
+    from ..parallel.fsdp import SHARD_MODES
+
+    settings = [("parallel", p)] + [
+        (f"parallel.units.{n}", getattr(p.units, n)) for n in ("encoder", "llm", "generator")
+    ]
+    for where, s in settings:
+        if s.shard is not None:
+            _require(s.shard in SHARD_MODES, f"{where}.shard={s.shard!r}: allowed values are {', '.join(SHARD_MODES)}")
+        _require(s.hsdp_replicas >= 1, f"{where}.hsdp_replicas={s.hsdp_replicas}: use 1 (no HSDP) or more")
+    _require(
+        not (p.zero1 and p.shard not in (None, "zero1")),
+        f"parallel.zero1=true is an alias of parallel.shard=zero1 but parallel.shard={p.shard}; drop one of them",
+    )
+    if p.mode == "manual":
+        _require(
+            p.shard is None and not p.zero1 and p.hsdp_replicas == 1,
+            "parallel.shard / parallel.zero1 / parallel.hsdp_replicas set every unit of a ddp or megatron layout; "
+            "this layout has units: set parallel.units.<encoder|llm|generator>.shard",
+        )
+        for name in ("encoder", "generator"):
+            unit = getattr(p.units, name)
+            _require(
+                not (unit.colocate and (unit.shard != "zero1" or unit.hsdp_replicas != 1)),
+                f"parallel.units.{name}.shard={unit.shard}: the {name} is colocated with the LLM and shards as "
+                "the LLM unit does; set parallel.units.llm.shard",
+            )
+    elif p.mode == "megatron":
+        _require(
+            p.shard != "none",
+            "parallel.shard=none (DDP) needs a ddp layout; megatron layouts shard at least zero1: use "
+            "parallel.shard=zero1, zero2 or zero3",
+        )
+
+
+def _validate_unit_shard(unit, schedule_name: str) -> None:
+    """A unit's shard mode against its sizes and the pipeline schedule."""
+    where = f"the {unit.name} unit (shard={unit.shard}, dp={unit.dp}, tp={unit.tp}, pp={unit.pp})"
+    if unit.shard == "none":
+        _require(
+            unit.tp == 1 and unit.pp == 1,
+            f"{where}: shard=none (DDP) needs a pure data-parallel unit; with tp or pp use shard=zero1, zero2 or zero3",
+        )
+    if unit.hsdp_replicas > 1:
+        _require(
+            unit.fsdp,
+            f"{where}: hsdp_replicas={unit.hsdp_replicas} needs shard=zero2 or zero3 (HSDP is FSDP2 over a "
+            "replicate x shard mesh)",
+        )
+        _require(
+            unit.dp % unit.hsdp_replicas == 0,
+            f"{where}: hsdp_replicas={unit.hsdp_replicas} does not divide the unit's dp={unit.dp}; choose a "
+            "divisor of dp",
+        )
+    if unit.fsdp:
+        _require(
+            unit.dp // unit.hsdp_replicas >= 2,
+            f"{where}: {unit.shard} shards over the unit's data-parallel replicas and this unit has "
+            f"{unit.dp // unit.hsdp_replicas} per shard group; raise dp (or lower hsdp_replicas) or use shard=zero1",
+        )
+        _require(
+            schedule_name not in ("zb_h1", "zbv"),
+            f"{where}: schedule={schedule_name} runs weight gradients outside FSDP2's backward hooks; use "
+            "schedule=1f1b (or gpipe, interleaved_1f1b) with zero2/zero3, or shard=zero1 with zero-bubble",
+        )
+
+
 def validate_layout(cfg: Config) -> None:
     from ..parallel.plan import MODES, resolve_units
 
@@ -68,6 +136,7 @@ def validate_layout(cfg: Config) -> None:
                 f"parallel.units.{name}.recompute={unit.recompute}: the {name} is colocated with the LLM and "
                 "recomputes as the LLM unit does; set parallel.units.llm.recompute",
             )
+    _validate_shard_settings(p)
     _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
     _require(
         p.comm.bucket_mb >= 0,
@@ -93,9 +162,9 @@ def validate_layout(cfg: Config) -> None:
             f"parallel.comm.interleave_block={p.comm.interleave_block}: use a positive number of steps",
         )
         _require(
-            not layout.trains_with_ddp(p.zero1),
-            "parallel.comm.interleave_modes switches ZeRO-1's collectives; this layout trains with DDP. "
-            "Use parallel=zero1 (or a layout with tp, pp or several units)",
+            not layout.trains_with_ddp() and not any(u.fsdp for u in layout.units),
+            "parallel.comm.interleave_modes switches ZeRO-1's collectives; this layout trains with DDP or FSDP2. "
+            "Use parallel=zero1 (or shard=zero1 on every unit)",
         )
     _require(
         layout.world_size == world,
@@ -103,6 +172,7 @@ def validate_layout(cfg: Config) -> None:
         f"({cfg.trainer.devices}) x trainer.num_nodes({cfg.trainer.num_nodes}) = {world}; make them equal",
     )
     for unit in layout.units:
+        _validate_unit_shard(unit, cfg.schedule.name)
         where = f"parallel {unit.name} unit"
         if unit.tp > 1:
             if "llm" in unit.modules:

@@ -268,6 +268,12 @@ def validate_planner(cfg: Config) -> None:
     allowed = ("auto", *POLICIES)
     _require(p.recompute in allowed, f"planner.recompute={p.recompute!r}: allowed values are {', '.join(allowed)}")
     _require(p.recompute_every >= 1, f"planner.recompute_every={p.recompute_every}: use 1 or more")
+    shards = ("zero1", "zero2", "zero3", "auto")
+    _require(
+        p.shard in shards,
+        f"planner.shard={p.shard!r}: allowed values are {', '.join(shards)} (plans run as units, which shard at "
+        "least zero1)",
+    )
 
 
 def validate_cluster(cfg: Config) -> None:

@@ -83,6 +83,23 @@ CASES = [
     (["parallel=disagg2", "parallel.recompute=full"], "set parallel.units.<encoder|llm|generator>.recompute"),
     (["parallel=disagg2", "parallel.units.generator.recompute=full"], "the generator is colocated with the LLM"),
     (["planner.recompute=selective"], "planner.recompute='selective': allowed values are auto, none, full"),
+    # model-state sharding
+    (["parallel.shard=zero4"], "parallel.shard='zero4': allowed values are none, zero1, zero2, zero3"),
+    (["parallel=disagg2", "parallel.units.llm.shard=fsdp"], "parallel.units.llm.shard='fsdp': allowed values"),
+    (["parallel=zero1", "parallel.shard=zero3"], "parallel.zero1=true is an alias of parallel.shard=zero1"),
+    (["parallel=disagg2", "parallel.shard=zero3"], "set parallel.units.<encoder|llm|generator>.shard"),
+    (["parallel=disagg2", "parallel.units.generator.shard=zero3"], "the generator is colocated with the LLM"),
+    (["parallel.shard=zero3"], "zero3 shards over the unit's data-parallel replicas and this unit has 1"),
+    (
+        ["parallel.shard=zero3", "trainer.devices=4", "parallel.hsdp_replicas=3"],
+        "hsdp_replicas=3 does not divide the unit's dp=4",
+    ),
+    (["parallel.shard=zero1", "trainer.devices=2", "parallel.hsdp_replicas=2"], "hsdp_replicas=2 needs shard=zero2"),
+    (
+        ["parallel=pp2", "parallel.shard=zero3", "schedule=zbv", "trainer.devices=4", "model=llama_tiny"],
+        "schedule=zbv runs weight gradients outside FSDP2's backward hooks",
+    ),
+    (["parallel=megatron_pp2", "parallel.shard=none"], "megatron layouts shard at least zero1"),
     # disaggregated units
     (["parallel=disagg4_enc2", "trainer.devices=3"], "= 4 processes but trainer.devices(3)"),
     (

@@ -112,9 +112,12 @@ def test_vpp_shortens_the_warm_up():
 def test_zero1_states_shrink_with_data_parallelism_and_activations_with_recompute():
     model = layout_model("mllm9b", 64, 64)
     c = model.c
-    one, eight = c.state_bytes("llm", 1, 1, 1), c.state_bytes("llm", 1, 8, 1)
+    one, eight = c.state_bytes("llm", 1, 1, 1, "zero1"), c.state_bytes("llm", 1, 8, 1, "zero1")
     params = c.local_params("llm", 1, 1)
     assert one - eight == pytest.approx(12 * params * (1 - 1 / 8))
+    # zero3 shards everything: 16 bytes per parameter over dp; under auto pruning bounds use the least state
+    assert c.state_bytes("llm", 1, 8, 1, "zero3") == pytest.approx(16 * params / 8)
+    assert c.state_bytes("llm", 1, 8, 1) == c.state_bytes("llm", 1, 8, 1, "zero3")
     full = CostModel(c.work, c.hw, PlannerSettings(recompute="full")).activation_bytes("llm", 1, 1)
     assert full < c.activation_bytes("llm", 1, 1) / 5
 
@@ -229,9 +232,9 @@ def test_profiling_only_starts_what_fits(monkeypatch):
 def test_recompute_auto_picks_per_unit_the_least_recomputation_that_fits():
     from disttrain_core.planner.auto import layout_container
 
-    cfg = compose(["model=mllm72b", "cluster=h100_80g", "cluster.num_gpus=64", "planner.cost=analytic"])
+    cfg = compose(["model=mllm72b", "cluster=h100_80g", "cluster.num_gpus=32", "planner.cost=analytic"])
     with pytest.raises(PlanningError, match="memory"):
-        make_plan(cfg, progress=lambda *_: None)  # no recompute: 72B fits no layout of 64 H100s
+        make_plan(cfg, progress=lambda *_: None)  # no recompute: 72B fits no layout of 32 H100s, even zero3
     cfg.planner.recompute = "auto"
     result = make_plan(cfg, progress=lambda *_: None)
     chosen = result.plan.evaluation.recompute
@@ -239,6 +242,7 @@ def test_recompute_auto_picks_per_unit_the_least_recomputation_that_fits():
     assert all(used <= result.model.limit for used in result.plan.evaluation.memory.values())
     parallel = layout_container(result.plan.evaluation)
     assert parallel["units"]["llm"]["recompute"] == chosen["llm"]  # the runtime recomputes what was planned
+    assert parallel["units"]["llm"]["shard"] == result.plan.evaluation.shard["llm"]  # and shards so
     small = compose(["model=mllm_tiny", "cluster=h100_80g", "cluster.num_gpus=8", "planner.cost=analytic"])
     small.planner.recompute = "auto"
     assert set(make_plan(small, progress=lambda *_: None).plan.evaluation.recompute.values()) == {"none"}

@@ -1,0 +1,233 @@
+"""ZeRO-2, ZeRO-3 and HSDP of one parallelism unit with torch's FSDP2 (``fully_shard``).
+
+``parallel.units.<unit>.shard`` (``parallel.shard`` for ddp / megatron layouts) chooses how a unit's
+model state is spread over its data-parallel replicas:
+
+* ``none``  -- torch DDP and a replicated AdamW (pure data parallelism only; train/engine.py);
+* ``zero1`` -- ZeRO-1 (parallel/zero.py): parameters and gradients replicated as views of flat
+  buckets, fp32 master weights and Adam moments sharded;
+* ``zero2`` -- FSDP2 with ``reshard_after_forward=False``: parameters, gradients and optimizer state
+  are sharded between steps; a block's parameters are all-gathered for its forward and stay gathered
+  until its backward has run. Gradients are reduce-scattered after every backward into the sharded
+  gradient, so no rank holds a whole gradient between microbatches.
+* ``zero3`` -- FSDP2 with ``reshard_after_forward=True``: a block's parameters are freed after its
+  forward and gathered again for its backward.
+
+How zero2 differs from the Playbook's ZeRO-2: there, parameters stay replicated and only gradients and
+optimizer state are sharded (an all-gather of the updated parameters after each step). FSDP2 has no
+such mode; ``reshard_after_forward=False`` keeps each block's *unsharded* parameters from its forward
+to its backward, and reshards them after the backward. Between steps a rank holds 16/dp bytes per
+parameter (as zero3); during a microbatch it additionally holds the unsharded parameters of every
+block whose forward ran and whose backward did not yet (all of them at the forward-backward turn),
+where zero3 holds at most the blocks being computed and prefetched. The memory model
+(planner/memory.py) counts exactly that.
+
+Blocks (the recompute families: Llama decoder blocks, ViT blocks, U-Net blocks), embeddings and the
+LM head are FSDP groups of their own; the rest of a stage (norms, projectors, small layers) is the
+stage's root group. Gradients are *summed* over the replicas (``set_gradient_divide_factor(1)``):
+the loss is already normalized by the global batch's token count, as in every engine.
+
+HSDP (``hsdp_replicas`` = R > 1): the unit's dp replicas form an R x (dp / R) mesh; state is sharded
+over dp / R ranks and replicated R times, gradients are reduce-scattered in the shard dimension and
+all-reduced in the replicate dimension. With tensor parallelism the mesh gets a ``tp`` dimension
+(2-D FSDP + TP, or 3-D HSDP + TP): TP parameters are DTensors on the ``tp`` sub-mesh and FSDP2 shards
+them further over the data-parallel dimension(s).
+
+Under bf16-mixed with a bf16 wire (``parallel.comm.wire_dtype``) parameters are all-gathered in bf16
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); gradients are reduced in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import OptimConfig
+from .recompute import BLOCKS
+from .zero import adamw
+
+SHARD_MODES = ("none", "zero1", "zero2", "zero3")
+FSDP_MODES = ("zero2", "zero3")
+
+
+def unit_meshes(unit, pp_rank: int, groups, device_type: str):
+    """(FSDP mesh, TP mesh or None) of this rank's (unit, pipeline stage), sliced from one root mesh built
+    from existing process groups (every rank of the unit builds it; no new groups)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dp, tp, replicas = unit.dp, unit.tp, unit.hsdp_replicas
+    ranks = torch.tensor([[unit.rank(d, t, pp_rank) for t in range(tp)] for d in range(dp)])
+    if replicas > 1:
+        ranks = ranks.view(replicas, dp // replicas, tp)
+        names, pgs = ["replicate", "shard"], [groups.hsdp_replicate, groups.hsdp_shard]
+    else:
+        names, pgs = ["shard"], [groups.data_parallel]
+    if tp > 1:
+        names.append("tp")
+        pgs.append(groups.tensor_parallel)
+    else:
+        ranks = ranks.squeeze(-1)
+    root = DeviceMesh.from_group(pgs if len(pgs) > 1 else pgs[0], device_type, mesh=ranks, mesh_dim_names=tuple(names))
+    if len(names) == 1:
+        return root, None
+    fsdp = root["replicate", "shard"] if replicas > 1 else root["shard"]
+    return fsdp, (root["tp"] if tp > 1 else None)
+
+
+def fsdp_groups(stage: nn.Module) -> list[nn.Module]:
+    """The submodules that get FSDP groups of their own, children before parents (then the stage itself)."""
+    picked = []
+    for name, module in stage.named_modules():
+        if isinstance(module, BLOCKS) or isinstance(module, nn.Embedding) or name.endswith("llm.output"):
+            picked.append(module)
+    return list(reversed(picked))
+
+
+def apply_fsdp(stage: nn.Module, mesh, mode: str, param_dtype: torch.dtype | None) -> None:
+    """Shard ``stage`` (still on the meta device: shard before materialize) with FSDP2."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if mode not in FSDP_MODES:
+        raise ValueError(f"shard={mode!r} is not an FSDP2 mode ({', '.join(FSDP_MODES)})")
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype if param_dtype != torch.float32 else None,
+        reduce_dtype=torch.float32,
+        cast_forward_inputs=False,  # inputs stay as they are: autocast decides (diffusion targets stay fp32)
+    )
+    reshard = mode == "zero3"
+    for module in [*fsdp_groups(stage), stage]:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        module.set_gradient_divide_factor(1.0)  # sum over replicas: the loss is normalized globally
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+
+
+def _distinct_shards(param) -> int:
+    """Over how many ranks ``param`` is split (the product of its mesh's Shard dimensions)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(param, DTensor):
+        return 1
+    count = 1
+    for size, placement in zip(param.device_mesh.shape, param.placements, strict=True):
+        if not isinstance(placement, Replicate):
+            count *= size
+    return count
+
+
+class ShardedOptimizer:
+    """AdamW on FSDP2's sharded (DTensor) parameters; the optimizer interface the units engine drives."""
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        cfg: OptimConfig,
+        copies: int,
+        partial_grads=(),
+        tp_group=None,
+    ):
+        """``copies``: the ranks of this unit stage (dp x tp); each element of a parameter lives on
+        copies / (its distinct shards) of them, and counts that many times less in the gradient norm (a
+        norm weight is split over the FSDP mesh and replicated over TP; HSDP replicates everything R
+        times). ``partial_grads``: sequence-parallel parameters whose gradients are partial sums over TP."""
+        self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        self.partial = [p for p in partial_grads if p.requires_grad]
+        self.tp_group = tp_group
+        decay = [p for _, p in self.named_params if p.ndim >= 2]
+        no_decay = [p for _, p in self.named_params if p.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
+            {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        ]
+        self.inner = adamw([g for g in groups if g["params"]], cfg)
+        self.weights = {id(p): _distinct_shards(p) / copies for _, p in self.named_params}
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def reduce_gradients(self) -> None:
+        """FSDP2 reduce-scattered every backward already (waited for at the end of each backward); only the
+        sequence-parallel partial sums are completed over TP (a sum, so after the reduce-scatter is fine)."""
+        if self.tp_group is None:
+            return
+        for param in self.partial:
+            if param.grad is not None:
+                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                dist.all_reduce(grad, group=self.tp_group)
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """This rank's share of the global squared gradient norm (replicated elements weighted)."""
+        device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for _, param in self.named_params:
+            if param.grad is not None:
+                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                total += self.weights[id(param)] * torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+        return total
+
+    def master_params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_params if p.grad is not None]
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def wait_params(self) -> None:
+        """Nothing is in flight between steps: FSDP2 gathers parameters in the forward."""
+
+    def close(self) -> None:
+        pass
+
+    def sync_master_from_params(self) -> None:
+        """The sharded parameters are the master weights: nothing to copy."""
+
+    def state_bytes(self) -> int:
+        total = 0
+        for state in self.inner.state.values():
+            for value in state.values():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    value = value.to_local() if hasattr(value, "to_local") else value
+                    total += value.numel() * value.element_size()
+        return total
+
+    # ----------------------------------------------------------- by-name state (full tensors)
+    def state_by_name(self) -> dict:
+        """Full tensors keyed by parameter name; a collective over the unit's mesh (every rank calls it)."""
+        state, groups = {}, {}
+        for group in self.inner.param_groups:
+            groups[group["name"]] = {k: v for k, v in group.items() if k != "params"}
+        names = {id(p): n for n, p in self.named_params}
+        for group in self.inner.param_groups:
+            for param in group["params"]:
+                entry = self.inner.state.get(param)
+                if not entry:
+                    continue
+                state[names[id(param)]] = {
+                    key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+                    for key, value in entry.items()
+                }
+        return {"state": state, "groups": groups}
+
+    def load_state_by_name(self, saved: dict) -> None:
+        from ..models.common import local_block
+
+        for group in self.inner.param_groups:
+            group.update({k: v for k, v in saved["groups"].get(group["name"], {}).items() if k != "params"})
+        for name, param in self.named_params:
+            entry = saved["state"].get(name)
+            if entry is None:
+                continue
+            loaded = {}
+            for key, value in entry.items():
+                if key == "step" or value.ndim == 0:
+                    loaded[key] = torch.as_tensor(value, dtype=torch.float32).clone().to(param.device)
+                    continue
+                target = torch.zeros_like(param.detach())
+                block, offset = local_block(target)
+                index = tuple(slice(o, o + n) for o, n in zip(offset, block.shape, strict=True))
+                block.copy_(value[index].to(block.device))
+                loaded[key] = target
+            self.inner.state[param] = loaded

@@ -1,0 +1,157 @@
+"""Memory of one rank role -- (unit, pipeline stage) of a layout -- item by item: what the planner's
+feasibility test adds up (``LayoutModel.unit_memory`` is the fullest role of a unit), what
+``tools/memory.py`` prints and what ``trainer.memory_report`` / ``trainer.dry_run`` compare with the
+runtime. TP ranks and DP replicas of one stage hold the same amounts, so a role stands for all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .memory import ModelState
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    unit: str
+    pp: int  # the unit's pipeline stage
+    shard: str
+    recompute: str
+    in_flight: int  # microbatches whose activations the stage holds at once
+    state: ModelState  # between steps (planner/memory.py)
+    activations: float  # in-flight activations (colocated modules included)
+    logits: float  # the last LLM stage's logits and loss temporaries
+    recompute_transient: float  # one recomputed block's activations during its backward
+    step_transient: float  # FSDP2's gathered parameters, autocast's weight copies
+    overhead: float  # runtime context, fragmentation (cluster.runtime_overhead_gb)
+
+    @property
+    def peak(self) -> float:
+        """Bytes at the fullest moment of a step, without the runtime overhead."""
+        return self.state.total + self.activations + self.logits + self.recompute_transient + self.step_transient
+
+    @property
+    def total(self) -> float:
+        return self.peak + self.overhead
+
+    def as_dict(self) -> dict:
+        return {
+            "unit": self.unit,
+            "pp": self.pp,
+            "shard": self.shard,
+            "recompute": self.recompute,
+            "in_flight": self.in_flight,
+            "state": self.state.as_dict(),
+            "activations": self.activations,
+            "logits": self.logits,
+            "recompute_transient": self.recompute_transient,
+            "step_transient": self.step_transient,
+            "peak": self.peak,
+            "overhead": self.overhead,
+            "total": self.total,
+        }
+
+
+def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
+    """Microbatches a pipeline stage holds activations for: all of them under GPipe; under 1F1B (and its
+    interleaved and zero-bubble variants, approximately) the stages after it plus one, at most all."""
+    if schedule == "gpipe":
+        return microbatches
+    return max(1, min(stages - stage, microbatches))
+
+
+def role_memory(
+    model, name: str, choices: dict, S: int, m: int, policy: str, shard: str, pp: int, schedule: str = "1f1b"
+) -> RoleMemory:
+    """The memory of stage ``pp`` of unit ``name`` (``model``: a planner.LayoutModel; ``choices``: the
+    layout's UnitChoice per unit; ``S`` pipeline stages over all units, ``m`` microbatches per step)."""
+    c, micro = model.c, model.micro
+    B = micro * choices["llm"].dp
+    enc, gen, llm = choices.get("encoder"), choices.get("generator"), choices["llm"]
+    r = enc.pp if enc is not None and not enc.colocated else 0
+    logits = 0.0
+    if name == "encoder":
+        items = model.images(B / enc.dp)
+        flight = in_flight(schedule, S, pp, m)
+        state = c.state(name, enc.tp, enc.dp, enc.pp, shard, pp)
+        act = c.activation_bytes(name, enc.tp, items, policy) / enc.pp * flight
+        recompute = c.recompute_transient_bytes(name, enc.tp, items, policy)
+        step = c.step_transient_bytes(name, enc.tp, enc.pp, shard, flight, pp)
+    elif name == "generator":
+        flight = 1
+        state = c.state(name, gen.tp, gen.dp, 1, shard, 0)
+        act = c.activation_bytes(name, gen.tp, B / gen.dp, policy)
+        recompute = c.recompute_transient_bytes(name, gen.tp, B / gen.dp, policy)
+        step = c.step_transient_bytes(name, gen.tp, 1, shard, 1, 0)
+    else:
+        flight = in_flight(schedule, S, r + pp, m)
+        first, last = pp == 0, pp == llm.pp - 1
+        state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp)
+        act = c.activation_bytes("llm", llm.tp, micro, policy) / llm.pp * flight
+        recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy)  # one block at a time
+        step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp)
+        if last:
+            logits = model.logits(micro)
+        extra = []
+        if enc is not None and enc.colocated and first:
+            act += c.activation_bytes("encoder", llm.tp, model.images(micro), policy) * flight
+            extra.append(("encoder", flight))
+        if gen is not None and gen.colocated and last:
+            act += c.activation_bytes("generator", llm.tp, micro, policy)
+            extra.append(("generator", 1))
+        for module, held in extra:
+            colocated = c.state(module, llm.tp, llm.dp, 1, shard, 0)
+            state = type(state)(*(a + b for a, b in zip(_fields(state), _fields(colocated), strict=True)))
+            step += c.step_transient_bytes(module, llm.tp, 1, shard, held, 0)
+    return RoleMemory(name, pp, shard, policy, flight, state, act, logits, recompute, step, c.hw.overhead_bytes)
+
+
+def _fields(state: ModelState) -> tuple[float, ...]:
+    return (state.params, state.grads, state.master, state.moments, state.buffers)
+
+
+def unit_roles(model, name: str, choices: dict, S: int, m: int, policy: str, shard: str, schedule: str = "1f1b"):
+    """Every pipeline stage of a unit, as roles."""
+    stages = 1 if name == "generator" else choices[name].pp
+    return [role_memory(model, name, choices, S, m, policy, shard, p, schedule) for p in range(stages)]
+
+
+def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
+    """Every rank role of a configured (non-auto) layout with the numbers the planner uses: analytic
+    costs (nothing is profiled), ``planner.precision`` (on a CPU cluster: ``trainer.precision``), each
+    unit's own shard mode and recompute policy, the configured schedule. Returns (roles, context)."""
+    from ..parallel.plan import resolve_units
+    from . import choices_of_config, planned_precision
+    from .costs import CostModel, Hardware, PlannerSettings
+    from .evaluate import LayoutModel
+    from .workload import workload_of
+
+    layout = layout or resolve_units(cfg)
+    precision = planned_precision(cfg)
+    settings = PlannerSettings(precision=precision, recompute_every=int(cfg.planner.recompute_every))
+    hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
+    costs = CostModel(workload_of(cfg.model), hw, settings)
+    model = LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), layout.world_size)
+    llm, enc, gen = choices_of_config(cfg)
+    choices = {"llm": llm}
+    if enc is not None:
+        choices["encoder"] = enc
+    if gen is not None:
+        choices["generator"] = gen
+    S = sum(unit.pp for unit in layout.units)
+    m = int(cfg.optim.global_batch_size) // (int(cfg.optim.micro_batch_size) * layout.llm.dp)
+    schedule = cfg.schedule.name if S > 1 else "none"
+    roles = []
+    for unit in layout.units:
+        roles += unit_roles(model, unit.name, choices, S, m, unit.recompute, unit.shard, schedule)
+    context = {
+        "model": cfg.model.name,
+        "precision": model.c.settings.precision,
+        "layout": layout.describe(),
+        "world_size": layout.world_size,
+        "pipeline_stages": S,
+        "microbatches": m,
+        "schedule": schedule,
+        "params": {name: float(w.params) for name, w in model.c.work.units.items()},
+    }
+    return roles, context

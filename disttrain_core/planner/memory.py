@@ -1,0 +1,108 @@
+"""Bytes of model state a rank holds, per shard mode: the one memory model of the planner, of
+``tools/memory.py`` and of the rehearsal (``trainer.dry_run=true``), written from what the runtime
+allocates (parallel/zero.py, parallel/fsdp.py, train/engine.py).
+
+Per parameter of this rank's stage slice (``local``: after TP and PP, before DP sharding), of which
+``trainable`` have gradients, with ``dp`` replicas (``S = dp / hsdp_replicas`` ranks per shard group):
+
+=========  ========  ==========  ===========  ==========  ============================================
+shard      params    gradients   fp32 master  Adam m, v   buffers
+=========  ========  ==========  ===========  ==========  ============================================
+none       4         4           --           8           -- (DDP: gradients are bucket views)
+zero1      4         4           4 / dp       8 / dp      2 (the bf16 gather buffer, bf16 wire only)
+zero2/3    4 / S     4 / S       --           8 / S       --
+=========  ========  ==========  ===========  ==========  ============================================
+
+Frozen parameters count in ``params`` only. Parameters are fp32 everywhere and are the master weights
+except under ZeRO-1, whose optimizer keeps fp32 master slices (a bf16 wire leaves the parameters with
+bf16-rounded values). Padding (ZeRO-1 buckets to a multiple of dp, FSDP2 dim-0 shards to a multiple
+of S) is below 1% for any real model and is not modelled.
+
+Besides the state, while a step runs (``transient``):
+
+* zero3 holds the unsharded parameters of the FSDP group in compute and the next one (prefetch), and
+  one group's unsharded gradients while it is reduce-scattered; zero2 holds every group's unsharded
+  parameters from its forward to its backward (the whole stage slice at the forward-backward turn);
+* under bf16-mixed with fp32 parameters in the compute (none, zero1, or FSDP2 with an fp32 wire),
+  autocast keeps one bf16 copy of every weight of the stage: the units engine runs a whole step in
+  one autocast region (its cache lives until the region ends), so in-flight microbatches share the
+  copy their backward needs (one region per microbatch would keep one copy per in-flight microbatch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SHARDS = ("none", "zero1", "zero2", "zero3")
+FSDP = ("zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes one rank holds between steps."""
+
+    params: float
+    grads: float
+    master: float
+    moments: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.moments + self.buffers
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def model_state(
+    local: float, trainable: float, dp: int, shard: str, hsdp_replicas: int = 1, wire_bytes: int = 4
+) -> ModelState:
+    if shard not in SHARDS:
+        raise ValueError(f"shard={shard!r}: allowed values are {', '.join(SHARDS)}")
+    if shard == "none":
+        return ModelState(4.0 * local, 4.0 * trainable, 0.0, 8.0 * trainable, 0.0)
+    if shard == "zero1":
+        buffers = 2.0 * trainable if wire_bytes == 2 else 0.0
+        return ModelState(4.0 * local, 4.0 * trainable, 4.0 * trainable / dp, 8.0 * trainable / dp, buffers)
+    shards = max(1, dp // hsdp_replicas)
+    return ModelState(4.0 * local / shards, 4.0 * trainable / shards, 0.0, 8.0 * trainable / shards, 0.0)
+
+
+def transient_bytes(
+    local: float,
+    largest_group: float,
+    shard: str,
+    in_flight: int,
+    mixed: bool,
+    wire_bytes: int = 4,
+) -> float:
+    """Bytes a rank holds during a step beyond the model state and the activations (see the module doc).
+    ``largest_group``: parameters of the largest FSDP group (a block, the embedding or the LM head)."""
+    gathered = 0.0
+    if shard == "zero3":
+        gathered = 2 * largest_group * wire_bytes + 4.0 * largest_group
+    elif shard == "zero2":
+        gathered = local * wire_bytes + 4.0 * largest_group
+    fp32_compute = shard not in FSDP or wire_bytes == 4
+    copies = 2.0 * local if mixed and fp32_compute else 0.0  # one region per step: one copy (module doc)
+    return gathered + copies
+
+
+def standard_model_state(params: float, dp: int = 1, stage: int = 0, fp32_grad_accumulation: bool = False) -> dict:
+    """The textbook mixed-precision model state per rank (the ZeRO paper; the Ultra-Scale Playbook): bf16
+    parameters (2) and gradients (2), fp32 master weights and Adam moments (12) = 16 bytes per parameter;
+    accumulating gradients in fp32 adds a 4-byte gradient buffer (20). ZeRO stage 1 shards the optimizer
+    part over ``dp``, stage 2 the gradients too, stage 3 the parameters too. Not this runtime's layout
+    (fp32 parameters that are the master weights and fp32 gradients: ``model_state``): the reference
+    tools/memory.py reproduces (``convention=standard``)."""
+    params_b = 2.0 * params
+    grads_b = (6.0 if fp32_grad_accumulation else 2.0) * params
+    optimizer = 12.0 * params
+    if stage >= 1:
+        optimizer /= dp
+    if stage >= 2:
+        grads_b /= dp
+    if stage >= 3:
+        params_b /= dp
+    return {"params": params_b, "grads": grads_b, "optimizer": optimizer, "total": params_b + grads_b + optimizer}

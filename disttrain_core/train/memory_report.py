@@ -1,0 +1,126 @@
+"""What a rank really holds, beside what the memory model (planner/breakdown.py) predicts for its role.
+
+``trainer.memory_report_step=N`` makes every rank write ``<run>/memory/rank<R>.json`` with:
+
+* ``measured.state``: model-state bytes after the last optimizer step (before gradients are zeroed),
+  counted from the *unique* storages behind parameters (frozen ones too), gradients, fp32 masters,
+  optimizer state and communication buffers -- a view (ZeRO-1's parameters into its flat buffers, a
+  DTensor's local shard) is counted once, with its storage's padding;
+* ``measured.peak``: the live tensor bytes at the fullest moment of step N: the storages live when the
+  step starts plus the largest running sum of the CPU/CUDA allocator's allocation and free events
+  during the step (``torch.profiler`` with ``profile_memory``: an allocator-hook counter, so temporaries
+  inside kernels are seen too), and the process's resident set size (RSS) at the end, for scale;
+* ``predicted``: the role's breakdown from the planner's model (``RoleMemory.as_dict``).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+CATEGORIES = ("params", "grads", "master", "moments", "buffers")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def state_tensors(engine, optimizer) -> dict[str, list[torch.Tensor]]:
+    """The tensors behind each model-state category of an engine and its optimizer."""
+    modules = list(engine.stages.values()) if hasattr(engine, "stages") else [engine.raw_model]
+    params = [p for module in modules for p in module.parameters()]
+    out: dict[str, list[torch.Tensor]] = {key: [] for key in CATEGORIES}
+    out["params"] = [_local(p) for p in params]
+    out["grads"] = [_local(p.grad) for p in params if p.grad is not None]
+    inner = getattr(optimizer, "inner", optimizer)
+    masters = list(optimizer.master_params()) if hasattr(optimizer, "flats") else []
+    out["master"] = [m.detach() for m in masters]
+    for state in inner.state.values():
+        out["moments"] += [_local(v) for v in state.values() if torch.is_tensor(v) and v.numel() > 1]
+    sync = getattr(optimizer, "sync", None)
+    if sync is not None and hasattr(sync, "param_flat"):  # ZeRO-1: the gather buffers (views: counted once)
+        out["buffers"] = list(sync.param_flat.values()) + list(sync.grad_flat.values())
+        out["grads"] += [m.grad for m in masters if m.grad is not None]
+    return out
+
+
+def count_storages(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Bytes per category, each storage counted once (in the first category that references it)."""
+    seen: set[int] = set()
+    counted = {}
+    for key in CATEGORIES:
+        total = 0
+        for tensor in groups.get(key, []):
+            storage = tensor.untyped_storage()
+            key = storage._cdata  # the storage itself (data pointers are all 0 on the meta device)
+            if key in seen or storage.nbytes() == 0:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        counted[key] = total
+    counted["total"] = sum(counted[key] for key in CATEGORIES)
+    return counted
+
+
+def rss_bytes() -> int:
+    """The process's resident set size now (Linux /proc), or its peak where /proc is missing."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        import os
+
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextmanager
+def allocation_peak(result: dict):
+    """Record the largest running sum of allocator events inside the block into ``result['peak_delta']``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        yield
+    events = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    result["peak_delta"] = peak
+    result["end_delta"] = running
+
+
+class MemoryReport:
+    def __init__(self, cfg, run_dir: Path, rank: int, layout, pp_rank: int, unit_name: str):
+        from ..planner.breakdown import config_roles
+
+        self.path = Path(run_dir) / "memory" / f"rank{rank:05d}.json"
+        self.step = int(cfg.trainer.memory_report_step)
+        roles, self.context = config_roles(cfg, layout)
+        self.role = next(r for r in roles if r.unit == unit_name and r.pp == min(pp_rank, _stages(r, roles) - 1))
+        self.measured: dict = {}
+
+    def start_of_step(self, engine, optimizer) -> None:
+        self.measured["live_at_start"] = count_storages(state_tensors(engine, optimizer))["total"]
+
+    def after_optimizer_step(self, engine, optimizer) -> None:
+        self.measured["state"] = count_storages(state_tensors(engine, optimizer))
+
+    def write(self, peak: dict) -> None:
+        self.measured["peak"] = self.measured.get("live_at_start", 0) + peak.get("peak_delta", 0)
+        self.measured["rss"] = rss_bytes()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        report = {"step": self.step, **self.context, "measured": self.measured, "predicted": self.role.as_dict()}
+        self.path.write_text(json.dumps(report, indent=1))
+
+
+def _stages(role, roles) -> int:
+    return sum(1 for r in roles if r.unit == role.unit)

@@ -1,0 +1,149 @@
+"""The rehearsal (``trainer.dry_run=true``): every distinct rank role of a layout -- (unit, pipeline
+stage); its DP replicas and TP ranks hold the same amounts -- built with the runtime's own code on the
+meta device, its model-state bytes counted, beside the planner's prediction for that role.
+
+Each role is built inside a *fake* process group (``torch.testing._internal.distributed.fake_pg``:
+collectives that do nothing) of the role's dp x tp ranks, so the real stage split
+(parallel/stages.py), tensor parallelism (parallel/tensor_parallel.py), recompute wrappers and FSDP2
+sharding (parallel/fsdp.py) or ZeRO-1's padded flat buckets (comm/buckets.py) run exactly as in
+training, on tensors without storage. Bytes follow the runtime's allocations per shard mode
+(planner/memory.py's table), from the shapes those modules really hold on the role's first rank: fp32
+parameters, gradients for the trainable ones, ZeRO-1's padded buffers and master slices, two Adam
+moments per optimizer parameter, the bf16 gather buffer of a bf16 wire. A 1,172-GPU plan rehearses on
+a laptop in well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+GB = 1e9
+
+
+def _fake_group(world: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def _meshes(unit):
+    """(FSDP mesh or None, TP mesh or None) for the role's first rank, over the fake group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = [], []
+    if unit.fsdp and unit.hsdp_replicas > 1:
+        shape += [unit.hsdp_replicas, unit.dp // unit.hsdp_replicas]
+        names += ["replicate", "shard"]
+    else:
+        shape.append(unit.dp)
+        names.append("shard")
+    shape.append(unit.tp)
+    names.append("tp")
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(names))
+    fsdp = None
+    if unit.fsdp:
+        fsdp = mesh["replicate", "shard"] if unit.hsdp_replicas > 1 else mesh["shard"]
+    return fsdp, (mesh["tp"] if unit.tp > 1 else None)
+
+
+def _numel(param) -> int:
+    return (param._local_tensor if hasattr(param, "_local_tensor") else param).numel()
+
+
+def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, float]:
+    """Model-state bytes of stage ``stage_index`` of ``unit``, built on meta with the runtime's code."""
+    from ..comm.buckets import FlatBuckets, bucket_numel
+    from ..data.tokenizer import build_tokenizer
+    from ..parallel.fsdp import apply_fsdp
+    from ..parallel.recompute import apply_recompute
+    from ..parallel.stages import build_unit_stage
+    from ..parallel.tensor_parallel import apply_tensor_parallel
+
+    _fake_group(unit.dp * unit.tp)
+    try:
+        fsdp_mesh, tp_mesh = _meshes(unit)
+        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, unit.pp)
+        if tp_mesh is not None:
+            apply_tensor_parallel(stage.model, tp_mesh, sequence_overlap=cfg.parallel.comm.tp_overlap)
+        apply_recompute(stage.model, unit.recompute, unit.recompute_every)
+        if fsdp_mesh is not None:
+            apply_fsdp(stage, fsdp_mesh, unit.shard, wire)
+        named = list(stage.model.named_parameters())
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        frozen = sum(_numel(p) for _, p in named if not p.requires_grad)
+        counted = {"params": 0.0, "grads": 0.0, "master": 0.0, "moments": 0.0, "buffers": 0.0}
+        if unit.shard == "zero1":
+            size = bucket_numel(cfg.parallel.comm.bucket_mb)
+            graded = cfg.parallel.comm.graded_buckets
+            rank = 0
+            decay = [(n, p) for n, p in trainable if p.ndim >= 2]
+            no_decay = [(n, p) for n, p in trainable if p.ndim < 2]
+            flats = [
+                FlatBuckets(group, unit.dp, rank, unit.tp, size, torch.device("meta"), graded)
+                for group in (decay, no_decay)
+            ]
+            padded = sum(f.padded for f in flats if f.params)
+            shard = sum(f.shard_numel for f in flats if f.params)
+            counted.update(params=4.0 * (padded + frozen), grads=4.0 * padded, master=4.0 * shard, moments=8.0 * shard)
+            if wire != torch.float32:
+                counted["buffers"] = 2.0 * padded
+        else:  # none (DDP: gradients are bucket views) and FSDP2 (the local shards)
+            learn = sum(_numel(p) for _, p in trainable)
+            counted.update(params=4.0 * (learn + frozen), grads=4.0 * learn, moments=8.0 * learn)
+        counted["total"] = sum(counted.values())
+        return counted
+    finally:
+        dist.destroy_process_group()
+
+
+def rehearse(cfg, run_dir: Path | None = None, progress=print) -> dict:
+    """Count every role of ``cfg``'s (non-auto) layout and compare with the planner's model state."""
+    from ..parallel.plan import resolve_units
+    from ..planner.breakdown import config_roles
+
+    started = time.perf_counter()
+    layout = resolve_units(cfg)
+    roles, context = config_roles(cfg, layout)
+    wire = _planned_wire(cfg)
+    rows = []
+    for role in roles:
+        unit = layout.unit(role.unit)
+        counted = count_role(cfg, unit, role.pp, wire)
+        predicted = role.state.as_dict()
+        rows.append(
+            {
+                "role": f"{role.unit} pp{role.pp}",
+                "ranks": unit.dp * unit.tp,
+                "shard": role.shard,
+                "recompute": role.recompute,
+                "predicted": predicted,
+                "counted": counted,
+                "ratio": counted["total"] / predicted["total"] if predicted["total"] else float("nan"),
+            }
+        )
+        progress(
+            f"  {rows[-1]['role']:14s} {role.shard:6s} {role.recompute:>12s}  planned {predicted['total'] / GB:9.2f} GB"
+            f"  rehearsed {counted['total'] / GB:9.2f} GB  ({rows[-1]['ratio'] - 1:+.2%})"
+        )
+    result = {**context, "roles": rows, "seconds": time.perf_counter() - started}
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run_dir) / "rehearsal.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _planned_wire(cfg) -> torch.dtype:
+    """The wire dtype of the precision the plan assumes (``parallel.comm.wire_dtype=auto``: bf16 under
+    bf16-mixed), as the runtime then resolves it."""
+    from ..planner import planned_precision
+
+    choice = cfg.parallel.comm.wire_dtype
+    if choice == "auto":
+        return torch.bfloat16 if planned_precision(cfg) == "bf16-mixed" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
