@@ -131,7 +131,7 @@ def check_overrides(argv: list[str]) -> None:
         except Exception as error:
             raise PreflightError(describe_compose_error(error, overrides)) from error
         try:
-            from .launch import typed_config
+            from .config import typed_config
 
             validate_config(typed_config(cfg))
         except ConfigError as error:

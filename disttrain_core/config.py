@@ -451,6 +451,13 @@ def register_configs() -> None:
     _registered = True
 
 
+def typed_config(container: Any) -> Config:
+    """A schema-checked DictConfig (attribute access, types enforced) from a dict or DictConfig."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(OmegaConf.structured(Config), container)  # type: ignore[return-value]
+
+
 def compose(overrides: list[str] | None = None, return_hydra_config: bool = False) -> Any:
     """Compose the config outside of ``@hydra.main`` (tools and tests)."""
     from hydra import compose as hydra_compose

@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import Config, cpu_count, determinism, training_precision
+from .config import Config, cpu_count, determinism, training_precision, typed_config
 from .validation import (
     ConfigError,
     externally_launched,
@@ -35,11 +35,6 @@ from .validation import (
 log = logging.getLogger("disttrain")
 
 SUMMARY_FILE = "summary.json"
-
-
-def typed_config(container: dict | DictConfig) -> Config:
-    """A schema-checked DictConfig (attribute access, types enforced)."""
-    return OmegaConf.merge(OmegaConf.structured(Config), container)  # type: ignore[return-value]
 
 
 def _free_port() -> int:
@@ -97,7 +92,7 @@ def launch(cfg: DictConfig) -> float | None:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     if cfg.trainer.dry_run:
         from .models.info import model_table
-        from .train.rehearsal import rehearse
+        from .planner.rehearsal import rehearse
 
         print(model_table(cfg.model))
         print(f"world size {world_size(cfg)}: {cfg.trainer.devices} process(es) x {cfg.trainer.num_nodes} node(s)")
@@ -231,6 +226,10 @@ def run_worker(container: dict, run_dir: str) -> dict[str, Any]:
     fabric.launch()
     fabric.seed_everything(trainer.seed, verbose=False)
     metrics = Trainer(cfg, fabric, run_dir).fit()
+    if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
+        from .planner.breakdown import annotate_memory_report
+
+        annotate_memory_report(cfg, Path(run_dir), fabric.global_rank)
     if fabric.global_rank == 0:
         (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
     return metrics

@@ -59,8 +59,8 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
     planned["schedule"] = {**planned["schedule"], "name": "1f1b" if stages > 1 else "none"}
     if cfg.trainer.dry_run:
         print(f"dry run: plan written to {run_dir / 'plan.json'}; rehearsing each rank role on the meta device")
-        from ..launch import typed_config
-        from ..train.rehearsal import rehearse
+        from ..config import typed_config
+        from .rehearsal import rehearse
 
         rehearse(typed_config(planned), run_dir)
         print(f"rehearsal written to {run_dir / 'rehearsal.json'}")

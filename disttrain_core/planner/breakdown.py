@@ -61,7 +61,16 @@ def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
 
 
 def role_memory(
-    model, name: str, choices: dict, S: int, m: int, policy: str, shard: str, pp: int, schedule: str = "1f1b"
+    model,
+    name: str,
+    choices: dict,
+    S: int,
+    m: int,
+    policy: str,
+    shard: str,
+    pp: int,
+    schedule: str = "1f1b",
+    hsdp_replicas: int = 1,
 ) -> RoleMemory:
     """The memory of stage ``pp`` of unit ``name`` (``model``: a planner.LayoutModel; ``choices``: the
     layout's UnitChoice per unit; ``S`` pipeline stages over all units, ``m`` microbatches per step)."""
@@ -73,20 +82,20 @@ def role_memory(
     if name == "encoder":
         items = model.images(B / enc.dp)
         flight = in_flight(schedule, S, pp, m)
-        state = c.state(name, enc.tp, enc.dp, enc.pp, shard, pp)
+        state = c.state(name, enc.tp, enc.dp, enc.pp, shard, pp, hsdp_replicas)
         act = c.activation_bytes(name, enc.tp, items, policy) / enc.pp * flight
         recompute = c.recompute_transient_bytes(name, enc.tp, items, policy)
         step = c.step_transient_bytes(name, enc.tp, enc.pp, shard, flight, pp)
     elif name == "generator":
         flight = 1
-        state = c.state(name, gen.tp, gen.dp, 1, shard, 0)
+        state = c.state(name, gen.tp, gen.dp, 1, shard, 0, hsdp_replicas)
         act = c.activation_bytes(name, gen.tp, B / gen.dp, policy)
         recompute = c.recompute_transient_bytes(name, gen.tp, B / gen.dp, policy)
         step = c.step_transient_bytes(name, gen.tp, 1, shard, 1, 0)
     else:
         flight = in_flight(schedule, S, r + pp, m)
         first, last = pp == 0, pp == llm.pp - 1
-        state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp)
+        state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp, hsdp_replicas)
         act = c.activation_bytes("llm", llm.tp, micro, policy) / llm.pp * flight
         recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy)  # one block at a time
         step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp)
@@ -100,7 +109,7 @@ def role_memory(
             act += c.activation_bytes("generator", llm.tp, micro, policy)
             extra.append(("generator", 1))
         for module, held in extra:
-            colocated = c.state(module, llm.tp, llm.dp, 1, shard, 0)
+            colocated = c.state(module, llm.tp, llm.dp, 1, shard, 0, hsdp_replicas)
             state = type(state)(*(a + b for a, b in zip(_fields(state), _fields(colocated), strict=True)))
             step += c.step_transient_bytes(module, llm.tp, 1, shard, held, 0)
     return RoleMemory(name, pp, shard, policy, flight, state, act, logits, recompute, step, c.hw.overhead_bytes)
@@ -110,10 +119,12 @@ def _fields(state: ModelState) -> tuple[float, ...]:
     return (state.params, state.grads, state.master, state.moments, state.buffers)
 
 
-def unit_roles(model, name: str, choices: dict, S: int, m: int, policy: str, shard: str, schedule: str = "1f1b"):
+def unit_roles(
+    model, name: str, choices: dict, S: int, m: int, policy: str, shard: str, schedule: str = "1f1b", hsdp: int = 1
+):
     """Every pipeline stage of a unit, as roles."""
     stages = 1 if name == "generator" else choices[name].pp
-    return [role_memory(model, name, choices, S, m, policy, shard, p, schedule) for p in range(stages)]
+    return [role_memory(model, name, choices, S, m, policy, shard, p, schedule, hsdp) for p in range(stages)]
 
 
 def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
@@ -143,7 +154,7 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     schedule = cfg.schedule.name if S > 1 else "none"
     roles = []
     for unit in layout.units:
-        roles += unit_roles(model, unit.name, choices, S, m, unit.recompute, unit.shard, schedule)
+        roles += unit_roles(model, unit.name, choices, S, m, unit.recompute, unit.shard, schedule, unit.hsdp_replicas)
     context = {
         "model": cfg.model.name,
         "precision": model.c.settings.precision,
@@ -155,3 +166,20 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
         "params": {name: float(w.params) for name, w in model.c.work.units.items()},
     }
     return roles, context
+
+
+def annotate_memory_report(cfg, run_dir, rank: int) -> None:
+    """Add the planner's prediction (and the layout context) to a rank's ``trainer.memory_report_step``
+    file (train/memory_report.py), beside what the rank counted and measured."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / "memory" / f"rank{rank:05d}.json"
+    if not path.is_file():
+        return
+    report = json.loads(path.read_text())
+    roles, context = config_roles(cfg)
+    role = report["role"]
+    stages = sum(1 for r in roles if r.unit == role["unit"])
+    match = next(r for r in roles if r.unit == role["unit"] and r.pp == min(role["pp"], stages - 1))
+    path.write_text(json.dumps({**report, **context, "predicted": match.as_dict()}, indent=1))

@@ -271,13 +271,21 @@ class CostModel:
         return "zero3" if shard == "auto" else shard
 
     def state(
-        self, unit: str, tp: int, dp: int, pp: int, shard: str | None = None, stage: int | None = None
+        self,
+        unit: str,
+        tp: int,
+        dp: int,
+        pp: int,
+        shard: str | None = None,
+        stage: int | None = None,
+        hsdp_replicas: int = 1,
     ) -> ModelState:
         """Model state per rank (planner/memory.py) of pipeline stage ``stage`` of ``unit`` (None: the
         average stage, a lower bound of the fullest)."""
         w = self.work.units[unit]
         local = self.local_params(unit, tp, pp, stage)
-        return model_state(local, local * w.trainable_fraction, dp, self.shard_of(shard), 1, self.settings.act_bytes)
+        trainable = local * w.trainable_fraction
+        return model_state(local, trainable, dp, self.shard_of(shard), hsdp_replicas, self.settings.act_bytes)
 
     def state_bytes(
         self, unit: str, tp: int, dp: int, pp: int, shard: str | None = None, stage: int | None = None

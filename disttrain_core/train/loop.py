@@ -129,7 +129,7 @@ class Trainer:
         self.sync_guard = HostSyncGuard(trainer.sync_debug, fabric.device)
         self.memory_report = None
         if trainer.memory_report_step:
-            self.memory_report = MemoryReport(cfg, self.run_dir, self.rank, self.layout, self.pp_rank, self.unit.name)
+            self.memory_report = MemoryReport(cfg, self.run_dir, self.rank, self.unit, self.pp_rank)
         self.peak_flops = peak_flops_per_device(
             training_precision(cfg.trainer.precision, fabric.device.type),
             fabric.device,

@@ -10,7 +10,8 @@
   step starts plus the largest running sum of the CPU/CUDA allocator's allocation and free events
   during the step (``torch.profiler`` with ``profile_memory``: an allocator-hook counter, so temporaries
   inside kernels are seen too), and the process's resident set size (RSS) at the end, for scale;
-* ``predicted``: the role's breakdown from the planner's model (``RoleMemory.as_dict``).
+* ``predicted`` (added by launch.py after training): the role's breakdown from the planner's model
+  (planner/breakdown.py ``RoleMemory.as_dict``).
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ def count_storages(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
         total = 0
         for tensor in groups.get(key, []):
             storage = tensor.untyped_storage()
-            key = storage._cdata  # the storage itself (data pointers are all 0 on the meta device)
-            if key in seen or storage.nbytes() == 0:
+            ident = storage._cdata  # the storage itself (data pointers are all 0 on the meta device)
+            if ident in seen or storage.nbytes() == 0:
                 continue
-            seen.add(key)
+            seen.add(ident)
             total += storage.nbytes()
         counted[key] = total
     counted["total"] = sum(counted[key] for key in CATEGORIES)
@@ -99,13 +100,13 @@ def allocation_peak(result: dict):
 
 
 class MemoryReport:
-    def __init__(self, cfg, run_dir: Path, rank: int, layout, pp_rank: int, unit_name: str):
-        from ..planner.breakdown import config_roles
+    """Counts and measures this rank; ``launch.py`` adds the planner's prediction for its role afterwards
+    (planner/breakdown.py ``annotate_memory_report``: the planner sits above train/)."""
 
+    def __init__(self, cfg, run_dir: Path, rank: int, unit, pp_rank: int):
         self.path = Path(run_dir) / "memory" / f"rank{rank:05d}.json"
         self.step = int(cfg.trainer.memory_report_step)
-        roles, self.context = config_roles(cfg, layout)
-        self.role = next(r for r in roles if r.unit == unit_name and r.pp == min(pp_rank, _stages(r, roles) - 1))
+        self.role = {"unit": unit.name, "pp": pp_rank, "shard": unit.shard, "recompute": unit.recompute}
         self.measured: dict = {}
 
     def start_of_step(self, engine, optimizer) -> None:
@@ -118,9 +119,4 @@ class MemoryReport:
         self.measured["peak"] = self.measured.get("live_at_start", 0) + peak.get("peak_delta", 0)
         self.measured["rss"] = rss_bytes()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        report = {"step": self.step, **self.context, "measured": self.measured, "predicted": self.role.as_dict()}
-        self.path.write_text(json.dumps(report, indent=1))
-
-
-def _stages(role, roles) -> int:
-    return sum(1 for r in roles if r.unit == role.unit)
+        self.path.write_text(json.dumps({"step": self.step, "role": self.role, "measured": self.measured}, indent=1))

@@ -105,7 +105,7 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
 def rehearse(cfg, run_dir: Path | None = None, progress=print) -> dict:
     """Count every role of ``cfg``'s (non-auto) layout and compare with the planner's model state."""
     from ..parallel.plan import resolve_units
-    from ..planner.breakdown import config_roles
+    from .breakdown import config_roles
 
     started = time.perf_counter()
     layout = resolve_units(cfg)
@@ -141,7 +141,7 @@ def rehearse(cfg, run_dir: Path | None = None, progress=print) -> dict:
 def _planned_wire(cfg) -> torch.dtype:
     """The wire dtype of the precision the plan assumes (``parallel.comm.wire_dtype=auto``: bf16 under
     bf16-mixed), as the runtime then resolves it."""
-    from ..planner import planned_precision
+    from . import planned_precision
 
     choice = cfg.parallel.comm.wire_dtype
     if choice == "auto":
