@@ -5,7 +5,8 @@ rank writes its counted model state, its peak live tensor bytes during that step
 events through torch.profiler: train/memory_report.py) and its RSS, beside the planner's prediction for
 its role (planner/breakdown.py: the numbers tools/memory.py prints). The models are large enough that
 states and activations are most of each process's resident memory (``tensor_share`` = measured peak /
-RSS), so the comparison is about the tensors, not the Python runtime.
+the resident set's high-water mark, with glibc serving large blocks from mmap so freed tensors leave
+the resident set), so the comparison is about the tensors, not the Python runtime.
 
     python tools/bench_memory.py                      # ~10 minutes on 2 cores, fp32
     python tools/bench_memory.py layouts=ddp,zero3 format=json
@@ -16,6 +17,7 @@ Writes ``out`` (default docs/results/bench_memory.json).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -82,7 +84,11 @@ def run(name: str, overrides: list[str], steps: int, data: Path, work: Path) -> 
         "trainer.progress_bar=false",
         "cluster.peak_flops_fp32=1e11",
     ]
-    out = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT, timeout=3600)
+    # Large blocks straight from mmap (returned to the OS on free): otherwise glibc keeps freed tensors'
+    # pages (FSDP2's gathered parameters, activations) and the resident set says more about the C
+    # allocator's cache than about what training holds.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    out = subprocess.run(args, capture_output=True, text=True, cwd=REPO_ROOT, timeout=3600, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
     ranks = []
@@ -100,8 +106,8 @@ def run(name: str, overrides: list[str], steps: int, data: Path, work: Path) -> 
                 "peak_measured": measured["peak"],
                 "peak_predicted": predicted["peak"],
                 "error": predicted["peak"] / measured["peak"] - 1.0,
-                "rss": measured["rss"],
-                "tensor_share": measured["peak"] / measured["rss"],
+                "rss_peak": measured["rss_peak"],
+                "tensor_share": measured["peak"] / measured["rss_peak"],
             }
         )
     return {"layout": name, "overrides": overrides, "layout_text": report["layout"], "ranks": ranks}
@@ -134,7 +140,7 @@ def main(argv: list[str]) -> int:
         return 0
     print(
         f"{'layout':16s} {'rank role':14s} {'state (counted / model)':>26s} {'peak (measured / model)':>26s} "
-        f"{'error':>7s} {'RSS':>8s} {'tensors/RSS':>11s}"
+        f"{'error':>7s} {'peak RSS':>9s} {'tensors/RSS':>11s}"
     )
     for result in results:
         for r in result["ranks"]:
@@ -142,7 +148,7 @@ def main(argv: list[str]) -> int:
             print(
                 f"{result['layout']:16s} {r['role']:14s} {state}"
                 f" {r['peak_measured'] / 1e6:11.1f} / {r['peak_predicted'] / 1e6:8.1f} MB {r['error']:+7.1%}"
-                f" {r['rss'] / 1e6:6.0f}MB {r['tensor_share']:10.0%}"
+                f" {r['rss_peak'] / 1e6:7.0f}MB {r['tensor_share']:10.0%}"
             )
     print(f"worst peak error {worst:.1%}; written to {options['out']}")
     return 0

@@ -33,7 +33,7 @@ OPTIONS = {
 def main(argv: list[str]) -> int:
     options, overrides = split_tool_args(argv, OPTIONS)
     from disttrain_core.planner import PlanningError, make_plan
-    from disttrain_core.planner.report import mfu
+    from disttrain_core.planner.report import mfu, unit_rows
 
     rows = []
     for model in options["models"].split(","):
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
                 "model": model,
                 "gpus": gpus,
                 "feasible": True,
-                "units": {n: c.as_dict() for n, c in e.choices.items()},
+                "units": unit_rows(e),
                 "predicted_iteration_s": e.iteration_s,
                 "mfu": mfu(lm, e),
                 "solve_seconds": plan.solve_seconds,
@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
                         "predicted_iteration_s": b.evaluation.iteration_s,
                         "mfu": mfu(lm, b.evaluation),
                         "speedup_of_plan": b.evaluation.iteration_s / e.iteration_s,
-                        "units": {n: c.as_dict() for n, c in b.evaluation.choices.items()},
+                        "units": unit_rows(b.evaluation),
                     }
                     for name, b in plan.baselines.items()
                 },

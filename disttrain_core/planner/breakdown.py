@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import ModelState
+from .memory import FSDP, ModelState
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,16 @@ class RoleMemory:
     recompute_transient: float  # one recomputed block's activations during its backward
     step_transient: float  # FSDP2's gathered parameters, autocast's weight copies
     overhead: float  # runtime context, fragmentation (cluster.runtime_overhead_gb)
+    # FSDP2 frees the sharded gradients between steps (zero_grad sets them to None); they come back during
+    # the backward, when activations go. At the fullest moment -- the last forward before the first
+    # backward -- they are absent unless an earlier microbatch's backward already ran (m > in_flight).
+    grads_absent_at_peak: float = 0.0
 
     @property
     def peak(self) -> float:
         """Bytes at the fullest moment of a step, without the runtime overhead."""
-        return self.state.total + self.activations + self.logits + self.recompute_transient + self.step_transient
+        state = self.state.total - self.grads_absent_at_peak
+        return state + self.activations + self.logits + self.recompute_transient + self.step_transient
 
     @property
     def total(self) -> float:
@@ -46,6 +51,7 @@ class RoleMemory:
             "logits": self.logits,
             "recompute_transient": self.recompute_transient,
             "step_transient": self.step_transient,
+            "grads_absent_at_peak": self.grads_absent_at_peak,
             "peak": self.peak,
             "overhead": self.overhead,
             "total": self.total,
@@ -112,7 +118,8 @@ def role_memory(
             colocated = c.state(module, llm.tp, llm.dp, 1, shard, 0, hsdp_replicas)
             state = type(state)(*(a + b for a, b in zip(_fields(state), _fields(colocated), strict=True)))
             step += c.step_transient_bytes(module, llm.tp, 1, shard, held, 0)
-    return RoleMemory(name, pp, shard, policy, flight, state, act, logits, recompute, step, c.hw.overhead_bytes)
+    absent = state.grads if shard in FSDP and m <= flight else 0.0
+    return RoleMemory(name, pp, shard, policy, flight, state, act, logits, recompute, step, c.hw.overhead_bytes, absent)
 
 
 def _fields(state: ModelState) -> tuple[float, ...]:

@@ -78,6 +78,7 @@ class LayoutModel:
         # measurement of the data); its CPU time per step is spread over the cores.
         self.data_s_per_sample = 0.0
         self.data_cores = 1
+        self._memory_cache: dict[tuple, float] = {}
 
     # -------------------------------------------------------------------- unit terms
     def images(self, samples: float) -> float:
@@ -109,9 +110,22 @@ class LayoutModel:
         from .breakdown import role_memory
 
         shard = self.c.shard_of(shard)
-        stages = 1 if name == "generator" else choices[name].pp
-        ends = {0, stages - 1}
-        return max(role_memory(self, name, choices, S, m, policy, shard, p).total for p in ends)
+        key = self._memory_key(name, choices, S, m, policy, shard)
+        cached = self._memory_cache.get(key)
+        if cached is None:
+            stages = 1 if name == "generator" else choices[name].pp
+            ends = {0, stages - 1}
+            cached = max(role_memory(self, name, choices, S, m, policy, shard, p).total for p in ends)
+            self._memory_cache[key] = cached
+        return cached
+
+    @staticmethod
+    def _memory_key(name: str, choices: dict, S: int, m: int, policy: str, shard: str) -> tuple:
+        """What a unit's memory depends on (the solver evaluates the same unit in many layouts)."""
+        llm, enc, gen = choices["llm"], choices.get("encoder"), choices.get("generator")
+        if name == "llm":
+            return (name, llm, enc, gen, S, m, policy, shard)
+        return (name, choices[name], llm.dp, S, m, policy, shard)
 
     def memory_options(self) -> list[tuple[str, str]]:
         """(shard, recompute) pairs to try, cheapest first: ``planner.shard`` / ``planner.recompute`` or, under

@@ -120,12 +120,19 @@ class Orchestrator:
         act = c.activation_bytes("llm", tp, micro)
         logits = self.m.logits(micro)
         for pp in self.llm_pp_options(vpp):
-            # the first stage keeps min(pp, m) microbatches in flight, the last one the logits
-            first, last = act / pp * min(pp, m), act / pp + logits
+            # the first stage keeps min(pp, m) microbatches in flight and the embeddings, the last one the
+            # head and the logits; the state is the least any shard mode holds (gradients left out: FSDP2's
+            # may be absent at the peak), so this stays a bound
+            first = act / pp * min(pp, m) + self._least_state(tp, dp, pp, 0)
+            last = act / pp + logits + self._least_state(tp, dp, pp, pp - 1)
             held = first + logits if pp == 1 else max(first, last)
-            if self._fits(c.state_bytes("llm", tp, dp, pp) + held):
+            if self._fits(held):
                 return pp
         return None
+
+    def _least_state(self, tp: int, dp: int, pp: int, stage: int) -> float:
+        state = self.m.c.state("llm", tp, dp, pp, None, stage)
+        return state.total - state.grads
 
     def enc_pp_min(self, enc: UnitChoice, samples: float, m: int, later_stages: int) -> int | None:
         c = self.m.c
@@ -155,7 +162,8 @@ class Orchestrator:
             K_l = C_l * a_l
             p2p_l = mdl.c.p2p_s(mdl.micro * self.w.seq_len * self.w.llm_dim * mdl.c.settings.act_bytes, fastest)
             tails = {
-                pp: mdl.c.sync_s("llm", tp, dp, pp) + mdl.c.optimizer_s("llm", tp, dp, pp)
+                # zero1's traffic: the least of every shard mode (FSDP2 moves it per microbatch)
+                pp: mdl.c.sync_s("llm", tp, dp, pp, "zero1") + mdl.c.optimizer_s("llm", tp, dp, pp)
                 for pp in self.llm_pp_options(vpp)
             }
             gens = []

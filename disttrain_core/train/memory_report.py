@@ -9,7 +9,8 @@
 * ``measured.peak``: the live tensor bytes at the fullest moment of step N: the storages live when the
   step starts plus the largest running sum of the CPU/CUDA allocator's allocation and free events
   during the step (``torch.profiler`` with ``profile_memory``: an allocator-hook counter, so temporaries
-  inside kernels are seen too), and the process's resident set size (RSS) at the end, for scale;
+  inside kernels are seen too), and for scale the process's resident set size (RSS) now and its
+  high-water mark;
 * ``predicted`` (added by launch.py after training): the role's breakdown from the planner's model
   (planner/breakdown.py ``RoleMemory.as_dict``).
 """
@@ -68,7 +69,15 @@ def count_storages(groups: dict[str, list[torch.Tensor]]) -> dict[str, int]:
 
 
 def rss_bytes() -> int:
-    """The process's resident set size now (Linux /proc), or its peak where /proc is missing."""
+    """The process's resident set size now (Linux /proc), or its peak where /proc is missing. glibc first
+    returns the free heap pages it keeps (``malloc_trim``), so the number is what the process holds, not
+    what the C allocator cached from earlier steps' freed tensors."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
         import os
@@ -118,5 +127,7 @@ class MemoryReport:
     def write(self, peak: dict) -> None:
         self.measured["peak"] = self.measured.get("live_at_start", 0) + peak.get("peak_delta", 0)
         self.measured["rss"] = rss_bytes()
+        # The high-water mark of the resident set (Linux reports KiB): what the process needed at its fullest.
+        self.measured["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps({"step": self.step, "role": self.role, "measured": self.measured}, indent=1))

@@ -5,6 +5,7 @@ zero3 while the encoder uses zero1."""
 
 import pytest
 
+from ..conftest import read_metrics
 from .test_units import SMALL, assert_same_run, train
 
 pytestmark = pytest.mark.distributed
@@ -46,3 +47,24 @@ def test_zero3_composes_with_tp_and_pipeline_stages(text_reference, shards, tmp_
 def test_llm_unit_zero3_beside_an_encoder_unit_on_zero1(reference, shards, tmp_path):
     overrides = ["parallel=disagg4_llm2_gen1", "parallel.units.llm.shard=zero3", "parallel.units.encoder.shard=zero1"]
     assert_same_run(train(shards, tmp_path / "units", *overrides, *SMALL), reference)
+
+
+def test_zero3_with_tp_resumes_from_a_checkpoint(text_reference, shards, tmp_path):
+    """Full tensors gathered from FSDP2 x TP shards (a 2-D mesh, strided shards) load back into them:
+    the resumed steps equal the uninterrupted one-process run."""
+    run = tmp_path / "resumed"
+    layout = ["model=llama_tiny", "parallel=megatron_tp2", "parallel.dp=2", "schedule=none", "trainer.devices=4"]
+    layout += ["parallel.shard=zero3", *SMALL]
+    train(shards, run, *layout, "trainer.exit_after_step=3")
+    train(shards, run, *layout, "trainer.resume=auto")
+    resumed = {m["step"]: m["loss"] for m in read_metrics(run)}
+    straight = {m["step"]: m["loss"] for m in read_metrics(text_reference)}
+    assert [resumed[s] for s in (4, 5)] == pytest.approx([straight[4], straight[5]], abs=1e-4)
+
+
+@pytest.mark.slow  # another 4-process pipeline run (about 40 s); `make test-slow`
+def test_zero2_with_pipeline_stages_under_gpipe(text_reference, shards, tmp_path):
+    piped = ["model=llama_tiny", "parallel=megatron_pp2", "parallel.shard=zero2", "trainer.devices=4"]
+    assert_same_run(
+        train(shards, tmp_path / "gpipe", *piped, "parallel.dp=2", "schedule=gpipe", *SMALL), text_reference
+    )
