@@ -9,6 +9,7 @@ and a single ``error: ...`` line on stderr at the first problem.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -165,6 +166,9 @@ def tool_main(main: Callable[[list[str]], int], argv: list[str]) -> int:
     """Run a tool's ``main``; configuration errors become one ``error:`` line and status 2."""
     try:
         return main(argv)
+    except BrokenPipeError:  # the output went to a pipe that closed early (``| head``): nothing to report
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  Python flushes stdout again at exit
+        return 0
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
     except PreflightError as error:

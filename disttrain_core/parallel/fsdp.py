@@ -16,11 +16,11 @@ model state is spread over its data-parallel replicas:
 How zero2 differs from the Playbook's ZeRO-2: there, parameters stay replicated and only gradients and
 optimizer state are sharded (an all-gather of the updated parameters after each step). FSDP2 has no
 such mode; ``reshard_after_forward=False`` keeps each block's *unsharded* parameters from its forward
-to its backward, and reshards them after the backward. Between steps a rank holds 16/dp bytes per
-parameter (as zero3); during a microbatch it additionally holds the unsharded parameters of every
-block whose forward ran and whose backward did not yet (all of them at the forward-backward turn),
-where zero3 holds at most the blocks being computed and prefetched. The memory model
-(planner/memory.py) counts exactly that.
+to its backward, and reshards them after the backward. Between steps a rank holds 16/S bytes per
+parameter (S = dp / hsdp_replicas ranks share one copy), as under zero3; during a microbatch it also
+holds the unsharded parameters of every block whose forward ran and whose backward did not yet (all
+of them at the forward-backward turn), where zero3 holds at most the blocks being computed and
+prefetched. The memory model (planner/memory.py) counts exactly that.
 
 Blocks (the recompute families: Llama decoder blocks, ViT blocks, U-Net blocks), embeddings and the
 LM head are FSDP groups of their own; the rest of a stage (norms, projectors, small layers) is the

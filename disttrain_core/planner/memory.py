@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-SHARDS = ("none", "zero1", "zero2", "zero3")
-FSDP = ("zero2", "zero3")
+from ..parallel.fsdp import FSDP_MODES as FSDP
+from ..parallel.fsdp import SHARD_MODES as SHARDS
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,11 @@ def validate_trainer(cfg: Config) -> None:
     _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: use 1 or more")
     _require(t.log_every_n_steps >= 1, f"trainer.log_every_n_steps={t.log_every_n_steps}: use 1 or more")
     _require(
+        0 <= t.memory_report_step <= t.max_steps,
+        f"trainer.memory_report_step={t.memory_report_step}: use 0 (off) or a step from 1 to trainer.max_steps "
+        f"({t.max_steps})",
+    )
+    _require(
         t.checkpoint.every_n_steps >= 0, f"trainer.checkpoint.every_n_steps={t.checkpoint.every_n_steps}: use 0 or more"
     )
     _require(t.checkpoint.keep_last >= 1, f"trainer.checkpoint.keep_last={t.checkpoint.keep_last}: keep at least 1")

@@ -25,8 +25,13 @@ def text_reference(shards, tmp_path_factory):
     "overrides",
     [
         ["parallel=dp", "trainer.devices=2", "parallel.shard=zero2"],
-        ["parallel=dp", "trainer.devices=2", "parallel.shard=zero3"],
-        ["parallel=dp", "trainer.devices=4", "parallel.shard=zero3", "parallel.hsdp_replicas=2"],
+        # zero3 itself trains in every test below; on pure DP it joins the slow matrix
+        pytest.param(["parallel=dp", "trainer.devices=2", "parallel.shard=zero3"], marks=pytest.mark.slow),
+        # 4 processes; the HSDP mesh and memory are also checked on meta (tests/unit/test_rehearsal.py)
+        pytest.param(
+            ["parallel=dp", "trainer.devices=4", "parallel.shard=zero3", "parallel.hsdp_replicas=2"],
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["zero2", "zero3", "hsdp2x2"],
 )
@@ -49,6 +54,7 @@ def test_llm_unit_zero3_beside_an_encoder_unit_on_zero1(reference, shards, tmp_p
     assert_same_run(train(shards, tmp_path / "units", *overrides, *SMALL), reference)
 
 
+@pytest.mark.slow  # two 4-process runs (about 35 s); `make test-slow`
 def test_zero3_with_tp_resumes_from_a_checkpoint(text_reference, shards, tmp_path):
     """Full tensors gathered from FSDP2 x TP shards (a 2-D mesh, strided shards) load back into them:
     the resumed steps equal the uninterrupted one-process run."""

@@ -84,6 +84,7 @@ CASES = [
     (["parallel=disagg2", "parallel.units.generator.recompute=full"], "the generator is colocated with the LLM"),
     (["planner.recompute=selective"], "planner.recompute='selective': allowed values are auto, none, full"),
     # model-state sharding
+    (["trainer.memory_report_step=400"], "trainer.memory_report_step=400: use 0 (off) or a step from 1"),
     (["parallel.shard=zero4"], "parallel.shard='zero4': allowed values are none, zero1, zero2, zero3"),
     (["parallel=disagg2", "parallel.units.llm.shard=fsdp"], "parallel.units.llm.shard='fsdp': allowed values"),
     (["parallel=zero1", "parallel.shard=zero3"], "parallel.zero1=true is an alias of parallel.shard=zero1"),
