@@ -25,6 +25,7 @@ def test_every_policy_on_one_process_equals_no_recompute(shards, tmp_path):
         assert got == pytest.approx(reference, abs=1e-6), policy
 
 
+@pytest.mark.slow  # three runs (about 45 s); `make test-slow`. Every policy's parity runs in the default suite above
 def test_a_policy_per_unit_and_a_split_backward_through_recomputed_blocks(shards, tmp_path):
     reference = losses(shards, tmp_path / "one", *BATCH)
     units = losses(
