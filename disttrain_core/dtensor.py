@@ -1,5 +1,5 @@
-"""Two DTensor helpers every floor uses (comm/ buckets and sync, parallel/, train/): the local part of a
-possibly tensor-parallel tensor, and whether a parameter is split over its tensor-parallel group."""
+"""DTensor helpers every floor uses (comm/ buckets and sync, parallel/, train/): the local part of a
+possibly tensor-parallel tensor and where it sits, and whether a parameter is split over its tensor-parallel group."""
 
 from __future__ import annotations
 
@@ -13,3 +13,13 @@ def is_sharded(param) -> bool:
 
 def local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_block(param):
+    """``(local tensor, its offset in the full tensor)``: a DTensor's local shard, else the whole tensor."""
+    if not isinstance(param, DTensor):
+        return param, (0,) * param.ndim
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(offset)

@@ -204,11 +204,13 @@ class SampleEncoder:
         if self.has_generator and gen_before is None:
             tokens += [tok.gen_id] * self.gen_tokens
         tokens = tokens[: seq_len - 1] + [tok.eos_id]
-        tokens += [tok.pad_id] * (seq_len - len(tokens))
+        length = len(tokens)
+        tokens += [tok.pad_id] * (seq_len - length)
         token_array = np.asarray(tokens, dtype=np.int64)
-        # Predict the next token only where it is text (or end of text).
+        # Predict the next token only where it is text (or the <eos>): not an image or <gen> placeholder, nothing
+        # after <eos>. By position and placeholder id, so any tokenizer works (pad may equal eos).
         following = np.append(token_array[1:], tok.pad_id)
-        is_text = (following < 256) | (following == tok.eos_id)
+        is_text = (np.arange(seq_len) < length - 1) & (following != tok.image_id) & (following != tok.gen_id)
         labels = np.where(is_text, following, -100).astype(np.int64)
 
         size = self.image_size

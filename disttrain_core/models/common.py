@@ -14,6 +14,8 @@ import zlib
 import torch
 from torch import nn
 
+from ..dtensor import local_block
+
 
 def parameter_seed(base_seed: int, name: str) -> int:
     """A stable 63-bit seed for one named parameter."""
@@ -63,18 +65,6 @@ def _seeded_normal_into(
         start += count
 
 
-def local_block(param: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The tensor to write and its offset in the full parameter: a DTensor's local shard, else the whole."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return param, (0,) * param.ndim
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return param.to_local(), tuple(offset)
-
-
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int, std: float = 0.02, prefix: str = "") -> None:
     """Initialize every parameter of ``model`` deterministically from ``seed``.
@@ -113,13 +103,25 @@ def count_parameters(module: nn.Module | None, trainable_only: bool = False) -> 
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
-class FeedForwardGELU(nn.Module):
-    """Linear-GELU-Linear, as in ViT blocks and the projectors."""
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """OpenAI CLIP's sigmoid approximation of GELU: x * sigmoid(1.702 x)."""
+    return x * torch.sigmoid(1.702 * x)
 
-    def __init__(self, dim: int, hidden_dim: int, out_dim: int | None = None):
+
+ACTIVATIONS = {"gelu": nn.functional.gelu, "quick_gelu": quick_gelu}
+
+
+class FeedForwardGELU(nn.Module):
+    """Linear-GELU-Linear, as in ViT blocks and the projectors. ``activation`` picks the GELU
+    variant: ``gelu`` (exact, erf) or ``quick_gelu`` (OpenAI CLIP checkpoints)."""
+
+    def __init__(self, dim: int, hidden_dim: int, out_dim: int | None = None, activation: str = "gelu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: allowed values are {sorted(ACTIVATIONS)}")
+        self.activation = activation
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.fc2 = nn.Linear(hidden_dim, out_dim or dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(nn.functional.gelu(self.fc1(x)))
+        return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)))

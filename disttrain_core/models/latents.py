@@ -9,11 +9,14 @@ stand-in with the same interface and shapes:
     -> fixed 3->C channel mixing (seeded, never trained) -> scaled to unit variance
 
 It is deterministic, costs almost nothing, and keeps the image's coarse
-structure, so the denoising loss is learnable. To use a real frozen VAE,
-register a factory and select it with ``model.latent_encoder=<name>``::
+structure, so the denoising loss is learnable. The real thing is registered as
+``sd_vae``: Stable Diffusion's frozen VAE encoder read from a diffusers
+``AutoencoderKL`` directory named by ``model.latent_encoder_path``
+(models/vae.py). Other encoders register a factory and are selected with
+``model.latent_encoder=<name>``::
 
     from disttrain_core.models.latents import register_latent_encoder
-    register_latent_encoder("sd_vae", lambda cfg: MyFrozenVAEEncoder(...))
+    register_latent_encoder("my_vae", lambda cfg: MyFrozenVAEEncoder(...))
 
 A latent encoder is an ``nn.Module`` mapping uint8 images to latents of shape
 [B, generator.in_channels, gen_image_size / latent_downsample, same]. It must
@@ -55,9 +58,16 @@ class PixelLatentEncoder(nn.Module):
         return torch.einsum("cd,bdhw->bchw", self.mixing, x) * LATENT_SCALE
 
 
+def _sd_vae(cfg: ModelConfig) -> nn.Module:
+    from .vae import sd_vae_encoder
+
+    return sd_vae_encoder(cfg)
+
+
 LatentFactory = Callable[[ModelConfig], nn.Module]
 _LATENT_ENCODERS: dict[str, LatentFactory] = {
     "pixel": lambda cfg: PixelLatentEncoder(cfg.generator.in_channels, cfg.latent_downsample),
+    "sd_vae": _sd_vae,
 }
 
 

@@ -1,5 +1,7 @@
 """Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU feed-forward, untied output head. Single-device code only.
+SwiGLU feed-forward, untied output head. Single-device code only. Rotary
+embeddings rotate interleaved pairs (Meta's layout; Hugging Face checkpoints
+are permuted on import, models/hf/llama.py).
 
 Layers live in a ModuleDict keyed "0".."L-1" so a pipeline stage can drop the
 layers it does not own and keep the same parameter names. Head counts are
@@ -9,6 +11,8 @@ tensor-parallel plan that shards the projections needs no change here.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,9 +20,33 @@ from torch import nn
 from ..config import LlamaConfig
 
 
-def rope_table(head_dim: int, max_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos/sin table of shape [max_len, head_dim // 2, 2] (fp32)."""
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
+    """Llama-3.1 frequency scaling (Hugging Face ``rope_type: llama3``) of fp32 inverse frequencies.
+
+    Wavelengths shorter than ``original_max_position_embeddings / high_freq_factor`` keep their frequency,
+    longer than ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``; the band
+    between interpolates linearly in ``original_max_position_embeddings / wavelength``.
+    """
+    factor = float(scaling.factor)
+    low, high = float(scaling.low_freq_factor), float(scaling.high_freq_factor)
+    context = float(scaling.original_max_position_embeddings)
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    return torch.where((wavelength >= context / high) & (wavelength <= context / low), blended, out)
+
+
+def rope_table(head_dim: int, max_len: int, theta: float, device=None, scaling=None) -> torch.Tensor:
+    """cos/sin table of shape [max_len, head_dim // 2, 2] (fp32).
+
+    ``scaling``: a :class:`~disttrain_core.config.RopeScalingConfig` (or None); only ``rope_type: llama3``.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        if scaling.rope_type != "llama3":
+            raise ValueError(f"rope_scaling.rope_type={scaling.rope_type!r} is not supported (only 'llama3')")
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
     return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
@@ -96,7 +124,9 @@ class Llama(nn.Module):
 
     def reset_buffers(self) -> None:
         device = self.rope.device
-        self.rope = rope_table(self.cfg.dim // self.cfg.n_heads, self.max_seq_len, self.cfg.rope_theta, device)
+        head_dim = self.cfg.dim // self.cfg.n_heads
+        scaling = getattr(self.cfg, "rope_scaling", None)
+        self.rope = rope_table(head_dim, self.max_seq_len, self.cfg.rope_theta, device, scaling)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)

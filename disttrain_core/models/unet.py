@@ -8,6 +8,12 @@ fed with the matching skip connection, transformers, nearest-neighbour
 upsampling + conv) -> GroupNorm, SiLU, conv_out. Transformers use linear
 in/out projections, self-attention, cross-attention to the conditioning, and a
 GEGLU feed-forward. Each residual block receives the timestep embedding.
+
+It computes what diffusers' ``UNet2DConditionModel`` computes for SD 1.x/2.x configs (models/hf/unet.py
+imports those weights): timestep features with cosine first and no frequency shift, GroupNorm eps 1e-5 in
+the residual blocks and at the output, 1e-6 in front of each transformer, LayerNorm eps 1e-5, unscaled
+residual sums, skips concatenated after the running features. SD 1.x's 1x1-conv transformer projections
+equal our linear ones (weights reshaped); heads per level come from ``attention_heads`` when given.
 """
 
 from __future__ import annotations
@@ -102,16 +108,32 @@ class SpatialTransformer(nn.Module):
         return x + h
 
 
+def level_head_dims(cfg: UNetConfig) -> list[int]:
+    """Attention head width per level: channels // attention_heads[level], else ``head_dim`` everywhere."""
+    chans = list(cfg.block_out_channels)
+    heads = list(getattr(cfg, "attention_heads", None) or [])
+    if not heads:
+        return [cfg.head_dim] * len(chans)
+    if len(heads) != len(chans):
+        raise ValueError(f"generator.attention_heads={heads} needs one entry per block_out_channels entry {chans}")
+    for ch, n in zip(chans, heads, strict=True):
+        if n <= 0 or ch % n:
+            raise ValueError(f"generator.attention_heads={heads}: {ch} channels do not split into {n} heads")
+    return [ch // n for ch, n in zip(chans, heads, strict=True)]
+
+
 class UNetLevel(nn.Module):
     """One resolution level: residual blocks, optional transformers, optional resampler."""
 
-    def __init__(self, res_in: list[int], channels: int, attention: bool, resample: str | None, cfg: UNetConfig):
+    def __init__(
+        self, res_in: list[int], channels: int, attention: bool, resample: str | None, head_dim: int, cfg: UNetConfig
+    ):
         super().__init__()
         temb_dim = 4 * cfg.block_out_channels[0]
         self.resnets = nn.ModuleList(ResBlock(c, channels, temb_dim, cfg.norm_groups) for c in res_in)
         self.attentions = (
             nn.ModuleList(
-                SpatialTransformer(channels, cfg.head_dim, cfg.cross_attention_dim, cfg.norm_groups) for _ in res_in
+                SpatialTransformer(channels, head_dim, cfg.cross_attention_dim, cfg.norm_groups) for _ in res_in
             )
             if attention
             else None
@@ -130,6 +152,7 @@ class UNet(nn.Module):
         attn = list(cfg.cross_attention_blocks)
         if len(attn) != len(chans):
             raise ValueError("generator.cross_attention_blocks needs one entry per block_out_channels entry")
+        head_dims = level_head_dims(cfg)
         temb_dim = 4 * chans[0]
         self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
         self.time_linear1 = nn.Linear(chans[0], temb_dim)
@@ -141,12 +164,12 @@ class UNet(nn.Module):
         for level, ch in enumerate(chans):
             last = level == len(chans) - 1
             res_in = [in_ch] + [ch] * (cfg.layers_per_block - 1)
-            self.down.append(UNetLevel(res_in, ch, attn[level], None if last else "down", cfg))
+            self.down.append(UNetLevel(res_in, ch, attn[level], None if last else "down", head_dims[level], cfg))
             skips += [ch] * cfg.layers_per_block + ([] if last else [ch])
             in_ch = ch
 
         self.mid_res1 = ResBlock(chans[-1], chans[-1], temb_dim, cfg.norm_groups)
-        self.mid_attn = SpatialTransformer(chans[-1], cfg.head_dim, cfg.cross_attention_dim, cfg.norm_groups)
+        self.mid_attn = SpatialTransformer(chans[-1], head_dims[-1], cfg.cross_attention_dim, cfg.norm_groups)
         self.mid_res2 = ResBlock(chans[-1], chans[-1], temb_dim, cfg.norm_groups)
 
         self.up = nn.ModuleList()
@@ -156,7 +179,8 @@ class UNet(nn.Module):
             res_in = []
             for j in range(cfg.layers_per_block + 1):
                 res_in.append((prev if j == 0 else ch) + skips.pop())
-            self.up.append(UNetLevel(res_in, ch, list(reversed(attn))[level], None if last else "up", cfg))
+            mirror = len(chans) - 1 - level
+            self.up.append(UNetLevel(res_in, ch, attn[mirror], None if last else "up", head_dims[mirror], cfg))
             prev = ch
 
         self.norm_out = nn.GroupNorm(cfg.norm_groups, chans[0], eps=1e-5)

@@ -3,8 +3,12 @@ embedding, class token, learned positions, pre-norm blocks, output projection.
 
 Input is uint8 pixels [N, 3, H, W]; normalization happens here so the data
 pipeline can move compact uint8 tensors. Output is one embedding per patch
-[N, P, output_dim] (the class token is dropped), which the projector maps into
+[N, P, out_dim] (the class token is dropped), which the projector maps into
 the LLM's width.
+
+``feature_layer`` (LLaVA-style) takes a hidden state instead: only the blocks up
+to it are built (:func:`vit_block_count`, which every block-count consumer uses),
+and there is no output norm and no projection, so ``out_dim`` is ``dim``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,25 @@ from .common import FeedForwardGELU
 # CLIP's pixel statistics.
 PIXEL_MEAN = (0.48145466, 0.4578275, 0.40821073)
 PIXEL_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def vit_block_count(cfg: VitConfig) -> int:
+    """The number of blocks the encoder builds (and runs, splits, counts FLOPs of).
+
+    ``n_layers`` without ``feature_layer``; with it, the blocks up to that hidden state, indexed as Hugging
+    Face's ``hidden_states`` (``n_layers + 1`` entries: 0 = the embeddings, -1 = the last block's output).
+    The embeddings themselves (no block at all) are refused: a unit needs a block to split and plan.
+    """
+    layer = cfg.feature_layer
+    if layer is None:
+        return cfg.n_layers
+    count = layer if layer >= 0 else cfg.n_layers + 1 + layer
+    if not 1 <= count <= cfg.n_layers:
+        raise ValueError(
+            f"model.encoder.feature_layer={layer} is out of range for model.encoder.n_layers={cfg.n_layers}: "
+            f"set it within {-cfg.n_layers}..-1 or 1..{cfg.n_layers} (LLaVA uses -2), or null for every block"
+        )
+    return count
 
 
 class VitAttention(nn.Module):
@@ -48,7 +71,7 @@ class VitBlock(nn.Module):
         self.norm1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = VitAttention(cfg.dim, cfg.n_heads)
         self.norm2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = FeedForwardGELU(cfg.dim, cfg.mlp_dim)
+        self.mlp = FeedForwardGELU(cfg.dim, cfg.mlp_dim, activation=cfg.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -61,14 +84,15 @@ class VisionTransformer(nn.Module):
         self.cfg = cfg
         grid = cfg.image_size // cfg.patch_size
         self.num_patches = grid * grid
-        self.out_dim = cfg.output_dim or cfg.dim
         self.patch_embed = nn.Conv2d(cfg.channels, cfg.dim, cfg.patch_size, stride=cfg.patch_size, bias=False)
         self.class_embedding = nn.Parameter(torch.empty(cfg.dim)) if cfg.class_token else None
         self.positional_embedding = nn.Parameter(torch.empty(self.num_patches + int(cfg.class_token), cfg.dim))
         self.norm_pre = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.blocks = nn.ModuleDict({str(i): VitBlock(cfg) for i in range(cfg.n_layers)})
-        self.norm_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.proj = nn.Linear(cfg.dim, cfg.output_dim, bias=False) if cfg.output_dim else None
+        self.blocks = nn.ModuleDict({str(i): VitBlock(cfg) for i in range(vit_block_count(cfg))})
+        full = cfg.feature_layer is None  # a selected hidden state skips the output norm and projection
+        self.norm_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps) if full else None
+        self.proj = nn.Linear(cfg.dim, cfg.output_dim, bias=False) if full and cfg.output_dim else None
+        self.out_dim = cfg.output_dim if self.proj is not None else cfg.dim
         self.register_buffer("pixel_mean", torch.empty(0), persistent=False)
         self.register_buffer("pixel_std", torch.empty(0), persistent=False)
         self.reset_buffers()
@@ -99,7 +123,8 @@ class VisionTransformer(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         if self.class_embedding is not None:
             x = x[:, 1:]
-        x = self.norm_post(x)
+        if self.norm_post is not None:
+            x = self.norm_post(x)
         return self.proj(x) if self.proj is not None else x
 
     @property

@@ -31,6 +31,7 @@ from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
 from ..models import build_model
 from ..models.mllm import MultimodalLLM
+from ..models.vit import vit_block_count
 
 
 @dataclass
@@ -70,7 +71,8 @@ class EncoderStage(nn.Module):
         super().__init__()
         self.is_first, self.is_last = index == 0, index == count - 1
         vit = model.encoder
-        _keep_blocks(vit.blocks, split_evenly(vit.cfg.n_layers, count, "model.encoder.n_layers")[index])
+        blocks = split_evenly(vit_block_count(vit.cfg), count, "model.encoder blocks built (n_layers, feature_layer)")
+        _keep_blocks(vit.blocks, blocks[index])
         if not self.is_first:
             _drop(vit, ("patch_embed", "class_embedding", "positional_embedding", "norm_pre"))
         if not self.is_last:

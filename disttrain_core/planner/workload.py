@@ -194,6 +194,7 @@ def _build(cfg: ModelConfig) -> Workload:
     from ..models import build_model
     from ..models.flops import module_flops
     from ..models.unet import UNet
+    from ..models.vit import vit_block_count
 
     model = build_model(cfg, ByteTokenizer(), device="meta")
     flops = module_flops(cfg)
@@ -242,7 +243,7 @@ def _build(cfg: ModelConfig) -> Workload:
             params_rep=count(vit) - blocks + count(proj),
             trainable_fraction=trainable((vit, freeze.encoder), (proj, freeze.encoder_projector)),
             items_per_sample=float(cfg.nominal_images_per_sample),
-            layers=cfg.encoder.n_layers,
+            layers=vit_block_count(cfg.encoder),
             tokens=vit.num_patches + int(cfg.encoder.class_token),
             dim=cfg.encoder.dim,
             heads=cfg.encoder.n_heads,

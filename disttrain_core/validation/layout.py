@@ -191,10 +191,14 @@ def validate_layout(cfg: Config) -> None:
                         value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}"
                     )
         if unit.name == "encoder":
-            _require(
-                m.encoder.n_layers % unit.pp == 0,
-                f"{where}: pp={unit.pp} does not divide model.encoder.n_layers={m.encoder.n_layers}",
-            )
+            from ..models.vit import vit_block_count
+
+            blocks, layer = vit_block_count(m.encoder), m.encoder.feature_layer
+            what = f"model.encoder.n_layers={blocks}"
+            if layer is not None:
+                what = f"the {blocks} encoder block(s) built for model.encoder.feature_layer={layer} "
+                what += f"(n_layers={m.encoder.n_layers})"
+            _require(blocks % unit.pp == 0, f"{where}: pp={unit.pp} does not divide {what}")
         if unit.name == "generator":
             _require(
                 unit.pp == 1,

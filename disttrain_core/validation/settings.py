@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 from ..config import Config, cpu_count, determinism
 from .common import (
     CPU_PROCESSES_PER_CORE,
+    ConfigError,
     _require,
     externally_launched,
     resolve_accelerator,
     resolve_backend,
 )
 from .layout import layout_of, reads_global_stream
+
+
+def _tokenizer(cfg: Config):
+    """The tokenizer ``data.tokenizer`` names (loads a tokenizer.json: cheap); its errors become ConfigError."""
+    name = str(cfg.data.tokenizer)
+    try:
+        stamp = os.stat(name).st_mtime_ns
+    except OSError:
+        stamp = None
+    try:
+        return _load_tokenizer(name, stamp)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(name: str, stamp: int | None):  # stamp: the file's mtime, so an edited file is read again
+    from ..data.tokenizer import build_tokenizer
+
+    return build_tokenizer(name)
 
 
 def validate_model(cfg: Config) -> None:
@@ -29,15 +51,12 @@ def validate_model(cfg: Config) -> None:
         f"model.llm head size {llm.dim // llm.n_heads} must be even for rotary embeddings",
     )
     _require(m.seq_len >= 8, f"model.seq_len={m.seq_len}: use at least 8 tokens")
-    from ..data.tokenizer import TOKENIZERS
-
-    if cfg.data.tokenizer in TOKENIZERS:
-        vocab = TOKENIZERS[cfg.data.tokenizer]().vocab_size
-        _require(
-            llm.vocab_size >= vocab,
-            f"model.llm.vocab_size={llm.vocab_size} is smaller than the {cfg.data.tokenizer!r} tokenizer's "
-            f"{vocab} ids; raise model.llm.vocab_size to at least {vocab}",
-        )
+    vocab = _tokenizer(cfg).vocab_size
+    _require(
+        llm.vocab_size >= vocab,
+        f"model.llm.vocab_size={llm.vocab_size} is smaller than the {vocab} ids of "
+        f"data.tokenizer={cfg.data.tokenizer}; set model.llm.vocab_size={vocab} (or more)",
+    )
     if m.family == "llama":
         _require(
             m.encoder is None and m.generator is None,
@@ -55,6 +74,18 @@ def validate_model(cfg: Config) -> None:
         vit.dim % vit.n_heads == 0,
         f"model.encoder.dim={vit.dim} is not divisible by model.encoder.n_heads={vit.n_heads}",
     )
+    from ..models.common import ACTIVATIONS
+    from ..models.vit import vit_block_count
+
+    _require(
+        vit.activation in ACTIVATIONS,
+        f"model.encoder.activation={vit.activation!r} is not known; set model.encoder.activation to one of "
+        f"{sorted(ACTIVATIONS)} (quick_gelu for OpenAI CLIP weights)",
+    )
+    try:
+        vit_block_count(vit)  # feature_layer within range
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     patches = (vit.image_size // vit.patch_size) ** 2
     gen_tokens = m.gen_tokens if m.generator is not None else 0
     _require(
@@ -76,14 +107,20 @@ def _validate_generator(cfg: Config) -> None:
         f"model.generator.cross_attention_blocks has {len(unet.cross_attention_blocks)} entries but "
         f"block_out_channels has {len(unet.block_out_channels)}; give one per level",
     )
-    for channels in unet.block_out_channels:
+    from ..models.unet import level_head_dims
+
+    try:
+        head_dims = level_head_dims(unet)
+    except ValueError as error:
+        raise ConfigError(f"model.{error}") from None
+    for channels, head_dim in zip(unet.block_out_channels, head_dims, strict=True):
         _require(
             channels % unet.norm_groups == 0,
             f"model.generator channel count {channels} is not divisible by norm_groups={unet.norm_groups}",
         )
         _require(
-            channels % unet.head_dim == 0,
-            f"model.generator channel count {channels} is not divisible by head_dim={unet.head_dim}",
+            channels % head_dim == 0,
+            f"model.generator channel count {channels} is not divisible by head_dim={head_dim}",
         )
     _require(m.gen_tokens >= 1, f"model.gen_tokens={m.gen_tokens}: use at least 1 generation token")
     _require(
@@ -228,9 +265,7 @@ def validate_device_contract(cfg: Config) -> None:
 
 def validate_data(cfg: Config) -> None:
     d = cfg.data
-    from ..data.tokenizer import TOKENIZERS
-
-    _require(d.tokenizer in TOKENIZERS, f"data.tokenizer={d.tokenizer!r} is unknown; available: {sorted(TOKENIZERS)}")
+    _tokenizer(cfg)  # a name it knows or a readable tokenizer.json
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: use 0 (decode inline) or more")
     _require(0 <= d.worker_nice <= 19, f"data.worker_nice={d.worker_nice}: use 0 (off) to 19")
     p = d.producer

@@ -1,122 +1,17 @@
-"""Typed configuration schema.
-
-Every config group under ``conf/`` is merged on top of these dataclasses, so an
-unknown key or a value of the wrong type fails while Hydra composes the config,
-with a message naming the key. Semantic checks (divisibility, ranges, files on
-disk) live in :mod:`disttrain_core.validation`.
-
-Field documentation is the comment after each field (``python train.py --cfg job``
-prints the composed values).
-"""
+"""Run schema: data, optimizer, trainer, cluster, planner, parallelism, schedule, logging and the root
+``Config`` (every other config group)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import MISSING
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = REPO_ROOT / "conf"
-RECIPES_DIR = REPO_ROOT / "recipes"
+from .model import ModelConfig
 
-# Config groups selectable on the command line (``group=option``).
-CONFIG_GROUPS = (
-    "model",
-    "parallel",
-    "schedule",
-    "data",
-    "optim",
-    "trainer",
-    "cluster",
-    "logger",
-    "paths",
-    "hparams_search",
-    "recipe",
-)
-
-
-# --------------------------------------------------------------------------- model
-@dataclass
-class VitConfig:
-    image_size: int = 224  # input resolution (square) after preprocessing
-    patch_size: int = 14
-    channels: int = 3
-    dim: int = 1280
-    n_layers: int = 32
-    n_heads: int = 16
-    mlp_dim: int = 5120
-    output_dim: int = 1024  # CLIP-style output projection; 0 disables it
-    class_token: bool = True  # a [CLS] token is prepended (dropped from the output)
-    norm_eps: float = 1e-5
-
-
-@dataclass
-class LlamaConfig:
-    vocab_size: int = 128256
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int = 8
-    ffn_dim: int = 14336
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-
-
-@dataclass
-class UNetConfig:
-    in_channels: int = 4  # latent channels
-    block_out_channels: list[int] = field(default_factory=lambda: [320, 640, 1280, 1280])
-    # Which down blocks carry cross-attention transformers (up blocks mirror them).
-    cross_attention_blocks: list[bool] = field(default_factory=lambda: [True, True, True, False])
-    layers_per_block: int = 2
-    head_dim: int = 64
-    cross_attention_dim: int = 1024  # width of the conditioning from the LLM
-    norm_groups: int = 32
-    num_train_timesteps: int = 1000
-    beta_start: float = 0.00085
-    beta_end: float = 0.012
-
-
-@dataclass
-class ProjectorConfig:
-    hidden_dim: int = 0  # 0 means "same as the output width"
-    n_layers: int = 2  # 1 = a single linear layer; 2 = linear-GELU-linear
-
-
-@dataclass
-class FreezeConfig:
-    encoder: bool = False
-    encoder_projector: bool = False
-    llm: bool = False
-    generator_projector: bool = False
-    generator: bool = False
-
-
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    family: str = "mllm"  # mllm | llama
-    seq_len: int = 2048  # tokens per training sequence (one sample per row, padded)
-    llm: LlamaConfig = field(default_factory=LlamaConfig)
-    encoder: Optional[VitConfig] = None
-    generator: Optional[UNetConfig] = None
-    encoder_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
-    generator_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
-    gen_tokens: int = 77  # generation query tokens; their LLM states condition the U-Net
-    gen_image_size: int = 768  # pixel size of the generation target image
-    latent_downsample: int = 8  # pixels per latent cell (SD's VAE: 8)
-    latent_encoder: str = "pixel"  # registered latent encoder (see models/latents.py)
-    gen_loss_weight: float = 1.0
-    nominal_images_per_sample: float = 1.0  # for per-sample FLOP tables and planning
-    # The batch this model is meant to train with; optim.global_batch_size / micro_batch_size default
-    # to these (conf/optim/adamw.yaml), so `model=mllm72b` plans and trains at its own scale.
-    reference_global_batch: int = 16
-    reference_micro_batch: int = 8
-    init_std: float = 0.02
-    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 # ---------------------------------------------------------------------------- data
@@ -402,81 +297,3 @@ class Config:
     tags: list[str] = field(default_factory=list)
     # Name of the metric a sweep optimizes (returned by train.py's main).
     optimized_metric: str = "train/loss"
-
-
-def training_precision(precision: str, device_type: str) -> str:
-    """``trainer.precision`` with ``auto`` resolved: bf16-mixed on CUDA, 32 elsewhere."""
-    if precision != "auto":
-        return precision
-    return "bf16-mixed" if device_type == "cuda" else "32"
-
-
-def determinism(choice: Any, device_type: str) -> bool | str:
-    """``trainer.deterministic`` resolved: True (strict), False, or "warn" (torch's warn_only)."""
-    if choice == "auto":
-        return device_type != "cuda"
-    return choice
-
-
-def group_options(group: str) -> list[str]:
-    """Option names available for a config group (yaml files or recipes)."""
-    directory = RECIPES_DIR if group == "recipe" else CONF_DIR / group
-    if not directory.is_dir():
-        return []
-    return sorted(p.stem for p in directory.glob("*.yaml"))
-
-
-_registered = False
-
-
-def register_configs() -> None:
-    """Store the schema and the recipes in Hydra's ConfigStore (idempotent).
-
-    Recipes live in the top-level ``recipes/`` folder rather than under
-    ``conf/`` so that people find them; they are registered as the ``recipe``
-    group in the ``_global_`` package, exactly as if they were
-    ``conf/recipe/<name>.yaml`` with ``# @package _global_``.
-    """
-    global _registered
-    if _registered:
-        return
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    store = ConfigStore.instance()
-    store.store(name="base_config", node=Config)
-    for name in group_options("recipe"):
-        node = OmegaConf.load(RECIPES_DIR / f"{name}.yaml")
-        store.store(group="recipe", name=name, node=node, package="_global_")
-    _registered = True
-
-
-def typed_config(container: Any) -> Config:
-    """A schema-checked DictConfig (attribute access, types enforced) from a dict or DictConfig."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.merge(OmegaConf.structured(Config), container)  # type: ignore[return-value]
-
-
-def compose(overrides: list[str] | None = None, return_hydra_config: bool = False) -> Any:
-    """Compose the config outside of ``@hydra.main`` (tools and tests)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(
-            config_name="config",
-            overrides=list(overrides or []),
-            return_hydra_config=return_hydra_config,
-        )
-
-
-def cpu_count() -> int:
-    """Cores this process may use (respects affinity masks and cgroups pinning)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return os.cpu_count() or 1

@@ -1,0 +1,142 @@
+"""Typed configuration schema.
+
+Every config group under ``conf/`` is merged on top of these dataclasses
+(``config/model.py``: the model; ``config/schema.py``: everything else), so an
+unknown key or a value of the wrong type fails while Hydra composes the config,
+with a message naming the key. Semantic checks (divisibility, ranges, files on
+disk) live in :mod:`disttrain_core.validation`.
+
+Field documentation is the comment after each field (``python train.py --cfg job``
+prints the composed values).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .model import (  # noqa: F401  re-exported: ``from disttrain_core.config import LlamaConfig``
+    FreezeConfig,
+    LlamaConfig,
+    ModelConfig,
+    ProjectorConfig,
+    RopeScalingConfig,
+    UNetConfig,
+    VitConfig,
+)
+from .schema import (  # noqa: F401
+    REPO_ROOT,
+    CheckpointConfig,
+    ClusterConfig,
+    CommConfig,
+    Config,
+    DataConfig,
+    LoggerConfig,
+    OptimConfig,
+    ParallelConfig,
+    PathsConfig,
+    PlannerConfig,
+    ProducerConfig,
+    ReorderConfig,
+    ScheduleConfig,
+    SyntheticDataConfig,
+    TrainerConfig,
+    UnitConfig,
+    UnitsConfig,
+)
+
+CONF_DIR = REPO_ROOT / "conf"
+RECIPES_DIR = REPO_ROOT / "recipes"
+
+# Config groups selectable on the command line (``group=option``).
+CONFIG_GROUPS = (
+    "model",
+    "parallel",
+    "schedule",
+    "data",
+    "optim",
+    "trainer",
+    "cluster",
+    "logger",
+    "paths",
+    "hparams_search",
+    "recipe",
+)
+
+
+def training_precision(precision: str, device_type: str) -> str:
+    """``trainer.precision`` with ``auto`` resolved: bf16-mixed on CUDA, 32 elsewhere."""
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if device_type == "cuda" else "32"
+
+
+def determinism(choice: Any, device_type: str) -> bool | str:
+    """``trainer.deterministic`` resolved: True (strict), False, or "warn" (torch's warn_only)."""
+    if choice == "auto":
+        return device_type != "cuda"
+    return choice
+
+
+def group_options(group: str) -> list[str]:
+    """Option names available for a config group (yaml files or recipes)."""
+    directory = RECIPES_DIR if group == "recipe" else CONF_DIR / group
+    if not directory.is_dir():
+        return []
+    return sorted(p.stem for p in directory.glob("*.yaml"))
+
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Store the schema and the recipes in Hydra's ConfigStore (idempotent).
+
+    Recipes live in the top-level ``recipes/`` folder rather than under
+    ``conf/`` so that people find them; they are registered as the ``recipe``
+    group in the ``_global_`` package, exactly as if they were
+    ``conf/recipe/<name>.yaml`` with ``# @package _global_``.
+    """
+    global _registered
+    if _registered:
+        return
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for name in group_options("recipe"):
+        node = OmegaConf.load(RECIPES_DIR / f"{name}.yaml")
+        store.store(group="recipe", name=name, node=node, package="_global_")
+    _registered = True
+
+
+def typed_config(container: Any) -> Config:
+    """A schema-checked DictConfig (attribute access, types enforced) from a dict or DictConfig."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(OmegaConf.structured(Config), container)  # type: ignore[return-value]
+
+
+def compose(overrides: list[str] | None = None, return_hydra_config: bool = False) -> Any:
+    """Compose the config outside of ``@hydra.main`` (tools and tests)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(
+            config_name="config",
+            overrides=list(overrides or []),
+            return_hydra_config=return_hydra_config,
+        )
+
+
+def cpu_count() -> int:
+    """Cores this process may use (respects affinity masks and cgroups pinning)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1

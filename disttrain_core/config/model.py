@@ -1,0 +1,115 @@
+"""Model schema: the encoder, LLM, generator and how they are joined (``conf/model/*.yaml``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+# --------------------------------------------------------------------------- model
+@dataclass
+class VitConfig:
+    image_size: int = 224  # input resolution (square) after preprocessing
+    patch_size: int = 14
+    channels: int = 3
+    dim: int = 1280
+    n_layers: int = 32
+    n_heads: int = 16
+    mlp_dim: int = 5120
+    output_dim: int = 1024  # CLIP-style output projection; 0 disables it
+    class_token: bool = True  # a [CLS] token is prepended (dropped from the output)
+    norm_eps: float = 1e-5
+    activation: str = "gelu"  # gelu | quick_gelu (OpenAI CLIP's x * sigmoid(1.702 x))
+    # None: every block, then norm_post and the output projection (CLIP image embeddings per patch).
+    # An int selects a hidden state as LLaVA does (Hugging Face hidden_states indexing: 0 = the embeddings,
+    # -1 = the last block's output, -2 = the one before, LLaVA's choice): later blocks are not built, no norm_post
+    # and no projection run.
+    feature_layer: Optional[int] = None
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama-3.1's rotary frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type: llama3``)."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 128256
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    ffn_dim: int = 14336
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: Optional[RopeScalingConfig] = None  # Llama-3.1's "llama3" frequency scaling
+
+
+@dataclass
+class UNetConfig:
+    in_channels: int = 4  # latent channels
+    block_out_channels: list[int] = field(default_factory=lambda: [320, 640, 1280, 1280])
+    # Which down blocks carry cross-attention transformers (up blocks mirror them).
+    cross_attention_blocks: list[bool] = field(default_factory=lambda: [True, True, True, False])
+    layers_per_block: int = 2
+    head_dim: int = 64
+    # Attention heads per level (diffusers' attention_head_dim; SD 1.x: [8,8,8,8]); empty: channels // head_dim.
+    attention_heads: list[int] = field(default_factory=list)
+    cross_attention_dim: int = 1024  # width of the conditioning from the LLM
+    norm_groups: int = 32
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.00085
+    beta_end: float = 0.012
+
+
+@dataclass
+class ProjectorConfig:
+    hidden_dim: int = 0  # 0 means "same as the output width"
+    n_layers: int = 2  # 1 = a single linear layer; 2 = linear-GELU-linear
+
+
+@dataclass
+class FreezeConfig:
+    encoder: bool = False
+    encoder_projector: bool = False
+    llm: bool = False
+    generator_projector: bool = False
+    generator: bool = False
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: str = "mllm"  # mllm | llama
+    seq_len: int = 2048  # tokens per training sequence (one sample per row, padded)
+    llm: LlamaConfig = field(default_factory=LlamaConfig)
+    encoder: Optional[VitConfig] = None
+    generator: Optional[UNetConfig] = None
+    encoder_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    generator_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    gen_tokens: int = 77  # generation query tokens; their LLM states condition the U-Net
+    gen_image_size: int = 768  # pixel size of the generation target image
+    latent_downsample: int = 8  # pixels per latent cell (SD's VAE: 8)
+    latent_encoder: str = "pixel"  # registered latent encoder (see models/latents.py)
+    gen_loss_weight: float = 1.0
+    nominal_images_per_sample: float = 1.0  # for per-sample FLOP tables and planning
+    # The batch this model is meant to train with; optim.global_batch_size / micro_batch_size default
+    # to these (conf/optim/adamw.yaml), so `model=mllm72b` plans and trains at its own scale.
+    reference_global_batch: int = 16
+    reference_micro_batch: int = 8
+    init_std: float = 0.02
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    # Pretrained weights in Hugging Face formats (models/hf/): a directory holding config.json and *.safetensors
+    # (its architecture picks the part: LlamaForCausalLM -> llm, CLIPVisionModel -> encoder,
+    # UNet2DConditionModel -> generator), or a mapping part -> directory, e.g. {llm: /w/llama, encoder: /w/clip}.
+    init_from: Any = None
+    init_from_strict: bool = True  # every parameter must come from init_from; false: the rest keep their init
+    latent_encoder_path: Optional[str] = None  # weights of a latent encoder that needs them (sd_vae: a diffusers VAE)
