@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .config import Config, cpu_count, determinism, training_precision, typed_config
+from .train.preflight import STATE_ERRORS, check_state_sources
 from .validation import (
     ConfigError,
     externally_launched,
@@ -84,7 +85,8 @@ def launch(cfg: DictConfig) -> float | None:
                 return None
             cfg = typed_config(container)
             validate_config(cfg)
-    except ConfigError as error:
+        check_state_sources(cfg, Path(cfg.paths.output_dir))
+    except (ConfigError, *STATE_ERRORS) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     run_dir = Path(cfg.paths.output_dir)

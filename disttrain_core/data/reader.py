@@ -130,3 +130,21 @@ class ShardStream:
             if produced == 0:
                 raise RuntimeError(f"the shards of data-parallel rank {self.dp_rank} hold no readable samples")
             epoch += 1
+
+
+def shard_sample_counts(shards: list[str]) -> list[int]:
+    """Samples per shard, from the tar headers alone (members grouped by key as the stream groups them).
+    Used when a resumed run changes its data-parallel size: positions carry over exactly only when
+    every shard holds the same number."""
+    import tarfile
+
+    counts = []
+    for path in shards:
+        keys = set()
+        with tarfile.open(path) as archive:
+            for member in archive:
+                if member.isfile():
+                    base = member.name.rsplit("/", 1)[-1]
+                    keys.add(member.name[: len(member.name) - len(base)] + base.split(".", 1)[0])
+        counts.append(len(keys))
+    return counts

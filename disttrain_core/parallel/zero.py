@@ -32,6 +32,8 @@ each element counts once over the world (TP-replicated elements are weighted by
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,8 @@ from ..comm.buckets import FlatBuckets, bucket_numel
 from ..comm.engine import BucketedSync, make_collectives
 from ..comm.trace import CommTrace
 from ..config import CommConfig, OptimConfig
+from ..dtensor import is_sharded, local_block
+from .flat_chunks import range_boxes, sharded_chunks
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -159,73 +163,66 @@ class ZeroOneOptimizer:
                 for bucket, master in zip(flat.buckets, flat.masters, strict=True):
                     master.copy_(bucket.slice_of(full, flat.rank))
 
-    # --------------------------------------------------------- by-name state
-    # Saved like a plain AdamW's state keyed by parameter name (full, un-sharded
-    # tensors), so it loads into any layout -- ZeRO or not, any dp, tp or pp.
-    def _gather(self, shard: torch.Tensor, flat: FlatBuckets) -> torch.Tensor:
-        if self.dp == 1:
-            return flat.unshard(shard.detach())
-        gathered = torch.empty(self.dp * flat.shard_numel, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(gathered, shard.detach().contiguous(), group=self.group)
-        return flat.unshard(gathered)
+    # ------------------------------------------------------------ checkpoints
+    def ensure_state(self) -> None:
+        """Create AdamW's state as its first step would (zero moments, step 0), so a checkpoint can be saved
+        or loaded before any step; the first step then finds it and proceeds exactly as from scratch."""
+        for master in self.master_params():
+            if not self.inner.state.get(master):
+                self.inner.state[master] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=master.device),  # fused: on the device
+                    **{key: torch.zeros_like(master, memory_format=torch.preserve_format) for key in MOMENTS},
+                }
 
-    def state_by_name(self) -> dict:
-        """Collective over the data-parallel and tensor-parallel groups; every rank must call it."""
-        from torch.distributed.tensor import DTensor
+    def checkpoint_state(self, rank: int, world: int, saving: bool) -> dict:
+        """This replica's master values and moments as checkpoint chunks (parallel/flat_chunks.py) keyed
+        ``model.<name>``, ``optim.<name>.exp_avg`` / ``exp_avg_sq``, plus ``optim.<name>.step`` (0-d).
 
+        The chunks are views into the optimizer's tensors: a load writes in place (call
+        :meth:`checkpoint_loaded` after it). Elements replicated over the tensor-parallel group are saved by
+        TP rank 0 only (one copy of every element) and loaded by every TP rank."""
+        self.ensure_state()
+        tp_rank = dist.get_rank(self.sync.tp_group) if saving and self.sync.tp_group is not None else 0
         state: dict = {}
-        groups = {g["name"]: {k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups}
+        self._loaded_steps: dict[int, torch.Tensor] = {}
         for flat in self.flats.values():
-            states = [self.inner.state.get(master, {}) for master in flat.masters]
-            if not all(states):
-                continue
-            inner = {"step": states[0]["step"]}
-            moments = {
-                key: self._gather(torch.cat([s[key] for s in states]), flat) for key in ("exp_avg", "exp_avg_sq")
-            }
-            if self.sync.gather_dtype != torch.float32:  # parameters hold rounded values: keep the master
-                moments["master"] = self._gather(flat.master_shard(), flat)
-            for (name, param), tensor, offset in zip(flat.params, flat.locals, flat.offsets, strict=True):
-                entry = {"step": inner["step"].detach().clone()}
-                for key, full in moments.items():
-                    part = full[offset : offset + tensor.numel()].view_as(tensor).clone()
-                    if isinstance(param, DTensor):
-                        part = DTensor.from_local(part, param.device_mesh, param.placements).full_tensor()
-                    entry[key] = part
-                state[name] = entry
-        return {"state": state, "groups": groups}
-
-    def load_state_by_name(self, saved: dict) -> None:
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        self.sync_master_from_params()
-        for group in self.inner.param_groups:
-            group.update({k: v for k, v in saved["groups"].get(group["name"], {}).items() if k != "params"})
-        for flat in self.flats.values():
-            moments = {
-                key: torch.zeros(flat.padded, dtype=torch.float32, device=flat.device)
-                for key in ("exp_avg", "exp_avg_sq")
-            }
-            master = flat.gather_params()
-            step = None
-            for (name, param), tensor, offset in zip(flat.params, flat.locals, flat.offsets, strict=True):
-                entry = saved["state"].get(name)
-                if entry is None:
+            for index, ((name, param), tensor) in enumerate(zip(flat.params, flat.locals, strict=True)):
+                if tp_rank != 0 and not is_sharded(param):
                     continue
-                step = entry["step"]
-                targets = {**moments, "master": master} if "master" in entry else moments
-                for key, full in targets.items():
-                    value = entry[key].to(flat.device)
-                    if isinstance(param, DTensor):
-                        value = distribute_tensor(value, param.device_mesh, param.placements).to_local()
-                    full[offset : offset + tensor.numel()] = value.reshape(-1).float()
-            with torch.no_grad():
-                for bucket, shard in zip(flat.buckets, flat.masters, strict=True):
-                    shard.copy_(bucket.slice_of(master, flat.rank))
+                bucket = flat.buckets[flat.bucket_of[index]]
+                own = bucket.offset + flat.rank * bucket.shard_size
+                offset = flat.offsets[index]
+                start, stop = max(offset, own), min(offset + tensor.numel(), own + bucket.shard_size)
+                if start >= stop:
+                    continue
+                master = flat.masters[bucket.index]
+                moments = self.inner.state[master]
+                sources = {"model": master.detach(), **{key: moments[key] for key in MOMENTS}}
+                pieces: dict[str, list] = {key: [] for key in sources}
+                _, block_offset = local_block(param)
+                for offsets, sizes, first in range_boxes(tuple(tensor.shape), start - offset, stop - offset):
+                    at = tuple(a + b for a, b in zip(offsets, block_offset, strict=True))
+                    low = offset + first - own
+                    for key, source in sources.items():
+                        pieces[key].append((at, source[low : low + math.prod(sizes)].view(sizes)))
+                size = param.shape  # a DTensor's shape is the full parameter's
+                state[f"model.{name}"] = sharded_chunks(pieces["model"], size, rank, world)
+                for key in MOMENTS:
+                    state[f"optim.{name}.{key}"] = sharded_chunks(pieces[key], size, rank, world)
+                if saving:
+                    state[f"optim.{name}.step"] = moments["step"]
+                else:  # one loaded counter per bucket is enough: every parameter of a flat steps together
+                    step = self._loaded_steps.setdefault(id(master), torch.zeros((), dtype=torch.float32))
+                    state[f"optim.{name}.step"] = step
+        return state
+
+    def checkpoint_loaded(self) -> None:
+        """After a load into :meth:`checkpoint_state`'s chunks: step counters in place, and the parameters
+        all-gathered from the loaded masters."""
+        for master in self.master_params():
+            step = self._loaded_steps.get(id(master))
             if step is not None:
-                for bucket, shard in zip(flat.buckets, flat.masters, strict=True):
-                    self.inner.state[shard] = {
-                        # fused AdamW keeps its step counter on the parameters' device
-                        "step": torch.as_tensor(step, dtype=torch.float32).clone().to(flat.device),
-                        **{key: bucket.slice_of(full, flat.rank).clone() for key, full in moments.items()},
-                    }
+                self.inner.state[master]["step"].copy_(step)
+        self._loaded_steps = {}
+        self.sync.gather_params()
+        self.sync.wait_params()

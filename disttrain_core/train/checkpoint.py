@@ -1,71 +1,80 @@
-"""Atomic, optionally asynchronous checkpoints.
+"""Sharded, verified, atomic checkpoints in torch.distributed.checkpoint (DCP) format.
 
 Layout::
 
     checkpoints/
       step_00000100/          a complete checkpoint (the rename is the commit)
-        meta.json             step, layout, versions; written last
-        <files>               whatever each rank saved (model.pt, optimizer.pt, data_dp00000.json, ...)
+        .metadata             DCP's index of every chunk
+        __<r>_0.distcp        what rank r wrote: only its own shards (DTensor / FSDP2 / ZeRO-1 chunks,
+                              its stages' and unit's parameters); replicated tensors are written once
+        trainer.json          step
+        data_*.json           data positions (one per data-parallel replica stream, or the global one)
+        meta.json             written last: step, layout, the model's fingerprint, and the SHA-256 and
+                              size of every file above, computed while writing
       step_00000200.partial/  being written; never read
       latest                  name of the newest complete checkpoint
 
-Every rank snapshots its state to CPU memory synchronously (so training can
-go on mutating parameters), then writes its files -- in a background thread
-when ``async_save`` is on -- and drops a ``.done.rank<r>`` marker. Rank 0
-waits for all markers, writes ``meta.json``, renames the directory and
-updates ``latest`` with an atomic replace. A crash at any point before the
-rename leaves only a ``.partial`` directory, which the next run deletes; the
-previous checkpoint stays the latest. The filesystem is the only
-synchronization, so the background thread issues no collectives; multi-node
-runs need a shared filesystem for the checkpoint directory, as usual.
+Saving: every rank hands DCP its state (parameters, optimizer state) keyed by parameter name --
+never by wrapper, unit or stage, so any layout reads any other (train/state.py). With
+``async_save`` DCP copies this rank's shards to host memory (one staging copy, nothing gathered)
+and writes them from a background thread; the collectives DCP needs (planning, the final
+metadata) run on a process group of their own (the rule of docs/COMM.md), so they never queue
+behind training's. Each rank then drops a ``.done.rank<r>`` marker listing its files' digests;
+rank 0 waits for all markers, writes ``meta.json``, renames the directory and replaces
+``latest`` atomically. A crash before the rename leaves only a ``.partial`` directory, which the
+next run deletes; the previous checkpoint stays the latest.
 
-Files load with ``torch.load(weights_only=True)``: only tensors and plain
-containers are ever saved.
+Loading (:func:`candidates`, :meth:`CheckpointManager.load`): newest complete checkpoint first.
+Each rank verifies the files it reads against ``meta.json`` (train/dcp_io.py); a checkpoint with a
+missing ``meta.json``, a truncated or altered file is skipped with a warning naming the reason,
+and the previous one is tried.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .dcp_io import CheckpointCorrupt, ChecksumWriter, VerifyingReader, check_file
 
 log = logging.getLogger(__name__)
+# ZeRO-1 chunks travel as ShardedTensors (parallel/flat_chunks.py); DCP warns on each use that torch is
+# deprecating the type. Said once in the docs, not on every save.
+warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
+# Single-process runs pass no_dist=True; DCP still says it assumes a single process.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 PARTIAL = ".partial"
-
-
-def snapshot(obj: Any) -> Any:
-    """A deep copy with every tensor cloned to CPU."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: snapshot(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v) for v in obj)
-    return obj
-
-
-def _write_file(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".json":
-        tmp.write_text(json.dumps(obj, indent=1, sort_keys=True))
-    else:
-        torch.save(obj, tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+FORMAT = "disttrain-dcp-1"
 
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def _write_json(path: Path, obj: Any) -> dict:
+    """Write ``obj`` as JSON atomically; returns its digest record."""
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
 class CheckpointManager:
@@ -77,6 +86,7 @@ class CheckpointManager:
         barrier: Callable[[], None],
         keep_last: int = 2,
         async_save: bool = True,
+        process_group=None,
         commit_timeout_s: float = 600.0,
     ):
         self.root = Path(root)
@@ -85,6 +95,8 @@ class CheckpointManager:
         self.barrier = barrier
         self.keep_last = keep_last
         self.async_save = async_save
+        self.group = process_group
+        self.no_dist = not dist.is_initialized()
         self.commit_timeout_s = commit_timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -95,29 +107,35 @@ class CheckpointManager:
         barrier()
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, files: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Save this rank's ``files`` (name -> object) as part of checkpoint ``step``."""
+    def save(self, step: int, state: dict[str, Any], files: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Checkpoint ``step``: ``state`` (DCP state dict of this rank) and ``files`` (name -> JSON object)."""
         self.wait()
         partial = self.root / (step_dir_name(step) + PARTIAL)
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         self.barrier()
-        payload = snapshot(files)
-        job = (partial, step, payload, meta)
+        writer = ChecksumWriter(partial)
+        options = {"storage_writer": writer, "process_group": self.group, "no_dist": self.no_dist}
         if self.async_save:
+            future = dcp.async_save(state, **options)  # stages a host copy of this rank's shards, then returns
+            job = (partial, step, files, meta, writer, future)
             self._thread = threading.Thread(target=self._run, args=job, name="checkpoint-writer", daemon=True)
             self._thread.start()
         else:
-            self._run(*job)
+            dcp.save(state, **options)
+            self._run(partial, step, files, meta, writer, None)
             self._raise_if_failed()
 
-    def _run(self, partial: Path, step: int, payload: dict[str, Any], meta: dict[str, Any]) -> None:
+    def _run(self, partial: Path, step: int, files: dict, meta: dict, writer: ChecksumWriter, future) -> None:
         try:
             started = time.perf_counter()
-            for name, obj in payload.items():
-                _write_file(partial / name, obj)
-            (partial / f".done.rank{self.rank}").touch()
+            if future is not None:
+                future.result()
+            digests = writer.digests()
+            for name, obj in files.items():
+                digests[name] = _write_json(partial / name, obj)
+            _write_json(partial / f".done.rank{self.rank}.json", digests)
             if self.rank == 0:
                 self._commit(partial, step, meta)
                 log.info("checkpoint step %d written in %.2fs", step, time.perf_counter() - started)
@@ -126,13 +144,16 @@ class CheckpointManager:
 
     def _commit(self, partial: Path, step: int, meta: dict[str, Any]) -> None:
         deadline = time.monotonic() + self.commit_timeout_s
-        while len(list(partial.glob(".done.rank*"))) < self.world_size:
+        while len(list(partial.glob(".done.rank*.json"))) < self.world_size:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint {partial}: not every rank finished writing in time")
             time.sleep(0.01)
-        for marker in partial.glob(".done.rank*"):
+        records: dict[str, dict] = {}
+        for marker in sorted(partial.glob(".done.rank*.json")):
+            records.update(json.loads(marker.read_text()))
             marker.unlink()
-        _write_file(partial / "meta.json", {**meta, "step": step, "world_size": self.world_size})
+        meta = {**meta, "format": FORMAT, "step": step, "world_size": self.world_size, "files": records}
+        _write_json(partial / "meta.json", meta)
         final = self.root / step_dir_name(step)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
@@ -159,46 +180,138 @@ class CheckpointManager:
             raise RuntimeError(f"checkpoint save failed: {error}") from error
 
     # ----------------------------------------------------------------- loading
-    def latest(self) -> Path | None:
-        return latest_checkpoint(self.root)
+    def load(self, checkpoint: Path, state: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+        """Load ``state`` in place from ``checkpoint`` (a collective). Model entries (``model.*``) must all be
+        present; optimizer entries the checkpoint lacks are left as they are and returned."""
+        reader = VerifyingReader(checkpoint, meta["files"])
+        try:
+            saved = set(reader.read_metadata().state_dict_metadata)
+        except CheckpointCorrupt:
+            raise
+        except Exception as error:  # an unreadable index after a matching digest: report, do not trace
+            raise CheckpointCorrupt(f".metadata unreadable: {error}") from error
+        missing_model = sorted(k for k in state if k.startswith("model.") and k not in saved)
+        if missing_model:
+            raise CheckpointMismatch(
+                f"checkpoint {checkpoint} lacks {len(missing_model)} parameter(s) of this model, e.g. "
+                f"{missing_model[0][len('model.') :]!r}"
+            )
+        absent = sorted(k for k in state if k not in saved)
+        wanted = {k: v for k, v in state.items() if k in saved}
+        try:
+            dcp.load(wanted, storage_reader=reader, process_group=self.group, no_dist=self.no_dist)
+        except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
+            raise CheckpointCorrupt(_first_failure(error)) from error
+        return absent
+
+    def agree(self, problem: str | None) -> bool:
+        """True on every rank when no rank saw a problem (a small all-reduce on the checkpoint group)."""
+        if self.no_dist:
+            return problem is None
+        import torch
+
+        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item()) == 0
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint of another model (or an incomplete one): resuming it would be wrong, not just unlucky."""
+
+
+def check_model(checkpoint: Path, meta: dict[str, Any], name: str, fingerprint: str) -> None:
+    """Raise :class:`CheckpointMismatch` unless ``meta`` records the model being resumed."""
+    saved = meta.get("model", {})
+    if saved.get("fingerprint") != fingerprint:
+        raise CheckpointMismatch(
+            f"checkpoint {checkpoint} holds model {saved.get('name')!r} (fingerprint {saved.get('fingerprint')}), "
+            f"this run builds model {name!r} (fingerprint {fingerprint}); resume with the model it was trained "
+            "with, or start fresh with trainer.resume=none"
+        )
+
+
+def _first_failure(error: BaseException) -> str:
+    """The first rank's reason inside DCP's CheckpointException (which wraps every rank's failure)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        rank, failure = sorted(failures.items())[0]
+        original = failure[0] if isinstance(failure, tuple) else failure
+        return f"{original} (rank {rank})"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def read_meta(checkpoint: Path) -> dict[str, Any]:
+    path = checkpoint / "meta.json"
+    if not path.is_file():
+        raise CheckpointCorrupt("meta.json is missing (an interrupted or foreign directory)")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointCorrupt(f"meta.json unreadable: {error}") from error
+    if meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
+        raise CheckpointCorrupt(f"meta.json is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
+    return meta
+
+
+def read_json(checkpoint: Path, name: str, meta: dict[str, Any]) -> Any:
+    """A small JSON file of the checkpoint, verified against meta.json first."""
+    check_file(checkpoint / name, meta["files"].get(name))
+    return json.loads((checkpoint / name).read_text())
+
+
+def candidates(root: str | os.PathLike) -> list[Path]:
+    """Checkpoint directories under ``root``, newest first (``latest`` first when it names one); a
+    directory without meta.json is listed too, so that loading says why it is skipped."""
+    root = Path(root)
+    found = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(PARTIAL)), reverse=True)
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in found:
+            found.remove(named)
+            found.insert(0, named)
+    return found
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    root = Path(root)
-    pointer = root / "latest"
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "meta.json").is_file():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
-    return complete[-1] if complete else None
+    """The newest checkpoint with a meta.json (no verification; tools and tests)."""
+    for path in candidates(root):
+        if (path / "meta.json").is_file():
+            return path
+    return None
 
 
-def resolve_resume(resume: str, run_dir: str | os.PathLike) -> Path | None:
-    """Map ``trainer.resume`` to a checkpoint directory (or None to start fresh)."""
+def resume_candidates(resume: str, run_dir: str | os.PathLike) -> list[Path]:
+    """``trainer.resume`` as checkpoint directories to try in order (empty: start fresh)."""
     if resume in ("none", "", None):
-        return None
+        return []
     if resume == "auto":
-        return latest_checkpoint(Path(run_dir) / "checkpoints")
+        return candidates(Path(run_dir) / "checkpoints")
     path = Path(resume)
     if (path / "meta.json").is_file():
-        return path
+        return [path]
     for root in (path, path / "checkpoints"):
-        found = latest_checkpoint(root)
-        if found is not None:
+        found = candidates(root)
+        if found:
             return found
     raise FileNotFoundError(
-        f"trainer.resume={resume!r}: no complete checkpoint there; pass a checkpoint directory "
+        f"trainer.resume={resume!r}: no checkpoint there; pass a checkpoint directory "
         "(containing meta.json), a run directory, or trainer.resume=auto"
     )
 
 
-def load_file(checkpoint: Path, name: str) -> Any:
-    path = checkpoint / name
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    return torch.load(path, map_location="cpu", weights_only=True)
+def read_tensors(checkpoint: Path, prefix: str = "model.") -> dict[str, Any]:
+    """Full tensors of a checkpoint whose keys start with ``prefix`` (prefix removed), verified, read in this
+    one process: for tools and tests (a full copy of each: not for models larger than host memory)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-
-def read_meta(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / "meta.json").read_text())
+    meta = read_meta(checkpoint)
+    metadata = VerifyingReader(checkpoint, meta["files"]).read_metadata()
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    dcp.load(state, storage_reader=VerifyingReader(checkpoint, meta["files"]), no_dist=True)
+    return {key[len(prefix) :]: value for key, value in state.items()}

@@ -6,13 +6,14 @@
   tensor parallelism, disaggregated units -- with ZeRO-1.
 
 Both see the same microbatches and the same global loss normalization, so their
-results agree with a single process. Model and optimizer state are saved *by
-parameter name* as full tensors, so a checkpoint written with one layout loads
-into another.
+results agree with a single process. Model and optimizer state are checkpointed
+*by parameter name* (train/state.py), each rank its own shards, so a checkpoint
+written with one layout loads into another.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import nullcontext
 
@@ -29,7 +30,10 @@ from ..models import build_model, materialize
 from ..parallel.plan import resolve_units
 from ..parallel.recompute import apply_recompute
 from ..schedule.executor import StepRecord
-from .optim import build_optimizer, load_optimizer_state_by_name, optimizer_state_by_name
+from .optim import build_optimizer
+from .state import adamw_entries, model_entries
+
+log = logging.getLogger(__name__)
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -69,6 +73,26 @@ class GlobalCounts:
         return self.normalizers
 
 
+def import_pretrained(cfg: Config, tokenizer: Tokenizer, modules: list[torch.nn.Module]) -> None:
+    """``model.init_from``: Hugging Face weights into this rank's parameters (models/hf/), before the optimizer
+    copies them; parameters it leaves out are listed (an error unless ``model.init_from_strict=false``)."""
+    if cfg.model.init_from in (None, ""):
+        return
+    from ..models.hf import load_pretrained
+
+    names = [name for name, _ in build_model(cfg.model, tokenizer, device="meta").named_parameters()]
+    missing = load_pretrained(modules, cfg.model, names)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(
+            "model.init_from: %d of %d parameter tensors imported%s",
+            len(names) - len(missing),
+            len(names),
+            f"; {len(missing)} keep their initialization (init_from_strict=false), e.g. {missing[0]}"
+            if missing
+            else "",
+        )
+
+
 class Engine:
     named_parameters: list[tuple[str, torch.nn.Parameter]]
     optimizer: object | None = None
@@ -78,12 +102,13 @@ class Engine:
         self.optimizer = build_optimizer(self.named_parameters, self.cfg.optim)
         return self.optimizer
 
-    def optimizer_state(self) -> dict:
-        """Optimizer state keyed by parameter name (a collective for sharded engines: call on every rank)."""
-        return optimizer_state_by_name(self.optimizer, self.named_parameters)
+    def checkpoint_state(self, saving: bool) -> dict:
+        """This rank's parameters, persistent buffers and optimizer state by name (train/state.py): the live
+        tensors, so a load writes in place. ``saving`` lets a sharded engine skip what another rank writes."""
+        raise NotImplementedError
 
-    def load_optimizer_state(self, state: dict) -> None:
-        load_optimizer_state_by_name(self.optimizer, self.named_parameters, state)
+    def checkpoint_loaded(self) -> None:
+        """After a load into :meth:`checkpoint_state`: rebuild what derives from the loaded tensors."""
 
     def forward_backward(self, microbatches: list[Batch], counts: GlobalCounts, record: bool = False) -> StepRecord:
         """Forward and backward of every microbatch; losses are normalized by ``counts()``."""
@@ -100,16 +125,6 @@ class Engine:
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Clip to ``max_norm`` (inf: no clipping); returns the global norm before clipping (on the device)."""
         raise NotImplementedError
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.named_parameters}
-
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, param in self.named_parameters:
-                if name not in state:
-                    raise KeyError(f"checkpoint has no parameter {name!r}")
-                param.copy_(state[name])
 
 
 def _loss(out: dict, n_tokens: torch.Tensor, n_gen: torch.Tensor, weight: float, scale: float = 1.0) -> torch.Tensor:
@@ -144,6 +159,7 @@ class DataParallelEngine(Engine):
         self.cfg, self.fabric = cfg, fabric
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
+        import_pretrained(cfg, tokenizer, [self.raw_model])
         unit = resolve_units(cfg).llm  # the one unit: every module on every process
         apply_recompute(self.raw_model, unit.recompute, unit.recompute_every)
         module = torch.compile(self.raw_model) if cfg.trainer.compile else self.raw_model
@@ -156,13 +172,22 @@ class DataParallelEngine(Engine):
         if fabric.world_size > 1:
             device_ids = [fabric.device.index] if fabric.device.type == "cuda" else None
             bucket_mb = comm.bucket_mb if comm.bucket_mb > 0 else 1e6
-            # Gradients are views of DDP's buckets: no second copy (16 bytes per parameter, not 20).
+            # Gradients are views of DDP's buckets: no second copy (16 bytes per parameter, not 20). Every
+            # buffer here is a constant each rank builds identically (rope tables, pixel statistics, a frozen
+            # VAE's weights): DDP need not broadcast them before every forward.
             self.model = torch.nn.parallel.DistributedDataParallel(
-                module, device_ids=device_ids, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True
+                module,
+                device_ids=device_ids,
+                bucket_cap_mb=bucket_mb,
+                gradient_as_bucket_view=True,
+                broadcast_buffers=False,
             )
         mixed = training_precision(cfg.trainer.precision, fabric.device.type) != "32"
         self.autocast = fabric.autocast if mixed else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
+
+    def checkpoint_state(self, saving: bool) -> dict:
+        return {**model_entries([self.raw_model]), **adamw_entries(self.optimizer, self.named_parameters)}
 
     def forward_backward(self, microbatches, counts, record=False) -> StepRecord:
         device = self.fabric.device

@@ -31,9 +31,10 @@ from ..data.loader import MicrobatchLoader
 from ..data.reader import ShardStream, resolve_shards
 from ..data.samples import SampleEncoder
 from ..data.tokenizer import build_tokenizer
+from ..models import build_model
 from ..models.flops import batch_flops
 from ..parallel.plan import build_pipeline, resolve_units
-from .checkpoint import CheckpointManager, load_file, read_meta, resolve_resume
+from .checkpoint import CheckpointManager
 from .engine import DataParallelEngine, GlobalCounts, to_device
 from .host_sync import HostSyncGuard
 from .memory_report import MemoryReport, allocation_peak
@@ -41,13 +42,15 @@ from .metrics import MetricsLogger
 from .optim import build_scheduler
 from .perf import peak_flops_per_device, peak_memory_gib
 from .results import StepResult, StepValues, read_results
+from .resume import CheckpointIO
+from .state import model_fingerprint
 from .timeline_report import TimelineReporter
 from .unit_engine import UnitEngine
 
 log = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(CheckpointIO):
     def __init__(self, cfg: Config, fabric: Fabric, run_dir: str | Path):
         self.cfg = cfg
         self.fabric = fabric
@@ -90,6 +93,10 @@ class Trainer:
         self.encoder = SampleEncoder(
             cfg.model, self.tokenizer, seed=trainer.seed, max_image_pixels=cfg.data.max_image_pixels
         )
+        self.fingerprint = model_fingerprint(build_model(cfg.model, self.tokenizer, device="meta"))
+        # Checkpoint collectives (DCP planning, in a background thread when saving asynchronously) run on a
+        # group of their own, on the host (docs/COMM.md): never queued behind or between training's.
+        group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints",
             rank=self.rank,
@@ -97,6 +104,7 @@ class Trainer:
             barrier=fabric.barrier,
             keep_last=trainer.checkpoint.keep_last,
             async_save=trainer.checkpoint.async_save,
+            process_group=group,
         )
         self.step = 0
         data_state = self._resume()
@@ -150,72 +158,6 @@ class Trainer:
             worker_nice=self.cfg.data.worker_nice,
             state=data_state,
         )
-
-    def _data_file(self) -> str:
-        return "data_global.json" if self.global_stream else f"data_dp{self.dp_rank:05d}.json"
-
-    def _resume(self) -> dict | None:
-        checkpoint = resolve_resume(self.cfg.trainer.resume, self.run_dir)
-        if checkpoint is None:
-            return None
-        meta = read_meta(checkpoint)
-        # The data position is per replica stream; one replica's stream is also the canonical global stream.
-        saved_global = meta.get("data") == "global" or meta.get("dp_size") == 1
-        if (
-            self.global_stream
-            and not saved_global
-            or not self.global_stream
-            and meta.get("dp_size") != (self.layout.llm.dp)
-        ):
-            raise ValueError(
-                f"checkpoint {checkpoint} holds data positions for {meta.get('dp_size')} data-parallel replica "
-                f"stream(s), this layout reads {'one global stream' if self.global_stream else self.layout.llm.dp}; "
-                "resume with the same data-parallel size of the LLM"
-            )
-        # Parameters and optimizer state are stored by name as full tensors: any layout can load them.
-        model_state, optim_state = {}, {"state": {}, "groups": {}}
-        for part in sorted(checkpoint.glob("model_*.pt")):
-            model_state.update(load_file(checkpoint, part.name))
-        for part in sorted(checkpoint.glob("optim_*.pt")):
-            saved = load_file(checkpoint, part.name)
-            optim_state["state"].update(saved["state"])
-            optim_state["groups"].update(saved["groups"])
-        self.engine.load_model_state(model_state)
-        self.engine.load_optimizer_state(optim_state)
-        state = load_file(checkpoint, "trainer.pt")
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        log.info("resumed from %s at step %d", checkpoint, self.step)
-        data_file = self._data_file()
-        if not (checkpoint / data_file).is_file():
-            data_file = "data_dp00000.json" if (checkpoint / "data_dp00000.json").is_file() else "data_global.json"
-        return load_file(checkpoint, data_file)
-
-    def save_checkpoint(self) -> None:
-        files: dict = {}
-        # Gathering full tensors is collective inside tensor- and data-parallel groups: every rank takes part.
-        model_state = self.engine.model_state()
-        optim_state = self.engine.optimizer_state()
-        owns_data = (
-            self.rank == 0
-            if self.global_stream
-            else (self.pp_rank == 0 and self.tp_rank == 0 and self.unit.name == "llm")
-        )
-        if owns_data:
-            files[self._data_file()] = self.loader.state_dict()
-        if self.dp_rank == 0 and self.tp_rank == 0:
-            files[f"model_{self.unit.name}_pp{self.pp_rank:03d}.pt"] = model_state
-            files[f"optim_{self.unit.name}_pp{self.pp_rank:03d}.pt"] = optim_state
-        if self.rank == 0:
-            files["trainer.pt"] = {"step": self.step, "scheduler": self.scheduler.state_dict()}
-        meta = {
-            "data": "global" if self.global_stream else "per_replica",
-            "dp_size": self.layout.llm.dp,
-            "layout": self.layout.describe(),
-            "model": self.cfg.model.name,
-            "torch": torch.__version__,
-        }
-        self.checkpoints.save(self.step, files, meta)
 
     # --------------------------------------------------------------------- step
     def _global_counts(self, microbatches: list[Batch], trace=None) -> GlobalCounts:

@@ -23,34 +23,6 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConf
     return adamw([g for g in groups if g["params"]], cfg)
 
 
-def optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.nn.Parameter]]
-) -> dict:
-    """The optimizer's state keyed by parameter name and group name: independent of the layout."""
-    names = {id(p): n for n, p in named_params}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    raw = optimizer.state_dict()  # torch numbers parameters in param_groups order
-    state = {names[id(params[index])]: value for index, value in raw["state"].items()}
-    groups = {g["name"]: {k: v for k, v in g.items() if k != "params"} for g in raw["param_groups"]}
-    return {"state": state, "groups": groups}
-
-
-def load_optimizer_state_by_name(
-    optimizer: torch.optim.Optimizer, named_params: list[tuple[str, torch.nn.Parameter]], saved: dict
-) -> None:
-    names = {id(p): n for n, p in named_params}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    current = optimizer.state_dict()
-    state = {}
-    for index, param in enumerate(params):
-        name = names[id(param)]
-        if name in saved["state"]:
-            state[index] = saved["state"][name]
-    for group in current["param_groups"]:
-        group.update({k: v for k, v in saved["groups"].get(group["name"], {}).items() if k != "params"})
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-
-
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``decay_steps``, flat after."""
     if warmup_steps > 0 and step < warmup_steps:
@@ -66,3 +38,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_step
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg.warmup_steps, decay_steps, cfg.min_lr_ratio)
     )
+
+
+def restore_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put a schedule at ``step`` (``step`` calls of ``scheduler.step()`` since the start): the learning
+    rate is a function of the step alone, so a resumed run needs no saved scheduler state."""
+    scheduler.last_epoch = step
+    rates = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler._last_lr = rates

@@ -23,7 +23,6 @@ from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
 from ..config import Config, training_precision
 from ..data.tokenizer import Tokenizer
-from ..models.common import local_block
 from ..models.llama import DecoderBlock
 from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
@@ -34,7 +33,8 @@ from ..parallel.zero import ZeroOneOptimizer
 from ..schedule.actions import Schedule
 from ..schedule.executor import PipelineExecutor, StepRecord
 from ..schedule.transfers import channel_pairs
-from .engine import Engine, batch_to_device, clip_by_norm
+from .engine import Engine, batch_to_device, clip_by_norm, import_pretrained
+from .state import adamw_entries, model_entries
 
 
 @dataclass
@@ -142,6 +142,7 @@ class UnitEngine(Engine):
             sequence_overlap=comm.tp_overlap,
             shard=shard,
         )
+        import_pretrained(cfg, tokenizer, [stage.model for stage in self.stages.values()])
         self.partial_grads: list[torch.nn.Parameter] = []  # sequence-parallel norms: summed over TP
         if mesh is not None and comm.tp_overlap:
             for module in self.stages.values():
@@ -240,12 +241,6 @@ class UnitEngine(Engine):
         result.sums, result.pending_sums = {}, reduced
         return result
 
-    def optimizer_state(self) -> dict:
-        return self.optimizer.state_by_name()
-
-    def load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_by_name(state)
-
     def after_backward(self) -> None:
         self.optimizer.reduce_gradients()
 
@@ -270,22 +265,15 @@ class UnitEngine(Engine):
         if self.optimizer is not None:
             self.optimizer.close()
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """Full (un-sharded) parameters by name; a collective inside the TP group."""
+    def checkpoint_state(self, saving: bool) -> dict:
         self.synchronize()
-        state = {}
-        for name, param in self.named_parameters:
-            state[name] = param.full_tensor().detach() if hasattr(param, "full_tensor") else param.detach()
-        return state
+        modules = [stage.model for stage in self.stages.values()]
+        if isinstance(self.optimizer, ZeroOneOptimizer):  # trainable values are the masters' chunks
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            chunks = self.optimizer.checkpoint_state(self.fabric.global_rank, world, saving)
+            return {**model_entries(modules, skip={n for n, _ in self.named_parameters}), **chunks}
+        return {**model_entries(modules), **adamw_entries(self.optimizer.inner, self.named_parameters)}
 
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.synchronize()
-        with torch.no_grad():
-            for name, param in self.named_parameters:
-                if name not in state:
-                    raise KeyError(f"checkpoint has no parameter {name!r}")
-                block, offset = local_block(param)  # this rank's shard (TP, FSDP2 or both) and where it starts
-                index = tuple(slice(o, o + n) for o, n in zip(offset, block.shape, strict=True))
-                block.copy_(state[name][index].to(block.device))
-        if self.optimizer is not None:
-            self.optimizer.sync_master_from_params()
+    def checkpoint_loaded(self) -> None:
+        if isinstance(self.optimizer, ZeroOneOptimizer):
+            self.optimizer.checkpoint_loaded()

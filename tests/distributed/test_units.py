@@ -4,7 +4,7 @@ per-step losses and final parameters within 1e-4 (fp32, 5 optimizer steps)."""
 import pytest
 import torch
 
-from disttrain_core.train.checkpoint import latest_checkpoint, load_file
+from disttrain_core.train.checkpoint import latest_checkpoint, read_tensors
 
 from ..conftest import cli_overrides, read_metrics, run_train
 
@@ -22,11 +22,7 @@ def train(shards, run_dir, *overrides):
 
 
 def parameters(run_dir):
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
-    state = {}
-    for part in sorted(checkpoint.glob("model_*.pt")):
-        state.update(load_file(checkpoint, part.name))
-    return state
+    return read_tensors(latest_checkpoint(run_dir / "checkpoints"))
 
 
 def assert_same_run(run_dir, reference_dir):

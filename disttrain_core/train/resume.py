@@ -1,0 +1,103 @@
+"""The trainer's checkpoint side: what it saves, and resuming from the newest usable checkpoint
+(docs/CHECKPOINTS.md). A mixin of :class:`~disttrain_core.train.loop.Trainer`, kept apart so the loop
+stays about steps."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..data.reader import shard_sample_counts
+from .checkpoint import check_model, read_json, read_meta, resume_candidates
+from .data_position import carry
+from .dcp_io import CheckpointCorrupt
+from .optim import restore_scheduler
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointIO:
+    def _data_file(self) -> str:
+        return "data_global.json" if self.global_stream else f"data_dp{self.dp_rank:05d}.json"
+
+    def _resume(self) -> dict | None:
+        """Load the newest usable checkpoint ``trainer.resume`` names; returns this rank's data position."""
+        tried = []
+        for checkpoint in resume_candidates(self.cfg.trainer.resume, self.run_dir):
+            try:
+                return self._load_checkpoint(checkpoint)
+            except CheckpointCorrupt as error:
+                tried.append(f"{checkpoint.name} ({error})")
+                if self.rank == 0:
+                    log.warning("checkpoint %s skipped: %s", checkpoint, error)
+        if tried:
+            raise CheckpointCorrupt(
+                f"trainer.resume={self.cfg.trainer.resume}: no usable checkpoint ({'; '.join(tried)}); "
+                "start fresh with trainer.resume=none"
+            )
+        if self.cfg.trainer.resume == "auto" and self.rank == 0:
+            log.info("trainer.resume=auto: no checkpoint in %s yet; starting from step 0", self.run_dir)
+        return None
+
+    def _load_checkpoint(self, checkpoint: Path) -> dict:
+        problem, meta, saved_data = None, {}, []
+        try:
+            meta = read_meta(checkpoint)
+            data = meta.get("data", {})
+            names = (
+                ["data_global.json"]
+                if data.get("stream") == "global"
+                else [f"data_dp{r:05d}.json" for r in range(int(data.get("replicas", 1)))]
+            )
+            saved_data = [read_json(checkpoint, name, meta) for name in names]
+            trainer_state = read_json(checkpoint, "trainer.json", meta)
+        except CheckpointCorrupt as error:
+            problem = str(error)
+        if not self.checkpoints.agree(problem):
+            raise CheckpointCorrupt(problem or "another rank found a damaged file")
+        check_model(checkpoint, meta, self.cfg.model.name, self.fingerprint)
+        absent = self.checkpoints.load(checkpoint, self.engine.checkpoint_state(saving=False), meta)
+        self.engine.checkpoint_loaded()
+        if absent and self.rank == 0:
+            log.warning(
+                "checkpoint %s has no optimizer state for %d tensor(s) (e.g. %s; frozen when saved): they start "
+                "from zero moments",
+                checkpoint.name,
+                len(absent),
+                absent[0],
+            )
+        self.step = int(trainer_state["step"])
+        restore_scheduler(self.scheduler, self.step)
+        if self.rank == 0:
+            log.info("resumed from %s at step %d (saved by layout %s)", checkpoint, self.step, meta.get("layout"))
+        replicas = 1 if self.global_stream else self.layout.llm.dp
+        counts = None if len(saved_data) == replicas else shard_sample_counts(self.stream.shards)
+        carried = carry(saved_data, replicas, counts)
+        if carried.message and self.rank == 0:
+            (log.info if carried.exact else log.warning)(carried.message)
+        return carried.states[0 if self.global_stream else self.dp_rank]
+
+    def save_checkpoint(self) -> None:
+        files: dict = {}
+        state = self.engine.checkpoint_state(saving=True)
+        owns_data = (
+            self.rank == 0
+            if self.global_stream
+            else (self.pp_rank == 0 and self.tp_rank == 0 and self.unit.name == "llm")
+        )
+        if owns_data:
+            files[self._data_file()] = self.loader.state_dict()
+        if self.rank == 0:
+            files["trainer.json"] = {"step": self.step}
+        meta = {
+            "data": {
+                "stream": "global" if self.global_stream else "per_replica",
+                "replicas": 1 if self.global_stream else self.layout.llm.dp,
+            },
+            "layout": self.layout.describe(),
+            "model": {"name": self.cfg.model.name, "fingerprint": self.fingerprint},
+            "torch": torch.__version__,
+        }
+        self.checkpoints.save(self.step, state, files, meta)
