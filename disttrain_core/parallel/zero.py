@@ -216,6 +216,19 @@ class ZeroOneOptimizer:
                     state[f"optim.{name}.step"] = step
         return state
 
+    def mixed_buckets(self, absent: set[str]) -> list[str]:
+        """Parameters of this replica's buckets whose optimizer state a load did not find (``absent``: the
+        missing ``optim.<name>.step`` keys) while other members' was found: fused AdamW steps a bucket with
+        one counter, so these skip Adam's bias correction at first (larger early updates)."""
+        fresh = []
+        for flat in self.flats.values():
+            for bucket in flat.buckets:
+                names = [flat.params[i][0] for i in bucket.members]
+                missing = [n for n in names if f"optim.{n}.step" in absent]
+                if missing and len(missing) < len(names):
+                    fresh += missing
+        return fresh
+
     def checkpoint_loaded(self) -> None:
         """After a load into :meth:`checkpoint_state`'s chunks: step counters in place, and the parameters
         all-gathered from the loaded masters."""

@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -163,15 +164,39 @@ class CheckpointManager:
         self._prune()
 
     def _prune(self) -> None:
-        complete = sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.name.endswith(PARTIAL))
+        complete = sorted(_step_dirs(self.root))
         for old in complete[: max(0, len(complete) - self.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def supersede_after(self, step: int) -> list[str]:
+        """A run that resumed from ``step`` while newer checkpoints exist (a fallback past damaged ones, or a
+        rollback) continues a different history: rank 0 renames the newer ones ``<name>.superseded`` (kept,
+        never read or pruned), so ``latest``, pruning and the next ``resume=auto`` follow this run. Returns
+        their names; call on every rank (a barrier follows)."""
+        moved = []
+        if self.rank == 0:
+            for path in _step_dirs(self.root):
+                if int(path.name[len("step_") :]) > step:
+                    path.rename(path.with_name(path.name + ".superseded"))
+                    moved.append(path.name)
+            pointer = self.root / "latest"
+            if moved and pointer.is_file():
+                pointer.unlink()
+        self.barrier()
+        return moved
+
     def wait(self) -> None:
-        """Block until a pending asynchronous save has finished; re-raise its error."""
+        """Block until a pending asynchronous save has finished; re-raise its error -- on every rank, when any
+        rank's save failed (a collective: every rank calls it at the same point, before the next save and at
+        the end), so no rank waits for the others in the next save's barrier."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        problem = None if self._error is None else str(self._error)
+        if self.agree(problem) == OK:
+            return
+        if self._error is None:
+            raise RuntimeError("checkpoint save failed on another rank (its log says why)")
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -182,37 +207,68 @@ class CheckpointManager:
     # ----------------------------------------------------------------- loading
     def load(self, checkpoint: Path, state: dict[str, Any], meta: dict[str, Any]) -> list[str]:
         """Load ``state`` in place from ``checkpoint`` (a collective). Model entries (``model.*``) must all be
-        present; optimizer entries the checkpoint lacks are left as they are and returned."""
+        present; optimizer entries the checkpoint lacks are left as they are and returned. Every rank
+        raises the same kind of error, so all fall back (or stop) together."""
         reader = VerifyingReader(checkpoint, meta["files"])
+        problem, code = None, OK
         try:
             saved = set(reader.read_metadata().state_dict_metadata)
-        except CheckpointCorrupt:
-            raise
+        except CheckpointCorrupt as error:
+            problem, code, saved = str(error), CORRUPT, set()
         except Exception as error:  # an unreadable index after a matching digest: report, do not trace
-            raise CheckpointCorrupt(f".metadata unreadable: {error}") from error
+            problem, code, saved = f".metadata unreadable: {error}", CORRUPT, set()
         missing_model = sorted(k for k in state if k.startswith("model.") and k not in saved)
-        if missing_model:
-            raise CheckpointMismatch(
+        if code == OK and missing_model:
+            problem, code = (
                 f"checkpoint {checkpoint} lacks {len(missing_model)} parameter(s) of this model, e.g. "
-                f"{missing_model[0][len('model.') :]!r}"
+                f"{missing_model[0][len('model.') :]!r}",
+                MISMATCH,
             )
+        agreed = self.agree(problem, code)
+        if agreed == MISMATCH:
+            raise CheckpointMismatch(problem or f"checkpoint {checkpoint} does not hold this model (another rank)")
+        if agreed == CORRUPT:
+            raise CheckpointCorrupt(problem or "another rank could not read this checkpoint")
         absent = sorted(k for k in state if k not in saved)
         wanted = {k: v for k, v in state.items() if k in saved}
         try:
             dcp.load(wanted, storage_reader=reader, process_group=self.group, no_dist=self.no_dist)
         except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException
+            _reset_optimizer_entries(state)  # partly loaded: the fallback must not inherit stale moments
             raise CheckpointCorrupt(_first_failure(error)) from error
         return absent
 
-    def agree(self, problem: str | None) -> bool:
-        """True on every rank when no rank saw a problem (a small all-reduce on the checkpoint group)."""
+    def agree(self, problem: str | None, code: int | None = None) -> int:
+        """The worst outcome over all ranks (``OK`` < ``CORRUPT`` < ``MISMATCH``); ``problem`` without a
+        ``code`` counts as ``CORRUPT``. A small all-reduce on the checkpoint group: call on every rank."""
+        mine = code if code is not None else (OK if problem is None else CORRUPT)
         if self.no_dist:
-            return problem is None
+            return mine
         import torch
 
-        flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32)
+        flag = torch.tensor([mine], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return int(flag.item()) == 0
+        return int(flag.item())
+
+
+OK, CORRUPT, MISMATCH = 0, 1, 2
+
+
+def _reset_optimizer_entries(state: dict[str, Any]) -> None:
+    """Zero the ``optim.*`` tensors of ``state`` in place (fresh AdamW state: zero moments, step 0)."""
+    import torch
+
+    with torch.no_grad():
+        for key, value in state.items():
+            if not key.startswith("optim."):
+                continue
+            if hasattr(value, "local_shards"):
+                for shard in value.local_shards():
+                    shard.tensor.zero_()
+            elif hasattr(value, "to_local"):
+                value.to_local().zero_()
+            else:
+                value.zero_()
 
 
 class CheckpointMismatch(ValueError):
@@ -248,8 +304,16 @@ def read_meta(checkpoint: Path) -> dict[str, Any]:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointCorrupt(f"meta.json unreadable: {error}") from error
-    if meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
-        raise CheckpointCorrupt(f"meta.json is not a {FORMAT} checkpoint (format {meta.get('format')!r})")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointCorrupt(f"meta.json is not a {FORMAT} checkpoint (format {found!r})")
+    files = meta.get("files")
+    well_formed = isinstance(files, dict) and all(
+        isinstance(r, dict) and isinstance(r.get("sha256"), str) and isinstance(r.get("size"), int)
+        for r in files.values()
+    )
+    if not well_formed or not isinstance(meta.get("step"), int) or not isinstance(meta.get("model", {}), dict):
+        raise CheckpointCorrupt("meta.json is damaged (its file records, step or model entry are malformed)")
     return meta
 
 
@@ -263,7 +327,7 @@ def candidates(root: str | os.PathLike) -> list[Path]:
     """Checkpoint directories under ``root``, newest first (``latest`` first when it names one); a
     directory without meta.json is listed too, so that loading says why it is skipped."""
     root = Path(root)
-    found = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(PARTIAL)), reverse=True)
+    found = sorted(_step_dirs(root), reverse=True)
     pointer = root / "latest"
     if pointer.is_file():
         named = root / pointer.read_text().strip()
@@ -271,6 +335,11 @@ def candidates(root: str | os.PathLike) -> list[Path]:
             found.remove(named)
             found.insert(0, named)
     return found
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """``step_<8 digits>`` directories: not ``.partial`` ones being written, not ``.superseded`` ones."""
+    return [p for p in Path(root).glob("step_*") if p.is_dir() and re.fullmatch(r"step_\d{8}", p.name)]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:

@@ -31,7 +31,7 @@ from ..parallel.plan import resolve_units
 from ..parallel.recompute import apply_recompute
 from ..schedule.executor import StepRecord
 from .optim import build_optimizer
-from .state import adamw_entries, model_entries
+from .state import adamw_entries, model_entries, owned_by
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +107,9 @@ class Engine:
         tensors, so a load writes in place. ``saving`` lets a sharded engine skip what another rank writes."""
         raise NotImplementedError
 
-    def checkpoint_loaded(self) -> None:
-        """After a load into :meth:`checkpoint_state`: rebuild what derives from the loaded tensors."""
+    def checkpoint_loaded(self, absent: list[str]) -> None:
+        """After a load into :meth:`checkpoint_state` (``absent``: the keys the checkpoint lacked): rebuild
+        what derives from the loaded tensors."""
 
     def forward_backward(self, microbatches: list[Batch], counts: GlobalCounts, record: bool = False) -> StepRecord:
         """Forward and backward of every microbatch; losses are normalized by ``counts()``."""
@@ -187,7 +188,9 @@ class DataParallelEngine(Engine):
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
 
     def checkpoint_state(self, saving: bool) -> dict:
-        return {**model_entries([self.raw_model]), **adamw_entries(self.optimizer, self.named_parameters)}
+        state = {**model_entries([self.raw_model]), **adamw_entries(self.optimizer, self.named_parameters)}
+        # Every replica holds all of it: each saves its share (loading reads everything).
+        return owned_by(state, self.fabric.global_rank, self.fabric.world_size) if saving else state
 
     def forward_backward(self, microbatches, counts, record=False) -> StepRecord:
         device = self.fabric.device

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..data.reader import shard_sample_counts
-from .checkpoint import check_model, read_json, read_meta, resume_candidates
+from .checkpoint import OK, check_model, read_json, read_meta, resume_candidates
 from .data_position import carry
 from .dcp_io import CheckpointCorrupt
 from .optim import restore_scheduler
@@ -42,7 +42,7 @@ class CheckpointIO:
         return None
 
     def _load_checkpoint(self, checkpoint: Path) -> dict:
-        problem, meta, saved_data = None, {}, []
+        problem, meta, saved_data, step = None, {}, [], 0
         try:
             meta = read_meta(checkpoint)
             data = meta.get("data", {})
@@ -52,14 +52,18 @@ class CheckpointIO:
                 else [f"data_dp{r:05d}.json" for r in range(int(data.get("replicas", 1)))]
             )
             saved_data = [read_json(checkpoint, name, meta) for name in names]
-            trainer_state = read_json(checkpoint, "trainer.json", meta)
+            step = int(read_json(checkpoint, "trainer.json", meta)["step"])
+            for position in saved_data:
+                int(position["epoch"]), int(position["index"])
         except CheckpointCorrupt as error:
             problem = str(error)
-        if not self.checkpoints.agree(problem):
+        except (KeyError, TypeError, ValueError, AttributeError) as error:  # well-formed JSON, wrong content
+            problem = f"damaged state file ({type(error).__name__}: {error})"
+        if self.checkpoints.agree(problem) != OK:
             raise CheckpointCorrupt(problem or "another rank found a damaged file")
         check_model(checkpoint, meta, self.cfg.model.name, self.fingerprint)
         absent = self.checkpoints.load(checkpoint, self.engine.checkpoint_state(saving=False), meta)
-        self.engine.checkpoint_loaded()
+        self.engine.checkpoint_loaded(absent)
         if absent and self.rank == 0:
             log.warning(
                 "checkpoint %s has no optimizer state for %d tensor(s) (e.g. %s; frozen when saved): they start "
@@ -68,12 +72,24 @@ class CheckpointIO:
                 len(absent),
                 absent[0],
             )
-        self.step = int(trainer_state["step"])
+        self.step = step
         restore_scheduler(self.scheduler, self.step)
+        superseded = self.checkpoints.supersede_after(self.step)
         if self.rank == 0:
             log.info("resumed from %s at step %d (saved by layout %s)", checkpoint, self.step, meta.get("layout"))
+            if superseded:
+                log.warning(
+                    "this run continues from step %d: newer checkpoint(s) %s renamed *.superseded (kept, not resumed)",
+                    self.step,
+                    ", ".join(superseded),
+                )
         replicas = 1 if self.global_stream else self.layout.llm.dp
-        counts = None if len(saved_data) == replicas else shard_sample_counts(self.stream.shards)
+        counts = None
+        if len(saved_data) != replicas:
+            try:
+                counts = shard_sample_counts(self.stream.shards)
+            except Exception as error:  # an unreadable shard (the stream skips it): no exact mapping
+                log.warning("could not count the samples per shard (%s)", error)
         carried = carry(saved_data, replicas, counts)
         if carried.message and self.rank == 0:
             (log.info if carried.exact else log.warning)(carried.message)

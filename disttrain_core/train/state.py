@@ -12,6 +12,7 @@ and full shape. Any layout of one model has the same fingerprint; another model 
 from __future__ import annotations
 
 import hashlib
+import heapq
 
 import torch
 from torch import nn
@@ -59,6 +60,27 @@ def adamw_entries(optimizer: torch.optim.Optimizer, named_params: list[tuple[str
         for key in (*MOMENTS, "step"):
             state[f"optim.{name}.{key}"] = entry[key]
     return state
+
+
+def owned_by(entries: dict, index: int, count: int) -> dict:
+    """The entries replica ``index`` of ``count`` identical replicas saves: replicated tensors split by bytes
+    (largest first, each to the least loaded replica; the same on every replica), so each tensor is
+    staged and written once instead of on every replica."""
+    if count <= 1:
+        return entries
+    loads = [(0, r) for r in range(count)]
+    keep = {}
+    for key in sorted(entries, key=lambda k: (-_nbytes(entries[k]), k)):
+        load, owner = heapq.heappop(loads)
+        heapq.heappush(loads, (load + _nbytes(entries[key]), owner))
+        if owner == index:
+            keep[key] = entries[key]
+    return keep
+
+
+def _nbytes(value) -> int:
+    local = value.to_local() if hasattr(value, "to_local") else value
+    return local.numel() * local.element_size()
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -9,6 +9,7 @@ data-parallel replicas by ZeRO-1, and the gradient norm is summed over the world
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ from ..schedule.actions import Schedule
 from ..schedule.executor import PipelineExecutor, StepRecord
 from ..schedule.transfers import channel_pairs
 from .engine import Engine, batch_to_device, clip_by_norm, import_pretrained
-from .state import adamw_entries, model_entries
+from .state import adamw_entries, model_entries, owned_by
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -268,12 +271,34 @@ class UnitEngine(Engine):
     def checkpoint_state(self, saving: bool) -> dict:
         self.synchronize()
         modules = [stage.model for stage in self.stages.values()]
-        if isinstance(self.optimizer, ZeroOneOptimizer):  # trainable values are the masters' chunks
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            chunks = self.optimizer.checkpoint_state(self.fabric.global_rank, world, saving)
-            return {**model_entries(modules, skip={n for n, _ in self.named_parameters}), **chunks}
-        return {**model_entries(modules), **adamw_entries(self.optimizer.inner, self.named_parameters)}
+        zero = isinstance(self.optimizer, ZeroOneOptimizer)
+        # Under ZeRO-1 the trainable values are the masters' chunks; what else model_entries holds (frozen
+        # parameters, buffers) every data-parallel replica has whole. Under FSDP2 its DTensors are shards.
+        entries = model_entries(modules, skip={n for n, _ in self.named_parameters} if zero else frozenset())
+        if saving:
+            from torch.distributed.tensor import DTensor
 
-    def checkpoint_loaded(self) -> None:
+            replicated = {
+                k: v
+                for k, v in entries.items()
+                if not (self.unit.fsdp and isinstance(v, DTensor)) and (isinstance(v, DTensor) or self.tp_rank == 0)
+            }
+            kept = owned_by(replicated, self.dp_rank, self.unit.dp)
+            entries = {k: v for k, v in entries.items() if k in kept or (self.unit.fsdp and isinstance(v, DTensor))}
+        if zero:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            return {**entries, **self.optimizer.checkpoint_state(self.fabric.global_rank, world, saving)}
+        return {**entries, **adamw_entries(self.optimizer.inner, self.named_parameters)}
+
+    def checkpoint_loaded(self, absent: list[str]) -> None:
         if isinstance(self.optimizer, ZeroOneOptimizer):
             self.optimizer.checkpoint_loaded()
+            fresh = self.optimizer.mixed_buckets(set(absent))
+            if fresh:
+                log.warning(
+                    "ZeRO-1 buckets mix resumed and fresh optimizer state (%d fresh parameter(s), e.g. %s): one step "
+                    "counter per bucket skips Adam's bias correction for the fresh ones at first; FSDP2 or DDP "
+                    "(per-parameter counters) do not",
+                    len(fresh),
+                    fresh[0],
+                )

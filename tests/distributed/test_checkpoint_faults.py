@@ -53,9 +53,10 @@ def test_damaged_checkpoints_fall_back_to_the_newest_that_verifies(shards, tmp_p
     skipped = [line for line in output.splitlines() if "skipped:" in line]
     assert len(skipped) == 3, output[-3000:]
     assert "step_00000004 skipped: meta.json is missing" in skipped[0]
-    assert "step_00000003 skipped:" in skipped[1] and "SHA-256 differs" in skipped[1]
+    assert "step_00000003 skipped:" in skipped[1] and "differs from meta.json's SHA-256" in skipped[1]
     assert "step_00000002 skipped:" in skipped[2] and "truncated" in skipped[2]
     assert "resumed from" in output and "step_00000001 at step 1" in output
+    assert "renamed *.superseded" in output  # the damaged newer ones are kept aside, not resumed later
     # Steps 2-5 after the fallback equal those of the first run (which read the same data from step 1 on).
     first = {m["step"]: m["loss"] for m in read_metrics(run) if m["step"] <= 4}
     losses = [m for m in read_metrics(run)]

@@ -101,7 +101,11 @@ def _damage(path, how):
 
 @pytest.mark.parametrize(
     "how, reason",
-    [("truncated", "truncated"), ("flipped", "SHA-256 differs"), ("meta_missing", "meta.json is missing")],
+    [
+        ("truncated", "truncated"),
+        ("flipped", "differs from meta.json's SHA-256"),
+        ("meta_missing", "meta.json is missing"),
+    ],
 )
 def test_a_damaged_checkpoint_is_refused_with_its_reason(how, reason, tmp_path):
     m = manager(tmp_path / "c")
@@ -166,3 +170,30 @@ def test_data_positions_carry_exactly_or_say_what_repeats():
     assert not odd.exact and [s["index"] for s in odd.states] == [2, 2] and "1 elements are read again" in odd.message
     uneven = carry(two, 1, [24, 24, 24, 20])
     assert not uneven.exact and uneven.states[0]["index"] == 0 and "unequal" in uneven.message
+
+
+def test_a_well_formed_but_damaged_meta_json_is_refused(tmp_path):
+    m = manager(tmp_path / "c")
+    save(m, 1, torch.ones(2))
+    path = latest_checkpoint(tmp_path / "c")
+    meta = json.loads((path / "meta.json").read_text())
+    meta["files"][".metadata"] = "oops"
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointCorrupt, match="meta.json is damaged"):
+        read_meta(path)
+
+
+def test_resuming_an_older_checkpoint_supersedes_the_newer_ones(tmp_path):
+    """After a fallback (or a rollback) the newer checkpoints belong to another history: kept aside, never
+    pruned in place of the new ones, never resumed by resume=auto."""
+    root = tmp_path / "checkpoints"
+    m = manager(root, keep_last=3)
+    for step in (1, 2, 3):
+        save(m, step, torch.ones(1))
+    assert sorted(m.supersede_after(1)) == ["step_00000002", "step_00000003"]
+    names = sorted(p.name for p in root.iterdir())
+    assert "step_00000002.superseded" in names and "step_00000003.superseded" in names
+    assert [p.name for p in resume_candidates("auto", tmp_path)] == ["step_00000001"]
+    save(m, 2, torch.full((1,), 2.0))  # the resumed run's own step 2: the newest, kept by pruning
+    assert [p.name for p in resume_candidates("auto", tmp_path)] == ["step_00000002", "step_00000001"]
+    assert torch.equal(read_tensors(latest_checkpoint(root))["w"], torch.full((1,), 2.0))
