@@ -68,6 +68,7 @@ def test_calibrated_simulator_predicts_the_measured_pipeline_time(shards, tmp_pa
     assert tags == {True}
 
 
+@pytest.mark.slow  # 33 s; DDP -> 1F1B stages is one pair of test_reshard.py's slow matrix too
 def test_checkpoint_from_data_parallel_resumes_in_a_pipeline_layout(shards, tmp_path):
     straight = losses(train(shards, tmp_path / "straight", *TEXT, "trainer.max_steps=6"))
     moved = tmp_path / "moved"

@@ -54,6 +54,7 @@ def test_data_parallel_sizes_that_do_not_divide_each_other(shards, tmp_path):
     assert_same_run(train(shards, tmp_path / "megatron_tp2", "parallel=megatron_tp2", *SIX), one)
 
 
+@pytest.mark.slow  # 48 s; resuming across layouts is in make test (test_reshard.py), units <-> megatron in test-slow
 def test_checkpoint_resumes_in_the_same_layout(reference, shards, tmp_path):
     """ZeRO-1 shards, broker state and data position survive a stop and resume (encoder dp=2)."""
     run = tmp_path / "resumed"
