@@ -126,7 +126,7 @@ class CheckpointManager:
         else:
             dcp.save(state, **options)
             self._run(partial, step, files, meta, writer, None)
-            self._raise_if_failed()
+            self.wait()  # a failure is raised on every rank together
 
     def _run(self, partial: Path, step: int, files: dict, meta: dict, writer: ChecksumWriter, future) -> None:
         try:
@@ -177,7 +177,11 @@ class CheckpointManager:
         if self.rank == 0:
             for path in _step_dirs(self.root):
                 if int(path.name[len("step_") :]) > step:
-                    path.rename(path.with_name(path.name + ".superseded"))
+                    target, index = path.with_name(path.name + ".superseded"), 1
+                    while target.exists():  # superseded before, by an earlier fallback
+                        index += 1
+                        target = path.with_name(f"{path.name}.superseded{index}")
+                    path.rename(target)
                     moved.append(path.name)
             pointer = self.root / "latest"
             if moved and pointer.is_file():

@@ -197,3 +197,5 @@ def test_resuming_an_older_checkpoint_supersedes_the_newer_ones(tmp_path):
     save(m, 2, torch.full((1,), 2.0))  # the resumed run's own step 2: the newest, kept by pruning
     assert [p.name for p in resume_candidates("auto", tmp_path)] == ["step_00000002", "step_00000001"]
     assert torch.equal(read_tensors(latest_checkpoint(root))["w"], torch.full((1,), 2.0))
+    assert m.supersede_after(1) == ["step_00000002"]  # a second rollback: the first one's copies stay
+    assert (root / "step_00000002.superseded2").is_dir() and (root / "step_00000002.superseded").is_dir()
