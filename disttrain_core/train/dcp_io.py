@@ -58,9 +58,7 @@ def file_record(path: str | os.PathLike) -> dict:
     return {"sha256": digest.hexdigest(), "size": size, "blocks": blocks}
 
 
-def check_ranges(path: Path, record: dict | None, ranges: list[tuple[int, int]]) -> None:
-    """Raise :class:`CheckpointCorrupt` unless ``path`` has the recorded size and every block overlapping
-    the byte ``ranges`` ((offset, length) pairs) has its recorded digest."""
+def _check_size(path: Path, record: dict | None) -> None:
     name = path.name
     if record is None:
         raise CheckpointCorrupt(f"{name} is not listed in meta.json")
@@ -69,28 +67,28 @@ def check_ranges(path: Path, record: dict | None, ranges: list[tuple[int, int]])
     size = path.stat().st_size
     if size != record["size"]:
         raise CheckpointCorrupt(f"{name} has {size} bytes, meta.json recorded {record['size']} (truncated?)")
+
+
+def check_ranges(path: Path, record: dict | None, ranges: list[tuple[int, int]]) -> None:
+    """Raise :class:`CheckpointCorrupt` unless ``path`` has the recorded size and every block overlapping
+    the byte ``ranges`` ((offset, length) pairs) has its recorded digest."""
+    _check_size(path, record)
+    blocks = record.get("blocks") or []
     wanted = sorted(
         {b for offset, length in ranges for b in range(offset // BLOCK, (offset + length - 1) // BLOCK + 1)}
     )
     with open(path, "rb") as handle:
         for index in wanted:
             handle.seek(index * BLOCK)
-            if hashlib.sha256(handle.read(BLOCK)).hexdigest()[:32] != record["blocks"][index]:
-                raise CheckpointCorrupt(f"{name}: block {index} differs from meta.json's SHA-256 (altered bytes)")
+            if index >= len(blocks) or hashlib.sha256(handle.read(BLOCK)).hexdigest()[:32] != blocks[index]:
+                raise CheckpointCorrupt(f"{path.name}: block {index} differs from meta.json's SHA-256 (altered bytes)")
 
 
 def check_file(path: Path, record: dict | None) -> None:
     """Raise :class:`CheckpointCorrupt` unless ``path`` has the recorded size and SHA-256."""
-    name = path.name
-    if record is None:
-        raise CheckpointCorrupt(f"{name} is not listed in meta.json")
-    if not path.is_file():
-        raise CheckpointCorrupt(f"{name} is missing")
-    size = path.stat().st_size
-    if size != record["size"]:
-        raise CheckpointCorrupt(f"{name} has {size} bytes, meta.json recorded {record['size']} (truncated?)")
+    _check_size(path, record)
     if file_digest(path)[0] != record["sha256"]:
-        raise CheckpointCorrupt(f"{name}: SHA-256 differs from meta.json (altered bytes)")
+        raise CheckpointCorrupt(f"{path.name}: SHA-256 differs from meta.json (altered bytes)")
 
 
 class _HashingStream(io.RawIOBase):
