@@ -1,20 +1,20 @@
 """From a composed config to running processes.
 
-``launch`` runs in the Hydra job process: it validates the config, prepares
-the data, writes the resolved config into the run directory, then starts the
-training processes. Ranks are started here, not by Fabric's launcher, because
-Fabric's launcher re-executes ``sys.argv`` -- which under ``-m`` would make
-every child run the whole sweep again. Each child gets ``LOCAL_RANK``,
-``NODE_RANK`` and the rendezvous address in its environment, so Fabric sees an
-externally created process and only initializes the process group. Under
-torchrun or SLURM (processes already created) no spawning happens.
+``launch`` runs in the Hydra job process: it validates the config and the process environment
+(launch_env.py: local, torchrun, srun), prepares the data, writes the resolved config into the run
+directory, then starts the ranks of this node (launchers.py: Fabric's spawn launcher, or torch's
+elastic agent when ``trainer.max_restarts`` > 0). Under torchrun or srun every process is already a
+rank and runs this function itself: nothing is spawned, the run directory is named by the job
+(conf/hydra: ``run_stamp``), and rank 0 starts the job's one data producer.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -23,10 +23,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from .config import Config, cpu_count, determinism, training_precision, typed_config
+from .launch_env import LaunchError, cluster_environment, detect, node_rendezvous
+from .launch_env import check as check_launch
+from .launchers import RankFailed, spawn_with_fabric, spawn_with_restarts
+from .launchers import environment as scoped_environment
+from .net import split_address
 from .train.preflight import STATE_ERRORS, check_state_sources
 from .validation import (
     ConfigError,
-    externally_launched,
     resolve_accelerator,
     resolve_backend,
     validate_config,
@@ -38,18 +42,25 @@ log = logging.getLogger("disttrain")
 SUMMARY_FILE = "summary.json"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def prepare_data(cfg: Config) -> None:
     from .data.reader import resolve_shards
-    from .data.synthetic import generate_shards
 
     if resolve_shards(cfg.data.path) or not cfg.data.generate_if_missing:
         return
+    import fcntl
+
+    # Under torchrun or srun every rank gets here: one generates, the others wait and find the shards.
+    Path(cfg.data.path).parent.mkdir(parents=True, exist_ok=True)
+    with open(str(Path(cfg.data.path)) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if resolve_shards(cfg.data.path):
+            return
+        _generate(cfg)
+
+
+def _generate(cfg: Config) -> None:
+    from .data.synthetic import generate_shards
+
     log.info(
         "no shards in %s: generating the embedded synthetic data (%d shards x %d samples)",
         cfg.data.path,
@@ -73,7 +84,10 @@ def launch(cfg: DictConfig) -> float | None:
     """Validate, prepare and run one training job; returns the optimized metric."""
     container = OmegaConf.to_container(cfg, resolve=True)
     cfg = typed_config(container)
+    environment = detect()
     try:
+        check_launch(environment, cfg.trainer.devices, cfg.trainer.num_nodes)
+        check_producer_reach(cfg)
         validate_config(cfg)
         container = with_device_defaults(container)
         cfg = typed_config(container)
@@ -86,41 +100,36 @@ def launch(cfg: DictConfig) -> float | None:
             cfg = typed_config(container)
             validate_config(cfg)
         check_state_sources(cfg, Path(cfg.paths.output_dir))
-    except (ConfigError, *STATE_ERRORS) as error:
+    except (ConfigError, LaunchError, *STATE_ERRORS) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    if environment.rank == 0:  # under torchrun/srun every rank runs this function, in one run directory
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     if cfg.trainer.dry_run:
-        from .models.info import model_table
-        from .planner.rehearsal import rehearse
-
-        print(model_table(cfg.model))
-        print(f"world size {world_size(cfg)}: {cfg.trainer.devices} process(es) x {cfg.trainer.num_nodes} node(s)")
-        print("rehearsal: each rank role built on the meta device, model state planned vs counted")
-        rehearse(cfg, run_dir)
+        if environment.rank == 0:
+            dry_run(cfg, run_dir)
         return None
     prepare_data(cfg)
     producer = None
-    if cfg.data.producer.workers > 0 and cfg.data.producer.address is None:
+    if producer_started_by_launcher(cfg, environment):
         # Disaggregated preprocessing on this host: a producer process on 127.0.0.1 with a fresh key
-        # that only this job's processes know (environment, never the saved config).
-        from .data.producer import start_local_producer
-        from .data.transport import new_key
-
-        key = new_key()
-        os.environ["DISTTRAIN_PRODUCER_KEY"] = key
-        producer, address = start_local_producer(cfg, container, key)
-        log.info("data producer with %d decode worker(s) on %s", cfg.data.producer.workers, address)
-        container = {**container, "data": {**container["data"], "producer": {**container["data"]["producer"]}}}
-        container["data"]["producer"]["address"] = address
+        # that only this job's processes know (environment, never the saved config). It outlives
+        # rank restarts (trainer.max_restarts).
+        producer, container = start_producer(cfg, container)
         cfg = typed_config(container)
     try:
-        if externally_launched() or world_size(cfg) == 1:
+        if environment.external or world_size(cfg) == 1:
             run_worker(container, str(run_dir))
         else:
-            spawn_local_processes(cfg, container, str(run_dir))
+            job_id = environment.job_id or f"local-{os.getpid()}-{run_dir.name}"
+            rendezvous = node_rendezvous(environment) if environment.kind == "node" else {}
+            with scoped_environment(rendezvous):
+                start_ranks(cfg, container, str(run_dir), job_id, exclude={producer.pid} if producer else set())
+    except RankFailed as error:
+        print(f"error: {error} (logs: {run_dir})", file=sys.stderr)
+        sys.exit(1)
     finally:
         if producer is not None:
             producer.terminate()
@@ -131,24 +140,78 @@ def launch(cfg: DictConfig) -> float | None:
     return None
 
 
-def spawn_local_processes(cfg: Config, container: dict, run_dir: str) -> None:
-    import torch.multiprocessing as mp
+def check_producer_reach(cfg: Config) -> None:
+    """Several nodes fetch from the one producer rank 0 starts: it must listen beyond the loopback."""
+    producer = cfg.data.producer
+    if cfg.trainer.num_nodes > 1 and producer.workers > 0 and producer.address is None:
+        host, _ = split_address(producer.listen)
+        if host.startswith("127.") or host in ("localhost", "::1"):
+            raise LaunchError(
+                f"data.producer.listen={producer.listen} is reachable from this node only, but "
+                f"trainer.num_nodes={cfg.trainer.num_nodes} nodes fetch from it; set data.producer.listen to "
+                "an address of the private network (e.g. 0.0.0.0:0; the key authenticates every trainer)"
+            )
 
-    env = {
-        "MASTER_ADDR": os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port())),
-        "NODE_RANK": os.environ.get("NODE_RANK", "0"),
-        "WORLD_SIZE": str(world_size(cfg)),
+
+def dry_run(cfg: Config, run_dir: Path) -> None:
+    from .models.info import model_table
+    from .planner.rehearsal import rehearse
+
+    print(model_table(cfg.model))
+    print(f"world size {world_size(cfg)}: {cfg.trainer.devices} process(es) x {cfg.trainer.num_nodes} node(s)")
+    print("rehearsal: each rank role built on the meta device, model state planned vs counted")
+    rehearse(cfg, run_dir)
+
+
+def producer_started_by_launcher(cfg: Config, environment) -> bool:
+    """One producer per job: train.py starts it when it starts every rank of the job (one node); otherwise
+    (torchrun, srun, several nodes) rank 0 does, and hands its address and key to the others."""
+    wanted = cfg.data.producer.workers > 0 and cfg.data.producer.address is None
+    return wanted and not environment.external and cfg.trainer.num_nodes == 1
+
+
+def start_producer(cfg: Config, container: dict):
+    from .data.producer import start_local_producer
+    from .data.transport import new_key
+
+    key = new_key()
+    os.environ["DISTTRAIN_PRODUCER_KEY"] = key
+    producer, address = start_local_producer(cfg, container, key)
+    log.info("data producer with %d decode worker(s) on %s", cfg.data.producer.workers, address)
+    container = {**container, "data": {**container["data"], "producer": {**container["data"]["producer"]}}}
+    container["data"]["producer"]["address"] = address
+    return producer, container
+
+
+def start_ranks(cfg: Config, container: dict, run_dir: str, job_id: str, exclude: set[int]) -> None:
+    """The ranks of this node, started by Fabric's spawn launcher, or by torch's elastic agent for restarts."""
+    from .comm import flight
+
+    flight.configure(run_dir, rank=0)  # torch's recorder reads its settings as a process group is made
+    if cfg.trainer.max_restarts > 0:
+        spawn_with_restarts(cfg, _elastic_worker, (container, run_dir), run_dir, job_id)
+        return
+    accelerator = resolve_accelerator(cfg.trainer.accelerator)
+    precision = training_precision(cfg.trainer.precision, accelerator)
+    fabric_kwargs = {
+        "accelerator": accelerator,
+        "devices": cfg.trainer.devices,
+        "num_nodes": cfg.trainer.num_nodes,
+        "precision": "32-true" if precision == "32" else precision,
+        "backend": resolve_backend(cfg.trainer.backend, accelerator),
     }
-    log.info("starting %d process(es) on node %s of %d", cfg.trainer.devices, env["NODE_RANK"], cfg.trainer.num_nodes)
-    mp.start_processes(
-        _spawned_worker, args=(container, run_dir, env), nprocs=cfg.trainer.devices, join=True, start_method="spawn"
-    )
+    spawn_with_fabric(cfg, fabric_kwargs, _fabric_worker, (container, run_dir), job_id, exclude)
 
 
-def _spawned_worker(local_rank: int, container: dict, run_dir: str, env: dict[str, str]) -> None:
-    os.environ.update(env)
-    os.environ["LOCAL_RANK"] = str(local_rank)
+def _fabric_worker(fabric, container: dict, run_dir: str) -> None:
+    run_worker(container, run_dir, fabric)
+
+
+def _elastic_worker(container: dict, run_dir: str) -> None:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and container["trainer"]["resume"] == "none":
+        # a relaunch continues from the latest complete checkpoint of this run
+        container = {**container, "trainer": {**container["trainer"], "resume": "auto"}}
     run_worker(container, run_dir)
 
 
@@ -197,26 +260,66 @@ def configure_device(cfg: Config, accelerator: str) -> None:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
-def run_worker(container: dict, run_dir: str) -> dict[str, Any]:
-    """One training process: Fabric setup, then the training loop."""
+def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
+    """One training process: Fabric setup (unless Fabric's launcher already did), then the training loop."""
+    from .comm import flight
+    from .train.loop import Trainer
+
+    cfg = typed_config(container)
+    trainer = cfg.trainer
+    environment = detect()
+    if environment.kind == "spawned" and fabric is not None:
+        rank = int(os.environ.get("NODE_RANK", 0)) * trainer.devices + int(os.environ.get("LOCAL_RANK", 0))
+    else:
+        rank = environment.rank
+    _setup_worker_logging(rank, run_dir)
+    flight.configure(run_dir, rank)
+    # `kill -USR1 <pid>` prints every thread's Python stack, even while the main thread waits inside a collective
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    configure_threads(cfg)
+    accelerator = resolve_accelerator(trainer.accelerator)
+    configure_device(cfg, accelerator)
+    if fabric is None:
+        fabric = _attach_fabric(cfg, accelerator, environment)
+    fabric.seed_everything(trainer.seed, verbose=False)
+    producer = None
+    try:
+        if cfg.data.producer.workers > 0 and cfg.data.producer.address is None:
+            producer, container = share_producer(cfg, container, fabric)
+            cfg = typed_config(container)
+        metrics = Trainer(cfg, fabric, run_dir).fit()
+    except BaseException as error:
+        flight.dump(f"exception: {type(error).__name__}: {error}")
+        raise
+    finally:
+        if producer is not None:
+            producer.terminate()
+            producer.join(timeout=10)
+    if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
+        from .planner.breakdown import annotate_memory_report
+
+        annotate_memory_report(cfg, Path(run_dir), fabric.global_rank)
+    if fabric.global_rank == 0:
+        (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    return metrics
+
+
+def _attach_fabric(cfg: Config, accelerator: str, environment):
+    """Fabric over processes someone else created (torchrun, srun, the elastic agent, or just this one)."""
     from datetime import timedelta
 
     from lightning_fabric import Fabric
     from lightning_fabric.strategies import DDPStrategy
 
-    from .train.loop import Trainer
-
-    cfg = typed_config(container)
     trainer = cfg.trainer
-    rank = int(os.environ.get("NODE_RANK", 0)) * trainer.devices + int(os.environ.get("LOCAL_RANK", 0))
-    _setup_worker_logging(rank, run_dir)
-    configure_threads(cfg)
-    accelerator = resolve_accelerator(trainer.accelerator)
-    configure_device(cfg, accelerator)
-    backend = resolve_backend(trainer.backend, accelerator)
     strategy: Any = "auto"
     if world_size(cfg) > 1:
-        strategy = DDPStrategy(process_group_backend=backend, timeout=timedelta(seconds=trainer.dist_timeout_s))
+        _init_elastic_attempt(resolve_backend(trainer.backend, accelerator), timedelta(seconds=trainer.dist_timeout_s))
+        strategy = DDPStrategy(
+            process_group_backend=resolve_backend(trainer.backend, accelerator),
+            timeout=timedelta(seconds=trainer.dist_timeout_s),
+            cluster_environment=cluster_environment(environment),
+        )
     precision = training_precision(trainer.precision, accelerator)
     fabric = Fabric(
         accelerator=accelerator,
@@ -226,12 +329,62 @@ def run_worker(container: dict, run_dir: str) -> dict[str, Any]:
         precision="32-true" if precision == "32" else precision,
     )
     fabric.launch()
-    fabric.seed_everything(trainer.seed, verbose=False)
-    metrics = Trainer(cfg, fabric, run_dir).fit()
-    if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
-        from .planner.breakdown import annotate_memory_report
+    return fabric
 
-        annotate_memory_report(cfg, Path(run_dir), fabric.global_rank)
+
+def _init_elastic_attempt(backend: str, timeout) -> None:
+    """Under torch's elastic agent (torchrun, or trainer.max_restarts) the ranks of every attempt meet in the
+    agent's one store; gloo's rendezvous keys of a dead attempt are still there, and a relaunched rank can
+    read them and dial the old ranks' ports. The process group is made here on a prefix of its own per
+    attempt (Fabric then finds it initialized)."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"disttrain/attempt_{attempt}/", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+
+
+def share_producer(cfg: Config, container: dict, fabric):
+    """Rank 0 starts the job's one producer; every rank learns its address and key from rank 0 (raw bytes
+    over a host-side group, never pickled)."""
+    import torch
+    import torch.distributed as dist
+
+    from .data.producer import start_local_producer
+    from .data.transport import new_key
+
+    producer, text = None, b""
     if fabric.global_rank == 0:
-        (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
-    return metrics
+        key = new_key()
+        listen = cfg.data.producer.listen
+        producer, address = start_local_producer(cfg, container, key)
+        host, port = split_address(address)
+        if host in ("0.0.0.0", "::"):
+            host = socket.getfqdn()
+        text = f"{host}:{port} {key}".encode()
+        log.info(
+            "data producer with %d decode worker(s) on %s (listening on %s)",
+            cfg.data.producer.workers,
+            f"{host}:{port}",
+            listen,
+        )
+    group = dist.new_group(backend="gloo")
+    size = torch.tensor([len(text)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if fabric.global_rank == 0:
+        buffer.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0, group=group)
+    dist.destroy_process_group(group)
+    address, key = bytes(buffer.tolist()).decode().split(" ", 1)
+    os.environ["DISTTRAIN_PRODUCER_KEY"] = key
+    producer_cfg = {**container["data"]["producer"], "address": address}
+    return producer, {**container, "data": {**container["data"], "producer": producer_cfg}}

@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import flight
+
 STRICT_ENV = "DISTTRAIN_STRICT_P2P"
 
 
@@ -51,12 +53,58 @@ class CoalescedWork:
         return all(work.is_completed() for work in self.works)
 
 
+class RecordedWork:
+    """A handle of ``post``'s: the call's flight records complete when the last of its handles is waited on."""
+
+    __slots__ = ("work", "call")
+
+    def __init__(self, work, call: list) -> None:
+        self.work, self.call = work, call  # call: [handles not yet waited on, records]
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        except BaseException as error:
+            for op in self.call[1]:
+                op.failed(error)
+            raise
+        self.call[0] -= 1
+        if self.call[0] == 0:
+            for op in self.call[1]:
+                op.completed()
+        return done
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+def _record(ops: list[dist.P2POp]) -> list:
+    return [
+        flight.record(
+            "recv" if op.op is dist.irecv else "send",
+            group=op.group,
+            peers=op.peer,
+            nbytes=op.tensor.numel() * op.tensor.element_size(),
+        )
+        for op in ops
+    ]
+
+
+def _tracked(works: list, records: list) -> list:
+    call = [len(works), records]
+    return [RecordedWork(work, call) for work in works]
+
+
 def post(ops: list[dist.P2POp]) -> list:
     """Start ``ops`` (one communicator per call); wait on every returned handle before using a receive."""
     if not ops:
         return []
+    records = _record(ops)
     if not strict():
-        return dist.batch_isend_irecv(ops)
+        return _tracked(dist.batch_isend_irecv(ops), records)
     staged, landings = [], []
     for op in ops:
         if op.op is dist.irecv:
@@ -66,7 +114,7 @@ def post(ops: list[dist.P2POp]) -> list:
                 op.tensor.fill_(float("nan"))  # what a reader that skipped the wait would see
             op = dist.P2POp(dist.irecv, staging, op.peer, op.group, op.tag)
         staged.append(op)
-    return [CoalescedWork(dist.batch_isend_irecv(staged), landings)]
+    return _tracked([CoalescedWork(dist.batch_isend_irecv(staged), landings)], records)
 
 
 def wait_all(works: list) -> None:

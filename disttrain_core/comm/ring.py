@@ -13,6 +13,9 @@ process group, the analogue of a dedicated CUDA communication stream. Jobs run
 in submission order -- the same order on every rank, which is what makes the
 point-to-point transfers match -- and return a ``Handle`` to wait on. The thread
 owns its process group: nothing else may use it.
+
+The flight recorder (flight.py) records each job when it is submitted, started and completed on
+the thread; the transfers of each step are recorded by ``post``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from . import flight
 from .p2p import post
 
 
@@ -174,9 +178,12 @@ class RingCollectives:
         """``output`` (this rank's slice) = sum over ranks of its slice of ``source``."""
         size = output.numel()
         ring = self.ring
+        op = flight.record("ring_reduce_scatter", group=ring.group, nbytes=source.numel() * source.element_size())
 
         def job() -> None:
+            op.started()
             ring_reduce_scatter(ring, lambda block: source[block * size : (block + 1) * size], out=output)
+            op.completed()
 
         return self._finish(self.stream.submit(job), async_op)
 
@@ -184,10 +191,13 @@ class RingCollectives:
         """``output`` = every rank's ``shard`` end to end, in rank order."""
         size = shard.numel()
         ring = self.ring
+        op = flight.record("ring_all_gather", group=ring.group, nbytes=output.numel() * output.element_size())
 
         def job() -> None:
+            op.started()
             output[ring.rank * size : (ring.rank + 1) * size].copy_(shard)
             ring_gather(ring, shard, lambda *_: None, lambda owner: output[owner * size : (owner + 1) * size])
+            op.completed()
 
         return self._finish(self.stream.submit(job), async_op)
 

@@ -89,6 +89,17 @@ def group_options(group: str) -> list[str]:
 _registered = False
 
 
+def run_stamp(default: str) -> str:
+    """The run directory's name: ``default`` (a timestamp), or ``job-<id>`` when a scheduler or torchrun created
+    this job's processes, so every process of the job -- each running Hydra -- writes to one directory."""
+    from ..launch_env import detect
+
+    environment = detect()
+    if environment.job_scoped and environment.job_id:
+        return f"job-{environment.job_id}"
+    return default
+
+
 def register_configs() -> None:
     """Store the schema and the recipes in Hydra's ConfigStore (idempotent).
 
@@ -103,6 +114,8 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    if not OmegaConf.has_resolver("run_stamp"):
+        OmegaConf.register_new_resolver("run_stamp", run_stamp)
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
     for name in group_options("recipe"):

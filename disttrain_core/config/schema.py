@@ -116,6 +116,12 @@ class TrainerConfig:
     sync_debug: str = "off"
     threads_per_rank: int = 0  # torch intra-op threads per process; 0 = cores / local processes
     dist_timeout_s: int = 300
+    # After SIGTERM/SIGINT the ranks stop at an agreed step and checkpoint (train/stop.py); a rank that has not
+    # finished this long after the signal (stuck in a collective) records its flight recorder and exits 143.
+    stop_grace_s: float = 600.0
+    # Jobs train.py spawns: relaunch every rank from the latest checkpoint up to this many times when one dies
+    # (torch's elastic agent). Under torchrun or srun, restarts belong to --max-restarts or the scheduler.
+    max_restarts: int = 0
     resume: str = "none"  # none | auto | path to a checkpoint or run directory
     progress_bar: bool = True
     compile: bool = False

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from ..processes import helper_process_init
 from .batch import Batch
 from .reader import Position, RawSample, ShardError, ShardStream, StreamElement
 from .samples import BadSample, EncodedSample, SampleEncoder
@@ -74,9 +74,10 @@ class DecodedStream(IterableDataset):
             return Skipped(item.key, error.reason, str(error))
 
 
-def _lower_priority(nice: int, worker_id: int) -> None:
-    """Decode workers yield the CPU to the training threads (see data.worker_nice)."""
-    os.nice(nice)
+def _init_decode_worker(nice: int, worker_id: int) -> None:
+    """Decode workers die with their rank, leave Ctrl-C to it, and yield the CPU to the training threads
+    (see data.worker_nice)."""
+    helper_process_init(nice)
 
 
 def collate(samples: list[EncodedSample]) -> Batch:
@@ -136,7 +137,7 @@ class MicrobatchLoader:
             num_workers=self.num_workers,
             prefetch_factor=max(2, per_worker),
             persistent_workers=False,
-            worker_init_fn=functools.partial(_lower_priority, self.worker_nice) if self.worker_nice else None,
+            worker_init_fn=functools.partial(_init_decode_worker, self.worker_nice),
         )
         return iter(loader)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..net import free_port
 from .costs import interp
 from .solver import PlanningError
 
@@ -159,17 +159,11 @@ def _threads(cfg, world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(world, 1))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_profile(cfg, world: int, threads: int, tp_sizes: list[int], key: str, device: str, precision: str) -> Profile:
     import torch.multiprocessing as mp
 
     started = time.perf_counter()
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     payload = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in ("model", "trainer", "planner")}

@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..faults import inject
 from .dcp_io import CheckpointCorrupt, ChecksumWriter, VerifyingReader, check_file
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class CheckpointManager:
             started = time.perf_counter()
             if future is not None:
                 future.result()
+            inject("save", self.rank, step)  # fault drills: this rank's shards are written, its marker is not
             digests = writer.digests()
             for name, obj in files.items():
                 digests[name] = _write_json(partial / name, obj)

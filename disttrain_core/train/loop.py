@@ -31,6 +31,7 @@ from ..data.loader import MicrobatchLoader
 from ..data.reader import ShardStream, resolve_shards
 from ..data.samples import SampleEncoder
 from ..data.tokenizer import build_tokenizer
+from ..faults import inject
 from ..models import build_model
 from ..models.flops import batch_flops
 from ..parallel.plan import build_pipeline, resolve_units
@@ -44,10 +45,17 @@ from .perf import peak_flops_per_device, peak_memory_gib
 from .results import StepResult, StepValues, read_results
 from .resume import CheckpointIO
 from .state import model_fingerprint
+from .stop import StopRequest
 from .timeline_report import TimelineReporter
 from .unit_engine import UnitEngine
 
 log = logging.getLogger(__name__)
+
+
+def _dump_flight(reason: str) -> None:
+    from ..comm import flight
+
+    flight.dump(reason)
 
 
 class Trainer(CheckpointIO):
@@ -97,6 +105,9 @@ class Trainer(CheckpointIO):
         # Checkpoint collectives (DCP planning, in a background thread when saving asynchronously) run on a
         # group of their own, on the host (docs/COMM.md): never queued behind or between training's.
         group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        # The stop flag (train/stop.py) is reduced on a host-side group of its own, after every step.
+        control = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self.stop_request = StopRequest(control, float(trainer.stop_grace_s), on_signal=_dump_flight)
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints",
             rank=self.rank,
@@ -189,6 +200,7 @@ class Trainer(CheckpointIO):
 
     def train_step(self) -> StepResult:
         """One optimizer step. Nothing is read back from the device here (see train/host_sync.py)."""
+        inject("step", self.rank, self.step + 1)  # fault drills (disttrain_core/faults.py); off by default
         started = self.clock.stamp()
         host_started = time.perf_counter()
         comm = self.cfg.parallel.comm
@@ -338,6 +350,16 @@ class Trainer(CheckpointIO):
             if every and self.step % every == 0:
                 self.save_checkpoint()
                 saved_at = self.step
+            if self.stop_request.agreed():
+                if self.rank == 0:
+                    progress.write(
+                        f"stopping at step {self.step} ({self.stop_request.signal_name or 'signal'} on a rank): "
+                        "checkpoint, then exit; trainer.resume=auto continues from here"
+                    )
+                if saved_at != self.step:
+                    self.save_checkpoint()
+                    saved_at = self.step
+                break
         if trainer.checkpoint.save_last and saved_at != self.step:
             self.save_checkpoint()
         self.engine.synchronize()
@@ -345,6 +367,7 @@ class Trainer(CheckpointIO):
         if trace is not None:
             trace.dump(self.run_dir / "comm_trace" / f"rank{self.rank:05d}.json")
         self.checkpoints.wait()
+        self.stop_request.close()
         self.engine.close()
         progress.close()
         self.metrics.close()

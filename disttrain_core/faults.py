@@ -1,0 +1,86 @@
+"""Fault injection for drills and the fault suite (tests/faults/).
+
+``DISTTRAIN_FAULT`` names faults as ``KIND@POINT:rank=R:step=S``, several separated by ``;``:
+
+    DISTTRAIN_FAULT="kill@step:rank=1:step=7"      # SIGKILL rank 1 as step 7 begins
+    DISTTRAIN_FAULT="term@step:rank=1:step=4"      # SIGTERM to rank 1 (a preemption notice)
+    DISTTRAIN_FAULT="hang@step:rank=1:step=3"      # rank 1 stops before the step's first collective
+    DISTTRAIN_FAULT="raise@step:rank=0:step=2"     # an exception in rank 0
+    DISTTRAIN_FAULT="kill@save:rank=0:step=4"      # SIGKILL while checkpoint 4 is being written
+    DISTTRAIN_FAULT="enospc@save:rank=1:step=4"    # the disk is full while checkpoint 4 is written
+
+Points are ``step`` (start of a training step, before its data and collectives), ``save``
+(after a rank has written part of a checkpoint's files) and ``restart=N`` qualifiers limit a
+fault to the Nth run of an elastic job (default 0: the first), so a relaunched job does not
+meet the same fault again. Nothing happens unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+ENV = "DISTTRAIN_FAULT"
+KINDS = ("kill", "term", "hang", "raise", "enospc")
+POINTS = ("step", "save")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    point: str
+    rank: int
+    step: int
+    restart: int = 0
+
+
+def parse(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        try:
+            head, *fields = item.split(":")
+            kind, point = head.split("@")
+            values = dict(field.split("=", 1) for field in fields)
+            fault = Fault(kind, point, int(values.pop("rank")), int(values.pop("step")), int(values.pop("restart", 0)))
+            if values or kind not in KINDS or point not in POINTS:
+                raise ValueError
+        except (ValueError, KeyError) as error:
+            raise ValueError(
+                f"{ENV}={text!r}: cannot read {item!r}; write KIND@POINT:rank=R:step=S with KIND in {KINDS} "
+                f"and POINT in {POINTS}"
+            ) from error
+        faults.append(fault)
+    return faults
+
+
+def _active() -> list[Fault]:
+    text = os.environ.get(ENV)
+    return parse(text) if text else []
+
+
+def inject(point: str, rank: int, step: int) -> None:
+    """Carry out the faults planned for this point, rank and step (a no-op without DISTTRAIN_FAULT)."""
+    if ENV not in os.environ:
+        return
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for fault in _active():
+        if (fault.point, fault.rank, fault.step, fault.restart) != (point, rank, step, restart):
+            continue
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif fault.kind == "hang":
+            while True:  # a rank that never reaches its next collective
+                time.sleep(3600)
+        elif fault.kind == "raise":
+            raise InjectedFault(f"injected failure at {point} {step} on rank {rank}")
+        elif fault.kind == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected)")

@@ -1,0 +1,21 @@
+"""Small network helpers shared by the launcher, the planner's profiler and the tests."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (it may be taken again before it is used)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def split_address(address: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); ``ValueError`` naming the text otherwise."""
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not HOST:PORT (e.g. 127.0.0.1:7070)")
+    host = host.strip("[]") or default_host
+    return host, int(port)
