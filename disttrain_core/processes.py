@@ -15,12 +15,16 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 
 _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux only).
+    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux only). Precisely: when
+    the parent's thread that started this process exits -- start helpers from a long-lived thread, or
+    use ``watch_parent``.
 
     Returns False where the platform has no such facility. If the parent is already gone
     (a race between fork and this call), exits at once.
@@ -37,6 +41,20 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
     if os.getppid() != parent or parent == 1:
         os._exit(1)
     return True
+
+
+def watch_parent(parent: int, sig: int = signal.SIGTERM, interval_s: float = 1.0) -> None:
+    """Send ``sig`` to this process once ``parent`` is no longer its parent (a polling thread).
+
+    For a helper started from a thread other than the main one: the kernel's parent-death signal
+    follows the *thread* that forked, which may end long before its process does."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
 def helper_process_init(nice: int = 0) -> None:

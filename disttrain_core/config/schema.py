@@ -52,6 +52,8 @@ class ProducerConfig:
     timeout_s: float = 120.0  # a producer that does not answer within this fails the run with a clear error
     max_frame_mb: int = 1024
     prefetch_steps: int = 2  # global batches prepared ahead
+    max_connections: int = 256  # the producer closes connections beyond this many at once
+    handshake_timeout_s: float = 10.0  # the producer drops a connection that has not authenticated by then
     reorder: ReorderConfig = field(default_factory=ReorderConfig)
 
 

@@ -1,21 +1,27 @@
 """The producer <-> trainer wire format: framed, authenticated, no pickle.
 
-A frame is
+Connection (protocol version 2)::
 
-    magic "DTRF" | version u16 | kind u16 | meta length u32 | payload length u64 | meta (JSON) |
-    payload (raw bytes) | HMAC-SHA256(key, session nonce + sequence number + everything before)
+    both sides, at once:  greeting = magic "DTRF" | version u16 | role "C"/"S" | 32-byte random nonce
+    then frames:          magic "DTRF" | version u16 | kind u16 | meta length u32 | payload length u64 |
+                          meta (JSON) | payload (raw bytes) | HMAC-SHA256 tag
+
+The tag is HMAC-SHA256(key, domain | client nonce | server nonce | direction | sequence number |
+header | meta | payload). Both sides contribute a fresh nonce, so a frame recorded on one
+connection fails on any other, whichever side the recording is replayed to; the direction and
+the per-direction sequence number stop reflection, reordering and replay within a connection.
+
+Memory before authentication is bounded: a frame's sizes are checked from its 20-byte header,
+before its body is read, against ``CONTROL_LIMIT`` (64 KiB) until the peer has sent one frame
+whose tag verifies, and against the channel's own limit after that. The producer receives only
+small control frames from trainers, so it keeps the 64 KiB limit for the whole connection. A
+deadline (absolute, not per read) bounds how long a peer may take; a greeting or frame that is
+malformed, too large, or not authenticated raises ``ProtocolError`` (``AuthenticationError``
+when the tag is wrong), and the producer drops that connection and keeps serving the others.
 
 ``meta`` is a small JSON object; tensors travel in ``payload`` as raw little-endian bytes that
 ``meta["tensors"]`` describes (name, dtype, shape, offset). Nothing received is ever
-unpickled or evaluated. Every frame is authenticated with the shared key and bound to the
-session (a random nonce the server sends first) and to its position in the session (a
-sequence number per direction), so frames cannot be forged, replayed or reordered. A frame
-whose header is malformed, whose sizes exceed the configured limit, or whose MAC is wrong
-raises ``ProtocolError``; the server then drops that connection and keeps serving the others.
-
-Handshake: the server sends ``HELLO_SERVER`` with a 32-byte nonce in the clear (not secret);
-every later frame in both directions carries a MAC over the nonce, so a client without the
-key cannot produce a single valid frame.
+unpickled or evaluated.
 """
 
 from __future__ import annotations
@@ -26,26 +32,35 @@ import json
 import os
 import socket
 import struct
+import time
 
 import numpy as np
 
 MAGIC = b"DTRF"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!4sHHIQ")
+GREETING = struct.Struct("!4sHc32s")
 MAC_BYTES = 32
 NONCE_BYTES = 32
+CONTROL_LIMIT = 64 << 10  # largest frame accepted before the peer has authenticated (and from any trainer)
+META_LIMIT = 1 << 20  # largest JSON metadata of any frame
+DOMAIN = b"disttrain-producer/2"
 
-HELLO_SERVER, HELLO, REQUEST, BATCH, ERROR, BYE = 1, 2, 3, 4, 5, 6
-KINDS = {HELLO_SERVER, HELLO, REQUEST, BATCH, ERROR, BYE}
+HELLO, WELCOME, REQUEST, BATCH, ERROR, BYE = 1, 2, 3, 4, 5, 6
+KINDS = {HELLO, WELCOME, REQUEST, BATCH, ERROR, BYE}
 DTYPES = {"uint8": np.uint8, "int64": np.int64, "float32": np.float32, "int32": np.int32}
 
-
+CLIENT, SERVER = b"C", b"S"
 # Directions keep the two MAC sequences apart (a server frame can't be reflected to the server).
 TO_CLIENT, TO_SERVER = b"s>c", b"c>s"
 
 
 class ProtocolError(ConnectionError):
-    """A frame that is malformed, too large, or not authenticated."""
+    """A greeting or frame that is malformed, too large, or not authenticated."""
+
+
+class AuthenticationError(ProtocolError):
+    """A frame whose tag does not verify: another key, or a forged or replayed frame."""
 
 
 def load_key(value: str) -> bytes:
@@ -66,39 +81,72 @@ def new_key() -> str:
     return "hex:" + os.urandom(32).hex()
 
 
-def _recv_exact(sock: socket.socket, count: int) -> bytes:
-    chunks = []
-    while count:
-        chunk = sock.recv(min(count, 1 << 20))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        chunks.append(chunk)
-        count -= len(chunk)
-    return b"".join(chunks)
-
-
 class Channel:
-    """One authenticated connection (either side)."""
+    """One authenticated connection (either side), after the greetings.
+
+    ``timeout`` bounds each socket operation, ``deadline`` (``time.monotonic()`` seconds) the
+    whole remaining exchange; either may be None. Received payloads are ``bytearray``s.
+    """
 
     def __init__(
-        self, sock: socket.socket, key: bytes, nonce: bytes, max_frame_bytes: int, outgoing: bytes, incoming: bytes
+        self,
+        sock: socket.socket,
+        key: bytes,
+        client_nonce: bytes,
+        server_nonce: bytes,
+        side: bytes,
+        limit: int,
+        timeout: float | None = None,
+        deadline: float | None = None,
     ):
-        self.sock, self.key, self.nonce, self.limit = sock, key, nonce, max_frame_bytes
-        self.outgoing, self.incoming = outgoing, incoming
+        self.sock, self.key, self.limit = sock, key, int(limit)
+        self.prefix = DOMAIN + client_nonce + server_nonce
+        self.outgoing, self.incoming = (TO_SERVER, TO_CLIENT) if side == CLIENT else (TO_CLIENT, TO_SERVER)
+        self.timeout, self.deadline = timeout, deadline
         self.sent = 0
         self.received = 0
+        self.peer_authenticated = False
 
-    def _mac(self, direction: bytes, sequence: int, body: bytes) -> bytes:
-        return hmac.new(self.key, self.nonce + direction + struct.pack("!Q", sequence) + body, hashlib.sha256).digest()
+    # ------------------------------------------------------------------ socket I/O with deadlines
+    def _arm(self) -> None:
+        timeout = self.timeout
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the peer did not finish in time")
+            timeout = remaining if timeout is None else min(timeout, remaining)
+        self.sock.settimeout(timeout)
 
-    def send(self, kind: int, meta: dict, payload: bytes = b"") -> None:
-        encoded = json.dumps(meta, separators=(",", ":")).encode()
-        body = HEADER.pack(MAGIC, VERSION, kind, len(encoded), len(payload)) + encoded + payload
-        self.sock.sendall(body + self._mac(self.outgoing, self.sent, body))
+    def _read(self, count: int) -> bytearray:
+        return read_exact(self.sock, count, self._arm)
+
+    def _write(self, data) -> None:
+        self._arm()
+        self.sock.sendall(data)
+
+    def _tag(self, direction: bytes, sequence: int):
+        return hmac.new(self.key, self.prefix + direction + struct.pack("!Q", sequence), hashlib.sha256)
+
+    # ------------------------------------------------------------------ frames
+    def frame_limit(self) -> int:
+        return self.limit if self.peer_authenticated else min(self.limit, CONTROL_LIMIT)
+
+    def send(self, kind: int, meta: dict, payload=b"") -> None:
+        encoded = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+        header = HEADER.pack(MAGIC, VERSION, kind, len(encoded), len(payload))
+        tag = self._tag(self.outgoing, self.sent)
+        for part in (header, encoded, payload):
+            tag.update(part)
+        if len(payload) <= CONTROL_LIMIT:
+            self._write(b"".join((header, encoded, bytes(payload), tag.digest())))
+        else:  # no copy of a large payload
+            self._write(header + encoded)
+            self._write(payload)
+            self._write(tag.digest())
         self.sent += 1
 
-    def recv(self) -> tuple[int, dict, bytes]:
-        header = _recv_exact(self.sock, HEADER.size)
+    def recv(self) -> tuple[int, dict, bytearray]:
+        header = bytes(self._read(HEADER.size))
         magic, version, kind, meta_len, payload_len = HEADER.unpack(header)
         if magic != MAGIC:
             raise ProtocolError("not a disttrain frame (bad magic)")
@@ -106,33 +154,81 @@ class Channel:
             raise ProtocolError(f"protocol version {version}, expected {VERSION}")
         if kind not in KINDS:
             raise ProtocolError(f"unknown frame kind {kind}")
-        if meta_len > 1 << 20 or meta_len + payload_len > self.limit:
-            raise ProtocolError(f"frame of {meta_len + payload_len} bytes exceeds the limit of {self.limit}")
-        rest = _recv_exact(self.sock, meta_len + payload_len + MAC_BYTES)
-        body = header + rest[:-MAC_BYTES]
-        if not hmac.compare_digest(rest[-MAC_BYTES:], self._mac(self.incoming, self.received, body)):
-            raise ProtocolError("authentication failed: wrong key, or a forged or replayed frame")
+        limit = self.frame_limit()
+        if meta_len > META_LIMIT or meta_len + payload_len > limit:  # from the header, before reading the body
+            state = "" if self.peer_authenticated else " before authentication"
+            raise ProtocolError(f"frame of {meta_len + payload_len} bytes exceeds the limit of {limit}{state}")
+        tag = self._tag(self.incoming, self.received)
+        tag.update(header)
+        meta_raw = self._read(meta_len)
+        tag.update(meta_raw)
+        payload = self._read(payload_len)
+        tag.update(payload)
+        if not hmac.compare_digest(bytes(self._read(MAC_BYTES)), tag.digest()):
+            raise AuthenticationError("authentication failed: another key, or a forged or replayed frame")
         self.received += 1
+        self.peer_authenticated = True
         try:
-            meta = json.loads(rest[:meta_len])
-        except ValueError as error:
+            meta = json.loads(meta_raw)
+        except ValueError as error:  # UnicodeDecodeError and JSONDecodeError included
             raise ProtocolError(f"malformed frame metadata: {error}") from error
         if not isinstance(meta, dict):
             raise ProtocolError("frame metadata is not an object")
-        return kind, meta, rest[meta_len:-MAC_BYTES]
+        return kind, meta, payload
 
 
-def server_channel(sock: socket.socket, key: bytes, max_frame_bytes: int) -> Channel:
-    nonce = os.urandom(NONCE_BYTES)
-    sock.sendall(MAGIC + struct.pack("!H", VERSION) + nonce)
-    return Channel(sock, key, nonce, max_frame_bytes, TO_CLIENT, TO_SERVER)
+def read_exact(sock: socket.socket, count: int, arm=None) -> bytearray:
+    """Exactly ``count`` bytes (``arm`` is called before every read, to set the timeout)."""
+    buffer = bytearray(count)
+    view = memoryview(buffer)
+    done = 0
+    while done < count:
+        if arm is not None:
+            arm()
+        got = sock.recv_into(view[done:], min(count - done, 1 << 20))
+        if not got:
+            raise ConnectionError("the peer closed the connection")
+        done += got
+    return buffer
 
 
-def client_channel(sock: socket.socket, key: bytes, max_frame_bytes: int) -> Channel:
-    greeting = _recv_exact(sock, len(MAGIC) + 2 + NONCE_BYTES)
-    if greeting[:4] != MAGIC or struct.unpack("!H", greeting[4:6])[0] != VERSION:
-        raise ProtocolError("the server does not speak this protocol version")
-    return Channel(sock, key, greeting[6:], max_frame_bytes, TO_SERVER, TO_CLIENT)
+def _nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def open_channel(
+    sock: socket.socket,
+    key: bytes,
+    side: bytes,
+    limit: int,
+    timeout: float | None = None,
+    deadline: float | None = None,
+) -> Channel:
+    """Exchange greetings (each side sends its nonce at once) and return the channel."""
+    nonce = _nonce()
+    channel = Channel(sock, key, b"", b"", side, limit, timeout, deadline)
+    channel._write(GREETING.pack(MAGIC, VERSION, side, nonce))
+    magic, version, role, peer_nonce = GREETING.unpack(bytes(channel._read(GREETING.size)))
+    if magic != MAGIC:
+        raise ProtocolError("the peer does not speak the disttrain producer protocol (bad magic)")
+    if version != VERSION:
+        raise ProtocolError(f"the peer speaks protocol version {version}, this side {VERSION}: update one of them")
+    expected = SERVER if side == CLIENT else CLIENT
+    if role != expected or peer_nonce == nonce:
+        raise ProtocolError("the peer's greeting is not one of its own (reflected or wrong role)")
+    client_nonce, server_nonce = (nonce, peer_nonce) if side == CLIENT else (peer_nonce, nonce)
+    channel.prefix = DOMAIN + client_nonce + server_nonce
+    return channel
+
+
+def server_channel(sock: socket.socket, key: bytes, limit: int = CONTROL_LIMIT, deadline: float | None = None):
+    return open_channel(sock, key, SERVER, limit, deadline=deadline)
+
+
+def client_channel(
+    sock: socket.socket, key: bytes, limit: int, timeout: float | None = None, deadline: float | None = None
+) -> Channel:
+    return open_channel(sock, key, CLIENT, limit, timeout=timeout, deadline=deadline)
 
 
 def pack_arrays(arrays: dict[str, np.ndarray]) -> tuple[list[dict], bytes]:
@@ -149,26 +245,39 @@ def pack_arrays(arrays: dict[str, np.ndarray]) -> tuple[list[dict], bytes]:
     return described, b"".join(parts)
 
 
-def unpack_arrays(described: list, payload: bytes) -> dict[str, np.ndarray]:
-    arrays = {}
+def _count(shape) -> int:
+    if not isinstance(shape, list) or len(shape) > 8:
+        raise ValueError("shape is not a list of at most 8 sizes")
+    count = 1
+    for size in shape:
+        if type(size) is not int or size < 0:
+            raise ValueError(f"size {size!r} is not a non-negative integer")
+        count *= size
+    return count
+
+
+def unpack_arrays(described, payload) -> dict[str, np.ndarray]:
+    """The arrays a tensor table describes; ``ProtocolError`` for any inconsistency."""
     if not isinstance(described, list):
         raise ProtocolError("tensor table is not a list")
+    arrays = {}
     for entry in described:
         try:
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                raise ValueError("not an object with a name")
             dtype = np.dtype(DTYPES[entry["dtype"]]).newbyteorder("<")
-            shape = tuple(int(d) for d in entry["shape"])
-            offset = int(entry["offset"])
-            if any(d < 0 for d in shape) or offset < 0:
-                raise ValueError("negative size")
-            count = int(np.prod(shape, dtype=np.int64))
-            end = offset + count * dtype.itemsize
-            if end > len(payload):
+            shape = entry["shape"]
+            count = _count(shape)
+            offset = entry["offset"]
+            if type(offset) is not int or offset < 0:
+                raise ValueError("bad offset")
+            if offset + count * dtype.itemsize > len(payload):
                 raise ValueError("tensor runs past the payload")
-            arrays[str(entry["name"])] = (
+            arrays[entry["name"]] = (
                 np.frombuffer(payload, dtype=dtype, count=count, offset=offset)
                 .reshape(shape)
                 .astype(dtype.newbyteorder("="))
             )
         except (KeyError, TypeError, ValueError) as error:
-            raise ProtocolError(f"bad tensor description {entry!r}: {error}") from error
+            raise ProtocolError(f"bad tensor description {str(entry)[:200]}: {error}") from error
     return arrays

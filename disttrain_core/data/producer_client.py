@@ -1,0 +1,182 @@
+"""The trainer's side of the data producer: global batches, split into microbatch slots.
+
+A dropped connection is not the end of a run: the loader reconnects (backoff up to 2 s,
+for at most ``data.producer.timeout_s``) and says HELLO again with its current data position,
+so a producer restarted on the same address continues the same stream. What the producer
+refuses or cannot do arrives as its text and ends the run with a ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+from ..net import split_address
+from .batch import Batch
+from .producer_protocol import Layout, decode_batch, job_identity
+from .reorder import canonical_groups
+from .transport import (
+    BATCH,
+    BYE,
+    ERROR,
+    HELLO,
+    REQUEST,
+    WELCOME,
+    AuthenticationError,
+    Channel,
+    ProtocolError,
+    client_channel,
+    load_key,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """The producer answered with an ERROR frame: its text."""
+
+
+class ProducerLoader:
+    """The trainer's side: global batches from a producer, split into microbatch slots."""
+
+    def __init__(self, address: str, key: bytes, layout: Layout, start: dict | None, timeout_s: float, limit: int):
+        self.address, self.key, self.timeout, self.limit = address, key, float(timeout_s), int(limit)
+        self.layout = layout
+        self.trainer = os.urandom(8).hex()  # this trainer across reconnects
+        self.state = dict(start or {})
+        self.step = int(self.state.get("step", 0))
+        self.skipped: dict[str, int] = dict(self.state.get("skipped", {}))
+        self.truncated_images = int(self.state.get("truncated_images", 0))
+        self.reconnects = 0
+        self.channel: Channel | None = None
+        self._connect_until_deadline("cannot reach the data producer at {address}")
+
+    # ------------------------------------------------------------------ connection
+    def _hello(self) -> Channel:
+        """One attempt: connect, greet, HELLO with the current position, WELCOME."""
+        sock = socket.create_connection(split_address(self.address), timeout=self.timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            deadline = time.monotonic() + self.timeout
+            channel = client_channel(sock, self.key, self.limit, timeout=self.timeout, deadline=deadline)
+            start = {**self.state, "step": self.step}
+            hello = {"layout": self.layout.to_dict(), "job": dict(self.layout.job), "start": start}
+            channel.send(HELLO, {**hello, "trainer": self.trainer})
+            kind, meta, _ = channel.recv()
+            if kind == ERROR:
+                raise Refused(str(meta.get("error")))
+            if kind != WELCOME:
+                raise ProtocolError(f"expected WELCOME, got frame kind {kind}")
+            channel.deadline = None
+            return channel
+        except BaseException:
+            sock.close()
+            raise
+
+    def _connect_until_deadline(self, failure: str) -> None:
+        deadline = time.monotonic() + self.timeout
+        delay, last = 0.1, None
+        while True:
+            try:
+                self.channel = self._hello()
+                return
+            except Refused as error:
+                raise RuntimeError(f"the data producer at {self.address} refused this trainer: {error}") from None
+            except AuthenticationError as error:
+                raise RuntimeError(
+                    f"the data producer at {self.address} and this trainer do not share a key "
+                    f"(data.producer.key / DISTTRAIN_PRODUCER_KEY): {error}"
+                ) from None
+            except ProtocolError as error:
+                raise RuntimeError(f"the data producer at {self.address} broke the protocol: {error}") from None
+            except (OSError, ValueError) as error:  # refused, reset, closed, timed out; ValueError: bad port
+                last = error
+            if time.monotonic() + delay > deadline:
+                raise RuntimeError(
+                    failure.format(address=self.address)
+                    + f": no producer answered there for {self.timeout:.0f} s (data.producer.timeout_s); "
+                    f"last error: {last}"
+                ) from last
+            time.sleep(delay)
+            delay = min(2.0 * delay, 2.0)
+
+    def _drop(self) -> None:
+        if self.channel is not None:
+            self.channel.sock.close()
+            self.channel = None
+
+    # ------------------------------------------------------------------ batches
+    def next_step(self) -> list[Batch]:
+        while True:
+            if self.channel is None:
+                self._connect_until_deadline(f"lost the data producer at {{address}} before step {self.step + 1}")
+                self.reconnects += 1
+                log.warning("reconnected to the data producer at %s after step %d", self.address, self.step)
+            try:
+                self.channel.send(REQUEST, {"step": self.step + 1})
+                kind, meta, payload = self.channel.recv()
+                break
+            except TimeoutError as error:
+                self._drop()
+                raise RuntimeError(
+                    f"the data producer at {self.address} sent nothing for {self.timeout:.0f} s "
+                    "(data.producer.timeout_s): is it alive?"
+                ) from error
+            except ProtocolError as error:
+                self._drop()
+                raise RuntimeError(f"the data producer at {self.address} sent an invalid frame: {error}") from error
+            except OSError as error:  # the connection dropped: reconnect and ask again
+                log.warning("lost the connection to the data producer at %s: %s", self.address, error)
+                self._drop()
+        if kind == ERROR:
+            self._drop()
+            raise RuntimeError(f"the data producer at {self.address} failed: {meta.get('error')}")
+        state = meta.get("state")
+        if kind != BATCH or meta.get("step") != self.step + 1 or not isinstance(state, dict):
+            self._drop()
+            raise RuntimeError(f"the data producer sent frame {kind} for step {meta.get('step')}")
+        try:
+            batch = decode_batch(meta, payload)
+        except ProtocolError as error:
+            self._drop()
+            raise RuntimeError(f"the data producer sent an invalid batch: {error}") from error
+        self.step += 1
+        self.state = dict(state)
+        self.skipped = dict(self.state.get("skipped", {}))
+        self.truncated_images = int(self.state.get("truncated_images", 0))
+        per = self.layout.samples_per_slot
+        return [batch.select(range(k * per, (k + 1) * per)) for k in range(self.layout.slots)]
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            try:
+                self.channel.send(BYE, {})
+            except OSError:
+                pass
+            self._drop()
+
+
+def trainer_layout(cfg, layout, accumulation: int, slot_samples: int, stages: int) -> Layout:
+    return Layout(
+        slots=accumulation,
+        samples_per_slot=slot_samples,
+        groups=canonical_groups([u.dp for u in layout.units], slot_samples),
+        stages=stages,
+        world=layout.world_size,
+        job=tuple(sorted(job_identity(cfg).items())),
+    )
+
+
+def resolve_key(cfg) -> bytes:
+    value = cfg.data.producer.key or os.environ.get("DISTTRAIN_PRODUCER_KEY")
+    if not value:
+        raise ValueError(
+            "data.producer.address is set but no key: pass data.producer.key=file:<path> (or hex:...) "
+            "or set DISTTRAIN_PRODUCER_KEY"
+        )
+    return load_key(value)
