@@ -8,7 +8,8 @@ finally equal, step by step, to the same job run without interruption (losses wi
 5. SIGKILL of a rank mid-step (decode workers running): the job ends within seconds naming the rank and the
    signal, and no process of the job (decode workers, resource tracker) is left.
 6. ``trainer.max_restarts=1`` and a rank killed: torch's elastic agent relaunches both ranks from the latest
-   checkpoint and the job finishes.
+   checkpoint, they reconnect to the data producer (which outlives the restart) at their resumed position,
+   and the job finishes.
 Every job ends within 60 s and leaves no process of its process group behind (conftest.Job).
 """
 
@@ -87,6 +88,7 @@ def test_interrupted_job_resumes_exactly(shards, tmp_path, reference_losses):
         "restart",
         "trainer.max_restarts=1",
         "trainer.checkpoint.every_n_steps=2",
+        "data.producer.workers=1",  # the producer train.py starts outlives the restart
         fault=f"kill@step:rank=0:step={step + 3}",
         timeout=120,
     )
