@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from .launch_env import LaunchError, cluster_environment, detect, node_rendezvou
 from .launch_env import check as check_launch
 from .launchers import RankFailed, spawn_with_fabric, spawn_with_restarts
 from .launchers import environment as scoped_environment
-from .net import split_address
+from .net import is_loopback, outward_address, split_address
 from .train.preflight import STATE_ERRORS, check_state_sources
 from .validation import (
     ConfigError,
@@ -86,7 +85,7 @@ def launch(cfg: DictConfig) -> float | None:
     cfg = typed_config(container)
     environment = detect()
     try:
-        check_launch(environment, cfg.trainer.devices, cfg.trainer.num_nodes)
+        check_launch(environment, cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.max_restarts)
         check_producer_reach(cfg)
         validate_config(cfg)
         container = with_device_defaults(container)
@@ -132,20 +131,45 @@ def launch(cfg: DictConfig) -> float | None:
         sys.exit(1)
     finally:
         if producer is not None:
-            producer.terminate()
-            producer.join(timeout=10)
+            from .data.producer import stop_local_producer
+
+            stop_local_producer(producer)
     summary = run_dir / SUMMARY_FILE
-    if summary.is_file():
-        return json.loads(summary.read_text()).get(cfg.optimized_metric)
-    return None
+    if not summary.is_file():
+        return None
+    result = json.loads(summary.read_text())
+    if "stopped_at_step" in result and _in_multirun():
+        # a preempted or interrupted sweep ends here: its other jobs do not start, and the sweeper does not
+        # take this job's loss at the stop for a finished job's
+        print(
+            f"error: job stopped at step {int(result['stopped_at_step'])} by a signal (checkpoint in {run_dir}); "
+            "the sweep ends here",
+            file=sys.stderr,
+        )
+        sys.exit(143)
+    return result.get(cfg.optimized_metric)
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def check_producer_reach(cfg: Config) -> None:
     """Several nodes fetch from the one producer rank 0 starts: it must listen beyond the loopback."""
     producer = cfg.data.producer
+    if producer.workers > 0 or producer.address is not None:
+        if producer.max_connections < world_size(cfg) + 8:
+            raise LaunchError(
+                f"data.producer.max_connections={producer.max_connections} is too few for "
+                f"{world_size(cfg)} trainer ranks (each holds a connection, and reconnects need room); "
+                f"set data.producer.max_connections={2 * world_size(cfg) + 8}"
+            )
     if cfg.trainer.num_nodes > 1 and producer.workers > 0 and producer.address is None:
         host, _ = split_address(producer.listen)
-        if host.startswith("127.") or host in ("localhost", "::1"):
+        if is_loopback(host):
             raise LaunchError(
                 f"data.producer.listen={producer.listen} is reachable from this node only, but "
                 f"trainer.num_nodes={cfg.trainer.num_nodes} nodes fetch from it; set data.producer.listen to "
@@ -174,7 +198,7 @@ def start_producer(cfg: Config, container: dict):
     from .data.producer import start_local_producer
     from .data.transport import new_key
 
-    key = new_key()
+    key = cfg.data.producer.key or new_key()
     os.environ["DISTTRAIN_PRODUCER_KEY"] = key
     producer, address = start_local_producer(cfg, container, key)
     log.info("data producer with %d decode worker(s) on %s", cfg.data.producer.workers, address)
@@ -187,7 +211,7 @@ def start_ranks(cfg: Config, container: dict, run_dir: str, job_id: str, exclude
     """The ranks of this node, started by Fabric's spawn launcher, or by torch's elastic agent for restarts."""
     from .comm import flight
 
-    flight.configure(run_dir, rank=0)  # torch's recorder reads its settings as a process group is made
+    flight.configure(run_dir, rank=-1)  # torch's recorder reads its settings as a process group is made
     if cfg.trainer.max_restarts > 0:
         spawn_with_restarts(cfg, _elastic_worker, (container, run_dir), run_dir, job_id)
         return
@@ -208,10 +232,6 @@ def _fabric_worker(fabric, container: dict, run_dir: str) -> None:
 
 
 def _elastic_worker(container: dict, run_dir: str) -> None:
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart and container["trainer"]["resume"] == "none":
-        # a relaunch continues from the latest complete checkpoint of this run
-        container = {**container, "trainer": {**container["trainer"], "resume": "auto"}}
     run_worker(container, run_dir)
 
 
@@ -264,7 +284,12 @@ def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
     """One training process: Fabric setup (unless Fabric's launcher already did), then the training loop."""
     from .comm import flight
     from .train.loop import Trainer
+    from .train.stop import StopRequest
 
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and container["trainer"]["resume"] == "none":
+        # a relaunch by an elastic agent (trainer.max_restarts, torchrun --max-restarts) continues from the
+        # latest complete checkpoint of this run, not from step 0 over it
+        container = {**container, "trainer": {**container["trainer"], "resume": "auto"}}
     cfg = typed_config(container)
     trainer = cfg.trainer
     environment = detect()
@@ -272,6 +297,8 @@ def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
         rank = int(os.environ.get("NODE_RANK", 0)) * trainer.devices + int(os.environ.get("LOCAL_RANK", 0))
     else:
         rank = environment.rank
+    # Signals from here on are a request to stop at an agreed step with a checkpoint (train/stop.py)
+    stop_request = StopRequest(float(trainer.stop_grace_s), on_signal=flight.dump)
     _setup_worker_logging(rank, run_dir)
     flight.configure(run_dir, rank)
     # `kill -USR1 <pid>` prints every thread's Python stack, even while the main thread waits inside a collective
@@ -287,14 +314,15 @@ def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
         if cfg.data.producer.workers > 0 and cfg.data.producer.address is None:
             producer, container = share_producer(cfg, container, fabric)
             cfg = typed_config(container)
-        metrics = Trainer(cfg, fabric, run_dir).fit()
+        metrics = Trainer(cfg, fabric, run_dir, stop_request).fit()
     except BaseException as error:
         flight.dump(f"exception: {type(error).__name__}: {error}")
         raise
     finally:
         if producer is not None:
-            producer.terminate()
-            producer.join(timeout=10)
+            from .data.producer import stop_local_producer
+
+            stop_local_producer(producer)
     if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
         from .planner.breakdown import annotate_memory_report
 
@@ -341,6 +369,10 @@ def _init_elastic_attempt(backend: str, timeout) -> None:
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
         return
+    # Restart counts agree between ranks only when one agent started them all (train.py's, or a one-node
+    # torchrun): several nodes' agents count membership changes differently, and would use different prefixes.
+    if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
@@ -363,12 +395,17 @@ def share_producer(cfg: Config, container: dict, fabric):
 
     producer, text = None, b""
     if fabric.global_rank == 0:
-        key = new_key()
+        key = cfg.data.producer.key or new_key()
         listen = cfg.data.producer.listen
         producer, address = start_local_producer(cfg, container, key)
         host, port = split_address(address)
-        if host in ("0.0.0.0", "::"):
-            host = socket.getfqdn()
+        if host in ("0.0.0.0", "::"):  # the address other nodes reach this one by: toward rank 0's peers
+            host = outward_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        if cfg.trainer.num_nodes > 1 and is_loopback(host):
+            raise LaunchError(
+                f"the data producer would be advertised as {host}, which other nodes cannot reach; set "
+                "data.producer.listen=<this node's address>:0"
+            )
         text = f"{host}:{port} {key}".encode()
         log.info(
             "data producer with %d decode worker(s) on %s (listening on %s)",

@@ -95,8 +95,10 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnvironment:
             job,
         )
     ntasks = _int(env, "SLURM_NTASKS", 1)
-    job = env.get("SLURM_JOB_ID")
-    under_srun = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    under_srun = step is not None
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    job = f"{job}.{step}" if job and under_srun else job
     if (
         ntasks > 1
         and under_srun
@@ -105,7 +107,7 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnvironment:
     ):
         # one task per node: this task is its node's launcher and spawns trainer.devices ranks
         node = _int(env, "SLURM_NODEID")
-        return LaunchEnvironment("node", 1, node, 0, node, f"{job}.{env.get('SLURM_STEP_ID', '0')}")
+        return LaunchEnvironment("node", 1, node, 0, node, job)
     if ntasks > 1 and under_srun:
         return LaunchEnvironment(
             "slurm",
@@ -113,17 +115,29 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnvironment:
             _int(env, "SLURM_PROCID"),
             _int(env, "SLURM_LOCALID"),
             _int(env, "SLURM_NODEID"),
-            f"{job}.{env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))}" if job else None,
+            job,
         )
     if ntasks > 1 and job:
         return LaunchEnvironment("sbatch", ntasks, 0, 0, 0, job)
     return LaunchEnvironment("local", 1, 0, 0, _int(env, "NODE_RANK"), job)
 
 
-def check(environment: LaunchEnvironment, devices: int, num_nodes: int, environ: Mapping[str, str] | None = None):
+def check(
+    environment: LaunchEnvironment,
+    devices: int,
+    num_nodes: int,
+    max_restarts: int = 0,
+    environ: Mapping[str, str] | None = None,
+):
     """Raise LaunchError when the processes found cannot run ``devices x num_nodes`` ranks."""
     env = os.environ if environ is None else environ
     world = devices * num_nodes
+    if max_restarts > 0 and (environment.job_scoped or num_nodes > 1):
+        raise LaunchError(
+            f"trainer.max_restarts={max_restarts} restarts the ranks train.py starts on one machine; under "
+            f"torchrun, srun or several nodes restarts belong to torchrun --max-restarts or the scheduler's "
+            "requeue (with trainer.resume=auto): set trainer.max_restarts=0"
+        )
     if environment.kind == "sbatch":
         raise LaunchError(
             f"this is a SLURM batch step with SLURM_NTASKS={environment.world_size} but no srun: only one task "

@@ -125,7 +125,8 @@ def spawn_with_restarts(cfg, fn: Callable, args: tuple, run_dir: str, job_id: st
         monitor_interval=0.5,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(run_dir, "elastic")),
-        # a stopping rank saves its checkpoint before the agent's SIGKILL
+        # after a signal, a stopping rank saves its checkpoint before the agent's SIGKILL (when a rank dies,
+        # torch's agent gives the others its own fixed 30 s)
         shutdown_timeout=int(trainer.stop_grace_s) + 30,
     )
     log.info(
@@ -133,6 +134,8 @@ def spawn_with_restarts(cfg, fn: Callable, args: tuple, run_dir: str, job_id: st
         trainer.devices,
         trainer.max_restarts,
     )
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    previous = {sig: signal.getsignal(sig) for sig in handled}  # the agent installs its own, for good
     try:
         with environment({MARK: "elastic", "DISTTRAIN_JOB_ID": job_id}):
             elastic_launch(config, fn)(*args)
@@ -147,3 +150,6 @@ def spawn_with_restarts(cfg, fn: Callable, args: tuple, run_dir: str, job_id: st
         raise RankFailed(
             f"{'; '.join(failures)} after {trainer.max_restarts} restart(s) (trainer.max_restarts)"
         ) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -4,9 +4,10 @@ A training rank's decode workers, the data producer and its workers are started 
 ``die_with_parent``: Linux delivers a signal to them the moment their parent dies, however
 it dies (``kill -9`` included). Without it a killed rank leaves its decode workers (hundreds
 of MB each) and multiprocessing's resource tracker running after the job has ended.
-Terminal interrupts are left to the trainers: a helper ignores SIGINT, so Ctrl-C reaches
-the ranks, which stop at an agreed step and checkpoint (train/stop.py), instead of killing
-their decode workers under them.
+Interrupts are left to the trainers: a helper ignores SIGINT and SIGTERM (Ctrl-C signals a
+terminal's whole process group, SLURM's preemption notice every process of the job step), so
+the ranks stop at an agreed step and checkpoint (train/stop.py) with their helpers still
+working. The producer stops on SIGUSR2, which is also its parent-death signal.
 """
 
 from __future__ import annotations
@@ -21,24 +22,23 @@ import time
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> bool:
     """Ask the kernel to send ``sig`` to this process when its parent exits (Linux only). Precisely: when
     the parent's thread that started this process exits -- start helpers from a long-lived thread, or
-    use ``watch_parent``.
+    use ``watch_parent``. ``parent``: the pid the parent had when it started this process (read there,
+    not here, so a parent that died before this call is noticed: this process then exits at once).
 
-    Returns False where the platform has no such facility. If the parent is already gone
-    (a race between fork and this call), exits at once.
+    Returns False where the platform has no such facility.
     """
     if not sys.platform.startswith("linux"):
         return False
-    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
             return False
     except (OSError, AttributeError):
         return False
-    if os.getppid() != parent or parent == 1:
+    if os.getppid() != parent:
         os._exit(1)
     return True
 
@@ -57,9 +57,12 @@ def watch_parent(parent: int, sig: int = signal.SIGTERM, interval_s: float = 1.0
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
-def helper_process_init(nice: int = 0) -> None:
-    """Start of a helper process (decode worker, producer): tied to its parent, deaf to Ctrl-C."""
-    die_with_parent(signal.SIGKILL)
+def helper_process_init(parent: int, nice: int = 0) -> None:
+    """Start of a decode worker: killed with its parent, deaf to Ctrl-C and to SIGTERM. A scheduler
+    (SLURM) sends SIGTERM to every process of a job step; the rank then stops at an agreed step and
+    still needs its decode workers for that step."""
+    die_with_parent(parent, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if nice:
         os.nice(nice)

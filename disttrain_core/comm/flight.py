@@ -53,14 +53,31 @@ _writes = itertools.count()
 def configure(run_dir: str | Path, rank: int, buffer_size: int = 2000) -> None:
     """Enable torch's recorder (a value the user set wins) and dump into ``<run_dir>/flight`` as ``rank``.
 
-    Call before the process group is created: torch reads its variables then.
+    Call before the process group is created: torch reads its variables then. ``rank < 0`` (a launcher,
+    before it starts the ranks): only torch's variables. A dump this rank left in the directory before (an
+    earlier run or attempt, resumed there) moves to ``flight/previous/``, so the tool never reads it as this
+    run's.
     """
     global _records
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(buffer_size))
+    if rank < 0:
+        return
     _state["dir"] = Path(run_dir) / FLIGHT_DIR
     _state["rank"] = int(rank)
+    _retire_previous(_state["dir"], int(rank))
     if _records.maxlen != buffer_size:
         _records = deque(_records, maxlen=max(1, buffer_size))
+
+
+def _retire_previous(directory: Path, rank: int) -> None:
+    previous = directory / "previous"
+    for path in (directory / f"rank{rank}.json", directory / "torch" / f"rank_{rank}"):
+        try:
+            if path.exists():
+                previous.mkdir(parents=True, exist_ok=True)
+                os.replace(path, previous / path.name)
+        except OSError:
+            pass
 
 
 class Op:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,10 +75,10 @@ class DecodedStream(IterableDataset):
             return Skipped(item.key, error.reason, str(error))
 
 
-def _init_decode_worker(nice: int, worker_id: int) -> None:
-    """Decode workers die with their rank, leave Ctrl-C to it, and yield the CPU to the training threads
-    (see data.worker_nice)."""
-    helper_process_init(nice)
+def _init_decode_worker(parent: int, nice: int, worker_id: int) -> None:
+    """Decode workers die with their rank, leave Ctrl-C and SIGTERM to it, and yield the CPU to the
+    training threads (see data.worker_nice)."""
+    helper_process_init(parent, nice)
 
 
 def collate(samples: list[EncodedSample]) -> Batch:
@@ -137,7 +138,7 @@ class MicrobatchLoader:
             num_workers=self.num_workers,
             prefetch_factor=max(2, per_worker),
             persistent_workers=False,
-            worker_init_fn=functools.partial(_init_decode_worker, self.worker_nice),
+            worker_init_fn=functools.partial(_init_decode_worker, os.getpid(), self.worker_nice),
         )
         return iter(loader)
 

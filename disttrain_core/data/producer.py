@@ -24,6 +24,7 @@ service), producer_client.py (the trainers' ``ProducerLoader``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -41,6 +42,7 @@ from .producer_server import BatchAssembler, ProducerServer, sample_costs  # noq
 from .transport import load_key
 
 log = logging.getLogger(__name__)
+STOP_SIGNAL = signal.SIGUSR2
 
 
 def run_server(cfg, key: bytes, listen: str, ready=None) -> None:
@@ -53,20 +55,32 @@ def run_server(cfg, key: bytes, listen: str, ready=None) -> None:
     server.serve_forever()
 
 
-def _spawned(
-    container: dict, key: str, listen: str, ready, parent: int, from_main_thread: bool
-) -> None:  # pragma: no cover
+def _spawned(container: dict, key: str, listen: str, ready, parent: int, from_main_thread: bool) -> None:
     from ..config import typed_config
 
-    # A clean exit on SIGTERM, which the kernel also sends when the process that started this one dies,
-    # however it dies; Ctrl-C is for the trainers (processes.py). Its decode workers die with it.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    if not (from_main_thread and die_with_parent(signal.SIGTERM)):
-        watch_parent(parent, signal.SIGTERM)
+    # SIGUSR2 stops the producer cleanly (its decode workers die with it); the kernel sends it when the
+    # process that started this one dies, however it dies. SIGTERM and SIGINT are for the trainers: a
+    # scheduler's preemption notice reaches every process of the job, and the ranks still fetch the
+    # batch of the step they stop at (processes.py).
+    signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not (from_main_thread and die_with_parent(parent, STOP_SIGNAL)):
+        watch_parent(parent, STOP_SIGNAL)
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.set_num_threads(threads)
     run_server(typed_config(container), load_key(key), listen, ready)
+
+
+def stop_local_producer(process, timeout_s: float = 10) -> None:
+    """Stop a producer ``start_local_producer`` started (it ignores SIGTERM)."""
+    if process.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, STOP_SIGNAL)
+    process.join(timeout=timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
 
 
 def start_local_producer(cfg, container: dict, key: str):

@@ -199,6 +199,8 @@ class CheckpointManager:
             self._thread.join()
             self._thread = None
         problem = None if self._error is None else str(self._error)
+        if problem is not None:  # every rank's own cause in the job's log, whichever rank reports first
+            log.error("checkpoint save failed on rank %d: %s", self.rank, problem)
         if self.agree(problem) == OK:
             return
         if self._error is None:

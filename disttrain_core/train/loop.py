@@ -59,7 +59,7 @@ def _dump_flight(reason: str) -> None:
 
 
 class Trainer(CheckpointIO):
-    def __init__(self, cfg: Config, fabric: Fabric, run_dir: str | Path):
+    def __init__(self, cfg: Config, fabric: Fabric, run_dir: str | Path, stop_request: StopRequest | None = None):
         self.cfg = cfg
         self.fabric = fabric
         self.run_dir = Path(run_dir)
@@ -107,7 +107,8 @@ class Trainer(CheckpointIO):
         group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         # The stop flag (train/stop.py) is reduced on a host-side group of its own, after every step.
         control = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
-        self.stop_request = StopRequest(control, float(trainer.stop_grace_s), on_signal=_dump_flight)
+        self.stop_request = stop_request or StopRequest(float(trainer.stop_grace_s), on_signal=_dump_flight)
+        self.stop_request.attach(control)
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints",
             rank=self.rank,
@@ -351,6 +352,7 @@ class Trainer(CheckpointIO):
                 self.save_checkpoint()
                 saved_at = self.step
             if self.stop_request.agreed():
+                last_metrics = {**last_metrics, "stopped_at_step": float(self.step)}
                 if self.rank == 0:
                     progress.write(
                         f"stopping at step {self.step} ({self.stop_request.signal_name or 'signal'} on a rank): "

@@ -1,7 +1,8 @@
 """One 10-step job interrupted every way a long job is (train.py, 2 gloo processes), resumed after each, and
 finally equal, step by step, to the same job run without interruption (losses within 1e-6):
 
-1. SIGTERM to one rank at step 3 (a preemption notice): every rank stops after step 3, checkpoints, exit 0.
+1. SIGTERM to one rank at step 3 (a preemption notice): every rank stops after step 4 (the flags are reduced
+   while the next step runs), checkpoints, exit 0.
 2. SIGTERM to train.py itself mid-run: forwarded to the ranks; checkpoint at the step reached, exit 0.
 3. SIGKILL while a checkpoint is being written: that checkpoint never becomes ``latest``.
 4. ENOSPC while a checkpoint is being written: one error line on every rank, the previous one stays latest.
@@ -46,19 +47,19 @@ def _wait_for_step(run_dir, step: int, job: Job, timeout: float = 60) -> None:
 def test_interrupted_job_resumes_exactly(shards, tmp_path, reference_losses):
     run_dir = tmp_path / "run"
 
-    # 1. SIGTERM to rank 1 as step 3 begins
+    # 1. SIGTERM to rank 1 as step 3 begins: the flags of step 3 are read after step 4
     _, (code, out, _) = _run(shards, run_dir, "term_rank", fault="term@step:rank=1:step=3")
     assert code == 0, out[-3000:]
-    assert "stopping at step 3 (" in out and latest_step(run_dir) == 3
+    assert "stopping at step 4 (" in out and latest_step(run_dir) == 4
 
-    # 2. SIGTERM to the launcher once step 5 is logged
+    # 2. SIGTERM to the launcher once step 5 is logged (it stops after step 6 or 7)
     job = Job(job_args(shards, run_dir, "trainer.resume=auto"), tmp_path / "term_launcher.log")
     _wait_for_step(run_dir, 5, job)
     job.process.send_signal(signal.SIGTERM)
     code, out, _ = job.finish(timeout=60)
     reached = max(losses(run_dir))
     assert code == 0, out[-3000:]
-    assert latest_step(run_dir) == reached < STEPS, out[-3000:]
+    assert latest_step(run_dir) == reached <= STEPS - 2, out[-3000:]
 
     # 3. SIGKILL of rank 1 while the next checkpoint is being written
     step = reached + 1
@@ -77,7 +78,7 @@ def test_interrupted_job_resumes_exactly(shards, tmp_path, reference_losses):
 
     # 5. SIGKILL of rank 1 in the middle of training, decode workers running
     _, (code, out, seconds) = _run(
-        shards, run_dir, "kill_rank", "data.num_workers=1", fault=f"kill@step:rank=1:step={step + 2}"
+        shards, run_dir, "kill_rank", "data.num_workers=1", fault=f"kill@step:rank=1:step={step + 1}"
     )
     assert code == 1 and "error: rank 1 died (SIGKILL)" in out, out[-3000:]
 
@@ -89,7 +90,7 @@ def test_interrupted_job_resumes_exactly(shards, tmp_path, reference_losses):
         "trainer.max_restarts=1",
         "trainer.checkpoint.every_n_steps=2",
         "data.producer.workers=1",  # the producer train.py starts outlives the restart
-        fault=f"kill@step:rank=0:step={step + 3}",
+        fault=f"kill@step:rank=0:step={step + 1}",
         timeout=120,
     )
     assert code == 0 and "resumed from" in out, out[-3000:]
