@@ -68,7 +68,12 @@ class DataConfig:
     # (which stall each other at every OpenMP barrier when one is descheduled).
     worker_nice: int = 10
     shuffle_shards: bool = True  # reshuffle shard order every epoch (seeded)
-    generate_if_missing: bool = False  # create the embedded synthetic shards if path is empty
+    # No shards at data.path: generate the embedded synthetic ones there, but only if data.path is the data
+    # group's own location (paths.data_dir/<data.name>) or an existing empty directory (a typo is an error).
+    generate_if_missing: bool = False
+    # A brace pattern or glob naming shards that do not exist is an error; true: train on those that exist
+    # (a warning counts the missing ones).
+    allow_missing_shards: bool = False
     max_image_pixels: int = 64_000_000  # larger images are skipped and counted
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     producer: ProducerConfig = field(default_factory=ProducerConfig)

@@ -17,18 +17,50 @@ The stream is infinite (epoch after epoch). Every element carries its position
 without decoding the skipped ones. A shard that cannot be read to the end (a
 truncated tar, a bad header) yields one ``ShardError`` element and ends; the
 samples read before the error stay valid.
+
+A stream keeps at most ``MAX_OPEN_SHARDS`` shard files open, however many
+shards its rank reads: a shard that has to make room is closed and later
+reopened at the byte offset of its next sample (tar members are found from
+their headers), so the interleaved order does not depend on the bound. Running
+out of file descriptors is an error (``FileDescriptorsExhausted``), never a
+skipped shard. Samples are grouped as webdataset groups them: members whose
+names share the part before the first dot of the file name, extensions
+lower-cased, ``__meta__`` members skipped.
 """
 
 from __future__ import annotations
 
+import bz2
+import errno
 import glob
+import gzip
+import logging
+import lzma
 import os
 import random
+import re
+import tarfile
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from braceexpand import braceexpand
-from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+log = logging.getLogger(__name__)
+
+MAX_OPEN_SHARDS = 16  # shard files one stream keeps open at once
+MAX_SHARD_NAMES = 1_000_000  # a brace pattern naming more is taken for a typo
+_INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")  # {000..099}, {0..100..10}
+_SKIP_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members
+_KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # "dir/000123.0.jpg" -> "dir/000123", "0.jpg"
+# Compressed shards (.tar.gz, .tar.bz2, .tar.xz) by their magic bytes; reopening one at an offset decompresses
+# up to it, so plain .tar (what docs/DATA.md asks for) is the fast case.
+_COMPRESSED = (
+    (b"\x1f\x8b", lambda f: gzip.GzipFile(fileobj=f)),
+    (b"BZh", bz2.BZ2File),
+    (b"\xfd7zXZ\x00", lzma.LZMAFile),
+)
 
 
 @dataclass(frozen=True)
@@ -55,34 +87,211 @@ class StreamElement:
     item: RawSample | ShardError
 
 
-def resolve_shards(path: str) -> list[str]:
-    """Shard files named by a directory, a file, a glob, or a brace pattern."""
+class FileDescriptorsExhausted(RuntimeError):
+    """The process cannot open another file: a limit of the machine, not a problem of the shard."""
+
+
+def _files_in(directory: str, listings: dict[str, set[str]]) -> set[str]:
+    """Names of the files in ``directory`` (one listing per directory, not a stat per shard name)."""
+    if directory not in listings:
+        try:
+            with os.scandir(directory or ".") as entries:
+                listings[directory] = {e.name for e in entries if e.is_file()}
+        except OSError:  # missing, not a directory, unreadable: none of its shards can be read
+            listings[directory] = set()
+    return listings[directory]
+
+
+def expand_shards(path: str) -> tuple[list[str], list[str]]:
+    """(shard files, names that are missing) of a directory, a file, a glob, or a brace pattern. A missing
+    name is a file of the pattern that does not exist, or a glob in it that matches no file."""
     if os.path.isdir(path):
-        shards = sorted(glob.glob(os.path.join(path, "*.tar")))
-    else:
-        shards = []
-        for pattern in braceexpand(path):
-            shards.extend(sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern])
-        shards = [s for s in shards if os.path.isfile(s)]
-    return shards
+        return sorted(glob.glob(os.path.join(path, "*.tar"))), []
+    names = 1  # braceexpand holds every range in memory: count the names of the integer ranges first
+    for first, last, step in _INT_RANGE.findall(path):
+        names *= abs(int(last) - int(first)) // max(1, abs(int(step or 1))) + 1
+    if names > MAX_SHARD_NAMES:
+        raise ValueError(f"the pattern names {names} shard files, more than {MAX_SHARD_NAMES}: check its braces")
+    found: list[str] = []
+    missing: list[str] = []
+    listings: dict[str, set[str]] = {}
+    for pattern in braceexpand(path):
+        if any(c in pattern for c in "*?["):
+            matches = [m for m in sorted(glob.glob(pattern)) if os.path.isfile(m)]
+            found.extend(matches)
+            if not matches:
+                missing.append(pattern)
+        elif os.path.basename(pattern) in _files_in(os.path.dirname(pattern), listings):
+            found.append(pattern)
+        else:
+            missing.append(pattern)
+    return found, missing
+
+
+_warned_missing: set[str] = set()
+
+
+def resolve_shards(path: str) -> list[str]:
+    """Shard files named by a directory, a file, a glob, or a brace pattern. Names that are missing are left
+    out with a warning that counts them (validation refuses them unless data.allow_missing_shards=true)."""
+    found, missing = expand_shards(path)
+    if found and missing and path not in _warned_missing:
+        _warned_missing.add(path)
+        log.warning(
+            "%d of the %d shard(s) named by %s are missing (first: %s); reading the %d that exist",
+            len(missing),
+            len(found) + len(missing),
+            path,
+            missing[0],
+            len(found),
+        )
+    return found
+
+
+class _Tail:
+    """A seekable binary file seen from byte ``base`` on, so tarfile reads an archive that starts there."""
+
+    def __init__(self, raw: BinaryIO, base: int):
+        self.raw, self.base = raw, base
+        raw.seek(base)
+
+    def read(self, size: int = -1) -> bytes:
+        return self.raw.read(size)
+
+    def tell(self) -> int:
+        return self.raw.tell() - self.base
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.raw.seek(self.base + offset if whence == 0 else offset, whence) - self.base
+
+
+def _open_file(path: str) -> BinaryIO:
+    try:
+        return open(path, "rb")  # noqa: SIM115  closed by _ShardCursor.park
+    except OSError as error:
+        if error.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise FileDescriptorsExhausted(
+            f"cannot open shard {path}: {error.strerror} (this process may open {soft} files, `ulimit -n`). "
+            f"A shard stream keeps at most {MAX_OPEN_SHARDS} shards open, so the descriptors are held elsewhere: "
+            "raise the limit (e.g. `ulimit -n 65536` before training) or run fewer processes or data.num_workers"
+        ) from error
+
+
+class _ShardCursor:
+    """The reading position in one shard: the archive offset of its next sample's first member. While open
+    it holds the file and a tar reader positioned there; ``park`` closes both and keeps the offset."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.name = os.path.basename(path)
+        self.offset = 0  # archive offset of the next unread member header
+        self.done = False
+        self._file: BinaryIO | None = None
+        self._tar: tarfile.TarFile | None = None
+        self._base = 0  # archive offset the open tar reader starts at
+        self._lookahead: tarfile.TarInfo | None = None  # first member of the next sample (header read)
+
+    @property
+    def is_open(self) -> bool:
+        return self._tar is not None
+
+    def park(self) -> None:
+        if self._lookahead is not None:
+            self.offset = self._base + self._lookahead.offset
+            self._lookahead = None
+        self._tar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _open(self) -> None:
+        self._file = _open_file(self.path)
+        stream: BinaryIO = self._file
+        magic = stream.read(6)
+        stream.seek(0)
+        for prefix, opener in _COMPRESSED:
+            if magic.startswith(prefix):
+                stream = opener(self._file)  # type: ignore[operator]
+                break
+        self._base = self.offset
+        self._tar = tarfile.open(fileobj=_Tail(stream, self.offset), mode="r:")  # type: ignore[call-overload]
+
+    def _next_member(self) -> tarfile.TarInfo | None:
+        assert self._tar is not None
+        while True:
+            info = self._tar.next()
+            self._tar.members = []  # a stream: keep no member list
+            if info is None or (info.isreg() and not _SKIP_MEMBER.match(info.name)):
+                return info
+
+    def next_item(self) -> RawSample | ShardError | None:
+        """The next sample; a ShardError (then nothing more) if the shard breaks; None at its end."""
+        if self.done:
+            return None
+        try:
+            if self._tar is None:
+                self._open()
+            return self._next_sample()
+        except FileDescriptorsExhausted:
+            raise
+        except Exception as error:  # truncated or corrupt tar: the rest of this shard is lost
+            self.done = True
+            self.park()
+            return ShardError(shard=self.name, reason=f"{type(error).__name__}: {error}")
+
+    def _next_sample(self) -> RawSample | None:
+        assert self._tar is not None
+        key: str | None = None
+        members: dict[str, bytes] = {}
+        while True:
+            info, self._lookahead = self._lookahead or self._next_member(), None
+            if info is None:
+                self.done = True
+                self.park()
+                return None if key is None else RawSample(key=f"{self.name}/{key}", members=members)
+            match = _KEY_AND_EXTENSION.match(info.name)
+            if match is None:
+                continue
+            prefix, extension = match.group(1), match.group(2).lower()
+            if key is not None and prefix != key:
+                self._lookahead = info
+                return RawSample(key=f"{self.name}/{key}", members=members)
+            key = prefix
+            if extension in members:
+                raise ValueError(f"{info.name}: duplicate file name in tar file {extension}")
+            extracted = self._tar.extractfile(info)
+            assert extracted is not None
+            data = extracted.read()
+            if not extension.startswith("__"):
+                members[extension] = data
 
 
 def _read_shard(path: str) -> Iterator[RawSample | ShardError]:
-    name = os.path.basename(path)
+    """One shard's samples in order (one open file); a ShardError ends it."""
+    cursor = _ShardCursor(path)
     try:
-        with open(path, "rb") as stream:
-            files = ({**f, "__url__": path} for f in tar_file_iterator(stream))
-            for sample in group_by_keys(files):
-                members = {k: v for k, v in sample.items() if not k.startswith("__")}
-                yield RawSample(key=f"{name}/{sample['__key__']}", members=members)
-    except Exception as error:  # truncated or corrupt tar: the rest of this shard is lost
-        yield ShardError(shard=name, reason=f"{type(error).__name__}: {error}")
+        while (item := cursor.next_item()) is not None:
+            yield item
+    finally:
+        cursor.park()
 
 
 class ShardStream:
     """The deterministic, infinite stream of one data-parallel rank."""
 
-    def __init__(self, shards: list[str], dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+    def __init__(
+        self,
+        shards: list[str],
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+        max_open: int = MAX_OPEN_SHARDS,
+    ):
         if not shards:
             raise ValueError("no shards to read")
         if dp_size > len(shards):
@@ -95,6 +304,7 @@ class ShardStream:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.max_open = max(1, max_open)  # shard files open at once
 
     def shards_for_epoch(self, epoch: int) -> list[str]:
         order = list(self.shards)
@@ -103,19 +313,33 @@ class ShardStream:
         return order[self.dp_rank :: self.dp_size]
 
     def epoch_elements(self, epoch: int) -> Iterator[StreamElement]:
-        readers = [_read_shard(path) for path in self.shards_for_epoch(epoch)]
+        """One sample of each unfinished shard in turn, with at most ``max_open`` files open."""
+        cursors = [_ShardCursor(path) for path in self.shards_for_epoch(epoch)]
+        opened: OrderedDict[int, _ShardCursor] = OrderedDict()  # least recently read first
         index = 0
-        while readers:
-            still_open = []
-            for reader in readers:
-                item = next(reader, None)
-                if item is None:
-                    continue
-                yield StreamElement(Position(epoch, index), item)
-                index += 1
-                if not isinstance(item, ShardError):
-                    still_open.append(reader)
-            readers = still_open
+        try:
+            while cursors:
+                unfinished = []
+                for cursor in cursors:
+                    if id(cursor) in opened:
+                        opened.move_to_end(id(cursor))
+                    else:
+                        if len(opened) >= self.max_open:
+                            opened.popitem(last=False)[1].park()
+                        opened[id(cursor)] = cursor
+                    item = cursor.next_item()
+                    if not cursor.is_open:
+                        opened.pop(id(cursor), None)
+                    if item is None:
+                        continue
+                    yield StreamElement(Position(epoch, index), item)
+                    index += 1
+                    if not cursor.done:
+                        unfinished.append(cursor)
+                cursors = unfinished
+        finally:
+            for cursor in opened.values():
+                cursor.park()
 
     def elements(self, start: Position = Position()) -> Iterator[StreamElement]:
         """Elements from ``start`` on, forever."""

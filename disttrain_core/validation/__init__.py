@@ -4,8 +4,10 @@ Each problem raises :class:`ConfigError` with one line that names the bad
 value and says how to fix it. Type and unknown-key errors are caught earlier,
 by the schema, when Hydra composes the config.
 
-The checks live in ``common`` (errors and resolution helpers), ``settings`` (model, optimizer,
-trainer, device, data, cluster) and ``layout`` (parallel layout and pipeline schedule).
+The checks live in ``common`` (errors, resolution helpers, ``${...}`` references), ``numbers`` (one
+table of bounds for every numeric setting, checked before anything divides by one), ``settings``
+(model, optimizer, trainer, device, cluster), ``data`` (shards, generation, the producer) and
+``layout`` (parallel layout and pipeline schedule).
 """
 
 from __future__ import annotations

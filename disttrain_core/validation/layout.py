@@ -7,6 +7,11 @@ import os
 from ..config import Config
 from .common import ConfigError, _require, world_size
 
+# Stages x microbatches of one step's pipeline schedule, which check_pipeline builds and replays (about 0.1 ms
+# a slot): beyond this the check would take minutes, and such a batch is a typo.
+MAX_PIPELINE_SLOTS = 65_536
+MAX_PARALLEL_SIZE = 65_536  # dp, tp or pp beyond this (and the world size) is a typo
+
 
 def layout_of(cfg: Config) -> tuple[int, int]:
     """(data-parallel size of the LLM, pipeline stages of the LLM) of the configured layout."""
@@ -60,6 +65,23 @@ def _validate_shard_settings(p) -> None:
             p.shard != "none",
             "parallel.shard=none (DDP) needs a ddp layout; megatron layouts shard at least zero1: use "
             "parallel.shard=zero1, zero2 or zero3",
+        )
+
+
+def _check_sizes_fit(cfg: Config) -> None:
+    """No parallel size is absurdly large: building such a layout (a list per pipeline stage) would exhaust
+    memory for a typo like parallel.pp=10**18 before the process count is compared (which names the sizes)."""
+    p, world = cfg.parallel, world_size(cfg)
+    limit = max(world, MAX_PARALLEL_SIZE)
+    sizes = [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp)]
+    for name in ("encoder", "llm", "generator"):
+        unit = getattr(p.units, name)
+        sizes += [(f"parallel.units.{name}.{size}", getattr(unit, size)) for size in ("dp", "tp", "pp")]
+    for where, value in sizes:
+        _require(
+            value <= limit,
+            f"{where}={value} is more than {limit}; the layout must fit the trainer.devices x trainer.num_nodes = "
+            f"{world} process(es)",
         )
 
 
@@ -138,6 +160,7 @@ def validate_layout(cfg: Config) -> None:
             )
     _validate_shard_settings(p)
     _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
+    _check_sizes_fit(cfg)
     _require(
         p.comm.bucket_mb >= 0,
         f"parallel.comm.bucket_mb={p.comm.bucket_mb}: use a positive size in MB (25 is DDP's default) or 0 for one "
@@ -243,6 +266,13 @@ def validate_schedule_config(cfg: Config) -> None:
     )
     _require(
         s.csv is not None or s.name in SCHEDULES, f"schedule={s.name!r} is unknown; available: {', '.join(SCHEDULES)}"
+    )
+    slots = rows * max(per_rank, 1) * micro
+    _require(
+        slots <= MAX_PIPELINE_SLOTS,
+        f"optim.global_batch_size={cfg.optim.global_batch_size} makes {micro} microbatches per step for "
+        f"{rows * max(per_rank, 1)} pipeline stages ({slots} schedule slots; the schedule is built and replayed "
+        f"before launch up to {MAX_PIPELINE_SLOTS}); raise optim.micro_batch_size or lower optim.global_batch_size",
     )
     _require(
         s.microbatches is None or s.microbatches == micro,

@@ -1,4 +1,5 @@
-"""Checks of the model, optimizer, trainer, device, data and cluster settings."""
+"""Checks of the model, optimizer, trainer, device, data and cluster settings that relate several values
+(single-setting bounds: ``numbers``; the shards of ``data.path``: ``data``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from .common import (
     CPU_PROCESSES_PER_CORE,
     ConfigError,
     _require,
+    check_references,
     externally_launched,
     resolve_accelerator,
     resolve_backend,
 )
+from .data import check_shards
 from .layout import layout_of, reads_global_stream
+from .numbers import check_bounds
 
 
 def _tokenizer(cfg: Config):
@@ -38,6 +42,8 @@ def _load_tokenizer(name: str, stamp: int | None):  # stamp: the file's mtime, s
 
 
 def validate_model(cfg: Config) -> None:
+    check_references(cfg)  # validate_config runs this check first: every ${...} resolves,
+    check_bounds(cfg)  # and every single setting is within its bounds, before anything divides by one
     m = cfg.model
     _require(m.family in ("mllm", "llama"), f"model.family={m.family!r}: allowed values are 'mllm' and 'llama'")
     llm = m.llm
@@ -143,19 +149,11 @@ def _validate_generator(cfg: Config) -> None:
 
 
 def validate_optim(cfg: Config) -> None:
-    o = cfg.optim
-    _require(o.name == "adamw", f"optim.name={o.name!r}: the available optimizer is 'adamw'")
-    _require(o.lr > 0, f"optim.lr={o.lr}: the learning rate must be positive, e.g. optim.lr=3e-4")
-    _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio}: use a value in [0, 1]")
-    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: use 0 or more")
-    _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: use 0 or more")
+    o = cfg.optim  # single-setting bounds (lr, eps, steps, batch sizes): numbers.check_bounds
     _require(
         len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
         f"optim.betas={list(o.betas)}: give two values in [0, 1), e.g. [0.9,0.95]",
     )
-    _require(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: use 0 (off) or a positive norm")
-    _require(o.micro_batch_size >= 1, f"optim.micro_batch_size={o.micro_batch_size}: use 1 or more")
-    _require(o.global_batch_size >= 1, f"optim.global_batch_size={o.global_batch_size}: use 1 or more")
     dp = 1 if cfg.parallel.mode == "auto" else layout_of(cfg)[0]
     _require(
         o.global_batch_size % (o.micro_batch_size * dp) == 0,
@@ -165,35 +163,11 @@ def validate_optim(cfg: Config) -> None:
 
 
 def validate_trainer(cfg: Config) -> None:
-    t = cfg.trainer
-    _require(
-        t.accelerator in ("auto", "cpu", "cuda"),
-        f"trainer.accelerator={t.accelerator!r}: allowed values are auto, cpu, cuda",
-    )
-    _require(
-        t.precision in ("auto", "32", "bf16-mixed"),
-        f"trainer.precision={t.precision!r}: allowed values are auto, '32' and 'bf16-mixed'",
-    )
-    _require(
-        t.backend in ("auto", "gloo", "nccl"), f"trainer.backend={t.backend!r}: allowed values are auto, gloo, nccl"
-    )
-    _require(t.devices >= 1, f"trainer.devices={t.devices}: use 1 or more")
-    _require(t.num_nodes >= 1, f"trainer.num_nodes={t.num_nodes}: use 1 or more")
-    _require(t.max_steps >= 1, f"trainer.max_steps={t.max_steps}: use 1 or more")
-    _require(t.log_every_n_steps >= 1, f"trainer.log_every_n_steps={t.log_every_n_steps}: use 1 or more")
+    t = cfg.trainer  # single-setting bounds (choices, counts, steps, timeouts): numbers.check_bounds
     _require(
         0 <= t.memory_report_step <= t.max_steps,
         f"trainer.memory_report_step={t.memory_report_step}: use 0 (off) or a step from 1 to trainer.max_steps "
         f"({t.max_steps})",
-    )
-    _require(
-        t.checkpoint.every_n_steps >= 0, f"trainer.checkpoint.every_n_steps={t.checkpoint.every_n_steps}: use 0 or more"
-    )
-    _require(t.checkpoint.keep_last >= 1, f"trainer.checkpoint.keep_last={t.checkpoint.keep_last}: keep at least 1")
-    _require(t.threads_per_rank >= 0, f"trainer.threads_per_rank={t.threads_per_rank}: use 0 (auto) or more")
-    _require(
-        t.exit_after_step is None or t.exit_after_step >= 1,
-        f"trainer.exit_after_step={t.exit_after_step}: use null or a step >= 1",
     )
     accelerator = resolve_accelerator(t.accelerator)
     if accelerator == "cuda":
@@ -272,6 +246,15 @@ def validate_data(cfg: Config) -> None:
     _require(p.workers >= 0, f"data.producer.workers={p.workers}: use 0 (decode in the trainers) or more")
     _require(p.timeout_s > 0, f"data.producer.timeout_s={p.timeout_s}: use a positive number of seconds")
     _require(p.prefetch_steps >= 1, f"data.producer.prefetch_steps={p.prefetch_steps}: use 1 or more")
+    _require(p.max_frame_mb >= 1, f"data.producer.max_frame_mb={p.max_frame_mb}: use 1 or more (MiB)")
+    _require(
+        1 <= p.max_connections <= 65536,
+        f"data.producer.max_connections={p.max_connections}: use 1 to 65536 (each is a thread of the producer)",
+    )
+    _require(
+        p.handshake_timeout_s > 0,
+        f"data.producer.handshake_timeout_s={p.handshake_timeout_s}: use a positive number of seconds",
+    )
     for name, value in (("address", p.address), ("listen", p.listen)):
         if value is not None:
             host, sep, port = str(value).rpartition(":")
@@ -281,18 +264,7 @@ def validate_data(cfg: Config) -> None:
             )
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
-    from ..data.reader import resolve_shards
-
-    shards = resolve_shards(d.path)
-    if not shards:
-        _require(
-            d.generate_if_missing,
-            f"data.path={d.path!r}: no .tar shards found; point data.path at a directory or brace pattern of "
-            "webdataset shards, or run `python tools/make_shards.py` to create the embedded data",
-        )
-        shard_count = d.synthetic.num_shards
-    else:
-        shard_count = len(shards)
+    shard_count = check_shards(cfg)  # none, missing ones, or generation into a path it should not write
     dp = 1 if cfg.parallel.mode == "auto" or reads_global_stream(cfg) else layout_of(cfg)[0]
     _require(
         shard_count >= dp,
@@ -317,9 +289,9 @@ def validate_planner(cfg: Config) -> None:
 
 
 def validate_cluster(cfg: Config) -> None:
-    c = cfg.cluster
-    for name in ("peak_flops_bf16", "peak_flops_fp32"):
-        value = getattr(c, name)
-        _require(value is None or value > 0, f"cluster.{name}={value}: use a positive FLOP/s value or null")
-    _require(c.memory_per_device_gb > 0, f"cluster.memory_per_device_gb={c.memory_per_device_gb}: use a positive size")
-    _require(c.num_gpus >= 1 and c.gpus_per_node >= 1, "cluster.num_gpus and cluster.gpus_per_node must be >= 1")
+    c = cfg.cluster  # single-setting bounds (device, sizes, bandwidths, efficiency): numbers.check_bounds
+    _require(
+        c.runtime_overhead_gb < c.memory_per_device_gb,
+        f"cluster.runtime_overhead_gb={c.runtime_overhead_gb} leaves no memory of cluster.memory_per_device_gb="
+        f"{c.memory_per_device_gb} for training; lower the overhead or raise the device memory",
+    )

@@ -123,6 +123,81 @@ CASES = [
         ["parallel=disagg4_pp2", "parallel.units.encoder.pp=3", "trainer.devices=6"],
         "parallel encoder unit: pp=3 does not divide model.encoder.n_layers=2",
     ),
+    # bounds of single settings (validation/numbers.py), checked before anything divides by them
+    (["model.llm.n_heads=0"], "model.llm.n_heads=0: use 1 or more"),
+    (["model.llm.norm_eps=0"], "model.llm.norm_eps=0.0: use a small positive number"),
+    (["model.llm.rope_theta=-1"], "model.llm.rope_theta=-1.0: use a positive base"),
+    (["model.encoder.patch_size=0"], "model.encoder.patch_size=0: use 1 or more"),
+    (["model.encoder.output_dim=-1"], "model.encoder.output_dim=-1: use 0 (no output projection) or more"),
+    (["model.generator.norm_groups=0"], "model.generator.norm_groups=0: use 1 or more groups that divide"),
+    (["model.generator.block_out_channels=[]"], "model.generator.block_out_channels=[]: give one positive"),
+    (["model.generator.attention_heads=[0,4]"], "model.generator.attention_heads=[0, 4]: give one positive"),
+    (["model.generator.beta_end=1.0"], "model.generator.beta_end=1.0: use a value in (0, 1)"),
+    (["model.generator.beta_start=0.5"], "model.generator.beta_start=0.5 is above beta_end=0.012"),
+    (["model.latent_downsample=0"], "model.latent_downsample=0: use 1 or more pixels per latent cell"),
+    (["model.gen_loss_weight=-1"], "model.gen_loss_weight=-1.0: use 0 (no generation loss) or a positive weight"),
+    (["model.reference_micro_batch=0"], "model.reference_micro_batch=0: use 1 or more"),
+    (["model.encoder_projector.hidden_dim=-1"], "model.encoder_projector.hidden_dim=-1: use 0"),
+    (["optim.eps=0"], "optim.eps=0.0: use a small positive number, e.g. 1e-8"),
+    (["optim.lr=nan"], "optim.lr=nan: the learning rate must be positive and finite"),
+    (["optim.lr=inf"], "optim.lr=inf: the learning rate must be positive and finite"),
+    (["optim.decay_steps=0"], "optim.decay_steps=0: use null (decay over trainer.max_steps) or 1 or more steps"),
+    (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio=1.5: use a value in [0, 1]"),
+    (["optim.name=sgd"], "optim.name='sgd': the available optimizer is 'adamw'"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator='tpu': allowed values are auto, cpu, cuda"),
+    (["trainer.dist_timeout_s=0"], "trainer.dist_timeout_s=0: use a positive number of seconds"),
+    (["trainer.seed=-1"], "trainer.seed=-1: use a value in [0, 4294967295]"),
+    (["trainer.checkpoint.keep_last=0"], "trainer.checkpoint.keep_last=0: keep at least 1"),
+    (["trainer.checkpoint.every_n_steps=-5"], "trainer.checkpoint.every_n_steps=-5: use 0 (off) or more"),
+    (["trainer.exit_after_step=0"], "trainer.exit_after_step=0: use null or a step >= 1"),
+    (["trainer.stop_grace_s=0"], "trainer.stop_grace_s=0.0: use a positive number of seconds"),
+    (["trainer.max_restarts=-1"], "trainer.max_restarts=-1: use 0 (no restarts) or more"),
+    (["data.producer.max_frame_mb=0"], "data.producer.max_frame_mb=0: use "),
+    (["data.synthetic.num_shards=0"], "data.synthetic.num_shards=0: use 1 or more"),
+    (["data.synthetic.text_only_fraction=1.5"], "data.synthetic.text_only_fraction=1.5: use a value in [0, 1]"),
+    (["data.synthetic.images_geometric_p=0"], "data.synthetic.images_geometric_p=0.0: use a value in (0, 1]"),
+    (["data.synthetic.caption_words_log_mean=50"], "data.synthetic.caption_words_log_mean=50.0: use a value in"),
+    (["data.synthetic.image_side_max=8"], "data.synthetic.image_side_max=8: use 16 pixels or more"),
+    (["schedule.microbatches=0"], "schedule.microbatches=0: use null (derived from the batch sizes) or 1 or more"),
+    (["schedule.vpp=0"], "schedule.vpp=0: use 1 or more"),
+    (["cluster.device=tpu"], "cluster.device='tpu': allowed values are cpu, cuda"),
+    (["cluster.num_gpus=0"], "cluster.num_gpus=0: use 1 or more"),
+    (["cluster.memory_per_device_gb=0"], "cluster.memory_per_device_gb=0.0: use a positive size"),
+    (["cluster.intra_node_bandwidth_gbps=0"], "cluster.intra_node_bandwidth_gbps=0.0: use a positive bandwidth"),
+    (["cluster.latency_us=-1"], "cluster.latency_us=-1.0: use 0 or more microseconds"),
+    (["cluster.compute_efficiency=1.5"], "cluster.compute_efficiency=1.5: use a value in (0, 1]"),
+    (["cluster.runtime_overhead_gb=100"], "cluster.runtime_overhead_gb=100.0 leaves no memory"),
+    (["planner.solver=greedy"], "planner.solver='greedy': allowed values are algorithm1, exhaustive"),
+    (["planner.precision=fp8"], "planner.precision='fp8': allowed values are auto, '32' and 'bf16-mixed'"),
+    (["planner.cost=guess"], "planner.cost='guess': allowed values are auto, profiled, analytic"),
+    (["planner.tp_options=[]"], "planner.tp_options=[]: give one or more tensor-parallel sizes"),
+    (["planner.vpp_options=[0]"], "planner.vpp_options=[0]: give one or more virtual stage counts"),
+    (["planner.dp_overlap=2"], "planner.dp_overlap=2.0: use a value in [0, 1]"),
+    (["planner.memory_margin=0"], "planner.memory_margin=0.0: use a value in (0, 1]"),
+    (["planner.profile_repeats=0"], "planner.profile_repeats=0: use 1 or more"),
+    # ${...} references that do not resolve, or resolve to the wrong shape
+    (["model.llm.dim=${oops}"], "model.llm.dim: Interpolation key 'oops' not found; fix the ${...} reference"),
+    (["trainer.devices=${optim.lr}"], "trainer.devices: While dereferencing interpolation '${optim.lr}'"),
+    (["model.generator.block_out_channels=${optim.lr}"], "block_out_channels=0.003: a list belongs here"),
+    (["model.encoder=${model.generator}"], "model.encoder: a VitConfig belongs here, but its ${...} reference"),
+    # data.path: shards that are missing, patterns, and where generate_if_missing may write
+    (
+        ["data.path='SHARDS/shard-{000000..000005}.tar'"],
+        "2 of the 6 shard(s) it names are missing (first: SHARDS/shard-000004.tar); restore them or fix "
+        "data.path, or set data.allow_missing_shards=true to train on the 4 that exist",
+    ),
+    (["data.path='SHARDS/*.tarr'"], "no .tar shards found"),
+    (["data.path='SHARDS/shard-{0..99999999999}.tar'"], "the pattern names 100000000000 shard files"),
+    (["data.path='SHARDS/shard-{0..3'"], "Unbalanced braces"),
+    (
+        ["data.generate_if_missing=true", "data.path=SHARDS/../synthetic_laoin"],
+        "no .tar shards found there, and data.generate_if_missing=true generates the embedded data only into ",
+    ),
+    (
+        ["parallel=pp2", "trainer.devices=2", "schedule=1f1b", "optim.micro_batch_size=1"]
+        + ["optim.global_batch_size=100000"],
+        "makes 100000 microbatches per step for 2 pipeline stages (200000 schedule slots",
+    ),
 ]
 
 
@@ -130,6 +205,8 @@ CASES = [
 def test_bad_input_gives_one_actionable_line(overrides, expected, shards, tmp_path, monkeypatch):
     for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         monkeypatch.delenv(var, raising=False)
+    overrides = [o.replace("SHARDS", str(shards)) for o in overrides]  # the session's test shards
+    expected = expected.replace("SHARDS", str(shards))
     argv = base_overrides(shards, tmp_path / "run")
     argv = [a for a in argv if not (a.startswith("data.path=") and any(o.startswith("data.path") for o in overrides))]
     with pytest.raises(PreflightError) as info:
@@ -194,3 +271,48 @@ def test_deterministic_cuda_run_with_an_operator_that_has_no_deterministic_kerne
     # warn (or off, the CUDA default) gets past this check; this machine then has no GPU to run it on
     message = _preflight_error(base + ["trainer.deterministic=warn"], shards, tmp_path, monkeypatch)
     assert "no CUDA device" in message, message
+
+
+@pytest.mark.parametrize(
+    "scaling, expected",
+    [
+        ({"high_freq_factor": 0.5}, "model.llm.rope_scaling.high_freq_factor=0.5 must be greater than low_freq_factor"),
+        ({"factor": 0.5}, "model.llm.rope_scaling.factor=0.5: use 1 or more (Llama-3.1: 8.0)"),
+        ({"rope_type": "linear"}, "model.llm.rope_scaling.rope_type='linear': the supported rope_type is 'llama3'"),
+    ],
+)
+def test_rope_scaling_bounds(scaling, expected, compose_cfg):
+    """Llama-3.1 frequency scaling (set in a model file or from Hugging Face weights)."""
+    from disttrain_core.config import RopeScalingConfig
+    from disttrain_core.validation import ConfigError, validate_config
+
+    cfg = compose_cfg()
+    cfg.model.llm.rope_scaling = RopeScalingConfig(**scaling)  # the other values at their Llama-3.1 defaults
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_missing_shards_can_be_allowed_with_a_counted_warning(shards, tmp_path, caplog):
+    """data.allow_missing_shards=true: the run trains on the shards that exist; the reader counts the rest."""
+    from disttrain_core.data.reader import resolve_shards
+
+    pattern = f"{shards}/shard-{{000000..000005}}.tar"
+    check_overrides(
+        base_overrides(shards, tmp_path / "run") + [f"data.path='{pattern}'", "data.allow_missing_shards=true"]
+    )
+    with caplog.at_level("WARNING", logger="disttrain_core.data.reader"):
+        assert len(resolve_shards(pattern)) == 4
+    assert "2 of the 6 shard(s) named by" in caplog.text and "reading the 4 that exist" in caplog.text
+
+
+def test_generate_if_missing_writes_only_where_the_data_group_generates(shards, tmp_path):
+    """The default data.path under another paths.data_dir, or an empty directory the user made: accepted
+    (validation only; nothing is generated here). Anything else without shards is refused."""
+    base = [o for o in base_overrides(shards, tmp_path / "run") if not o.startswith(("data.path", "data.generate"))]
+    check_overrides(base + [f"paths.data_dir={tmp_path / 'fresh'}"])  # -> <data_dir>/synthetic_laion
+    (tmp_path / "empty").mkdir()
+    check_overrides(base + [f"data.path={tmp_path / 'empty'}"])
+    with pytest.raises(PreflightError, match="generates the embedded data only into"):
+        check_overrides(base + [f"data.path={tmp_path / 'emtpy'}"])
+    assert not (tmp_path / "fresh").exists() and not any((tmp_path / "empty").iterdir())

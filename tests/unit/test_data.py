@@ -198,3 +198,78 @@ def test_position_replay_skips_exactly(shards):
     restarted = [e.item.key for _, e in zip(range(50), stream.elements(Position(0, 70)), strict=False)]
     assert restarted == everything[70:120]
     assert isinstance(next(stream.elements()).item, RawSample)
+
+
+# ------------------------------------------------------------------------------ open shard files
+def _stream_keys(files, dp_size, max_open, count):
+    out = []
+    for rank in range(dp_size):
+        stream = ShardStream(files, rank, dp_size, seed=4, max_open=max_open).elements()
+        out.append([e.item.key for _, e in zip(range(count), stream, strict=False)])
+    return out
+
+
+def test_open_shard_files_are_bounded_and_the_order_does_not_depend_on_the_bound(shards, monkeypatch):
+    from disttrain_core.data import reader
+
+    opened = []
+    open_file = reader._open_file
+
+    def tracked(path):
+        opened.append(open_file(path))
+        return opened[-1]
+
+    monkeypatch.setattr(reader, "_open_file", tracked)
+    files = resolve_shards(str(shards))  # 4 shards x 24 samples
+    most = 0
+    for element, _ in zip(ShardStream(files, 0, 1, seed=4, max_open=2).elements(), range(200), strict=False):
+        assert isinstance(element.item, RawSample)
+        most = max(most, sum(not f.closed for f in opened))
+    assert most == 2 and len(opened) > 100  # shards were closed and reopened at their next sample
+    for dp_size in (1, 2):  # crosses the 96-sample epoch boundary
+        assert _stream_keys(files, dp_size, 1, 120) == _stream_keys(files, dp_size, 16, 120)
+    assert all(f.closed for f in opened)
+
+
+def test_running_out_of_file_descriptors_is_an_error_not_a_skipped_shard(shards):
+    """With the process's descriptors used up, opening a shard raises FileDescriptorsExhausted (naming the
+    limit) instead of yielding a ShardError that the loader would count and skip."""
+    import subprocess
+    import sys
+
+    script = f"""
+import os, resource
+from disttrain_core.data.reader import FileDescriptorsExhausted, ShardStream, resolve_shards
+stream = ShardStream(resolve_shards({str(shards)!r}), 0, 1, seed=0).elements()
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+held = []
+try:
+    while True:
+        held.append(open(os.devnull))
+except OSError:
+    pass
+try:
+    print("read", next(stream).item)
+except FileDescriptorsExhausted as error:
+    print("exhausted:", error)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.startswith("exhausted: cannot open shard"), done.stdout + done.stderr
+    assert "ulimit -n" in done.stdout and "\n" not in done.stdout.strip()
+
+
+def test_compressed_shards_read_as_the_plain_ones(shards, tmp_path):
+    import gzip
+
+    files = resolve_shards(str(shards))[:2]
+    packed = []
+    for path in files:
+        packed.append(str(tmp_path / (Path(path).name + ".gz")))
+        Path(packed[-1]).write_bytes(gzip.compress(Path(path).read_bytes()))
+
+    def samples(paths):
+        stream = ShardStream(paths, 0, 1, seed=0, shuffle=False, max_open=1)  # every read reopens at an offset
+        return [(Path(e.item.key).name, e.item.members) for e in stream.epoch_elements(0)]
+
+    assert samples(packed) == samples(files) and len(samples(files)) == 48
