@@ -69,6 +69,16 @@ def describe_compose_error(error: BaseException, overrides: list[str]) -> str:
     key = _full_key(error)
     override = next((o for o in overrides if key and o.lstrip("+~").split("=", 1)[0] == key), None)
     where = override or key or "config"
+    if "NoneType" in text and ("Unexpected type for root" in text or "has no attribute" in text):
+        # OmegaConf cannot merge into an optional block whose value is null (omry/omegaconf#1035)
+        keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o]
+        dotted = [k for k in keys if k.count(".") >= 2 and not k.startswith("hydra.")]
+        target = key or (dotted[0] if len(dotted) == 1 else "one of " + ", ".join(dotted) if dotted else "a key")
+        return (
+            f"{target} is (or is inside) a block that is null in this config, and a null block cannot be "
+            "filled from the command line (an OmegaConf limitation); set the whole block in a config file "
+            "(e.g. a copy of the model's yaml in conf/model/) or choose a config where it is set"
+        )
     if "not in" in text and key:
         parent, _, leaf = key.rpartition(".")
         return (

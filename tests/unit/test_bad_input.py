@@ -316,3 +316,15 @@ def test_generate_if_missing_writes_only_where_the_data_group_generates(shards, 
     with pytest.raises(PreflightError, match="generates the embedded data only into"):
         check_overrides(base + [f"data.path={tmp_path / 'emtpy'}"])
     assert not (tmp_path / "fresh").exists() and not any((tmp_path / "empty").iterdir())
+
+
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("model.llm.rope_scaling.factor=2", "model.llm.rope_scaling.factor"),
+        ("model.llm.rope_scaling={factor:2.0}", "model.llm.rope_scaling"),
+    ],
+)
+def test_a_value_inside_a_null_block_is_one_line_naming_it(override, named, shards, tmp_path):
+    with pytest.raises(PreflightError, match=f"^{named} is \\(or is inside\\) a block that is null"):
+        check_overrides(base_overrides(shards, tmp_path / "run") + ["model=llama_tiny", override])
