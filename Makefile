@@ -9,7 +9,7 @@ DATA := data/synthetic_laion
 
 help:
 	@echo "make train      create .venv, install, generate the embedded data, train mllm_tiny on CPU"
-	@echo "make test       the test suite (about 25 minutes on 2 cores)"
+	@echo "make test       the test suite (about 28 minutes on 2 cores)"
 	@echo "make test-slow  the long tests (marked slow)"
 	@echo "make lint       ruff"
 	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"

@@ -44,6 +44,8 @@ def test_auto_profiles_solves_and_trains_then_reuses_the_profile(shards, tmp_pat
     assert json.loads((tmp_path / "second" / "plan.json").read_text())["units"] == plan["units"]
 
 
+# make test-slow: the memory model is checked against counted bytes in test_memory.py and the rehearsal
+@pytest.mark.slow
 def test_memory_model_matches_the_measured_peak_of_a_real_run(shards, tmp_path):
     """One process, mllm_small with 8 samples per microbatch in fp32: activations dominate."""
     overrides = ["model=mllm_small", "optim.global_batch_size=8", "optim.micro_batch_size=8"]

@@ -120,6 +120,8 @@ def test_producer_serves_batches_and_refuses_bad_clients(cfg):
             process.kill()
 
 
+# make test-slow: tests/faults/test_interruptions.py resumes through a producer after a restart (equal losses)
+@pytest.mark.slow
 def test_training_through_a_producer_resumes_exactly(shards, tmp_path):
     """train.py starts its producer; a run stopped after step 3 and resumed matches a straight run."""
     from ..conftest import cli_overrides, read_metrics, run_train

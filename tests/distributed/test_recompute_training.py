@@ -18,6 +18,8 @@ def losses(shards, run_dir, *overrides):
     return [m["loss"] for m in read_metrics(run_dir)]
 
 
+# make test-slow: the parallel recompute tests below cover the policies in default runs
+@pytest.mark.slow
 def test_every_policy_on_one_process_equals_no_recompute(shards, tmp_path):
     reference = losses(shards, tmp_path / "none", *BATCH)
     for policy in ("full", "selective_op", "every_k"):
