@@ -1,9 +1,11 @@
 """Starting the ranks of a job on this machine, and telling the user how they ended.
 
-* ``spawn_with_fabric``: Fabric's own spawn launcher (``DDPStrategy(start_method="spawn")``,
-  ``fabric.launch(fn)``): it starts a *function* in ``trainer.devices`` fresh processes and does not
+* ``spawn_with_fabric``: Fabric's multiprocessing launcher (``DDPStrategy(start_method=...)``,
+  ``fabric.launch(fn)``): it starts a *function* in ``trainer.devices`` processes and does not
   re-execute ``sys.argv``, so a Hydra multirun keeps working. The children are told their cluster
   environment (Fabric's plain ``LightningEnvironment``), never guess it from inherited ``SLURM_*``.
+  ``trainer.start_method=forkserver`` (the default) forks the ranks from a server that has imported
+  torch and this package once (rank_preload.py); ``spawn`` starts fresh interpreters.
 * ``spawn_with_restarts``: torch's elastic agent (``elastic_launch``, the engine behind torchrun) when
   ``trainer.max_restarts > 0``: when a rank dies it stops the others and relaunches all of them, and
   they resume from the latest complete checkpoint. Its shutdown timeout exceeds ``trainer.stop_grace_s``
@@ -84,11 +86,12 @@ def _last_line(text: str) -> str:
 def spawn_with_fabric(cfg, fabric_kwargs: dict, fn: Callable, args: tuple, job_id: str, exclude: set[int]) -> None:
     from lightning_fabric import Fabric
     from lightning_fabric.plugins.environments import LightningEnvironment
-    from lightning_fabric.strategies import DDPStrategy
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    strategy = DDPStrategy(
-        start_method="spawn",
+    from .fabric_launch import ddp_strategy
+
+    strategy = ddp_strategy(
+        cfg.trainer.start_method,
         process_group_backend=fabric_kwargs.pop("backend"),
         timeout=timedelta(seconds=cfg.trainer.dist_timeout_s),
         cluster_environment=LightningEnvironment(),

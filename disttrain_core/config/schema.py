@@ -129,6 +129,9 @@ class TrainerConfig:
     # Jobs train.py spawns: relaunch every rank from the latest checkpoint up to this many times when one dies
     # (torch's elastic agent). Under torchrun or srun, restarts belong to --max-restarts or the scheduler.
     max_restarts: int = 0
+    # How train.py starts this node's ranks: forkserver (forked from a server that imported torch and this
+    # package once; a rank starts in a fraction of a second) | spawn (a fresh interpreter per rank).
+    start_method: str = "forkserver"
     resume: str = "none"  # none | auto | path to a checkpoint or run directory
     progress_bar: bool = True
     compile: bool = False

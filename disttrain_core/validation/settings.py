@@ -215,6 +215,10 @@ def validate_device_contract(cfg: Config) -> None:
 
     _require(t.sync_debug in MODES, f"trainer.sync_debug={t.sync_debug!r}: allowed values are {', '.join(MODES)}")
     _require(
+        t.start_method in ("forkserver", "spawn"),
+        f"trainer.start_method={t.start_method!r}: allowed values are forkserver and spawn",
+    )
+    _require(
         comm.wire_dtype in ("auto", "fp32", "bf16"),
         f"parallel.comm.wire_dtype={comm.wire_dtype!r}: allowed values are auto, fp32 and bf16",
     )
