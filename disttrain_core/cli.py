@@ -108,10 +108,19 @@ def _variants(argv: list[str], multirun: bool) -> list[list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     overrides = [a for a in argv if not a.startswith("-")]
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as error:
-        raise PreflightError(f"cannot parse the command line: {one_line(error)}") from error
+    parser = OverridesParser.create()
+    for text in overrides:  # name the override Hydra cannot read, and the usual cause
+        try:
+            parser.parse_overrides([text])
+        except Exception as error:
+            key, _, value = text.partition("=")
+            if "{" in value and not value.startswith(("'", '"', "{")):
+                raise PreflightError(
+                    f"{text}: braces must be quoted for Hydra, and the quotes protected from the shell: "
+                    f"\"{key}='{value}'\""
+                ) from error
+            raise PreflightError(f"cannot parse {text!r}: {one_line(error).split('; See https')[0]}") from error
+    parsed = parser.parse_overrides(overrides)
     choices: list[list[str]] = []
     for text, override in zip(overrides, parsed, strict=True):
         key = override.key_or_group

@@ -38,6 +38,10 @@ OPTIONS = {
     "micro_batch": "2",
     "format": "text",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_layouts.json"),
+    # all, or a comma-separated subset of LAYOUTS (the ratio needs megatron_folded_pp2 and a disaggregated one)
+    "layouts": "all",
+    "predict": "true",  # the planner's profiled prediction per layout (profiles this CPU once)
+    "samples_per_shard": "256",
 }
 
 # The encoder-heavy model: ViT 256 wide, 16 layers, on shards averaging ~3.5 images per sample.
@@ -65,7 +69,7 @@ LAYOUTS = {
     "megatron_folded_tp2": ["parallel=pp2", "parallel.pp=1", "parallel.tp=2", "trainer.devices=2"],
     "ddp": ["parallel=dp", "trainer.devices=2"],
 }
-DISAGGREGATED = ("disagg2", "disagg2_gen")
+DISAGGREGATED = {"disagg2", "disagg2_gen"}
 BASELINE = "megatron_folded_pp2"
 
 
@@ -110,6 +114,14 @@ def predicted_step_s(data_dir: Path, options: dict, layout: list[str]) -> dict:
 
 def main(argv: list[str]) -> int:
     options, _ = split_tool_args(argv, OPTIONS)
+    names = list(LAYOUTS) if options["layouts"] == "all" else options["layouts"].split(",")
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown or BASELINE not in names or not DISAGGREGATED & set(names):
+        raise SystemExit(
+            f"layouts={options['layouts']}: choose from {', '.join(LAYOUTS)}, including {BASELINE} and one of "
+            f"{', '.join(sorted(DISAGGREGATED))}"
+        )
+    chosen = {n: LAYOUTS[n] for n in names}
     out = Path(options["out"]).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {
@@ -123,15 +135,22 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "shards"
         subprocess.run(
-            [sys.executable, str(REPO_ROOT / "tools" / "make_shards.py"), f"out={data_dir}", *DATA_SHAPE],
+            [
+                sys.executable,
+                str(REPO_ROOT / "tools" / "make_shards.py"),
+                f"out={data_dir}",
+                *DATA_SHAPE,
+                f"data.synthetic.samples_per_shard={options['samples_per_shard']}",
+            ],
             check=True,
             capture_output=True,
             timeout=600,
         )
-        for name, layout in LAYOUTS.items():
+        for name, layout in chosen.items():
             run_dir = Path(tmp) / name
             metrics = train(run_dir, data_dir, options, layout)
-            window = [m for m in metrics if "perf/samples_per_s" in m][1:]
+            timed = [m for m in metrics if "perf/samples_per_s" in m]
+            window = timed[1:] or timed  # after the first logging window, when there is more than one
             entry = {
                 "overrides": layout,
                 "samples_per_s": statistics.median(m["perf/samples_per_s"] for m in window),
@@ -142,17 +161,19 @@ def main(argv: list[str]) -> int:
             if reports:
                 picture = out.parent / f"layouts_{name}.png"
                 shutil.copy(reports[-1]["png"], picture)
-                entry["picture"] = str(picture.relative_to(REPO_ROOT))
+                entry["picture"] = str(picture.relative_to(REPO_ROOT) if picture.is_relative_to(REPO_ROOT) else picture)
                 entry["simulated_bubble_fraction"] = statistics.median(
                     r["simulated_bubble_fraction"] for r in reports[1:] or reports
                 )
-            entry.update(predicted_step_s(data_dir, options, layout))
-            entry["predicted_over_measured"] = entry["predicted_step_s"] / entry["step_time_s"]
+            if options["predict"] == "true":
+                entry.update(predicted_step_s(data_dir, options, layout))
+                entry["predicted_over_measured"] = entry["predicted_step_s"] / entry["step_time_s"]
             results["layouts"][name] = entry
             if options["format"] != "json":
-                rate, step, guess = entry["samples_per_s"], entry["step_time_s"], entry["predicted_step_s"]
-                print(f"{name:14s} {rate:8.2f} samples/s  step {step:.3f}s  predicted {guess:.3f}s", flush=True)
-    best = max(DISAGGREGATED, key=lambda n: results["layouts"][n]["samples_per_s"])
+                rate, step = entry["samples_per_s"], entry["step_time_s"]
+                guess = f"  predicted {entry['predicted_step_s']:.3f}s" if "predicted_step_s" in entry else ""
+                print(f"{name:14s} {rate:8.2f} samples/s  step {step:.3f}s{guess}", flush=True)
+    best = max(DISAGGREGATED & chosen.keys(), key=lambda n: results["layouts"][n]["samples_per_s"])
     results["best_disaggregated"] = best
     results["disaggregated_over_megatron"] = (
         results["layouts"][best]["samples_per_s"] / results["layouts"][BASELINE]["samples_per_s"]

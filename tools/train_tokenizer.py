@@ -1,7 +1,7 @@
 """Train a small byte-level BPE tokenizer on the texts of webdataset shards (docs/DATA.md).
 
     python tools/train_tokenizer.py                                  # embedded data -> data/tokenizer
-    python tools/train_tokenizer.py out=/tmp/tok vocab_size=1024 data.path=/datasets/laion/{00000..00099}.tar
+    python tools/train_tokenizer.py out=/tmp/tok vocab_size=1024 "data.path='/datasets/laion/{00000..00099}.tar'"
     python train.py data.tokenizer=data/tokenizer/tokenizer.json model.llm.vocab_size=512
 
 Reads the shards named by ``data.path`` with the trainer's own reader and sample parser (captions and

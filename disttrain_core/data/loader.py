@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import multiprocessing
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -73,6 +74,13 @@ class DecodedStream(IterableDataset):
             return self.encoder.encode(item.key, item.members)
         except BadSample as error:
             return Skipped(item.key, error.reason, str(error))
+
+
+# Decode workers are children of their rank, forked where the platform can: instant, and their parent
+# is the rank (the parent-death check relies on it). The inherited default would not do: in a rank
+# started by a fork server (trainer.start_method) it is the fork server's, which makes workers the
+# children of a second server and starts each from a fresh interpreter.
+DECODE_START_METHOD = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def _init_decode_worker(parent: int, nice: int, worker_id: int) -> None:
@@ -138,6 +146,7 @@ class MicrobatchLoader:
             num_workers=self.num_workers,
             prefetch_factor=max(2, per_worker),
             persistent_workers=False,
+            multiprocessing_context=DECODE_START_METHOD,
             worker_init_fn=functools.partial(_init_decode_worker, os.getpid(), self.worker_nice),
         )
         return iter(loader)

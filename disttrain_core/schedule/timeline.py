@@ -18,19 +18,14 @@ def _draw(ax, timeline: Sequence[TimedAction], title: str, ranks: int, show_stag
     from matplotlib.patches import Patch
 
     end = max((t.end for t in timeline), default=1.0)
+    # One collection per (rank, kind): a pipeline of 40 stages x 320 microbatches has ~14,000 boxes,
+    # which one bar call each took 20 s to draw.
+    boxes: dict[tuple[int, Kind], list[tuple[float, float]]] = {}
     for rank in range(ranks):
-        ax.barh(rank, end, left=0, height=0.8, color="white", edgecolor="#bbbbbb", hatch="///", linewidth=0)
+        ax.broken_barh([(0, end)], (rank - 0.4, 0.8), facecolors="white", edgecolor="#bbbbbb", hatch="///", linewidth=0)
     for item in timeline:
         width = item.end - item.start
-        ax.barh(
-            item.rank,
-            width,
-            left=item.start,
-            height=0.8,
-            color=COLORS[item.action.kind],
-            edgecolor="black",
-            linewidth=0.4,
-        )
+        boxes.setdefault((item.rank, item.action.kind), []).append((item.start, width))
         label = f"{item.action.stage}:{item.action.microbatch}" if show_stage else str(item.action.microbatch)
         if width > end / 120:
             ax.text(
@@ -42,6 +37,8 @@ def _draw(ax, timeline: Sequence[TimedAction], title: str, ranks: int, show_stag
                 fontsize=7,
                 color="white" if item.action.kind in (Kind.F, Kind.B) else "black",
             )
+    for (rank, kind), spans in boxes.items():
+        ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="black", linewidth=0.4)
     ax.set_yticks(range(ranks))
     ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()

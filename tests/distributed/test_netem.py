@@ -65,9 +65,8 @@ def test_everything_is_removed_when_interrupted():
     assert namespaces() == before and links() == root_links
 
 
-@pytest.mark.slow
 def test_two_emulated_nodes_reproduce_one_node(shards, tmp_path):
-    common = ["trainer.max_steps=5", "trainer.precision=32", "trainer.checkpoint.every_n_steps=0"]
+    common = ["trainer.max_steps=3", "trainer.precision=32", "trainer.checkpoint.every_n_steps=0"]
     one = run_train(cli_overrides(shards, tmp_path / "one") + common + ["trainer.devices=2"])
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run(

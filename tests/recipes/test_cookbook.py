@@ -1,0 +1,278 @@
+"""Every command of the README's cookbook runs in CI, in a reduced form.
+
+The commands are read from README.md itself, so a command added there without a reduced form here
+fails ``test_every_cookbook_command_has_a_reduced_form``. Reduced means: the test shards instead of
+the embedded data, models shrunk by ``tiny_overrides`` (structure kept), 2 optimizer steps, the
+profiler's shortest measurement. Layouts, schedules, process counts and every other override are the
+command's own. ``python train.py`` commands run in this process through ``launch`` (ranks fork from
+the session's warm fork server); tools run their ``main``.
+
+A command that needs what this machine does not have -- SLURM, other hosts, the Meta-Llama
+weights -- is named with the test that runs its emulation (srun-style variables, two emulated nodes,
+randomly initialized Hugging Face weights); that test must exist and be part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disttrain_core.config import compose
+from disttrain_core.launch import launch
+
+from ..conftest import REPO, base_overrides, cli_overrides, read_metrics, tiny_overrides
+
+pytestmark = pytest.mark.distributed
+
+
+def cookbook() -> dict[str, list[str]]:
+    """The README's cookbook commands as the shell passes them (continuation lines joined, comments
+    dropped), keyed by their arguments joined with single spaces."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Cookbook", 1)[1].split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands = {}
+    for line in block.splitlines():
+        if line.strip() and not line.strip().startswith("#"):
+            for part in line.split("&&"):
+                argv = shlex.split(part, comments=True)
+                commands[" ".join(argv)] = argv
+    commands.pop(". .venv/bin/activate")
+    return commands
+
+
+# Commands this machine cannot run as typed -> the test (in make test) that runs what they do here.
+EMULATED = {
+    "python tools/netem_cluster.py nodes=2 rate=1gbit -- python train.py trainer.num_nodes=2 trainer.devices=1 "
+    "hydra.run.dir=outputs/netem": "tests/distributed/test_netem.py::test_two_emulated_nodes_reproduce_one_node",
+    "MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NODE_RANK=0 python train.py trainer.num_nodes=2 trainer.devices=8": (
+        "tests/distributed/test_netem.py::test_two_emulated_nodes_reproduce_one_node"
+    ),
+    "srun --ntasks-per-node=8 python train.py trainer.devices=8 trainer.num_nodes=4 trainer.resume=auto": (
+        "tests/faults/test_launchers.py::test_srun_tasks_start_one_job"
+    ),
+    "torchrun --nproc-per-node 2 train.py trainer.devices=2": (
+        "tests/faults/test_launchers.py::test_torchrun_starts_one_job"
+    ),
+    "python tools/flight.py outputs/train/runs/<run>": (
+        "tests/faults/test_launchers.py::test_hung_rank_is_named_by_the_flight_tool"
+    ),
+    "python train.py model=llama3_8b model.init_from=/w/Meta-Llama-3.1-8B": (
+        "tests/distributed/test_pretrained.py::test_llama_weights_land_in_tensor_parallel_shards"
+    ),
+    # the vocabulary size 476 is the embedded data's; the test reads the size its tokenizer reports
+    "python tools/train_tokenizer.py out=data/tokenizer": (
+        "tests/unit/test_tokenizer.py::test_the_tool_writes_a_tokenizer_the_trainer_reads"
+    ),
+    "python train.py model=llama_tiny data.tokenizer=data/tokenizer/tokenizer.json model.llm.vocab_size=476": (
+        "tests/unit/test_tokenizer.py::test_llama_trains_with_the_trained_tokenizer"
+    ),
+    # the sweeps as typed (plus the test shards); Hydra's multirun needs its own process
+    "python train.py -m optim.lr=1e-3,3e-4 trainer.max_steps=5 trainer.devices=2": (
+        "tests/distributed/test_sweeps.py::test_multirun_with_two_processes_per_job"
+    ),
+    "python train.py hparams_search=optuna": (
+        "tests/distributed/test_sweeps.py::test_optuna_sweeper_runs_trials_and_reports_the_best"
+    ),
+}
+# One run directory through three commands, then the checkpoint tool on it (test_resume_chain).
+RESUME_CHAIN = [
+    "python train.py hydra.run.dir=outputs/exp1 trainer.checkpoint.every_n_steps=50",
+    "python train.py hydra.run.dir=outputs/exp1 trainer.resume=auto",
+    "python train.py hydra.run.dir=outputs/exp1 trainer.resume=auto parallel=megatron_tp2",
+    "python tools/checkpoint.py verify path=outputs/exp1",
+]
+# The benchmarks, reduced: fewer steps, layouts, rounds, groups and samples (their full runs: make bench).
+BENCHMARKS = {
+    "python tools/bench_layouts.py": [
+        "steps=2",
+        "layouts=disagg2,megatron_folded_pp2",
+        "predict=false",
+        "samples_per_shard=16",
+        "global_batch=8",
+    ],
+    "python tools/bench_reorder.py": ["measure=false", "groups=16,64", "trials=1"],
+    "sudo python tools/bench_overlap.py": ["network=loopback", "cycles=2", "block=2", "rounds=1"],
+    "sudo python tools/bench_overlap.py rate=500mbit micro_batch=6 network=emulated": [
+        "cycles=2",
+        "block=2",
+        "rounds=1",
+        "picture=none",
+    ],
+}
+OTHER = {"tensorboard --logdir outputs/", "python train.py --cfg job"}  # their own tests below
+
+
+def kind(command: str) -> str:
+    if command in EMULATED:
+        return "emulated"
+    if command in RESUME_CHAIN:
+        return "chain"
+    if command in BENCHMARKS:
+        return "benchmark"
+    if command in OTHER:
+        return "other"
+    argv = COMMANDS[command]
+    if argv[:2] == ["python", "train.py"]:
+        return "train"
+    if argv[0] == "python" and argv[1].startswith("tools/"):
+        return "tool"
+    return "unknown"
+
+
+COMMANDS = cookbook()
+TRAIN = [c for c in COMMANDS if kind(c) == "train"]
+TOOLS = [c for c in COMMANDS if kind(c) == "tool"]
+
+
+def test_every_cookbook_command_has_a_reduced_form():
+    unknown = [c for c in COMMANDS if kind(c) == "unknown"]
+    assert not unknown, f"README cookbook commands without a reduced form in {__file__}: {unknown}"
+    stale = [c for c in [*EMULATED, *RESUME_CHAIN, *BENCHMARKS, *OTHER] if c not in COMMANDS]
+    assert not stale, f"no longer in the README's cookbook: {stale}"
+
+
+@pytest.mark.parametrize("command", sorted(set(EMULATED.values())))
+def test_the_emulating_test_exists_and_runs_in_make_test(command):
+    path, name = command.split("::")
+    tree = ast.parse((REPO / path).read_text())
+    marks = lambda node: {ast.unparse(d) for d in getattr(node, "decorator_list", [])}  # noqa: E731
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert name in functions, f"{command} is gone: update EMULATED"
+    assert "pytest.mark.slow" not in marks(functions[name]), f"{command} is marked slow: make test skips it"
+    module_marks = [
+        ast.unparse(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and "pytestmark" in ast.unparse(node)
+    ]
+    assert not any("slow" in m for m in module_marks), f"{path} is marked slow"
+
+
+def reduce(overrides: list[str], shards: Path, run_dir: Path) -> list[str]:
+    """The command's overrides on the test shards, a tiny model, 2 steps (the command's own values win
+    except for the step count, the data location and the model size)."""
+    reduced = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key == "data.path" and "{" in value:  # a brace pattern over the test shards instead, quoted alike
+            override = f"data.path='{shards}/shard-{{000000..000003}}.tar'"
+        reduced.append(override)
+    data = [] if any(o.startswith("data.path=") for o in reduced) else [f"data.path={shards}"]
+    # the command's own decode workers (base_overrides turns them off for tests that compare losses)
+    run = [o for o in base_overrides(shards, run_dir) if not o.startswith(("data.path=", "data.num_workers="))]
+    run += data
+    run += ["trainer.log_every_n_steps=1", "optim.warmup_steps=1", "planner.profile_repeats=1"]
+    if not any(o == "trainer.dry_run=true" for o in reduced):
+        run += ["trainer.max_steps=2"]
+    cfg = compose(reduced + run)
+    return reduced + run + ([] if cfg.trainer.dry_run else tiny_overrides(cfg))
+
+
+def train(command: str, shards: Path, run_dir: Path, extra: tuple[str, ...] = ()) -> list[dict]:
+    """Run a ``python train.py`` command reduced, with ``extra`` overrides last (they win)."""
+    overrides = reduce(COMMANDS.get(command, shlex.split(command))[2:], shards, run_dir) + list(extra)
+    launch(compose(overrides))
+    return read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+
+
+@pytest.mark.parametrize("command", TRAIN, ids=TRAIN)
+def test_train_command(command, shards, tmp_path):
+    run_dir = tmp_path / "run"
+    metrics = train(command, shards, run_dir)
+    cfg = compose(reduce(COMMANDS[command][2:], shards, run_dir))
+    if cfg.trainer.dry_run:
+        assert (run_dir / "plan.json").is_file() and not metrics
+        return
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
+    assert (run_dir / "checkpoints" / "latest").is_file()
+    if cfg.trainer.record_timeline:
+        assert list(run_dir.glob("timelines/*.png"))
+
+
+def run_tool(path: str, argv: list[str], cwd: Path) -> str:
+    spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.chdir(cwd):
+        status = tool.main(argv)
+    assert status in (0, None), printed.getvalue()[-2000:]
+    return printed.getvalue()
+
+
+@pytest.mark.parametrize("command", TOOLS, ids=TOOLS)
+def test_tool_command(command, tmp_path):
+    argv = COMMANDS[command][2:]
+    if command.startswith("python tools/make_shards.py"):  # 64 shards of 1,000 samples -> 2 of 4
+        argv = [f"out={tmp_path / 'shards'}", *argv[1:], "data.synthetic.num_shards=2"]
+        argv += ["data.synthetic.samples_per_shard=4", "processes=1"]
+    printed = run_tool(COMMANDS[command][1], argv, tmp_path)
+    assert printed.strip()
+    if "format=json" in argv:
+        json.loads(printed)
+    if command.startswith("python tools/make_shards.py"):
+        assert len(list((tmp_path / "shards").glob("*.tar"))) == 2
+
+
+def test_resume_chain(shards, tmp_path):
+    """A fixed run directory, resume=auto there, resume in another layout, then the checkpoint tool."""
+    run_dir = tmp_path / "outputs" / "exp1"
+    steps = []
+    for command, last in zip(RESUME_CHAIN[:3], (2, 3, 4), strict=True):
+        argv = [a for a in COMMANDS[command][2:] if not a.startswith("hydra.run.dir=")]
+        train(shlex.join(["python", "train.py", *argv]), shards, run_dir, extra=(f"trainer.max_steps={last}",))
+        steps.append(read_metrics(run_dir)[-1]["step"])
+    assert steps == [2, 3, 4]
+    verified = run_tool("tools/checkpoint.py", ["verify", f"path={run_dir}"], tmp_path)
+    assert "verified" in verified
+
+
+@pytest.mark.parametrize("command", list(BENCHMARKS))
+def test_benchmark_command(command, tmp_path):
+    argv = COMMANDS[command]
+    if argv[0] == "sudo":
+        argv = argv[1:]
+    out = tmp_path / "result.json"
+    args = [*argv[2:], *BENCHMARKS[command], f"out={out}"]
+    done = subprocess.run([sys.executable, str(REPO / argv[1]), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if "network=emulated" in args and "not available" in done.stdout + done.stderr:
+        pytest.skip("the emulated network needs root and iproute2")
+    assert json.loads(out.read_text())
+
+
+def test_quick_start_learns_and_tensorboard_reads_it(shards, tmp_path):
+    """`make train` (`python train.py`), 30 steps on the test shards: the loss falls by a third; TensorBoard
+    reads the run's loss curve (`tensorboard --logdir outputs/`)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = train("python train.py", shards, tmp_path / "outputs", extra=("trainer.max_steps=30",))
+    assert metrics[-1]["step"] == 30
+    assert metrics[-1]["loss"] < 0.67 * metrics[0]["loss"], (metrics[0]["loss"], metrics[-1]["loss"])
+    events = {p.parent for p in (tmp_path / "outputs").rglob("events.out.tfevents.*")}
+    assert len(events) == 1
+    accumulator = EventAccumulator(str(events.pop()))
+    accumulator.Reload()
+    curve = [event.value for event in accumulator.Scalars("train/loss")]
+    assert len(curve) == 30 and curve[-1] == pytest.approx(metrics[-1]["loss"], rel=1e-5)
+
+
+def test_print_the_composed_config(shards, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--cfg", "job", *cli_overrides(shards, tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "trainer:" in done.stdout and "parallel:" in done.stdout
