@@ -7,9 +7,10 @@ profiler's shortest measurement. Layouts, schedules, process counts and every ot
 command's own. ``python train.py`` commands run in this process through ``launch`` (ranks fork from
 the session's warm fork server); tools run their ``main``.
 
-A command that needs what this machine does not have -- SLURM, other hosts, the Meta-Llama
-weights -- is named with the test that runs its emulation (srun-style variables, two emulated nodes,
-randomly initialized Hugging Face weights); that test must exist and be part of ``make test``.
+A command another test already runs as typed is named with that test (ELSEWHERE), and so is a
+command that needs what this machine does not have -- SLURM, other hosts, the Meta-Llama weights --
+with the test that runs its emulation (srun-style variables, two emulated nodes, randomly
+initialized Hugging Face weights); that test must exist and be part of ``make test``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,15 @@ def cookbook() -> dict[str, list[str]]:
     return commands
 
 
-# Commands this machine cannot run as typed -> the test (in make test) that runs what they do here.
-EMULATED = {
+# Commands another test of make test runs as typed (reduced alike), or -- for what this machine does not
+# have -- runs their emulation: command -> that test.
+ELSEWHERE = {
+    "python train.py parallel=disagg4_tp2": (
+        "tests/distributed/test_units.py::test_four_process_layouts_match_one_process[disagg4_tp2]"
+    ),
+    "python train.py parallel=megatron_pp2": (
+        "tests/distributed/test_units.py::test_four_process_layouts_match_one_process[megatron_pp2]"
+    ),
     "python tools/netem_cluster.py nodes=2 rate=1gbit -- python train.py trainer.num_nodes=2 trainer.devices=1 "
     "hydra.run.dir=outputs/netem": "tests/distributed/test_netem.py::test_two_emulated_nodes_reproduce_one_node",
     "MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 NODE_RANK=0 python train.py trainer.num_nodes=2 trainer.devices=8": (
@@ -113,8 +121,8 @@ OTHER = {"tensorboard --logdir outputs/", "python train.py --cfg job"}  # their 
 
 
 def kind(command: str) -> str:
-    if command in EMULATED:
-        return "emulated"
+    if command in ELSEWHERE:
+        return "elsewhere"
     if command in RESUME_CHAIN:
         return "chain"
     if command in BENCHMARKS:
@@ -137,18 +145,21 @@ TOOLS = [c for c in COMMANDS if kind(c) == "tool"]
 def test_every_cookbook_command_has_a_reduced_form():
     unknown = [c for c in COMMANDS if kind(c) == "unknown"]
     assert not unknown, f"README cookbook commands without a reduced form in {__file__}: {unknown}"
-    stale = [c for c in [*EMULATED, *RESUME_CHAIN, *BENCHMARKS, *OTHER] if c not in COMMANDS]
+    stale = [c for c in [*ELSEWHERE, *RESUME_CHAIN, *BENCHMARKS, *OTHER] if c not in COMMANDS]
     assert not stale, f"no longer in the README's cookbook: {stale}"
 
 
-@pytest.mark.parametrize("command", sorted(set(EMULATED.values())))
-def test_the_emulating_test_exists_and_runs_in_make_test(command):
-    path, name = command.split("::")
+@pytest.mark.parametrize("command", sorted(set(ELSEWHERE.values())))
+def test_the_test_named_for_a_command_exists_and_runs_in_make_test(command):
+    path, node = command.split("::")
+    name, _, parameter = node.partition("[")
     tree = ast.parse((REPO / path).read_text())
-    marks = lambda node: {ast.unparse(d) for d in getattr(node, "decorator_list", [])}  # noqa: E731
     functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    assert name in functions, f"{command} is gone: update EMULATED"
-    assert "pytest.mark.slow" not in marks(functions[name]), f"{command} is marked slow: make test skips it"
+    assert name in functions, f"{command} is gone: update ELSEWHERE"
+    decorators = [ast.unparse(d) for d in functions[name].decorator_list]
+    assert "pytest.mark.slow" not in decorators, f"{command} is marked slow: make test skips it"
+    if parameter:
+        assert any(repr(parameter.rstrip("]")) in d for d in decorators), f"{command}: no such parameter"
     module_marks = [
         ast.unparse(node.value)
         for node in tree.body
@@ -246,9 +257,10 @@ def test_benchmark_command(command, tmp_path):
     args = [*argv[2:], *BENCHMARKS[command], f"out={out}"]
     done = subprocess.run([sys.executable, str(REPO / argv[1]), *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    if "network=emulated" in args and "not available" in done.stdout + done.stderr:
-        pytest.skip("the emulated network needs root and iproute2")
-    assert json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if "network=emulated" in args and "skipped" in result["networks"]["emulated"]:
+        pytest.skip(result["networks"]["emulated"]["skipped"])
+    assert result
 
 
 def test_quick_start_learns_and_tensorboard_reads_it(shards, tmp_path):

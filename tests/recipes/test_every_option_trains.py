@@ -1,7 +1,8 @@
 """Every option of every config group, and every recipe, composes and trains for 2 steps.
 
 Layout presets that tests/distributed/test_units.py already trains for 5 steps against a
-one-process reference in make test are not run twice (TRAINED_ELSEWHERE); so every preset in
+one-process reference in make test, and options a README command trains as typed
+(tests/recipes/test_cookbook.py), are not run twice (TRAINED_ELSEWHERE); every preset in
 conf/parallel trains in make test.
 
 Large models are shrunk by overrides (tests/conftest.py: tiny_overrides) that keep
@@ -28,6 +29,8 @@ COMPANION_OVERRIDES = {
     # bf16 autocast on this CPU (no native bf16) makes mllm_small's 16-sample steps take ~100 s each: one
     # microbatch of 2 per replica keeps what the recipe is about (2 processes, bf16-mixed, fp32 masters).
     ("recipe", "mllm_small_bf16"): ["optim.global_batch_size=4", "optim.micro_batch_size=2"],
+    # the same for mllm_small in fp32: 16 samples per step took 80 s of the suite
+    ("model", "mllm_small"): ["optim.global_batch_size=4", "optim.micro_batch_size=2"],
 }
 TRAINED_ELSEWHERE = {
     ("parallel", name)
@@ -39,6 +42,8 @@ TRAINED_ELSEWHERE = {
         "megatron_pp2",
     )
 }
+# Run as typed (reduced alike) by tests/recipes/test_cookbook.py: the README's commands.
+TRAINED_ELSEWHERE |= {("parallel", "disagg2"), ("parallel", "auto"), ("recipe", "mllm_tiny_ddp2")}
 CASES = [
     (group, option)
     for group in CONFIG_GROUPS
@@ -46,7 +51,7 @@ CASES = [
     for option in group_options(group)
     if (group, option) not in TRAINED_ELSEWHERE
 ]
-CASES += [("recipe", name) for name in group_options("recipe")]
+CASES += [("recipe", name) for name in group_options("recipe") if ("recipe", name) not in TRAINED_ELSEWHERE]
 
 
 @pytest.mark.parametrize("group, option", CASES, ids=[f"{g}={o}" for g, o in CASES])
