@@ -12,7 +12,7 @@ import sys
 
 import hydra
 
-from disttrain_core.cli import preflight
+from disttrain_core.cli import exit_now, preflight
 from disttrain_core.config import register_configs
 
 register_configs()
@@ -27,4 +27,8 @@ def main(cfg) -> float | None:
 
 if __name__ == "__main__":
     preflight(sys.argv[1:])
-    main()
+    try:
+        main()
+    except SystemExit as done:
+        exit_now(done.code)
+    exit_now(0)

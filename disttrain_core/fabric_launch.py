@@ -21,7 +21,7 @@ from typing import Any
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-PRELOAD = f"{__package__}.rank_preload"
+from .launchers import PRELOAD
 
 
 class EnvironmentForwardingLauncher(_MultiProcessingLauncher):

@@ -7,7 +7,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from disttrain_core.fabric_launch import PRELOAD, ddp_strategy
+from disttrain_core.fabric_launch import ddp_strategy
+from disttrain_core.launchers import PRELOAD
 
 
 def _report(fabric, out: str) -> None:

@@ -169,8 +169,8 @@ def test_the_test_named_for_a_command_exists_and_runs_in_make_test(command):
 
 
 def reduce(overrides: list[str], shards: Path, run_dir: Path) -> list[str]:
-    """The command's overrides on the test shards, a tiny model, 2 steps (the command's own values win
-    except for the step count, the data location and the model size)."""
+    """The command's overrides on the test shards, a tiny model, 2 steps, a log line per step (the
+    command's own values win except for these)."""
     reduced = []
     for override in overrides:
         key, _, value = override.partition("=")

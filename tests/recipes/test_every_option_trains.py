@@ -16,7 +16,7 @@ import pytest
 from disttrain_core.config import CONFIG_GROUPS, compose, group_options
 from disttrain_core.launch import launch
 
-from ..conftest import base_overrides, read_metrics, tiny_overrides
+from ..conftest import REPO, base_overrides, read_metrics, tiny_overrides
 
 PIPELINE = ["parallel=pp2", "trainer.devices=2"]
 # The smallest companion overrides that make an option runnable here: a GPU preset on this CPU
@@ -43,7 +43,18 @@ TRAINED_ELSEWHERE = {
     )
 }
 # Run as typed (reduced alike) by tests/recipes/test_cookbook.py: the README's commands.
-TRAINED_ELSEWHERE |= {("parallel", "disagg2"), ("parallel", "auto"), ("recipe", "mllm_tiny_ddp2")}
+TRAINED_ELSEWHERE |= {
+    ("parallel", "disagg2"),  # python train.py parallel=disagg2
+    ("parallel", "auto"),  # python train.py parallel=auto trainer.devices=4
+    ("parallel", "dp"),  # python train.py parallel=dp trainer.devices=2 parallel.shard=zero3
+    ("parallel", "zero1"),  # python train.py parallel=zero1 trainer.devices=2 parallel.comm.bucket_mb=2
+    ("parallel", "pp2"),  # python train.py model=llama_tiny parallel=pp2 schedule=1f1b trainer.devices=2
+    ("parallel", "pp4"),  # python train.py parallel=pp4 schedule=zb_h1 trainer.devices=4 optim.micro_batch_size=2
+    ("schedule", "1f1b"),
+    ("schedule", "interleaved_1f1b"),  # python train.py parallel=pp2 schedule=interleaved_1f1b schedule.vpp=2 ...
+    ("schedule", "zb_h1"),
+    ("recipe", "mllm_tiny_ddp2"),  # python train.py recipe=mllm_tiny_ddp2
+}
 CASES = [
     (group, option)
     for group in CONFIG_GROUPS
@@ -67,3 +78,14 @@ def test_option_trains_two_steps(group, option, shards, tmp_path):
     assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
     assert (run_dir / "checkpoints" / "latest").is_file()
     assert (run_dir / "config.yaml").is_file()
+
+
+def test_what_is_trained_elsewhere_is_trained_there():
+    """Each skipped option is a README command's (run by test_cookbook.py) or a test_units.py layout."""
+    from .test_cookbook import COMMANDS, kind
+
+    units = (REPO / "tests/distributed/test_units.py").read_text()
+    for group, option in TRAINED_ELSEWHERE:
+        text = f"{group}={option}"
+        run_by_cookbook = any(text in argv and kind(c) == "train" for c, argv in COMMANDS.items())
+        assert run_by_cookbook or f'"{option}"' in units.split("def test_four_process_layouts")[0], text
