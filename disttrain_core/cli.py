@@ -142,14 +142,12 @@ def _variants(argv: list[str], multirun: bool) -> list[list[str]]:
     return variants
 
 
-def check_overrides(argv: list[str], on_composed: Callable | None = None):
-    """Raise PreflightError describing the first configuration problem in ``argv``; returns the typed
-    config of the last variant (a sweep's last job). ``on_composed(cfg)``: called with each variant's
-    typed config before it is validated."""
+def check_overrides(argv: list[str], on_composed: Callable | None = None) -> None:
+    """Raise PreflightError describing the first configuration problem in ``argv``. ``on_composed(cfg)``:
+    called with each variant's typed config before it is validated."""
     from .config import typed_config
 
     multirun = "-m" in argv or "--multirun" in argv
-    cfg = None
     for overrides in _variants(argv, multirun):
         try:
             composed = compose(overrides)
@@ -162,7 +160,6 @@ def check_overrides(argv: list[str], on_composed: Callable | None = None):
             validate_config(cfg)
         except ConfigError as error:
             raise PreflightError(str(error)) from error
-    return cfg
 
 
 def preflight(argv: list[str]) -> None:

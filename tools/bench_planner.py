@@ -67,9 +67,10 @@ def main(argv: list[str]) -> int:
             }
             if gpus <= int(options["exhaustive_up_to"]):
                 from disttrain_core.planner import Orchestrator
+                from disttrain_core.planner.baselines import exhaustive
 
                 started = time.perf_counter()
-                exact = Orchestrator(lm, tuple(cfg.planner.tp_options), tuple(cfg.planner.vpp_options)).exhaustive()
+                exact = exhaustive(Orchestrator(lm, tuple(cfg.planner.tp_options), tuple(cfg.planner.vpp_options)))
                 row["exhaustive_seconds"] = time.perf_counter() - started
                 row["gap_to_exhaustive"] = e.iteration_s / exact.evaluation.iteration_s - 1
             rows.append(row)

@@ -161,7 +161,8 @@ class ProducerLoader:
             self._drop()
 
 
-def trainer_layout(cfg, layout, accumulation: int, slot_samples: int, stages: int) -> Layout:
+def trainer_layout(cfg, layout, accumulation: int, slot_samples: int, stages: int, costs: tuple) -> Layout:
+    """What the trainers tell the producer; ``costs``: models.flops.flops_per_item of the model."""
     return Layout(
         slots=accumulation,
         samples_per_slot=slot_samples,
@@ -169,6 +170,7 @@ def trainer_layout(cfg, layout, accumulation: int, slot_samples: int, stages: in
         stages=stages,
         world=layout.world_size,
         job=tuple(sorted(job_identity(cfg).items())),
+        costs=tuple(costs),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +42,12 @@ class Layout:
     stages: int  # pipeline stages (1F1B), for Algorithm 3
     world: int  # trainer ranks that fetch every batch
     job: tuple = ()
+    # Training FLOPs per image, per sequence and per generation target (the trainers know the model: they
+    # send them, models/flops.py); a sample's cost for reordering (Algorithms 2 and 3).
+    costs: tuple = (1.0, 1.0, 1.0)
 
     def to_dict(self) -> dict:
-        return {name: getattr(self, name) for name in LAYOUT_FIELDS}
+        return {**{name: getattr(self, name) for name in LAYOUT_FIELDS}, "costs": list(self.costs)}
 
     @classmethod
     def from_dict(cls, raw) -> Layout:
@@ -53,7 +57,14 @@ class Layout:
             raise ProtocolError(f"bad layout in HELLO: {error!r}") from error
         if not all(type(v) is int and 1 <= v <= 1 << 20 for v in values.values()):
             raise ProtocolError(f"bad layout in HELLO: {values}")
-        return cls(**values)
+        costs = raw.get("costs")
+        if not (
+            isinstance(costs, list)
+            and len(costs) == 3
+            and all(type(c) in (int, float) and math.isfinite(c) and c >= 0 for c in costs)
+        ):
+            raise ProtocolError(f"bad layout in HELLO: costs={costs!r}")
+        return cls(**values, costs=tuple(float(c) for c in costs))
 
 
 def tokenizer_identity(name: str) -> str:

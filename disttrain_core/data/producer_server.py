@@ -43,14 +43,10 @@ from .transport import (
 log = logging.getLogger("disttrain_core.data.producer")
 
 
-def sample_costs(cfg, samples) -> list[float]:
-    """Training work per sample in FLOPs: its images through the encoder, the LLM row, the generator."""
-    from ..models.flops import module_flops
-
-    flops = module_flops(cfg.model)
-    per_image = sum(f.train for n, f in flops.items() if f.unit == "image")
-    per_row = sum(f.train for n, f in flops.items() if f.unit == "sequence")
-    per_target = sum(f.train for n, f in flops.items() if f.unit == "sample")
+def sample_costs(costs: tuple, samples) -> list[float]:
+    """Training work per sample in FLOPs from the trainers' per-item ``costs`` (Layout.costs): its images
+    through the encoder, the LLM row, the generation target."""
+    per_image, per_row, per_target = costs
     return [per_row + per_image * len(s.images) + per_target * float(s.gen_weight) for s in samples]
 
 
@@ -83,7 +79,7 @@ class BatchAssembler:
         samples = [self.loader.next_sample() for _ in range(self.batch_size)]
         reorder = self.cfg.data.producer.reorder
         order = arrange(
-            sample_costs(self.cfg, samples),
+            sample_costs(self.layout.costs, samples),
             self.layout.slots,
             self.layout.samples_per_slot,
             self.layout.groups,

@@ -123,6 +123,12 @@ def module_flops(cfg) -> dict[str, ModuleFlops]:
     return _cached(OmegaConf.to_yaml(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg))
 
 
+def flops_per_item(cfg) -> tuple[float, float, float]:
+    """Training FLOPs per image (encoder side), per sequence (LLM row) and per generation target."""
+    per_unit = module_flops(cfg)
+    return tuple(sum(f.train for f in per_unit.values() if f.unit == unit) for unit in ("image", "sequence", "sample"))
+
+
 def batch_flops(cfg, sequences: int, images: int, gen_samples: int) -> float:
     """Training FLOPs of a batch with the given amounts of work."""
     per_unit = module_flops(cfg)

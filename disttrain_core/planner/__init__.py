@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import training_precision
+from .baselines import exhaustive, flops_proportional, megatron
 from .costs import CostModel, Hardware, PlannerSettings
 from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
 from .solver import Orchestrator, Plan, PlanningError
@@ -200,9 +201,9 @@ def make_plan(cfg, devices: int | None = None, progress=print, check_fit: bool =
     )
     if cfg.planner.solver not in ("algorithm1", "exhaustive"):
         raise PlanningError(f"planner.solver={cfg.planner.solver!r}: allowed values are algorithm1 and exhaustive")
-    plan = solver.solve() if cfg.planner.solver == "algorithm1" else solver.exhaustive()
+    plan = solver.solve() if cfg.planner.solver == "algorithm1" else exhaustive(solver)
     if cfg.planner.baselines:
-        for baseline in (solver.megatron(), solver.flops_proportional()):
+        for baseline in (megatron(solver), flops_proportional(solver)):
             if baseline is not None:
                 plan.baselines[baseline.name] = baseline
     summary = {

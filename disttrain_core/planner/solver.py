@@ -30,7 +30,6 @@ on small clusters.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from functools import cache
@@ -218,7 +217,7 @@ class Orchestrator:
         N = self.m.devices
         combos = sorted(self.combinations(), key=lambda item: item[0])
         if not combos:
-            raise PlanningError(self._no_layout_reason())
+            raise PlanningError(self.no_layout_reason())
         best: Evaluation | None = None
         solved = 0
         for lower, (tp, dp, vpp), enc, gen, bounds in combos:
@@ -230,7 +229,7 @@ class Orchestrator:
                 if candidate.feasible and (best is None or candidate.iteration_s < best.iteration_s):
                     best = candidate
         if best is None:
-            raise PlanningError(self._no_layout_reason())
+            raise PlanningError(self.no_layout_reason())
         return Plan("disttrain", best, N, time.perf_counter() - started, solved)
 
     def _relax(self, tp: int, dp: int, vpp: int, enc, gen, bounds) -> tuple[float, float]:
@@ -334,111 +333,8 @@ class Orchestrator:
         return results
 
     # ------------------------------------------------------------------ exhaustive
-    def exhaustive(self) -> Plan:
-        started = time.perf_counter()
-        N = self.m.devices
-        best: Evaluation | None = None
-        count = 0
-        for tp, dp, vpp in self.llm_options():
-            B = self.m.micro * dp
-            for pl in self.llm_pp_options(vpp):
-                llm = UnitChoice(tp, dp, pl, vpp)
-                if llm.gpus > N:
-                    break
-                for enc in self.side_options("encoder", B):
-                    enc_choices = [enc]
-                    if enc is not None and not enc.colocated:
-                        enc_choices = [UnitChoice(enc.tp, enc.dp, pe) for pe in self.enc_pp_options()]
-                    for e in enc_choices:
-                        used = llm.gpus + (e.gpus if e is not None else 0)
-                        if used > N:
-                            break
-                        for gen in self.side_options("generator", B):
-                            if used + (gen.gpus if gen is not None else 0) > N:
-                                continue
-                            count += 1
-                            result = self.m.evaluate(llm, e, gen)
-                            if result.feasible and (best is None or result.iteration_s < best.iteration_s):
-                                best = result
-        if best is None:
-            raise PlanningError(self._no_layout_reason())
-        return Plan("exhaustive", best, N, time.perf_counter() - started, count)
-
-    # ------------------------------------------------------------------- baselines
-    def megatron(self) -> Plan | None:
-        """The rigid layout: every module with the LLM's DP and TP; encoder and generator either
-        folded into the first / last LLM stage (Megatron-LM's multimodal example) or one extra
-        stage each. The best DP/TP/PP of both."""
-        started = time.perf_counter()
-        best = None
-        count = 0
-        for tp, dp, vpp in self.llm_options():
-            for pl in self.llm_pp_options(vpp):
-                llm = UnitChoice(tp, dp, pl, vpp)
-                for separate in (False, True):
-                    if separate and not (self.has_enc or self.has_gen):
-                        continue
-                    side = UnitChoice(tp, dp, 1) if separate else COLOCATED
-                    enc = side if self.has_enc else None
-                    gen = None
-                    if self.has_gen:  # as an extra stage the U-Net is replicated inside a TP group of tp
-                        gen = UnitChoice(tp, dp, 1) if separate else COLOCATED
-                    count += 1
-                    result = self.m.evaluate(llm, enc, gen)
-                    if result.feasible and (best is None or result.iteration_s < best.iteration_s):
-                        best = result
-        if best is None:
-            return None
-        return Plan("megatron", best, self.m.devices, time.perf_counter() - started, count)
-
-    def flops_proportional(self) -> Plan | None:
-        """Devices split in proportion to each module's training FLOPs, then the best strategy
-        inside each share (the "ratio-based" allocation DistTrain compares against)."""
-        started = time.perf_counter()
-        w, N = self.w, self.m.devices
-        flops = {name: u.train_flops * u.items_per_sample for name, u in w.units.items()}
-        total = sum(flops.values())
-        share = {name: max(1, math.floor(N * f / total)) for name, f in flops.items()}
-        best = None
-        count = 0
-        for tp, dp, vpp in self.llm_options():
-            B = self.m.micro * dp
-            llm_fit = [p for p in self.llm_pp_options(vpp) if p * tp * dp <= share["llm"]]
-            if not llm_fit:
-                continue
-            llm = UnitChoice(tp, dp, llm_fit[-1], vpp)
-            enc_best = self._best_side("encoder", share.get("encoder", 0), B, llm)
-            gen_best = self._best_side("generator", share.get("generator", 0), B, llm)
-            if (self.has_enc and enc_best is None) or (self.has_gen and gen_best is None):
-                continue
-            count += 1
-            result = self.m.evaluate(llm, enc_best, gen_best)
-            if result.feasible and (best is None or result.iteration_s < best.iteration_s):
-                best = result
-        if best is None:
-            return None
-        return Plan("flops_proportional", best, N, time.perf_counter() - started, count)
-
-    def _best_side(self, unit: str, devices: int, samples: int, llm: UnitChoice):
-        """The fastest separate choice for ``unit`` within ``devices`` (its own stage time)."""
-        if not (self.has_enc if unit == "encoder" else self.has_gen):
-            return None
-        best, best_t = None, float("inf")
-        pps = self.enc_pp_options() if unit == "encoder" else [1]
-        for option in self.side_options(unit, samples):
-            if option is None or option.colocated:
-                continue
-            for pp in pps:
-                choice = UnitChoice(option.tp, option.dp, pp)
-                if choice.gpus > devices:
-                    break
-                t = self.m.stage_time(unit, choice, samples / choice.dp, self.m.pp_bw(self.m.devices))
-                if t < best_t:
-                    best, best_t = choice, t
-        return best
-
     # ------------------------------------------------------------------- messages
-    def _no_layout_reason(self) -> str:
+    def no_layout_reason(self) -> str:
         """Name the binding constraint when nothing is feasible."""
         N = self.m.devices
         per_rank = self.m.batch // self.m.micro

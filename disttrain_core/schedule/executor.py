@@ -40,16 +40,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..clock import DeviceClock
 from ..comm.p2p import Channels, wait_all
-from ..data.batch import Batch
 from .actions import Action, Kind, Schedule
 from .simulator import TimedAction
 from .transfers import ACT, GRAD, Routing, Step, plan_rank
+
+# A microbatch is opaque here: each stage module receives its own (data.batch.Batch in training).
+Microbatch = Any
 
 
 @dataclass
@@ -108,7 +111,7 @@ class PipelineExecutor:
 
     # -------------------------------------------------------------------- step
     def run(
-        self, microbatches: list[Batch], loss_fn: Callable[[dict], torch.Tensor], record: bool = False
+        self, microbatches: list[Microbatch], loss_fn: Callable[[dict], torch.Tensor], record: bool = False
     ) -> StepRecord:
         """One optimizer step's actions. Loss sums stay on the device (read them at logging steps only)."""
         plan = plan_rank(self.schedule, self.routing, self.row, self.rank)  # image counts change every step
@@ -203,7 +206,7 @@ class PipelineExecutor:
 class _StepState:
     """Buffers and pending communication of one step on one rank."""
 
-    def __init__(self, executor: PipelineExecutor, batches: list[Batch]):
+    def __init__(self, executor: PipelineExecutor, batches: list[Microbatch]):
         self.x = executor
         self.batches = batches
         self.saved: dict[tuple[int, int], tuple] = {}

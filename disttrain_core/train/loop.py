@@ -122,12 +122,13 @@ class Trainer(CheckpointIO):
         data_state = self._resume()
         if self.producer:
             from ..data.producer import ProducerLoader, resolve_key, trainer_layout
+            from ..models.flops import flops_per_item
 
             rows = sum(u.pp for u in self.layout.units)
             self.loader = ProducerLoader(
                 cfg.data.producer.address,
                 resolve_key(cfg),
-                trainer_layout(cfg, self.layout, self.accumulation, self.slot_samples, rows),
+                trainer_layout(cfg, self.layout, self.accumulation, self.slot_samples, rows, flops_per_item(cfg.model)),
                 {**(data_state or {}), "step": self.step},
                 float(cfg.data.producer.timeout_s),
                 int(cfg.data.producer.max_frame_mb) << 20,

@@ -382,3 +382,19 @@ def test_training_continues_through_a_producer_restart(shards, tmp_path):
     assert "reconnected to the data producer" in output
     assert sorted(restarted) == sorted(straight) == list(range(1, 9))
     assert [restarted[s] for s in range(1, 9)] == pytest.approx([straight[s] for s in range(1, 9)], abs=1e-6)
+
+
+def test_the_trainers_sample_costs_cross_the_hello_and_weigh_samples():
+    """The producer does not know the model's FLOPs (data/ sits below models/): the trainers send them."""
+    from types import SimpleNamespace
+
+    from disttrain_core.data.producer_protocol import ProtocolError
+    from disttrain_core.data.producer_server import sample_costs
+
+    layout = replace(LAYOUT, costs=(3.0, 2.0, 1.0))
+    assert Layout.from_dict(layout.to_dict()).costs == (3.0, 2.0, 1.0)
+    for bad in (None, [1.0, 2.0], [1.0, float("nan"), 1.0], [1.0, -1.0, 1.0], ["1", 1.0, 1.0]):
+        with pytest.raises(ProtocolError, match="costs"):
+            Layout.from_dict({**layout.to_dict(), "costs": bad})
+    samples = [SimpleNamespace(images=[0, 0], gen_weight=1.0), SimpleNamespace(images=[], gen_weight=0.0)]
+    assert sample_costs(layout.costs, samples) == [2 * 3.0 + 2.0 + 1.0, 2.0]

@@ -188,18 +188,18 @@ def reduce(overrides: list[str], shards: Path, run_dir: Path) -> list[str]:
     return reduced + run + ([] if cfg.trainer.dry_run else tiny_overrides(cfg))
 
 
-def train(command: str, shards: Path, run_dir: Path, extra: tuple[str, ...] = ()) -> list[dict]:
-    """Run a ``python train.py`` command reduced, with ``extra`` overrides last (they win)."""
-    overrides = reduce(COMMANDS.get(command, shlex.split(command))[2:], shards, run_dir) + list(extra)
-    launch(compose(overrides))
-    return read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+def train(command: str, shards: Path, run_dir: Path, extra: tuple[str, ...] = ()):
+    """Run a ``python train.py`` command reduced, with ``extra`` overrides last (they win): (its config,
+    its metrics)."""
+    cfg = compose(reduce(COMMANDS.get(command, shlex.split(command))[2:], shards, run_dir) + list(extra))
+    launch(cfg)
+    return cfg, read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
 
 
 @pytest.mark.parametrize("command", TRAIN, ids=TRAIN)
 def test_train_command(command, shards, tmp_path):
     run_dir = tmp_path / "run"
-    metrics = train(command, shards, run_dir)
-    cfg = compose(reduce(COMMANDS[command][2:], shards, run_dir))
+    cfg, metrics = train(command, shards, run_dir)
     if cfg.trainer.dry_run:
         assert (run_dir / "plan.json").is_file() and not metrics
         return
@@ -268,7 +268,7 @@ def test_quick_start_learns_and_tensorboard_reads_it(shards, tmp_path):
     reads the run's loss curve (`tensorboard --logdir outputs/`)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    metrics = train("python train.py", shards, tmp_path / "outputs", extra=("trainer.max_steps=30",))
+    _, metrics = train("python train.py", shards, tmp_path / "outputs", extra=("trainer.max_steps=30",))
     assert metrics[-1]["step"] == 30
     assert metrics[-1]["loss"] < 0.67 * metrics[0]["loss"], (metrics[0]["loss"], metrics[-1]["loss"])
     events = {p.parent for p in (tmp_path / "outputs").rglob("events.out.tfevents.*")}

@@ -22,6 +22,7 @@ from disttrain_core.planner import (
     make_plan,
     workload_of,
 )
+from disttrain_core.planner.baselines import exhaustive
 from disttrain_core.planner.costs import PlannerSettings, interp
 from disttrain_core.planner.report import plan_dict
 
@@ -50,7 +51,7 @@ def test_algorithm1_matches_exhaustive_search_up_to_64_devices(model):
         for batch in (32, 96, 256):
             solver = Orchestrator(layout_model(model, devices, batch, MODELS[model]))
             try:
-                exact = solver.exhaustive().evaluation
+                exact = exhaustive(solver).evaluation
             except PlanningError:
                 with pytest.raises(PlanningError):
                     solver.solve()

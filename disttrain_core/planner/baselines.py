@@ -1,0 +1,118 @@
+"""Exhaustive search and the baselines the orchestration solver is compared with (docs/PLANNER.md):
+the rigid Megatron layout and the FLOPs-proportional split. Each takes the ``Orchestrator`` whose
+options, model and messages it uses."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from .evaluate import COLOCATED, Evaluation, UnitChoice
+from .solver import Orchestrator, Plan, PlanningError
+
+
+def exhaustive(solver: Orchestrator) -> Plan:
+    """Every combination of the solver's options: the reference Algorithm 1 is checked against."""
+    started = time.perf_counter()
+    N = solver.m.devices
+    best: Evaluation | None = None
+    count = 0
+    for tp, dp, vpp in solver.llm_options():
+        B = solver.m.micro * dp
+        for pl in solver.llm_pp_options(vpp):
+            llm = UnitChoice(tp, dp, pl, vpp)
+            if llm.gpus > N:
+                break
+            for enc in solver.side_options("encoder", B):
+                enc_choices = [enc]
+                if enc is not None and not enc.colocated:
+                    enc_choices = [UnitChoice(enc.tp, enc.dp, pe) for pe in solver.enc_pp_options()]
+                for e in enc_choices:
+                    used = llm.gpus + (e.gpus if e is not None else 0)
+                    if used > N:
+                        break
+                    for gen in solver.side_options("generator", B):
+                        if used + (gen.gpus if gen is not None else 0) > N:
+                            continue
+                        count += 1
+                        result = solver.m.evaluate(llm, e, gen)
+                        if result.feasible and (best is None or result.iteration_s < best.iteration_s):
+                            best = result
+    if best is None:
+        raise PlanningError(solver.no_layout_reason())
+    return Plan("exhaustive", best, N, time.perf_counter() - started, count)
+
+
+def megatron(solver: Orchestrator) -> Plan | None:
+    """The rigid layout: every module with the LLM's DP and TP; encoder and generator either
+    folded into the first / last LLM stage (Megatron-LM's multimodal example) or one extra
+    stage each. The best DP/TP/PP of both."""
+    started = time.perf_counter()
+    best = None
+    count = 0
+    for tp, dp, vpp in solver.llm_options():
+        for pl in solver.llm_pp_options(vpp):
+            llm = UnitChoice(tp, dp, pl, vpp)
+            for separate in (False, True):
+                if separate and not (solver.has_enc or solver.has_gen):
+                    continue
+                side = UnitChoice(tp, dp, 1) if separate else COLOCATED
+                enc = side if solver.has_enc else None
+                gen = None
+                if solver.has_gen:  # as an extra stage the U-Net is replicated inside a TP group of tp
+                    gen = UnitChoice(tp, dp, 1) if separate else COLOCATED
+                count += 1
+                result = solver.m.evaluate(llm, enc, gen)
+                if result.feasible and (best is None or result.iteration_s < best.iteration_s):
+                    best = result
+    if best is None:
+        return None
+    return Plan("megatron", best, solver.m.devices, time.perf_counter() - started, count)
+
+
+def flops_proportional(solver: Orchestrator) -> Plan | None:
+    """Devices split in proportion to each module's training FLOPs, then the best strategy
+    inside each share (the "ratio-based" allocation DistTrain compares against)."""
+    started = time.perf_counter()
+    w, N = solver.w, solver.m.devices
+    flops = {name: u.train_flops * u.items_per_sample for name, u in w.units.items()}
+    total = sum(flops.values())
+    share = {name: max(1, math.floor(N * f / total)) for name, f in flops.items()}
+    best = None
+    count = 0
+    for tp, dp, vpp in solver.llm_options():
+        B = solver.m.micro * dp
+        llm_fit = [p for p in solver.llm_pp_options(vpp) if p * tp * dp <= share["llm"]]
+        if not llm_fit:
+            continue
+        llm = UnitChoice(tp, dp, llm_fit[-1], vpp)
+        enc_best = _best_side(solver, "encoder", share.get("encoder", 0), B, llm)
+        gen_best = _best_side(solver, "generator", share.get("generator", 0), B, llm)
+        if (solver.has_enc and enc_best is None) or (solver.has_gen and gen_best is None):
+            continue
+        count += 1
+        result = solver.m.evaluate(llm, enc_best, gen_best)
+        if result.feasible and (best is None or result.iteration_s < best.iteration_s):
+            best = result
+    if best is None:
+        return None
+    return Plan("flops_proportional", best, N, time.perf_counter() - started, count)
+
+
+def _best_side(solver: Orchestrator, unit: str, devices: int, samples: int, llm: UnitChoice):
+    """The fastest separate choice for ``unit`` within ``devices`` (its own stage time)."""
+    if not (solver.has_enc if unit == "encoder" else solver.has_gen):
+        return None
+    best, best_t = None, float("inf")
+    pps = solver.enc_pp_options() if unit == "encoder" else [1]
+    for option in solver.side_options(unit, samples):
+        if option is None or option.colocated:
+            continue
+        for pp in pps:
+            choice = UnitChoice(option.tp, option.dp, pp)
+            if choice.gpus > devices:
+                break
+            t = solver.m.stage_time(unit, choice, samples / choice.dp, solver.m.pp_bw(solver.m.devices))
+            if t < best_t:
+                best, best_t = choice, t
+    return best

@@ -1,0 +1,222 @@
+"""One training process: its logging, threads and device settings, Fabric over the process group,
+the job's producer shared from rank 0, then the training loop (train/loop.py). launch.py starts these
+processes (or, under torchrun/srun, is one of them)."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import Config, cpu_count, determinism, training_precision, typed_config
+from .launch_env import LaunchError, cluster_environment, detect
+from .net import is_loopback, outward_address, split_address
+from .validation import resolve_accelerator, resolve_backend, world_size
+
+log = logging.getLogger("disttrain")
+SUMMARY_FILE = "summary.json"
+
+
+def fabric_worker(fabric, container: dict, run_dir: str) -> None:
+    run_worker(container, run_dir, fabric)
+
+
+def elastic_worker(container: dict, run_dir: str) -> None:
+    run_worker(container, run_dir)
+
+
+def _setup_worker_logging(rank: int, run_dir: str) -> None:
+    root = logging.getLogger()
+    if any(getattr(h, "_disttrain", False) for h in root.handlers):
+        return
+    if root.handlers and rank == 0:
+        return  # the Hydra job process already logs to console and train.log
+    formatter = logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    if rank == 0:
+        handlers.append(logging.FileHandler(Path(run_dir) / "train.log"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        handler._disttrain = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def configure_threads(cfg: Config) -> int:
+    import torch
+
+    threads = cfg.trainer.threads_per_rank or max(1, cpu_count() // cfg.trainer.devices)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def configure_device(cfg: Config, accelerator: str) -> None:
+    """Determinism, TF32 and CUDA launch settings; before the first CUDA call of this process."""
+    import torch
+
+    strict = determinism(cfg.trainer.deterministic, accelerator)
+    if strict:
+        if accelerator == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=strict == "warn")
+    if accelerator != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = cfg.trainer.tf32
+    torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
+    if cfg.parallel.comm.tp_overlap:
+        # The chunked TP overlap relies on kernels running in the order they are queued across the compute
+        # and communication streams (Megatron's requirement for sequence-parallel overlap).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
+    """One training process: Fabric setup (unless Fabric's launcher already did), then the training loop."""
+    from .comm import flight
+    from .train.loop import Trainer
+    from .train.stop import StopRequest
+
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and container["trainer"]["resume"] == "none":
+        # a relaunch by an elastic agent (trainer.max_restarts, torchrun --max-restarts) continues from the
+        # latest complete checkpoint of this run, not from step 0 over it
+        container = {**container, "trainer": {**container["trainer"], "resume": "auto"}}
+    cfg = typed_config(container)
+    trainer = cfg.trainer
+    environment = detect()
+    if environment.kind == "spawned" and fabric is not None:
+        rank = int(os.environ.get("NODE_RANK", 0)) * trainer.devices + int(os.environ.get("LOCAL_RANK", 0))
+    else:
+        rank = environment.rank
+    # Signals from here on are a request to stop at an agreed step with a checkpoint (train/stop.py)
+    stop_request = StopRequest(float(trainer.stop_grace_s), on_signal=flight.dump)
+    _setup_worker_logging(rank, run_dir)
+    flight.configure(run_dir, rank)
+    # `kill -USR1 <pid>` prints every thread's Python stack, even while the main thread waits inside a collective
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    configure_threads(cfg)
+    accelerator = resolve_accelerator(trainer.accelerator)
+    configure_device(cfg, accelerator)
+    if fabric is None:
+        fabric = _attach_fabric(cfg, accelerator, environment)
+    fabric.seed_everything(trainer.seed, verbose=False)
+    producer = None
+    try:
+        if cfg.data.producer.workers > 0 and cfg.data.producer.address is None:
+            producer, container = share_producer(cfg, container, fabric)
+            cfg = typed_config(container)
+        metrics = Trainer(cfg, fabric, run_dir, stop_request).fit()
+    except BaseException as error:
+        flight.dump(f"exception: {type(error).__name__}: {error}")
+        raise
+    finally:
+        if producer is not None:
+            from .data.producer import stop_local_producer
+
+            stop_local_producer(producer)
+    if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
+        from .planner.breakdown import annotate_memory_report
+
+        annotate_memory_report(cfg, Path(run_dir), fabric.global_rank)
+    if fabric.global_rank == 0:
+        (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
+    return metrics
+
+
+def _attach_fabric(cfg: Config, accelerator: str, environment):
+    """Fabric over processes someone else created (torchrun, srun, the elastic agent, or just this one)."""
+    from datetime import timedelta
+
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DDPStrategy
+
+    trainer = cfg.trainer
+    strategy: Any = "auto"
+    if world_size(cfg) > 1:
+        _init_elastic_attempt(resolve_backend(trainer.backend, accelerator), timedelta(seconds=trainer.dist_timeout_s))
+        strategy = DDPStrategy(
+            process_group_backend=resolve_backend(trainer.backend, accelerator),
+            timeout=timedelta(seconds=trainer.dist_timeout_s),
+            cluster_environment=cluster_environment(environment),
+        )
+    precision = training_precision(trainer.precision, accelerator)
+    fabric = Fabric(
+        accelerator=accelerator,
+        devices=trainer.devices,
+        num_nodes=trainer.num_nodes,
+        strategy=strategy,
+        precision="32-true" if precision == "32" else precision,
+    )
+    fabric.launch()
+    return fabric
+
+
+def _init_elastic_attempt(backend: str, timeout) -> None:
+    """Under torch's elastic agent (torchrun, or trainer.max_restarts) the ranks of every attempt meet in the
+    agent's one store; gloo's rendezvous keys of a dead attempt are still there, and a relaunched rank can
+    read them and dial the old ranks' ports. The process group is made here on a prefix of its own per
+    attempt (Fabric then finds it initialized)."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    # Restart counts agree between ranks only when one agent started them all (train.py's, or a one-node
+    # torchrun): several nodes' agents count membership changes differently, and would use different prefixes.
+    if os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"disttrain/attempt_{attempt}/", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+
+
+def share_producer(cfg: Config, container: dict, fabric):
+    """Rank 0 starts the job's one producer; every rank learns its address and key from rank 0 (raw bytes
+    over a host-side group, never pickled)."""
+    import torch
+    import torch.distributed as dist
+
+    from .data.producer import start_local_producer
+    from .data.transport import new_key
+
+    producer, text = None, b""
+    if fabric.global_rank == 0:
+        key = cfg.data.producer.key or new_key()
+        listen = cfg.data.producer.listen
+        producer, address = start_local_producer(cfg, container, key)
+        host, port = split_address(address)
+        if host in ("0.0.0.0", "::"):  # the address other nodes reach this one by: toward rank 0's peers
+            host = outward_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        if cfg.trainer.num_nodes > 1 and is_loopback(host):
+            raise LaunchError(
+                f"the data producer would be advertised as {host}, which other nodes cannot reach; set "
+                "data.producer.listen=<this node's address>:0"
+            )
+        text = f"{host}:{port} {key}".encode()
+        log.info(
+            "data producer with %d decode worker(s) on %s (listening on %s)",
+            cfg.data.producer.workers,
+            f"{host}:{port}",
+            listen,
+        )
+    group = dist.new_group(backend="gloo")
+    size = torch.tensor([len(text)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    buffer = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if fabric.global_rank == 0:
+        buffer.copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+    dist.broadcast(buffer, src=0, group=group)
+    dist.destroy_process_group(group)
+    address, key = bytes(buffer.tolist()).decode().split(" ", 1)
+    os.environ["DISTTRAIN_PRODUCER_KEY"] = key
+    producer_cfg = {**container["data"]["producer"], "address": address}
+    return producer, {**container, "data": {**container["data"], "producer": producer_cfg}}
