@@ -80,8 +80,12 @@ class Attention(nn.Module):
         q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2).reshape(batch, seq_len, -1)
+        return self.core_attention(q, k, v).transpose(1, 2).reshape(batch, seq_len, -1)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of [B, heads, S, head_dim] tensors (k/v may have fewer heads). Context parallelism
+        replaces it per module with ring attention over the sequence slices (parallel/context_parallel.py)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class SwiGLU(nn.Module):
@@ -101,7 +105,12 @@ class DecoderBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
+        if getattr(cfg, "moe", None) is not None:
+            from .moe import MoeFeedForward  # local: moe.py imports SwiGLU from this module
+
+            self.feed_forward = MoeFeedForward(cfg.dim, cfg.moe, cfg.ffn_dim)
+        else:
+            self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
@@ -119,6 +128,10 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # The sequence positions this module's inputs hold, in order; None: 0, 1, ..., S-1. Context
+        # parallelism sets them (each rank holds a permuted slice of every sequence), so the rotary table
+        # row i is the angle of the i-th position held and ``apply_rope`` needs no positions argument.
+        self.rope_positions: torch.Tensor | None = None
         self.register_buffer("rope", torch.empty(0), persistent=False)
         self.reset_buffers()
 
@@ -126,7 +139,10 @@ class Llama(nn.Module):
         device = self.rope.device
         head_dim = self.cfg.dim // self.cfg.n_heads
         scaling = getattr(self.cfg, "rope_scaling", None)
-        self.rope = rope_table(head_dim, self.max_seq_len, self.cfg.rope_theta, device, scaling)
+        positions = self.rope_positions
+        length = self.max_seq_len if positions is None else max(self.max_seq_len, int(positions.max()) + 1)
+        table = rope_table(head_dim, length, self.cfg.rope_theta, device, scaling)
+        self.rope = table if positions is None else table[positions.to(table.device)]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)

@@ -56,7 +56,7 @@ class CommBroker:
 
     def ranks_of_row(self, row: int) -> list[int]:
         unit, pp = self.row_places[row]
-        return [unit.rank(d, t, pp) for d in range(unit.dp) for t in range(unit.tp)]
+        return [unit.rank_at(d, i, pp) for d in range(unit.dp) for i in range(unit.inner)]
 
     def _rows(self, samples: range, block: range, images: bool, k: int) -> range:
         """Rows of ``samples`` (a sub-range of ``block``) in the tensor holding ``block``."""
@@ -77,13 +77,16 @@ class CommBroker:
     ) -> list[Piece]:
         """Pieces between ``rank`` (the sender if ``sending``, else the receiver) and its peers.
 
-        Receiver TP rank ``j`` always listens to sender TP rank ``j mod tp_sender``.
+        Receiver TP rank ``j`` always listens to sender TP rank ``j mod tp_sender`` (with context parallelism:
+        inner positions ``cp * tp + tp_rank``, units.py; between stages of one unit CP rank c talks to CP rank c,
+        the sequence slices stay where they are).
         """
         (src, src_pp), (dst, dst_pp) = sender, receiver
         me_unit = src if sending else dst
         other = dst if sending else src
         other_pp = dst_pp if sending else src_pp
-        d, t, _ = me_unit.coords(rank)
+        d, _, _ = me_unit.coords(rank)
+        t = me_unit.inner_index(rank)
         mine = me_unit.block(d, self.samples)
         pieces = []
         for o in range(other.dp):
@@ -93,9 +96,9 @@ class CommBroker:
             if not rows:
                 continue
             if sending:
-                pieces += [Piece(dst.rank(o, j, other_pp), rows) for j in range(dst.tp) if j % src.tp == t]
+                pieces += [Piece(dst.rank_at(o, j, other_pp), rows) for j in range(dst.inner) if j % src.inner == t]
             else:
-                pieces.append(Piece(src.rank(o, t % src.tp, other_pp), rows))
+                pieces.append(Piece(src.rank_at(o, t % src.inner, other_pp), rows))
         return sorted(pieces, key=lambda piece: (piece.rows.start, piece.rank))
 
     def outgoing(self, kind: str, stage: int, k: int, rank: int) -> list[Piece]:

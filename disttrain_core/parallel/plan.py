@@ -39,16 +39,20 @@ def resolve_units(cfg: Config) -> UnitLayout:
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
     same = {name: (p.recompute, p.recompute_every) for name in ("encoder", "llm", "generator")}
     if p.mode == "ddp":
-        sizes = {"llm": (world_size_of(cfg), 1, 1)}
-        shard = {"llm": (layout_shard(p, "none"), p.hsdp_replicas)}
-        return build_layout(sizes, has_encoder, has_generator, True, True, same, shard)
+        sizes = {"llm": (world_size_of(cfg) // p.cp, 1, 1)}
+        shard = {"llm": (layout_shard(p, "none" if p.cp == 1 and p.ep == 1 else "zero1"), p.hsdp_replicas)}
+        return build_layout(sizes, has_encoder, has_generator, True, True, same, shard, {"llm": p.cp}, {"llm": p.ep})
     if p.mode == "megatron":
         folded = p.modality_stages == "folded"
         extra = 0 if folded else int(has_encoder) + int(has_generator)
-        dp = p.dp if p.dp > 0 else max(1, world_size_of(cfg) // (p.tp * (p.pp + extra)))
-        sizes = {"encoder": (dp, p.tp, 1), "llm": (dp, p.tp, p.pp), "generator": (dp, p.tp, 1)}
+        dp = p.dp if p.dp > 0 else max(1, world_size_of(cfg) // (p.tp * p.cp * (p.pp + extra)))
+        # Every stage of the rigid layout has dp x tp x cp processes: the modality stages, which do not split
+        # sequences, take the LLM's CP ranks as extra data-parallel replicas.
+        sizes = {"encoder": (dp * p.cp, p.tp, 1), "llm": (dp, p.tp, p.pp), "generator": (dp * p.cp, p.tp, 1)}
         shard = {name: (layout_shard(p, "zero1"), p.hsdp_replicas) for name in sizes}
-        return build_layout(sizes, has_encoder, has_generator, folded, folded, same, shard)
+        return build_layout(
+            sizes, has_encoder, has_generator, folded, folded, same, shard, {"llm": p.cp}, {"llm": p.ep}
+        )
     if p.mode == "manual":
         units = p.units
         sizes = {
@@ -63,9 +67,10 @@ def resolve_units(cfg: Config) -> UnitLayout:
             name: (u.shard, u.hsdp_replicas)
             for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
         }
-        return build_layout(
-            sizes, has_encoder, has_generator, units.encoder.colocate, units.generator.colocate, recompute, shard
-        )
+        cp = {name: getattr(units, name).cp for name in ("encoder", "llm", "generator")}
+        ep = {name: getattr(units, name).ep for name in ("encoder", "llm", "generator")}
+        colocate = (units.encoder.colocate, units.generator.colocate)
+        return build_layout(sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep)
     if p.mode == "auto":
         raise ValueError("parallel.mode=auto is resolved into units by the planner before anything is built")
     raise ValueError(f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")

@@ -32,6 +32,7 @@ from ..data.tokenizer import Tokenizer
 from ..models import build_model
 from ..models.mllm import MultimodalLLM
 from ..models.vit import vit_block_count
+from .context_parallel import SequenceSlices, scale_gradient, sum_gradient
 
 
 @dataclass
@@ -101,9 +102,18 @@ class EncoderStage(nn.Module):
 class LlmStage(nn.Module):
     kind = "llm"
 
-    def __init__(self, model: MultimodalLLM, index: int, count: int, holds_encoder: bool, holds_generator: bool):
+    def __init__(
+        self,
+        model: MultimodalLLM,
+        index: int,
+        count: int,
+        holds_encoder: bool,
+        holds_generator: bool,
+        context: SequenceSlices | None = None,
+    ):
         super().__init__()
         self.is_first, self.is_last = index == 0, index == count - 1
+        self.context = context  # context parallelism: this rank's slice of every sequence
         cfg = model.cfg
         _keep_blocks(model.llm.layers, split_evenly(cfg.llm.n_layers, count, "model.llm.n_layers")[index])
         if not self.is_first:
@@ -121,35 +131,51 @@ class LlmStage(nn.Module):
         self.splittable_backward = not self.is_first and not (self.is_last and holds_generator)
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
-        m = self.model
+        m, cp = self.model, self.context
         if self.is_first:
             if self.holds_encoder and m.encoder is not None:
                 image_embeds = m.encode_images(batch.images)
             else:
                 image_embeds = inbound  # from the encoder unit, or None for a text-only model
+                if cp is not None and image_embeds is not None:  # the encoder unit hears one CP rank
+                    image_embeds = sum_gradient(image_embeds, cp.group)
             hidden = m.embed_tokens(batch.tokens, image_embeds)
+            if cp is not None:
+                hidden = cp.slice(hidden)
         else:
             hidden = inbound
         hidden = m.llm.run_layers(hidden)
         if not self.is_last:
             return StageOutput(hidden)
         hidden = m.llm.final_norm(hidden)
-        sums = {"lm_loss_sum": m.lm_loss_sum(hidden, batch.labels)}
+        labels = batch.labels if cp is None else cp.slice(batch.labels, fill=-100)
+        sums = {"lm_loss_sum": m.lm_loss_sum(hidden, labels)}
+        whole = hidden
+        if cp is not None and (m.generator is not None or self.sends_queries):
+            whole = cp.gather(hidden)  # the <gen> positions are anywhere in the sequence
         if m.generator is not None:
-            sums["gen_loss_sum"] = m.generation_loss_sum(hidden, batch)
-        send = m.generation_queries(hidden, batch.tokens) if self.sends_queries else None
+            sums["gen_loss_sum"] = m.generation_loss_sum(whole, batch)
+            if cp is not None:  # every CP rank computes it; its gradients are summed over them
+                sums["gen_loss_sum"] = sums["gen_loss_sum"] / cp.size
+        send = m.generation_queries(whole, batch.tokens) if self.sends_queries else None
+        if send is not None and cp is not None:  # the gradient comes back to every CP rank: count it once
+            send = scale_gradient(send, 1.0 / cp.size)
         return StageOutput(send, sums)
 
     def inbound_row(self) -> tuple[int, ...] | None:
         cfg = self.model.cfg
         if self.is_first:
             return (self.model_patches(), cfg.llm.dim) if self.receives_images else None
-        return (cfg.seq_len, cfg.llm.dim)
+        return (self.sequence_rows(), cfg.llm.dim)
+
+    def sequence_rows(self) -> int:
+        """Positions of each sequence a stage boundary carries (a slice under context parallelism)."""
+        return self.model.cfg.seq_len if self.context is None else self.context.local_len
 
     def outbound_row(self) -> tuple[int, ...] | None:
         cfg = self.model.cfg
         if not self.is_last:
-            return (cfg.seq_len, cfg.llm.dim)
+            return (self.sequence_rows(), cfg.llm.dim)
         return (cfg.gen_tokens, cfg.llm.dim) if self.sends_queries else None
 
     def model_patches(self) -> int:
@@ -178,7 +204,13 @@ class GeneratorStage(nn.Module):
 
 
 def build_unit_stage(
-    cfg: ModelConfig, tokenizer: Tokenizer, unit_name: str, modules: tuple[str, ...], index: int, count: int
+    cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    unit_name: str,
+    modules: tuple[str, ...],
+    index: int,
+    count: int,
+    context: SequenceSlices | None = None,
 ) -> nn.Module:
     """Stage ``index`` of ``count`` of a unit, on the meta device (materialize it afterwards)."""
     model = build_model(cfg, tokenizer, device="meta")
@@ -186,7 +218,8 @@ def build_unit_stage(
         return EncoderStage(model, index, count)
     if unit_name == "generator":
         return GeneratorStage(model)
-    return LlmStage(model, index, count, holds_encoder="encoder" in modules, holds_generator="generator" in modules)
+    holds_encoder, holds_generator = "encoder" in modules, "generator" in modules
+    return LlmStage(model, index, count, holds_encoder, holds_generator, context)
 
 
 def build_rank_stages(
@@ -201,6 +234,8 @@ def build_rank_stages(
     tp_mesh=None,
     sequence_overlap: bool = False,
     shard=None,
+    context: SequenceSlices | None = None,
+    experts=None,
 ) -> dict[int, nn.Module]:
     """The materialized stage modules of one schedule row, keyed by schedule stage.
 
@@ -208,15 +243,22 @@ def build_rank_stages(
     rank's shards (and the replicated weights) get memory and their seeded values -- never the whole stage.
     """
     from ..models.common import init_weights
+    from .context_parallel import apply_context_parallel
+    from .expert_parallel import apply_expert_parallel
     from .recompute import apply_recompute
     from .tensor_parallel import apply_tensor_parallel
 
     unit_stages = [s for s in range(schedule.num_stages) if schedule.stage_to_rank[s] in unit_rows]
     stages = {}
     for stage in schedule.stages_of(row):
-        module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, unit_stages.index(stage), len(unit_stages))
+        index = unit_stages.index(stage)
+        module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, index, len(unit_stages), context)
         if tp_mesh is not None:
             apply_tensor_parallel(module.model, tp_mesh, sequence_overlap=sequence_overlap)
+        if context is not None:
+            apply_context_parallel(module.model, context)
+        if experts is not None and unit.name == "llm":  # this rank's experts only, tokens exchanged all-to-all
+            apply_expert_parallel(module.model, experts)
         apply_recompute(module.model, unit.recompute, unit.recompute_every)
         if shard is not None:  # FSDP2 (parallel/fsdp.py), still on meta: only this rank's shards get memory
             shard(module)

@@ -7,9 +7,12 @@ their own units or are *colocated* with the LLM unit (the encoder then runs in t
 LLM's first pipeline stage, the generator in its last, as Megatron-LM does).
 
 Ranks. Units take contiguous blocks of global ranks in data-flow order (encoder,
-LLM, generator). Inside a unit, tensor parallelism is innermost, then data
-parallelism, then pipeline stages: ``rank = first + (pp * dp_size + dp) * tp_size + tp``,
-so TP peers are neighbours (one node) and the replicas of a stage are adjacent.
+LLM, generator). Inside a unit, tensor parallelism is innermost, then context
+parallelism, then data parallelism, then pipeline stages (Megatron's tp-cp-dp-pp order):
+``rank = first + ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp``, so TP peers are
+neighbours (one node), CP peers next, and the replicas of a stage are adjacent. The
+``inner`` index ``cp * tp_size + tp`` numbers the ranks of one replica of one stage: they all
+work on the same samples (TP on slices of the weights, CP on slices of each sequence).
 
 Samples. Each optimizer step's global batch is cut into ``M`` global microbatches of
 ``B = micro_batch_size x dp_llm`` samples; microbatch ``k`` flows through every stage
@@ -42,6 +45,14 @@ class ParallelismUnit:
     recompute_every: int = 2
     shard: str = "zero1"  # none | zero1 | zero2 | zero3 (parallel/fsdp.py)
     hsdp_replicas: int = 1
+    cp: int = 1  # context parallelism: ring attention over slices of each sequence (LLM units only)
+    # Expert parallelism (MoE LLM units): blocks of ep consecutive data-parallel replicas share the experts.
+    ep: int = 1
+
+    @property
+    def inner(self) -> int:
+        """Ranks per replica of one stage: tp x cp."""
+        return self.tp * self.cp
 
     @property
     def fsdp(self) -> bool:
@@ -50,19 +61,29 @@ class ParallelismUnit:
 
     @property
     def size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.inner * self.pp
 
     @property
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.size)
 
-    def rank(self, dp: int, tp: int, pp: int) -> int:
-        return self.first_rank + (pp * self.dp + dp) * self.tp + tp
+    def rank(self, dp: int, tp: int, pp: int, cp: int = 0) -> int:
+        return self.rank_at(dp, cp * self.tp + tp, pp)
+
+    def rank_at(self, dp: int, inner: int, pp: int) -> int:
+        """The rank at ``inner`` position (``cp * tp_size + tp``) of replica ``dp`` of stage ``pp``."""
+        return self.first_rank + (pp * self.dp + dp) * self.inner + inner
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp, tp, pp) of a global rank in this unit."""
         local = rank - self.first_rank
-        return (local // self.tp) % self.dp, local % self.tp, local // (self.tp * self.dp)
+        return (local // self.inner) % self.dp, local % self.tp, local // (self.inner * self.dp)
+
+    def inner_index(self, rank: int) -> int:
+        return (rank - self.first_rank) % self.inner
+
+    def cp_coord(self, rank: int) -> int:
+        return self.inner_index(rank) // self.tp
 
     def block(self, dp: int, samples: int) -> range:
         """Samples of a global microbatch owned by replica ``dp``."""
@@ -93,7 +114,7 @@ class UnitLayout:
     def trains_with_ddp(self) -> bool:
         """One unit without TP or PP and no sharding: the whole model under torch DDP (DataParallelEngine)."""
         unit = self.units[0]
-        return len(self.units) == 1 and unit.pp == 1 and unit.tp == 1 and unit.shard == "none"
+        return len(self.units) == 1 and unit.pp == 1 and unit.inner == 1 and unit.shard == "none"
 
     def has_unit(self, name: str) -> bool:
         return any(u.name == name for u in self.units)
@@ -111,12 +132,14 @@ class UnitLayout:
 
     def stage_ranks(self, stage: int) -> list[int]:
         unit, pp = self.stage_unit(stage)
-        return [unit.rank(d, t, pp) for d in range(unit.dp) for t in range(unit.tp)]
+        return [unit.rank_at(d, i, pp) for d in range(unit.dp) for i in range(unit.inner)]
 
     def describe(self) -> str:
+        def sizes(u: ParallelismUnit) -> str:
+            return f"dp={u.dp} tp={u.tp}{f' cp={u.cp}' if u.cp > 1 else ''} pp={u.pp}"
+
         return " | ".join(
-            f"{u.name}[{'+'.join(u.modules)}] dp={u.dp} tp={u.tp} pp={u.pp} ranks {u.first_rank}-{u.ranks[-1]}"
-            for u in self.units
+            f"{u.name}[{'+'.join(u.modules)}] {sizes(u)} ranks {u.first_rank}-{u.ranks[-1]}" for u in self.units
         )
 
 
@@ -128,9 +151,11 @@ def build_layout(
     colocate_generator: bool,
     recompute: dict[str, tuple[str, int]] | None = None,
     shard: dict[str, tuple[str, int]] | None = None,
+    cp: dict[str, int] | None = None,
+    ep: dict[str, int] | None = None,
 ) -> UnitLayout:
-    """Units in data-flow order from per-unit (dp, tp, pp) sizes, (policy, every) recompute settings and
-    (mode, hsdp_replicas) shard settings (colocated modules take the LLM unit's)."""
+    """Units in data-flow order from per-unit (dp, tp, pp) sizes, (policy, every) recompute settings,
+    (mode, hsdp_replicas) shard settings and context-parallel sizes (colocated modules take the LLM unit's)."""
     llm_modules = list(LLM_MODULES)
     plan: list[tuple[str, tuple[str, ...]]] = []
     if has_encoder:
@@ -160,7 +185,9 @@ def build_layout(
                 recompute_every=every,
                 shard=mode,
                 hsdp_replicas=replicas,
+                cp=(cp or {}).get(name, 1),
+                ep=(ep or {}).get(name, 1),
             )
         )
-        first += dp * tp * pp
+        first += units[-1].size
     return UnitLayout(tuple(units))

@@ -101,7 +101,7 @@ class CheckpointIO:
         owns_data = (
             self.rank == 0
             if self.global_stream
-            else (self.pp_rank == 0 and self.tp_rank == 0 and self.unit.name == "llm")
+            else (self.pp_rank == 0 and self.unit.inner_index(self.rank) == 0 and self.unit.name == "llm")
         )
         if owns_data:
             files[self._data_file()] = self.loader.state_dict()

@@ -1,0 +1,137 @@
+"""Context parallelism for the LLM backbone, applied from outside the model.
+
+The ``cp`` ranks of one replica of an LLM stage (units.py: CP peers share a data-parallel index, a
+tensor-parallel index and a pipeline stage) receive the same samples. Each holds a slice of every
+sequence: the sequence, padded to a multiple of 2cp, is cut into 2cp chunks and rank c keeps chunks c and
+2cp-1-c (zig-zag, comm/ring_attention.py), so causal attention costs every rank the same. What changes:
+
+* every decoder block's attention runs as a ring over the CP group (``Attention.core_attention``);
+* the rotary table holds the angles of the rank's own positions (``Llama.rope_positions``);
+* the first LLM stage embeds the whole sequence (token embeddings and image placement need the
+  positions) and keeps its slice; the labels are sliced the same way, padded positions ignored;
+* everything between, stage boundaries included, carries ``[B, S_padded / cp, D]``.
+
+Gradients. Each CP rank's loss terms cover disjoint positions, so every parameter's gradient is a sum
+over the CP ranks, exactly as over data-parallel replicas: the unit reduces gradients over the
+data x context group (units.py ``UnitGroups.gradient``). Modules every CP rank runs whole follow the same
+rule when their losses are split: a colocated encoder contributes through the positions each rank keeps;
+the generation loss, which needs the hidden states of every position, is computed from the all-gathered
+sequence by every CP rank and counted 1/cp on each. Image embeddings received from an encoder unit get
+their gradient summed over the CP group before they travel back (the encoder hears one CP rank), and the
+generation queries sent to a generator unit scale their returning gradient by 1/cp (every CP rank hears
+it and the gather's backward sums over the ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.ring import Ring
+from ..comm.ring_attention import local_positions, padded_length, ring_attention
+from ..models.llama import Attention, Llama
+
+LAYOUT = "zigzag"
+
+
+class SequenceSlices:
+    """This rank's positions of every sequence, and the moves between whole and sliced sequences."""
+
+    def __init__(self, group, seq_len: int, layout: str = LAYOUT):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.seq_len = seq_len
+        self.padded = padded_length(seq_len, self.size, layout)
+        self.layout = layout
+        self.positions = local_positions(self.padded, self.size, self.rank, layout)
+        self.local_len = self.positions.numel()
+
+    def slice(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """This rank's positions of ``x`` [B, S, ...] (padded with ``fill``)."""
+        pad = self.padded - x.shape[1]
+        if pad:
+            x = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1)
+        return x.index_select(1, self.positions.to(x.device))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence [B, S, D] from every rank's slice (autograd: gradients summed over the ranks)."""
+        return _GatherSequence.apply(x, self)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, slices: SequenceSlices):
+        ctx.slices = slices
+        parts = [torch.empty_like(x) for _ in range(slices.size)]
+        dist.all_gather(parts, x.contiguous(), group=slices.group)
+        whole = x.new_empty(x.shape[0], slices.padded, *x.shape[2:])
+        for rank, part in enumerate(parts):
+            whole[:, local_positions(slices.padded, slices.size, rank, slices.layout).to(x.device)] = part
+        return whole[:, : slices.seq_len]
+
+    @staticmethod
+    def backward(ctx, grad):
+        slices = ctx.slices
+        grad = F.pad(grad, (0, 0, 0, slices.padded - grad.shape[1])).contiguous()
+        dist.all_reduce(grad, group=slices.group)  # each rank's loss reached every position: sum them
+        return grad[:, slices.positions.to(grad.device)], None
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (each rank saw part of the uses)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def sum_gradient(x: torch.Tensor, group) -> torch.Tensor:
+    return _SumGradient.apply(x, group)
+
+
+def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return _ScaleGradient.apply(x, factor)
+
+
+def _ring_core(ring: Ring, layout: str):
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, ring, layout)
+
+    return core
+
+
+def apply_context_parallel(module: nn.Module, slices: SequenceSlices) -> int:
+    """Ring attention in every Llama attention of ``module`` and the rotary table of this rank's positions;
+    returns how many attention modules. Call before materializing (the table is rebuilt on reset)."""
+    ring = Ring(slices.group)
+    count = 0
+    for child in module.modules():
+        if isinstance(child, Attention):
+            child.core_attention = _ring_core(ring, slices.layout)
+            count += 1
+        elif isinstance(child, Llama):
+            child.rope_positions = slices.positions
+            if child.rope.device.type != "meta":
+                child.reset_buffers()
+    return count
