@@ -41,6 +41,26 @@ class RopeScalingConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts feed-forward for the Llama blocks (models/moe.py); expert parallelism in
+    parallel/expert_parallel.py."""
+
+    num_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # experts each token is sent to; gates are the top-k probabilities renormalized to sum 1
+    # 0: no capacity, nothing is dropped. > 0: each expert takes at most ceil(capacity_factor * tokens * top_k /
+    # num_experts) assignments of the tokens this process routes in one forward, first come (token order) first
+    # served; the rest are dropped (the token keeps its other experts and the shared ones).
+    capacity_factor: float = 0.0
+    shared_experts: int = 0  # always-on SwiGLU experts (DeepSeek style), built as one SwiGLU this many times wider
+    aux_loss_coef: float = 0.01  # weight of the Switch/GShard load-balancing loss (router=aux_loss only)
+    # aux_loss: balance with the auxiliary loss. aux_free: DeepSeek-V3's loss-free balancing -- a per-expert bias
+    # added to the scores for top-k selection only (never to the gates), nudged after each optimizer step.
+    router: str = "aux_loss"
+    bias_update_rate: float = 0.001  # aux_free: bias += rate * sign(mean load - expert load) per optimizer step
+    expert_ffn_dim: Optional[int] = None  # hidden width of each expert; None: the llm's ffn_dim
+
+
+@dataclass
 class LlamaConfig:
     vocab_size: int = 128256
     dim: int = 4096
@@ -51,6 +71,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: Optional[RopeScalingConfig] = None  # Llama-3.1's "llama3" frequency scaling
+    moe: Optional[MoeConfig] = None  # None: dense SwiGLU feed-forward; set: every block's is a MoE
 
 
 @dataclass
