@@ -57,6 +57,8 @@ def tiny_overrides(cfg) -> list[str]:
             f"model.llm.dim={16 * heads}",
             "model.llm.vocab_size=384",
         ]
+        if llm.moe is not None:  # experts as narrow as the dense feed-forward above
+            out.append("model.llm.moe.expert_ffn_dim=64")
     if cfg.model.encoder is not None and cfg.model.encoder.dim > 256:
         out += TINY_SHAPES["encoder"]
     if cfg.model.generator is not None and cfg.model.generator.block_out_channels[0] > 64:

@@ -199,6 +199,11 @@ class UnitConfig:
     tp: int = 1
     pp: int = 1
     vpp: int = 1
+    # LLM only: context parallelism, ring attention over slices of every sequence (parallel/context_parallel.py)
+    cp: int = 1
+    # LLM only, MoE models (model.llm.moe): expert parallelism; groups of ep data-parallel replicas share the
+    # experts, each holding num_experts / ep of them, tokens exchanged by all-to-all (parallel/expert_parallel.py)
+    ep: int = 1
     # Encoder or generator only: run inside the LLM unit (its first / last stage) instead of on
     # processes of its own.
     colocate: bool = False
@@ -259,6 +264,13 @@ class ParallelConfig:
     dp: int = -1  # megatron: -1 = derived from the world size
     tp: int = 1
     pp: int = 1
+    # Context parallelism of the LLM (ddp and megatron layouts; manual: parallel.units.llm.cp): each of cp
+    # ranks holds 2 of 2cp chunks of every sequence (zig-zag) and attention runs as a ring
+    # (parallel/context_parallel.py). Data parallelism is then world / (tp x cp x pp).
+    cp: int = 1
+    # Expert parallelism of an MoE LLM (ddp and megatron layouts; manual: parallel.units.llm.ep): inside the
+    # data-parallel group, ep replicas share the experts (num_experts / ep each); must divide dp.
+    ep: int = 1
     modality_stages: str = "separate"  # megatron only: separate | folded
     units: UnitsConfig = field(default_factory=UnitsConfig)  # manual only
     # Activation recompute for ddp and megatron layouts (manual: parallel.units.<unit>.recompute):

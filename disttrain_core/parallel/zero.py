@@ -106,6 +106,9 @@ class ZeroOneOptimizer:
             order_group=dp_group,
             gather_dtype=gather_dtype,
         )
+        # Expert parallelism: the experts this rank holds are stepped by their own optimizer (differently
+        # replicated: train/expert_optim.py), driven from here so the trainer sees one optimizer.
+        self.experts = None
 
     @property
     def param_groups(self):
@@ -114,18 +117,26 @@ class ZeroOneOptimizer:
     def reduce_gradients(self) -> None:
         """Sum gradients over the replicas; keep this replica's shard as the master gradient."""
         self.sync.finish_grads()
+        if self.experts is not None:
+            self.experts.reduce_gradients()
 
     def grad_norm_squared(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (sum it over the world)."""
-        return sum(flat.squared_grad_norm() for flat in self.flats.values())
+        total = sum(flat.squared_grad_norm() for flat in self.flats.values())
+        if self.experts is not None:
+            total = total + self.experts.grad_norm_squared().to(total.device)
+        return total
 
     def master_params(self) -> list[torch.nn.Parameter]:
         """This replica's fp32 master slices (what clipping scales: their gradients are views)."""
-        return [m for flat in self.flats.values() for m in flat.masters]
+        experts = self.experts.params if self.experts is not None else []
+        return [m for flat in self.flats.values() for m in flat.masters] + experts
 
     def step(self) -> None:
         started = self.trace.now() if self.trace is not None else None
         self.inner.step()
+        if self.experts is not None:
+            self.experts.step(self.inner.param_groups[0]["lr"])
         if self.trace is not None:
             self.trace.compute("optimizer", started, self.trace.now())
         self.sync.gather_params()  # the new weights arrive during the next forward (or now, without overlap)
@@ -142,11 +153,13 @@ class ZeroOneOptimizer:
         """Zero the flat gradient buffers. ``set_to_none`` is accepted for torch's signature and ignored:
         the parameters' and masters' gradients are views of those buffers and stay bound."""
         self.sync.zero_grads()
+        if self.experts is not None:
+            self.experts.zero_grad()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (master shard + moments)."""
         total = 0
-        for master in self.master_params():
+        for master in (m for flat in self.flats.values() for m in flat.masters):
             total += master.numel() * master.element_size()
             for value in self.inner.state.get(master, {}).values():
                 if torch.is_tensor(value) and value.numel() > 1:
@@ -214,6 +227,8 @@ class ZeroOneOptimizer:
                 else:  # one loaded counter per bucket is enough: every parameter of a flat steps together
                     step = self._loaded_steps.setdefault(id(master), torch.zeros((), dtype=torch.float32))
                     state[f"optim.{name}.step"] = step
+        if self.experts is not None:
+            state.update(self.experts.checkpoint_state(saving))
         return state
 
     def mixed_buckets(self, absent: set[str]) -> list[str]:

@@ -27,6 +27,7 @@ from ..config import Config, training_precision
 from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
 from ..models import build_model, materialize
+from ..parallel.expert_parallel import configure_moe, moe_step_stats, update_biases
 from ..parallel.plan import resolve_units
 from ..parallel.recompute import apply_recompute
 from ..schedule.executor import StepRecord
@@ -127,6 +128,29 @@ class Engine:
         """Clip to ``max_norm`` (inf: no clipping); returns the global norm before clipping (on the device)."""
         raise NotImplementedError
 
+    def models(self) -> list[torch.nn.Module]:
+        """The model modules this process runs."""
+        return []
+
+    def after_step(self) -> None:
+        """After the optimizer step: aux-loss-free MoE routers move their expert biases."""
+        update_biases(self.models())
+
+    def moe_stats(self) -> torch.Tensor | None:
+        """[assignments dropped for capacity over the world, worst max/mean expert load] of the step (on the
+        device; None for a dense model). A collective on every rank of an MoE model."""
+        if self.cfg.model.llm.moe is None:
+            return None
+        device = self.fabric.device
+        local = moe_step_stats(self.models())
+        stats = local.to(device) if local is not None else torch.zeros(2, dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dropped, ratio = stats[:1].clone(), stats[1:].clone()
+            dist.all_reduce(dropped)
+            dist.all_reduce(ratio, op=dist.ReduceOp.MAX)
+            stats = torch.cat([dropped, ratio])
+        return stats
+
 
 def _loss(out: dict, n_tokens: torch.Tensor, n_gen: torch.Tensor, weight: float, scale: float = 1.0) -> torch.Tensor:
     loss = out["lm_loss_sum"] / n_tokens
@@ -187,6 +211,9 @@ class DataParallelEngine(Engine):
         self.autocast = fabric.autocast if mixed else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
 
+    def models(self) -> list[torch.nn.Module]:
+        return [self.raw_model]
+
     def checkpoint_state(self, saving: bool) -> dict:
         state = {**model_entries([self.raw_model]), **adamw_entries(self.optimizer, self.named_parameters)}
         # Every replica holds all of it: each saves its share (loading reads everything).
@@ -197,6 +224,9 @@ class DataParallelEngine(Engine):
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # lm, gen loss sums: kept on the device
         # DDP averages gradients over processes; scale so the result is the global-batch gradient.
         scale = float(self.fabric.world_size)
+        # MoE aux terms: balanced over every replica (one global microbatch), averaged over the microbatches.
+        balance = dist.group.WORLD if self.fabric.world_size > 1 else None
+        configure_moe([self.raw_model], balance, scale / len(microbatches))
         for index, microbatch in enumerate(microbatches):
             last = index == len(microbatches) - 1 and self.ddp_sync
             sync = self.model.no_sync() if self.fabric.world_size > 1 and not last else nullcontext()

@@ -241,6 +241,8 @@ class Trainer(CheckpointIO):
                 report.after_optimizer_step(self.engine, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+            self.engine.after_step()
+            moe = self.engine.moe_stats()
             result.resolve()
             ended = self.clock.stamp()
         self.step = step
@@ -258,6 +260,7 @@ class Trainer(CheckpointIO):
             data_wait_s=data_wait,
             started=started,
             ended=ended,
+            moe=moe,
         )
 
     def _logs(self, step: int) -> bool:
@@ -341,6 +344,9 @@ class Trainer(CheckpointIO):
             if self._logs(self.step):  # the only place step results are read back from the device
                 values = read_results(window, weight)
                 last_metrics = self._metrics(values[-1], values)
+                if window[-1].moe is not None:
+                    dropped, load = window[-1].moe.tolist()
+                    last_metrics.update({"moe/dropped_assignments": dropped, "moe/max_load_ratio": load})
                 if self.sync_guard.enabled:
                     last_metrics.update(self.sync_guard.summary())
                 self.metrics.log(self.step, last_metrics)

@@ -20,6 +20,7 @@ class StepResult:
     data_wait_s: float  # host seconds waiting for the batch
     started: Stamp  # device clock at the start of the step (before its batch was fetched)
     ended: Stamp
+    moe: torch.Tensor | None = None  # MoE models: [assignments dropped, worst max/mean expert load]
 
 
 @dataclass

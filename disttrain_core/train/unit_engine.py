@@ -25,8 +25,10 @@ from ..comm.trace import CommTrace
 from ..config import Config, training_precision
 from ..data.tokenizer import Tokenizer
 from ..models.llama import DecoderBlock
+from ..models.moe import moe_layers
 from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
+from ..parallel.expert_parallel import configure_moe
 from ..parallel.fsdp import ShardedOptimizer, apply_fsdp, unit_meshes
 from ..parallel.stages import build_rank_stages
 from ..parallel.units import ParallelismUnit, UnitLayout
@@ -47,15 +49,70 @@ class UnitGroups:
     data_parallel_comm: object | None = None  # the same members, for the background ring collectives
     hsdp_replicate: object | None = None  # HSDP: the replicas of this rank's shard position
     hsdp_shard: object | None = None  # HSDP: the ranks that share one copy of the state
+    context_parallel: object | None = None  # the ranks holding the other slices of this rank's sequences
+    # Gradients are summed over data x context ranks (each CP rank's loss covers its own positions); without
+    # context parallelism the data-parallel group itself.
+    gradient: object | None = None
+    gradient_comm: object | None = None  # the same members, for the background ring collectives
+    expert_parallel: object | None = None  # MoE, ep > 1: the replicas sharing this rank's token exchange
+    expert_data: object | None = None  # the ranks holding the same experts (gradients summed over them)
+    expert_members: tuple[int, ...] = ()
 
 
 def build_unit_groups(layout: UnitLayout, rank: int, timeout=None, comm_groups: bool = False) -> UnitGroups:
     """Every process creates every group, in the same order (gloo needs it)."""
+    groups = _data_and_tensor_groups(layout, rank, timeout, comm_groups)
+    for unit in layout.units:
+        if unit.cp == 1:
+            continue
+        for pp in range(unit.pp):
+            for tp in range(unit.tp):
+                members = [unit.rank(d, tp, pp, c) for d in range(unit.dp) for c in range(unit.cp)]
+                group = dist.new_group(members, timeout=timeout)
+                extra = dist.new_group(members, timeout=timeout) if comm_groups else None
+                if rank in members:
+                    groups.gradient, groups.gradient_comm = group, extra
+                for d in range(unit.dp):
+                    members = [unit.rank(d, tp, pp, c) for c in range(unit.cp)]
+                    group = dist.new_group(members, timeout=timeout)
+                    if rank in members:
+                        groups.context_parallel = group
+    if layout.unit_of(rank).cp == 1:
+        groups.gradient, groups.gradient_comm = groups.data_parallel, groups.data_parallel_comm
+    _expert_groups(layout, rank, timeout, groups)
+    return groups
+
+
+def _expert_groups(layout: UnitLayout, rank: int, timeout, groups: UnitGroups) -> None:
+    """Expert parallelism: blocks of ep consecutive data-parallel replicas exchange tokens; the replicas
+    with the same position in their block (and every context-parallel rank) hold the same experts."""
+    for unit in layout.units:
+        if unit.ep == 1:
+            continue
+        for pp in range(unit.pp):
+            for inner in range(unit.inner):
+                replicas = [unit.rank_at(d, inner, pp) for d in range(unit.dp)]
+                for block in range(unit.dp // unit.ep):
+                    members = replicas[block * unit.ep : (block + 1) * unit.ep]
+                    group = dist.new_group(members, timeout=timeout)
+                    if rank in members:
+                        groups.expert_parallel = group
+            for tp in range(unit.tp):
+                for position in range(unit.ep):
+                    members = sorted(
+                        unit.rank(d, tp, pp, c) for d in range(position, unit.dp, unit.ep) for c in range(unit.cp)
+                    )
+                    group = dist.new_group(members, timeout=timeout) if len(members) > 1 else None
+                    if rank in members:
+                        groups.expert_data, groups.expert_members = group, tuple(members)
+
+
+def _data_and_tensor_groups(layout: UnitLayout, rank: int, timeout, comm_groups: bool) -> UnitGroups:
     dp_group = tp_group = comm_group = replicate_group = shard_group = None
     for unit in layout.units:
         for pp in range(unit.pp):
-            for tp in range(unit.tp):
-                members = [unit.rank(d, tp, pp) for d in range(unit.dp)]
+            for inner in range(unit.inner):
+                members = [unit.rank_at(d, inner, pp) for d in range(unit.dp)]
                 group = dist.new_group(members, timeout=timeout) if unit.dp > 1 else None
                 extra = dist.new_group(members, timeout=timeout) if unit.dp > 1 and comm_groups else None
                 if rank in members:
@@ -72,10 +129,11 @@ def build_unit_groups(layout: UnitLayout, rank: int, timeout=None, comm_groups: 
                         if rank in members[s::per]:
                             replicate_group = group
             for dp in range(unit.dp):
-                members = [unit.rank(dp, t, pp) for t in range(unit.tp)]
-                group = dist.new_group(members, timeout=timeout) if unit.tp > 1 else None
-                if rank in members:
-                    tp_group = group
+                for cp in range(unit.cp):
+                    members = [unit.rank(dp, t, pp, cp) for t in range(unit.tp)]
+                    group = dist.new_group(members, timeout=timeout) if unit.tp > 1 else None
+                    if rank in members:
+                        tp_group = group
     return UnitGroups(dp_group, tp_group, comm_group, replicate_group, shard_group)
 
 
@@ -113,6 +171,7 @@ class UnitEngine(Engine):
         rank = fabric.global_rank
         self.unit: ParallelismUnit = layout.unit_of(rank)
         self.dp_rank, self.tp_rank, self.pp_rank = self.unit.coords(rank)
+        self.cp_rank = self.unit.cp_coord(rank)
         comm = cfg.parallel.comm
         ring = dist.is_initialized() and (
             comm.collectives == "ring" or (comm.collectives == "auto" and dist.get_backend() == "gloo")
@@ -132,6 +191,11 @@ class UnitEngine(Engine):
             from torch.distributed.device_mesh import DeviceMesh
 
             mesh = DeviceMesh.from_group(self.groups.tensor_parallel, fabric.device.type)
+        context = None
+        if self.unit.cp > 1:
+            from ..parallel.context_parallel import SequenceSlices
+
+            context = SequenceSlices(self.groups.context_parallel, cfg.model.seq_len)
         self.stages = build_rank_stages(
             cfg.model,
             tokenizer,
@@ -144,8 +208,13 @@ class UnitEngine(Engine):
             tp_mesh=mesh,
             sequence_overlap=comm.tp_overlap,
             shard=shard,
+            context=context,
+            experts=self.groups.expert_parallel,
         )
         import_pretrained(cfg, tokenizer, [stage.model for stage in self.stages.values()])
+        # MoE aux terms: balanced over the ranks that share a global microbatch's tokens (data x context),
+        # averaged over the step's microbatches (gradients are summed over those ranks).
+        configure_moe(self.models(), self.groups.gradient, 1.0 / schedule.num_microbatches)
         self.partial_grads: list[torch.nn.Parameter] = []  # sequence-parallel norms: summed over TP
         if mesh is not None and comm.tp_overlap:
             for module in self.stages.values():
@@ -181,6 +250,9 @@ class UnitEngine(Engine):
         )
         self.optimizer: ZeroOneOptimizer | ShardedOptimizer | None = None
 
+    def models(self) -> list[torch.nn.Module]:
+        return [stage.model for stage in self.stages.values()]
+
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self) -> ZeroOneOptimizer | ShardedOptimizer:
         if self.unit.fsdp:  # FSDP2 reduces gradients in its own backward hooks
@@ -193,21 +265,33 @@ class UnitEngine(Engine):
             )
             return self.optimizer
         stage_of = {id(p): stage for stage, module in self.stages.items() for p in module.parameters()}
+        held = {id(p) for model in self.models() for layer in moe_layers(model) for p in layer.experts.parameters()}
+        experts = [(n, p) for n, p in self.named_parameters if id(p) in held] if self.unit.ep > 1 else []
+        dense = [(n, p) for n, p in self.named_parameters if not experts or id(p) not in held]
+        # Context-parallel ranks reduce (and shard) gradients with the data-parallel replicas.
         self.optimizer = ZeroOneOptimizer(
-            self.named_parameters,
+            dense,
             self.cfg.optim,
-            self.groups.data_parallel,
-            self.unit.dp,
-            self.dp_rank,
+            self.groups.gradient,
+            self.unit.dp * self.unit.cp,
+            self.dp_rank * self.unit.cp + self.cp_rank,
             self.unit.tp,
             comm=self.cfg.parallel.comm,
             stage_of=stage_of,
             partial_grads=self.partial_grads,
             tp_group=self.groups.tensor_parallel,
             trace=self.trace,
-            comm_group=self.groups.data_parallel_comm,
+            comm_group=self.groups.gradient_comm,
             gather_dtype=self.wire_dtype,
         )
+        if experts:  # expert parallelism: the experts this rank holds have an optimizer of their own
+            from .expert_optim import ExpertOptimizer
+
+            members = self.groups.expert_members
+            index = members.index(self.fabric.global_rank)
+            self.optimizer.experts = ExpertOptimizer(
+                experts, self.cfg.optim, self.groups.expert_data, len(members), index
+            )
         self.optimizer.sync.install_forward_hooks(self.stages.values(), atomic=(DecoderBlock, VitBlock))
         self.executor.grad_sync = self.optimizer.sync
         return self.optimizer
@@ -283,7 +367,8 @@ class UnitEngine(Engine):
                 for k, v in entries.items()
                 if not (self.unit.fsdp and isinstance(v, DTensor)) and (isinstance(v, DTensor) or self.tp_rank == 0)
             }
-            kept = owned_by(replicated, self.dp_rank, self.unit.dp)
+            cp = self.unit.cp  # context-parallel ranks hold the same replicated values as their replica
+            kept = owned_by(replicated, self.dp_rank * cp + self.cp_rank, self.unit.dp * cp)
             entries = {k: v for k, v in entries.items() if k in kept or (self.unit.fsdp and isinstance(v, DTensor))}
         if zero:
             world = dist.get_world_size() if dist.is_initialized() else 1

@@ -29,7 +29,95 @@ def reads_global_stream(cfg: Config) -> bool:
 
 
 def _unit_formula(units) -> str:
-    return " + ".join(f"{u.name} dp({u.dp}) x tp({u.tp}) x pp({u.pp})" for u in units)
+    return " + ".join(
+        f"{u.name} dp({u.dp}) x tp({u.tp}){f' x cp({u.cp})' if u.cp > 1 else ''} x pp({u.pp})" for u in units
+    )
+
+
+def _validate_context_settings(cfg: Config) -> None:
+    """The context- and expert-parallel sizes, before the layout is resolved (ddp layouts divide the world by cp)."""
+    p = cfg.parallel
+    _require(p.cp >= 1, f"parallel.cp={p.cp}: use 1 (no context parallelism) or more")
+    for name in ("encoder", "llm", "generator"):
+        cp = getattr(p.units, name).cp
+        _require(cp >= 1, f"parallel.units.{name}.cp={cp}: use 1 (no context parallelism) or more")
+        _require(
+            name == "llm" or cp == 1,
+            f"parallel.units.{name}.cp={cp}: context parallelism splits the LLM's sequences only; set it to 1 "
+            "(give the unit more dp instead)",
+        )
+    for name in ("encoder", "generator"):
+        ep = getattr(p.units, name).ep
+        _require(ep == 1, f"parallel.units.{name}.ep={ep}: expert parallelism applies to the LLM's MoE blocks; set 1")
+    for where, ep in (("parallel.ep", p.ep), ("parallel.units.llm.ep", p.units.llm.ep)):
+        _require(ep >= 1, f"{where}={ep}: use 1 (no expert parallelism) or more")
+        _require(
+            ep == 1 or cfg.model.llm.moe is not None,
+            f"{where}={ep} needs a mixture-of-experts model (model.llm.moe); this model is dense: set it to 1",
+        )
+    _require(
+        p.mode != "manual" or p.ep == 1,
+        f"parallel.ep={p.ep} sets ddp and megatron layouts; this layout has units: set parallel.units.llm.ep",
+    )
+    _require(
+        p.mode != "manual" or p.cp == 1,
+        f"parallel.cp={p.cp} sets ddp and megatron layouts; this layout has units: set parallel.units.llm.cp",
+    )
+    if p.mode == "ddp":
+        world = world_size(cfg)
+        _require(
+            world % p.cp == 0,
+            f"parallel.cp={p.cp} does not divide trainer.devices x trainer.num_nodes = {world} processes; the "
+            "data-parallel size is processes / cp",
+        )
+
+
+def _validate_moe(cfg: Config, unit) -> None:
+    """The MoE routing settings, and the layouts the MoE blocks train in."""
+    from ..models.moe import check_routing
+
+    moe = cfg.model.llm.moe
+    try:
+        check_routing(moe.num_experts, moe.top_k, moe.capacity_factor, moe.router)
+    except ValueError as error:
+        raise ConfigError(f"model.llm.{error}") from None
+    _require(
+        unit.tp == 1,
+        f"the {unit.name} unit (tp={unit.tp}): model.llm.moe blocks have no tensor-parallel plan (experts are not "
+        "split over TP ranks); use tp=1 with MoE models (more dp, pp or cp instead)",
+    )
+    if unit.ep > 1:
+        from ..parallel.expert_parallel import validate_moe
+
+        try:
+            validate_moe(moe.num_experts, moe.top_k, ep=unit.ep, dp=unit.dp)
+        except ValueError as error:
+            raise ConfigError(f"the {unit.name} unit: {error}") from None
+        _require(
+            unit.shard == "zero1",
+            f"the {unit.name} unit (ep={unit.ep}): shard={unit.shard}; expert parallelism trains with ZeRO-1 for the "
+            "shared weights and an optimizer per expert shard: use shard=zero1",
+        )
+
+
+def _validate_context_unit(cfg: Config, unit) -> None:
+    """Context parallelism of a resolved LLM unit against the model and the other settings."""
+    where = f"the {unit.name} unit (cp={unit.cp})"
+    seq = cfg.model.seq_len
+    _require(
+        seq >= 2 * unit.cp,
+        f"{where}: model.seq_len={seq} cannot be cut into 2 x cp = {2 * unit.cp} zig-zag chunks; lower cp",
+    )
+    _require(
+        unit.shard == "zero1",
+        f"{where}: shard={unit.shard}; context parallelism reduces gradients with ZeRO-1 over the data x context "
+        "ranks: use shard=zero1 (parallel.shard=zero1, or parallel.units.llm.shard=zero1)",
+    )
+    _require(
+        not cfg.parallel.comm.tp_overlap,
+        f"{where}: parallel.comm.tp_overlap=true splits sequences over the TP group as well; use tp_overlap=false "
+        "with cp",
+    )
 
 
 def _validate_shard_settings(p) -> None:
@@ -73,10 +161,10 @@ def _check_sizes_fit(cfg: Config) -> None:
     memory for a typo like parallel.pp=10**18 before the process count is compared (which names the sizes)."""
     p, world = cfg.parallel, world_size(cfg)
     limit = max(world, MAX_PARALLEL_SIZE)
-    sizes = [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp)]
+    sizes = [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)]
     for name in ("encoder", "llm", "generator"):
         unit = getattr(p.units, name)
-        sizes += [(f"parallel.units.{name}.{size}", getattr(unit, size)) for size in ("dp", "tp", "pp")]
+        sizes += [(f"parallel.units.{name}.{size}", getattr(unit, size)) for size in ("dp", "tp", "pp", "cp")]
     for where, value in sizes:
         _require(
             value <= limit,
@@ -159,6 +247,7 @@ def validate_layout(cfg: Config) -> None:
                 "recomputes as the LLM unit does; set parallel.units.llm.recompute",
             )
     _validate_shard_settings(p)
+    _validate_context_settings(cfg)
     _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
     _check_sizes_fit(cfg)
     _require(
@@ -195,8 +284,12 @@ def validate_layout(cfg: Config) -> None:
         f"({cfg.trainer.devices}) x trainer.num_nodes({cfg.trainer.num_nodes}) = {world}; make them equal",
     )
     for unit in layout.units:
+        if unit.cp > 1:
+            _validate_context_unit(cfg, unit)
         _validate_unit_shard(unit, cfg.schedule.name)
         where = f"parallel {unit.name} unit"
+        if "llm" in unit.modules and m.llm.moe is not None:
+            _validate_moe(cfg, unit)
         if unit.tp > 1:
             if "llm" in unit.modules:
                 llm = m.llm
