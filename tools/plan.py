@@ -4,6 +4,7 @@
     python tools/plan.py model=mllm72b cluster=h100_80g cluster.num_gpus=1172 format=json
     python tools/plan.py model=mllm15b cluster=a100_80g cluster.num_gpus=64 solver=exhaustive
     python tools/plan.py model=mllm_tiny trainer.devices=4          # this CPU: profiled costs
+    python tools/plan.py model=mixtral_8x7b cluster=h100_80g cluster.num_gpus=256   # MoE: cp and ep too
 
 Options: ``format=table|json``, ``solver=algorithm1|exhaustive`` (= planner.solver),
 ``png=<path>`` for the predicted timelines (default outputs/plan/<model>_<cluster>_<N>.png, or
@@ -31,7 +32,8 @@ def main(argv: list[str]) -> int:
 
     quiet = options["format"] == "json"
     try:
-        result = make_plan(cfg, progress=(lambda *_: None) if quiet else print)
+        # planning only: expert parallelism is a candidate even before the runtime can run it
+        result = make_plan(cfg, progress=(lambda *_: None) if quiet else print, allow_ep=True)
     except PlanningError as error:
         print(f"error: no feasible layout: {error}", file=sys.stderr)
         return 2

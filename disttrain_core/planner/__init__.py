@@ -15,6 +15,7 @@ from ..config import training_precision
 from .baselines import exhaustive, flops_proportional, megatron
 from .costs import CostModel, Hardware, PlannerSettings
 from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
+from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption
 from .solver import Orchestrator, Plan, PlanningError
 from .workload import workload_of
 
@@ -24,6 +25,7 @@ __all__ = [
     "Evaluation",
     "Hardware",
     "LayoutModel",
+    "LlmOption",
     "Orchestrator",
     "Plan",
     "PlanResult",
@@ -34,6 +36,7 @@ __all__ = [
     "make_plan",
     "planned_devices",
     "planned_precision",
+    "runtime_has_ep",
 ]
 
 
@@ -184,7 +187,21 @@ def smallest_gpu_cluster(cfg, preset: str = "h100_80g", largest: int = 8192) -> 
     return None
 
 
-def make_plan(cfg, devices: int | None = None, progress=print, check_fit: bool = True) -> PlanResult:
+def runtime_has_ep(cfg) -> bool:
+    """Can the configured runtime run expert parallelism (``parallel.units.llm.ep`` exists)? Until it does, a
+    plan that trains must keep every expert on every rank."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, "parallel.units.llm.ep", default=None) is not None
+
+
+def make_plan(
+    cfg, devices: int | None = None, progress=print, check_fit: bool = True, allow_ep: bool | None = None
+) -> PlanResult:
+    """Plan ``cfg``. ``allow_ep``: may the LLM use expert parallelism (None: when the runtime can run it,
+    ``runtime_has_ep``; tools/plan.py, which only plans, allows it)."""
+    from omegaconf import OmegaConf
+
     if cfg.optim.global_batch_size % cfg.optim.micro_batch_size:
         raise PlanningError(
             f"optim.global_batch_size={cfg.optim.global_batch_size} is not a multiple of "
@@ -198,6 +215,10 @@ def make_plan(cfg, devices: int | None = None, progress=print, check_fit: bool =
         tp_options=tuple(cfg.planner.tp_options),
         vpp_options=tuple(cfg.planner.vpp_options),
         allow_colocation=bool(cfg.planner.colocation),
+        # not config fields (yet): the solver's defaults unless a config carries them
+        cp_options=tuple(OmegaConf.select(cfg, "planner.cp_options", default=CP_OPTIONS)),
+        min_cp_tokens=int(OmegaConf.select(cfg, "planner.cp_min_tokens", default=CP_MIN_TOKENS)),
+        allow_ep=runtime_has_ep(cfg) if allow_ep is None else allow_ep,
     )
     if cfg.planner.solver not in ("algorithm1", "exhaustive"):
         raise PlanningError(f"planner.solver={cfg.planner.solver!r}: allowed values are algorithm1 and exhaustive")
@@ -230,7 +251,14 @@ def choices_of_config(cfg) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | 
         for module in unit.modules:
             by_module[module] = unit
     llm_unit = by_module["llm"]
-    llm = UnitChoice(llm_unit.tp, llm_unit.dp, llm_unit.pp, getattr(llm_unit, "vpp", 1))
+    llm = UnitChoice(
+        llm_unit.tp,
+        llm_unit.dp,
+        llm_unit.pp,
+        getattr(llm_unit, "vpp", 1),
+        cp=getattr(llm_unit, "cp", 1),
+        ep=getattr(llm_unit, "ep", 1),
+    )
 
     def side(module: str):
         if cfg.model[module] is None:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..validation import ConfigError
-from . import PlanningError, make_plan
+from . import PlanningError, make_plan, runtime_has_ep
 from .report import plan_dict, plan_table, predicted_timelines
 
 
@@ -21,8 +21,10 @@ def available_devices(cfg) -> tuple[str, int]:
     return "cpu", int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
 
 
-def layout_container(plan_evaluation, every: int = 2) -> dict:
-    """The ``parallel`` section that runs a plan through the units runtime."""
+def layout_container(plan_evaluation, every: int = 2, with_ep: bool = False) -> dict:
+    """The ``parallel`` section that runs a plan through the units runtime. The LLM's ``cp`` is always
+    written; its ``ep`` only when the runtime's config has the field (``with_ep``: ``runtime_has_ep``), and
+    a plan with ep > 1 is never made without it (make_plan)."""
     choices = plan_evaluation.choices
     units = {}
     for name in ("encoder", "llm", "generator"):
@@ -36,6 +38,12 @@ def layout_container(plan_evaluation, every: int = 2) -> dict:
             # the recompute the memory model assumed (colocated modules recompute as the LLM unit does)
             units[name].update(recompute=plan_evaluation.recompute.get(name, "none"), recompute_every=every)
             units[name]["shard"] = plan_evaluation.shard.get(name, "zero1")  # what the memory model assumed
+            if name == "llm":
+                units[name]["cp"] = choice.cp
+                if with_ep:
+                    units[name]["ep"] = choice.ep
+                elif choice.ep > 1:
+                    raise ConfigError(f"the plan uses ep={choice.ep} but this runtime has no parallel.units.llm.ep")
     return {"name": "auto", "mode": "manual", "dp": -1, "tp": 1, "pp": 1, "modality_stages": "separate", "units": units}
 
 
@@ -54,7 +62,8 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
     except Exception as error:  # a picture must never stop a run
         print(f"(no plan picture: {error})")
     planned = copy.deepcopy(container)
-    planned["parallel"] = layout_container(result.plan.evaluation, result.model.c.settings.recompute_every)
+    every = result.model.c.settings.recompute_every
+    planned["parallel"] = layout_container(result.plan.evaluation, every, runtime_has_ep(cfg))
     stages = len(result.plan.evaluation.stage_times)
     planned["schedule"] = {**planned["schedule"], "name": "1f1b" if stages > 1 else "none"}
     if cfg.trainer.dry_run:

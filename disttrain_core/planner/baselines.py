@@ -17,10 +17,10 @@ def exhaustive(solver: Orchestrator) -> Plan:
     N = solver.m.devices
     best: Evaluation | None = None
     count = 0
-    for tp, dp, vpp in solver.llm_options():
-        B = solver.m.micro * dp
-        for pl in solver.llm_pp_options(vpp):
-            llm = UnitChoice(tp, dp, pl, vpp)
+    for opt in solver.llm_options():
+        B = solver.m.micro * opt.dp
+        for pl in solver.llm_pp_options(opt.vpp):
+            llm = opt.choice(pl)
             if llm.gpus > N:
                 break
             for enc in solver.side_options("encoder", B):
@@ -46,21 +46,25 @@ def exhaustive(solver: Orchestrator) -> Plan:
 def megatron(solver: Orchestrator) -> Plan | None:
     """The rigid layout: every module with the LLM's DP and TP; encoder and generator either
     folded into the first / last LLM stage (Megatron-LM's multimodal example) or one extra
-    stage each. The best DP/TP/PP of both."""
+    stage each. The best DP/TP/PP of both. As the runtime's megatron layout does
+    (parallel/plan.py), an extra modality stage takes the LLM's CP ranks as data-parallel replicas."""
     started = time.perf_counter()
     best = None
     count = 0
-    for tp, dp, vpp in solver.llm_options():
-        for pl in solver.llm_pp_options(vpp):
-            llm = UnitChoice(tp, dp, pl, vpp)
+    for opt in solver.llm_options():
+        tp, side_dp = opt.tp, opt.dp * opt.cp
+        for pl in solver.llm_pp_options(opt.vpp):
+            llm = opt.choice(pl)
             for separate in (False, True):
                 if separate and not (solver.has_enc or solver.has_gen):
                     continue
-                side = UnitChoice(tp, dp, 1) if separate else COLOCATED
+                if separate and (solver.m.micro * opt.dp) % side_dp:
+                    continue  # the replicas could not split a microbatch slot's samples evenly
+                side = UnitChoice(tp, side_dp, 1) if separate else COLOCATED
                 enc = side if solver.has_enc else None
                 gen = None
                 if solver.has_gen:  # as an extra stage the U-Net is replicated inside a TP group of tp
-                    gen = UnitChoice(tp, dp, 1) if separate else COLOCATED
+                    gen = UnitChoice(tp, side_dp, 1) if separate else COLOCATED
                 count += 1
                 result = solver.m.evaluate(llm, enc, gen)
                 if result.feasible and (best is None or result.iteration_s < best.iteration_s):
@@ -80,12 +84,12 @@ def flops_proportional(solver: Orchestrator) -> Plan | None:
     share = {name: max(1, math.floor(N * f / total)) for name, f in flops.items()}
     best = None
     count = 0
-    for tp, dp, vpp in solver.llm_options():
-        B = solver.m.micro * dp
-        llm_fit = [p for p in solver.llm_pp_options(vpp) if p * tp * dp <= share["llm"]]
+    for opt in solver.llm_options():
+        B = solver.m.micro * opt.dp
+        llm_fit = [p for p in solver.llm_pp_options(opt.vpp) if p * opt.width <= share["llm"]]
         if not llm_fit:
             continue
-        llm = UnitChoice(tp, dp, llm_fit[-1], vpp)
+        llm = opt.choice(llm_fit[-1])
         enc_best = _best_side(solver, "encoder", share.get("encoder", 0), B, llm)
         gen_best = _best_side(solver, "generator", share.get("generator", 0), B, llm)
         if (solver.has_enc and enc_best is None) or (solver.has_gen and gen_best is None):

@@ -99,14 +99,16 @@ def role_memory(
         recompute = c.recompute_transient_bytes(name, gen.tp, B / gen.dp, policy)
         step = c.step_transient_bytes(name, gen.tp, 1, shard, 1, 0)
     else:
+        # context parallelism: 1/cp of every sequence's activations and logits; expert parallelism: 1/ep of
+        # the experts (costs.py); modules colocated with the LLM run whole sequences on every CP rank
         flight = in_flight(schedule, S, r + pp, m)
         first, last = pp == 0, pp == llm.pp - 1
-        state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp, hsdp_replicas)
-        act = c.activation_bytes("llm", llm.tp, micro, policy) / llm.pp * flight
-        recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy)  # one block at a time
-        step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp)
+        state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp, hsdp_replicas, llm.cp, llm.ep)
+        act = c.activation_bytes("llm", llm.tp, micro, policy, llm.cp) / llm.pp * flight
+        recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy, llm.cp)  # one block at a time
+        step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp, llm.ep)
         if last:
-            logits = model.logits(micro)
+            logits = model.logits(micro, llm.cp)
         extra = []
         if enc is not None and enc.colocated and first:
             act += c.activation_bytes("encoder", llm.tp, model.images(micro), policy) * flight
@@ -115,7 +117,7 @@ def role_memory(
             act += c.activation_bytes("generator", llm.tp, micro, policy)
             extra.append(("generator", 1))
         for module, held in extra:
-            colocated = c.state(module, llm.tp, llm.dp, 1, shard, 0, hsdp_replicas)
+            colocated = c.state(module, llm.tp, llm.dp, 1, shard, 0, hsdp_replicas, llm.cp)
             state = type(state)(*(a + b for a, b in zip(_fields(state), _fields(colocated), strict=True)))
             step += c.step_transient_bytes(module, llm.tp, 1, shard, held, 0)
     absent = state.grads if shard in FSDP and m <= flight else 0.0

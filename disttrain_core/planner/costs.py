@@ -15,6 +15,11 @@ Communication outside a unit's TP group uses ring formulas with the cluster's ba
 point-to-point between pipeline stages (activations forward, gradients back), and the
 ZeRO-1 reduce-scatter + all-gather of a unit's gradients and parameters.
 
+The LLM's context parallelism (``cp``) and expert parallelism (``ep``) enter through ``rank_compute``
+(a rank's compute is that of ``items / cp`` sequences, plus the ring-attention and all-to-all time
+planner/parallel_costs.py derives), the parameters a rank holds (``ep`` splits the routed experts), the
+data-parallel group (dp x cp ranks; dp x cp / ep for the experts) and the activations (1/cp).
+
 Memory per device (``memory_bytes``) follows this runtime's layout: the model state of the unit's
 shard mode (none, zero1, zero2, zero3: planner/memory.py, the same table tools/memory.py prints), what
 a step holds beyond it (FSDP2's gathered parameters, autocast's bf16 weight copies per in-flight
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .memory import FSDP, ModelState, model_state, transient_bytes
+from .memory import FSDP, ModelState, model_state, transient_bytes, unit_model_state
+from .parallel_costs import all_to_all_s, ring_attention_exposed_s
 from .workload import UnitWork, Workload
 
 GB = 1e9
@@ -135,9 +141,32 @@ class CostModel:
                 self._memo[key] = self._analytic(unit, tp, items)
         return self._memo[key]
 
+    def rank_compute(self, unit: str, tp: int, items: float, cp: int = 1, ep: int = 1) -> float:
+        """``compute`` for one rank of a context- and expert-parallel unit: every CP rank runs ``1/cp`` of
+        each sequence (1/cp of the matmul FLOPs, and of the attention FLOPs since zig-zag balances them; TP's
+        collectives carry 1/cp of the tokens), so its time is that of ``items / cp`` sequences; plus, per
+        block, the ring exchanges not hidden behind attention and the MoE all-to-alls
+        (planner/parallel_costs.py). EP does not change a rank's expert FLOPs under balanced routing."""
+        seconds = self.compute(unit, tp, items / cp)
+        if cp == 1 and ep == 1:
+            return seconds
+        per_block = ring_attention_exposed_s(self, unit, tp, cp, items) + all_to_all_s(self, unit, tp, cp, ep, items)
+        return seconds + self.work.units[unit].layers * per_block
+
+    def seconds_per_flop(self, unit: str, tp: int, items: float = 1.0) -> float:
+        """What a FLOP of ``unit`` costs on one rank: measured (profiled compute over the FLOPs it ran) or the
+        analytic peak x efficiency. Used to size the compute a communication can hide behind."""
+        w = self.work.units[unit]
+        if self.profile is None or not self.profile.has(unit, tp) or not w.train_flops:
+            return 1.0 / (self.hw.peak_flops * self.hw.efficiency)
+        flops = items * ((w.train_flops - w.flops_unsplit) / tp + w.flops_unsplit)
+        return self.compute(unit, tp, items) / flops
+
     def _analytic(self, unit: str, tp: int, items: float) -> float:
         w = self.work.units[unit]
-        flops = items * (w.train_flops - w.flops_not_tp) / tp + items * w.flops_not_tp
+        # TP shards the blocks' attention and dense MLPs; the head, the replicated modules and the MoE
+        # feed-forwards (which the runtime's TP plan does not reach) run whole on every TP rank
+        flops = items * (w.train_flops - w.flops_unsplit) / tp + items * w.flops_unsplit
         seconds = flops / (self.hw.peak_flops * self.hw.efficiency)
         if tp > 1 and w.params_tp:
             block_bytes = items * w.tokens * w.dim * self.settings.act_bytes
@@ -149,45 +178,73 @@ class CostModel:
         w = self.work.units[unit]
         return samples * w.items_per_sample * w.boundary_floats * self.settings.act_bytes
 
-    def local_params(self, unit: str, tp: int, pp: int, stage: int | None = None) -> float:
-        """Parameters on one TP rank of a pipeline stage: the stage's share of the blocks (split by TP)
-        plus the embeddings on the first stage and the head on the last; ``stage=None``: the average."""
+    def local_params(self, unit: str, tp: int, pp: int, stage: int | None = None, ep: int = 1) -> float:
+        """Parameters on one TP rank of a pipeline stage: the stage's share of the blocks (attention and dense
+        MLPs split by TP; of a MoE, the router and shared experts whole and 1/ep of the routed experts) plus
+        the embeddings on the first stage and the head on the last; ``stage=None``: the average."""
         w = self.work.units[unit]
+        blocks = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / ep
         if stage is None:
-            return (w.params_tp / tp + w.params_rep) / pp
-        held = w.params_tp / tp / pp
+            return (blocks + w.params_rep) / pp
+        held = blocks / pp
         if w.params_first + w.params_last != w.params_rep:  # a workload without the split: spread evenly
             return held + w.params_rep / pp
         return held + (w.params_first if stage == 0 else 0) + (w.params_last if stage == pp - 1 else 0)
 
-    def sync_s(self, unit: str, tp: int, dp: int, pp: int, shard: str | None = None, microbatches: int = 1) -> float:
+    def _split_params(self, unit: str, tp: int, pp: int, stage: int | None, ep: int) -> tuple[float, float]:
+        """(non-expert, routed-expert) parameters of one rank of a stage: they are reduced, sharded and
+        stepped over different data-parallel groups."""
+        local = self.local_params(unit, tp, pp, stage, ep)
+        experts = self.work.units[unit].params_expert / ep / pp
+        return local - experts, experts
+
+    def sync_s(
+        self,
+        unit: str,
+        tp: int,
+        dp: int,
+        pp: int,
+        shard: str | None = None,
+        microbatches: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+    ) -> float:
         """Data-parallel traffic of a step, exposed part. ZeRO-1 (and DDP, the same bytes): one reduce-scatter
         of fp32 gradients + one all-gather of the updated parameters in the wire dtype (bf16 under
         bf16-mixed, as the runtime sends them). FSDP2 per microbatch: an all-gather of parameters for the
-        forward (zero3: again for the backward) and a reduce-scatter of the fp32 gradients."""
-        if dp <= 1:
+        forward (zero3: again for the backward) and a reduce-scatter of the fp32 gradients. The group is
+        the dp x cp ranks (CP ranks' losses cover disjoint positions: their gradients add up as replicas'
+        do); routed experts go over their expert-data-parallel group of dp x cp / ep ranks."""
+        ranks = dp * cp
+        if ranks <= 1:
             return 0.0
         shard = self.shard_of(shard)
         w = self.work.units[unit]
-        local = self.local_params(unit, tp, pp) * w.trainable_fraction
-        bw = self.link_bw(tp * dp)
-        # a reduce-scatter and an all-gather each move half of what an all-reduce of the same bytes moves
-        reduce = self.allreduce_s(local * 4, dp, bw) / 2
-        gather = self.allreduce_s(local * self.settings.act_bytes, dp, bw) / 2
-        if shard in FSDP:
-            seconds = microbatches * (reduce + gather * (2 if shard == "zero3" else 1))
-        else:
-            seconds = reduce + gather
+        dense, experts = self._split_params(unit, tp, pp, None, ep)
+        bw = self.link_bw(tp * ranks)
+        seconds = 0.0
+        for params, group in ((dense, ranks), (experts, ranks // ep)):
+            trainable = params * w.trainable_fraction
+            # a reduce-scatter and an all-gather each move half of what an all-reduce of the same bytes moves
+            reduce = self.allreduce_s(trainable * 4, group, bw) / 2
+            gather = self.allreduce_s(trainable * self.settings.act_bytes, group, bw) / 2
+            if shard in FSDP:
+                seconds += microbatches * (reduce + gather * (2 if shard == "zero3" else 1))
+            else:
+                seconds += reduce + gather
         return seconds * (1.0 - self.settings.dp_overlap)
 
-    def optimizer_s(self, unit: str, tp: int, dp: int, pp: int) -> float:
+    def optimizer_s(self, unit: str, tp: int, dp: int, pp: int, cp: int = 1, ep: int = 1) -> float:
         w = self.work.units[unit]
-        local = self.local_params(unit, tp, pp) * w.trainable_fraction
+        dense, experts = self._split_params(unit, tp, pp, None, ep)
+        local = (dense + experts) * w.trainable_fraction
+        # this rank's shards: dense over the dp x cp ranks, experts over their dp x cp / ep ranks
+        stepped = dense * w.trainable_fraction / (dp * cp) + experts * w.trainable_fraction * ep / (dp * cp)
         if self.profile is not None and self.profile.optimizer_s_per_param:
             per = self.profile.optimizer_s_per_param
-            return local / dp * per + local * self.profile.copy_s_per_param
+            return stepped * per + local * self.profile.copy_s_per_param
         # AdamW touches master, grad, two moments (read + write) ~ 28 bytes; copy-back 8 bytes
-        return (28.0 * local / dp + 8.0 * local) / self.hw.hbm_bw
+        return (28.0 * stepped + 8.0 * local) / self.hw.hbm_bw
 
     # ------------------------------------------------------------------------- memory
     def _policy(self, policy: str | None) -> str:
@@ -206,20 +263,35 @@ class CostModel:
         product). Flash attention (CUDA and CPU SDPA) keeps no s x s scores.
         selective_op keeps the block input and the outputs of the matmuls and of attention (q, k, v,
         the attention output, the two projections back to h, the MLP's first matmul(s)).
+
+        A MoE feed-forward (models/moe.py; checked against autograd in tests/unit/test_planner_cp_ep.py)
+        keeps per token and routed expert the expert's sorted input row, its SwiGLU hidden activations
+        (4 x expert width) and its output twice (reordered, and saved by the gate product), the shared
+        experts' hidden activations, and index and router tensors too small to count. TP does not split
+        it (the runtime's TP plan does not reach the experts). selective_op keeps the input rows, the first
+        matmuls and the outputs.
         """
         w = self.work.units[unit]
         kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
         rope = (1.0 + kv) if w.kv_heads else 0.0
+        if w.num_experts:
+            width = w.expert_dim / w.dim
+            none = 4.0 + (1.0 + 2.0 * kv + rope + 1.0) / tp
+            none += w.top_k * (3.0 + 4.0 * width) + 4.0 * width * w.shared_experts
+            selective = 3.0 + (1.0 + 2.0 * kv + 1.0) / tp
+            selective += w.top_k * (2.0 + 2.0 * width) + 2.0 * width * w.shared_experts
+            return none, selective
         hidden = (4.0 if w.gated_mlp else 2.0) * w.mlp_ratio
         none = 4.0 + (1.0 + 2.0 * kv + rope + 1.0 + hidden) / tp
         first_matmuls = (2.0 if w.gated_mlp else 1.0) * w.mlp_ratio
         selective = 3.0 + (1.0 + 2.0 * kv + 1.0 + first_matmuls) / tp
         return none, selective
 
-    def activation_bytes(self, unit: str, tp: int, items: float, policy: str | None = None) -> float:
+    def activation_bytes(self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1) -> float:
         """Bytes saved for backward by the whole unit for ``items`` items (one microbatch), under the
         recompute policy (parallel/recompute.py): none, full (a block keeps its input), selective_op, or
-        every_k (every k-th block full, the rest none)."""
+        every_k (every k-th block full, the rest none). A context-parallel rank holds 1/cp of every
+        sequence and so 1/cp of every tensor (ring attention saves what SDPA does: its q, k, v, output)."""
         w = self.work.units[unit]
         scale = self.settings.act_bytes / 2  # the units below are 16-bit elements
         policy = self._policy(policy)
@@ -238,10 +310,14 @@ class CostModel:
             "selective_op": selective,
             "every_k": (1.0 + (self.settings.recompute_every - 1) * none) / self.settings.recompute_every,
         }[policy]
-        return items * 2.0 * w.tokens * w.dim * per_layer * w.layers * scale  # logits: the LLM's last stage
+        tokens = w.tokens / cp
+        return items * 2.0 * tokens * w.dim * per_layer * w.layers * scale  # logits: the LLM's last stage
 
-    def recompute_transient_bytes(self, unit: str, tp: int, items: float, policy: str | None = None) -> float:
-        """Extra bytes while one recomputed block runs its backward: what recompute dropped, for one block."""
+    def recompute_transient_bytes(
+        self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1
+    ) -> float:
+        """Extra bytes while one recomputed block runs its backward: what recompute dropped, for one block
+        (1/cp of it on a context-parallel rank)."""
         w = self.work.units[unit]
         policy = self._policy(policy)
         if policy == "none":
@@ -250,7 +326,7 @@ class CostModel:
             return items * w.counted_recompute_bytes.get("largest_block", 0.0) * self.settings.act_bytes / 4
         none, selective = self._block_units(unit, tp)
         dropped = none - (selective if policy == "selective_op" else 1.0)
-        return items * 2.0 * w.tokens * w.dim * dropped * self.settings.act_bytes / 2
+        return items * 2.0 * (w.tokens / cp) * w.dim * dropped * self.settings.act_bytes / 2
 
     def recompute_factor(self, unit: str, policy: str | None = None) -> float:
         """Compute time with recompute over without: full runs each block's forward again (a third of its
@@ -279,33 +355,41 @@ class CostModel:
         shard: str | None = None,
         stage: int | None = None,
         hsdp_replicas: int = 1,
+        cp: int = 1,
+        ep: int = 1,
     ) -> ModelState:
         """Model state per rank (planner/memory.py) of pipeline stage ``stage`` of ``unit`` (None: the
-        average stage, a lower bound of the fullest)."""
+        average stage, a lower bound of the fullest). Non-expert parameters are sharded over the dp x cp
+        ranks that reduce their gradients, the rank's 1/ep of the routed experts over dp x cp / ep."""
         w = self.work.units[unit]
-        local = self.local_params(unit, tp, pp, stage)
-        trainable = local * w.trainable_fraction
-        return model_state(local, trainable, dp, self.shard_of(shard), hsdp_replicas, self.settings.act_bytes)
+        dense, experts = self._split_params(unit, tp, pp, stage, ep)
+        f = w.trainable_fraction
+        if not experts and cp == 1:
+            return model_state(dense, dense * f, dp, self.shard_of(shard), hsdp_replicas, self.settings.act_bytes)
+        return unit_model_state(
+            dense, experts, f, dp * cp, ep, self.shard_of(shard), hsdp_replicas, self.settings.act_bytes
+        )
 
     def state_bytes(
         self, unit: str, tp: int, dp: int, pp: int, shard: str | None = None, stage: int | None = None
     ) -> float:
         return self.state(unit, tp, dp, pp, shard, stage).total
 
-    def largest_group(self, unit: str, tp: int) -> float:
+    def largest_group(self, unit: str, tp: int, ep: int = 1) -> float:
         """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head."""
         w = self.work.units[unit]
-        block = w.params_tp / max(1, w.layers) / tp if w.params_tp else float(w.params_rep)
+        held = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / ep
+        block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)
         return max(block, float(self.work.vocab * w.dim) if unit == "llm" else 0.0)
 
     def step_transient_bytes(
-        self, unit: str, tp: int, pp: int, shard: str | None, in_flight: int, stage: int | None = None
+        self, unit: str, tp: int, pp: int, shard: str | None, in_flight: int, stage: int | None = None, ep: int = 1
     ) -> float:
         """Gathered FSDP2 parameters and autocast's weight copies (planner/memory.py ``transient_bytes``)."""
         mixed = self.settings.precision.startswith("bf16")
-        local = self.local_params(unit, tp, pp, stage)
+        local = self.local_params(unit, tp, pp, stage, ep)
         return transient_bytes(
-            local, self.largest_group(unit, tp), self.shard_of(shard), in_flight, mixed, self.settings.act_bytes
+            local, self.largest_group(unit, tp, ep), self.shard_of(shard), in_flight, mixed, self.settings.act_bytes
         )
 
 

@@ -1,6 +1,6 @@
 """The exact iteration-time and memory model of one layout (what both solvers optimize).
 
-A layout is a choice per unit: the LLM's (tp, dp, pp, vpp); the encoder's and the
+A layout is a choice per unit: the LLM's (tp, dp, pp, vpp, cp, ep); the encoder's and the
 generator's (tp, dp, pp), or *colocated* inside the LLM's first / last stage. Following
 DistTrain §5.1, with ``m`` microbatches of ``B = micro_batch x dp_llm`` samples and
 per-stage forward+backward times ``T_s`` of the pipeline's stages in order
@@ -18,6 +18,11 @@ Memory per device is checked on the stages that hold the most: each unit's first
 (in 1F1B stage ``r`` of ``S`` keeps ``min(S - r, m)`` microbatches in flight) and the
 LLM's last stage (logits). Units take contiguous device blocks in data-flow order; a
 tensor-parallel group must not straddle a node boundary.
+
+The LLM's context parallelism (cp ranks per replica share its samples, each holding 1/cp of every
+sequence) multiplies its devices per stage to tp x cp x dp without changing ``B`` or ``m``; expert
+parallelism (ep ranks of the data-parallel group share the experts) changes no device count. Both act
+through the cost model (planner/costs.py ``rank_compute``, memory and data-parallel terms).
 """
 
 from __future__ import annotations
@@ -38,15 +43,25 @@ class UnitChoice:
     pp: int = 1
     vpp: int = 1
     colocated: bool = False
+    cp: int = 1  # context parallelism (the LLM only): ranks sharing each sequence
+    ep: int = 1  # expert parallelism (MoE LLMs only): data-parallel ranks sharing the experts; divides dp
 
     @property
     def gpus(self) -> int:
-        return 0 if self.colocated else self.tp * self.dp * self.pp
+        return 0 if self.colocated else self.tp * self.cp * self.dp * self.pp
 
     def as_dict(self) -> dict:
         if self.colocated:
             return {"colocated": True, "gpus": 0}
-        return {"gpus": self.gpus, "dp": self.dp, "tp": self.tp, "pp": self.pp, "vpp": self.vpp}
+        return {
+            "gpus": self.gpus,
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "cp": self.cp,
+            "ep": self.ep,
+        }
 
 
 COLOCATED = UnitChoice(colocated=True)
@@ -91,11 +106,16 @@ class LayoutModel:
     def stage_time(self, unit: str, choice: UnitChoice, samples: float, bw: float, policy: str | None = None) -> float:
         """Seconds per microbatch of one stage of a separate unit (compute share + boundary p2p)."""
         items = self.images(samples) if unit == "encoder" else samples
-        compute = self.c.compute(unit, choice.tp, items) * self.c.recompute_factor(unit, policy) / choice.pp
+        compute = self.c.rank_compute(unit, choice.tp, items, choice.cp, choice.ep)
+        compute *= self.c.recompute_factor(unit, policy) / choice.pp
         boundary = self.c.boundary_bytes(unit, samples) if unit != "generator" else 0.0
         if unit == "llm" and choice.pp > 1:
-            boundary = max(boundary, samples * self.w.seq_len * self.w.llm_dim * self.c.settings.act_bytes)
+            boundary = max(boundary, self.llm_boundary_bytes(samples, choice.cp))
         return compute + self.c.p2p_s(boundary, bw)
+
+    def llm_boundary_bytes(self, samples: float, cp: int = 1) -> float:
+        """Hidden states an LLM rank sends to the next stage: its 1/cp of each sequence."""
+        return samples * self.w.seq_len / cp * self.w.llm_dim * self.c.settings.act_bytes
 
     def colocated_time(self, unit: str, tp: int, samples: float, policy: str | None = None) -> float:
         items = self.images(samples) if unit == "encoder" else samples
@@ -140,13 +160,15 @@ class LayoutModel:
         self, choices: dict, S: int, m: int
     ) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
         """Each unit's recompute policy, memory and shard mode: the settings, or under ``auto`` the first
-        option of ``memory_options`` that fits the device. A unit with one replica cannot shard: zero1."""
+        option of ``memory_options`` that fits the device. A unit with one replica cannot shard: zero1.
+        Neither can a context- or expert-parallel LLM: the runtime reduces over dp x cp ranks with ZeRO-1
+        only (validation/layout.py), and has no FSDP2 over expert-data-parallel groups."""
         policies, memory, shards = {}, {}, {}
         for name, choice in choices.items():
             if choice.colocated:
                 continue
             for shard, policy in self.memory_options():
-                if shard in FSDP and choice.dp < 2:
+                if (shard in FSDP and choice.dp < 2) or choice.cp > 1 or choice.ep > 1:
                     shard = "zero1"
                 used = self.unit_memory(name, choices, S, m, policy, shard)
                 if used <= self.limit:
@@ -210,9 +232,11 @@ class LayoutModel:
         warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
         steady = (m - 1) * max(t for _, t in stages)
 
-        # Data-parallel traffic and the optimizer step, per unit (colocated modules ride with the LLM's stages)
+        # Data-parallel traffic and the optimizer step, per unit (colocated modules ride with the LLM's stages
+        # and reduce over its dp x cp ranks)
         def tail(name: str, ch: UnitChoice, dp: int, shard: str) -> float:
-            return c.sync_s(name, ch.tp, dp, ch.pp, shard, m) + c.optimizer_s(name, ch.tp, dp, ch.pp)
+            sync = c.sync_s(name, ch.tp, dp, ch.pp, shard, m, ch.cp, ch.ep)
+            return sync + c.optimizer_s(name, ch.tp, dp, ch.pp, ch.cp, ch.ep)
 
         llm_tail = tail("llm", llm, llm.dp, shards["llm"])
         extra = 0.0
@@ -221,7 +245,7 @@ class LayoutModel:
             if ch is None:
                 continue
             if ch.colocated:
-                extra = max(extra, tail(name, UnitChoice(tp=llm.tp, dp=llm.dp), llm.dp, shards["llm"]))
+                extra = max(extra, tail(name, UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp), llm.dp, shards["llm"]))
             else:
                 tails.append(tail(name, ch, ch.dp, shards[name]))
         sync = max([llm_tail + extra, *tails])
@@ -230,7 +254,7 @@ class LayoutModel:
             # every rank of a multi-unit layout reads the whole global stream; a single unit's
             # ranks read their replica's share (each pipeline stage and TP rank decodes it)
             single = all(ch.colocated for name, ch in choices.items() if name != "llm")
-            decoded = self.batch * (llm.tp * llm.pp if single else gpus)
+            decoded = self.batch * (llm.tp * llm.cp * llm.pp if single else gpus)
             iteration += self.data_s_per_sample * decoded / self.data_cores
 
         for name, used in memory.items():
@@ -251,5 +275,6 @@ class LayoutModel:
                 )
         return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies, shards)
 
-    def logits(self, samples: float) -> float:
-        return samples * self.w.seq_len * self.w.vocab * (self.c.settings.act_bytes + 8)
+    def logits(self, samples: float, cp: int = 1) -> float:
+        """Logits and loss temporaries of the last LLM stage: its 1/cp of each sequence's positions."""
+        return samples * self.w.seq_len / cp * self.w.vocab * (self.c.settings.act_bytes + 8)

@@ -18,6 +18,12 @@ except under ZeRO-1, whose optimizer keeps fp32 master slices (a bf16 wire leave
 bf16-rounded values). Padding (ZeRO-1 buckets to a multiple of dp, FSDP2 dim-0 shards to a multiple
 of S) is below 1% for any real model and is not modelled.
 
+Context and expert parallelism (``unit_model_state``): the rows above apply to each of two parameter sets
+with its own ``dp``. Gradients are reduced over the dp x cp ranks of a stage (context-parallel ranks' losses
+cover disjoint positions), so that is the ZeRO group of every non-expert parameter; a rank holds ``1/ep``
+of the routed experts (parallel/expert_parallel.py), replicated on -- and sharded over -- the dp x cp / ep
+ranks with the same expert shard.
+
 Besides the state, while a step runs (``transient``):
 
 * zero3 holds the unsharded parameters of the FSDP group in compute and the next one (prefetch), and
@@ -54,6 +60,15 @@ class ModelState:
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
 
+    def __add__(self, other: ModelState) -> ModelState:
+        return ModelState(
+            self.params + other.params,
+            self.grads + other.grads,
+            self.master + other.master,
+            self.moments + other.moments,
+            self.buffers + other.buffers,
+        )
+
 
 def model_state(
     local: float, trainable: float, dp: int, shard: str, hsdp_replicas: int = 1, wire_bytes: int = 4
@@ -67,6 +82,28 @@ def model_state(
         return ModelState(4.0 * local, 4.0 * trainable, 4.0 * trainable / dp, 8.0 * trainable / dp, buffers)
     shards = max(1, dp // hsdp_replicas)
     return ModelState(4.0 * local / shards, 4.0 * trainable / shards, 0.0, 8.0 * trainable / shards, 0.0)
+
+
+def unit_model_state(
+    dense: float,
+    experts: float,
+    trainable_fraction: float,
+    gradient_ranks: int,
+    ep: int,
+    shard: str,
+    hsdp_replicas: int = 1,
+    wire_bytes: int = 4,
+) -> ModelState:
+    """``model_state`` of a rank holding ``dense`` non-expert parameters, reduced over ``gradient_ranks``
+    (dp x cp) ranks, and ``experts`` routed-expert parameters (its 1/ep), reduced over gradient_ranks / ep."""
+    if gradient_ranks % ep:
+        raise ValueError(f"ep={ep} does not divide the {gradient_ranks} data x context ranks")
+    state = model_state(dense, dense * trainable_fraction, gradient_ranks, shard, hsdp_replicas, wire_bytes)
+    if experts:
+        expert_ranks = gradient_ranks // ep
+        replicas = max(1, min(hsdp_replicas, expert_ranks))
+        state = state + model_state(experts, experts * trainable_fraction, expert_ranks, shard, replicas, wire_bytes)
+    return state
 
 
 def transient_bytes(

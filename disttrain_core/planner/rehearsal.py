@@ -39,8 +39,8 @@ def _meshes(unit):
     if unit.fsdp and unit.hsdp_replicas > 1:
         shape += [unit.hsdp_replicas, unit.dp // unit.hsdp_replicas]
         names += ["replicate", "shard"]
-    else:
-        shape.append(unit.dp)
+    else:  # context-parallel ranks reduce and shard gradients with the replicas (ZeRO-1 over dp x cp)
+        shape.append(unit.dp * getattr(unit, "cp", 1))
         names.append("shard")
     shape.append(unit.tp)
     names.append("tp")
@@ -64,7 +64,8 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
     from ..parallel.stages import build_unit_stage
     from ..parallel.tensor_parallel import apply_tensor_parallel
 
-    _fake_group(unit.dp * unit.tp)
+    replicas = unit.dp * getattr(unit, "cp", 1)  # the ZeRO-1 group: dp x cp (train/unit_engine.py)
+    _fake_group(replicas * unit.tp)
     try:
         fsdp_mesh, tp_mesh = _meshes(unit)
         tokenizer = build_tokenizer(cfg.data.tokenizer)
@@ -85,7 +86,7 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
             decay = [(n, p) for n, p in trainable if p.ndim >= 2]
             no_decay = [(n, p) for n, p in trainable if p.ndim < 2]
             flats = [
-                FlatBuckets(group, unit.dp, rank, unit.tp, size, torch.device("meta"), graded)
+                FlatBuckets(group, replicas, rank, unit.tp, size, torch.device("meta"), graded)
                 for group in (decay, no_decay)
             ]
             padded = sum(f.padded for f in flats if f.params)
@@ -119,7 +120,7 @@ def rehearse(cfg, run_dir: Path | None = None, progress=print) -> dict:
         rows.append(
             {
                 "role": f"{role.unit} pp{role.pp}",
-                "ranks": unit.dp * unit.tp,
+                "ranks": unit.dp * unit.tp * getattr(unit, "cp", 1),
                 "shard": role.shard,
                 "recompute": role.recompute,
                 "predicted": predicted,

@@ -35,7 +35,7 @@ def binding_constraint(model: LayoutModel, plan: Plan) -> str:
     layers = model.w.units["llm"].layers
     bigger = [p for p in range(llm.pp + 1, layers + 1) if layers % (p * llm.vpp) == 0]
     if bigger:
-        extra = llm.tp * llm.dp * (bigger[0] - llm.pp)
+        extra = llm.tp * llm.cp * llm.dp * (bigger[0] - llm.pp)
         if e.gpus + extra > model.devices:
             words.append(
                 f"{e.gpus} of {model.devices} devices are used: the next LLM pipeline size ({bigger[0]}, "
@@ -108,8 +108,8 @@ def plan_table(result: PlanResult) -> str:
         f"global batch {d['global_batch']}, micro batch {d['micro_batch']}, {costs}, "
         f"{d['solver']} in {d['solve_seconds'] * 1e3:.0f} ms)",
         "",
-        f"{'unit':10s} {'gpus':>6s} {'dp':>5s} {'tp':>3s} {'pp':>4s} {'vpp':>4s} {'shard':>6s} {'recompute':>13s} "
-        f"{'memory/device':>14s}",
+        f"{'unit':10s} {'gpus':>6s} {'dp':>5s} {'tp':>3s} {'cp':>3s} {'ep':>3s} {'pp':>4s} {'vpp':>4s} {'shard':>6s} "
+        f"{'recompute':>13s} {'memory/device':>14s}",
     ]
     for name, row in d["units"].items():
         if row.get("colocated"):
@@ -117,8 +117,9 @@ def plan_table(result: PlanResult) -> str:
             continue
         mem = f"{row['memory_gb']:.1f} GB" if "memory_gb" in row else ""
         lines.append(
-            f"{name:10s} {row['gpus']:6d} {row['dp']:5d} {row['tp']:3d} {row['pp']:4d} {row['vpp']:4d} "
-            f"{row.get('shard', 'zero1'):>6s} {row.get('recompute', 'none'):>13s} {mem:>14s}"
+            f"{name:10s} {row['gpus']:6d} {row['dp']:5d} {row['tp']:3d} {row.get('cp', 1):3d} {row.get('ep', 1):3d} "
+            f"{row['pp']:4d} {row['vpp']:4d} {row.get('shard', 'zero1'):>6s} {row.get('recompute', 'none'):>13s} "
+            f"{mem:>14s}"
         )
     lines += [
         "",
@@ -132,7 +133,7 @@ def plan_table(result: PlanResult) -> str:
         lines += ["", f"{'baseline':20s} {'gpus':>6s} {'iteration':>10s} {'MFU':>7s} {'plan speedup':>13s}  layout"]
         for name, b in d["baselines"].items():
             layout = ", ".join(
-                f"{u} colocated" if r.get("colocated") else f"{u} {r['dp']}x{r['tp']}x{r['pp']}"
+                f"{u} colocated" if r.get("colocated") else f"{u} {r['dp']}x{r['tp']}x{r['pp']}{_cp_ep(r)}"
                 for u, r in b["units"].items()
             )
             lines.append(
@@ -140,6 +141,11 @@ def plan_table(result: PlanResult) -> str:
                 f"{b['speedup_of_plan']:12.2f}x  {layout} (dp x tp x pp)"
             )
     return "\n".join(lines)
+
+
+def _cp_ep(row: dict) -> str:
+    """`` cp2 ep4`` after a dp x tp x pp triple, for the sizes above 1."""
+    return "".join(f" {key}{row[key]}" for key in ("cp", "ep") if row.get(key, 1) > 1)
 
 
 def predicted_timelines(result: PlanResult, path: str | Path, max_microbatches: int = 16) -> Path:
@@ -156,7 +162,9 @@ def predicted_timelines(result: PlanResult, path: str | Path, max_microbatches: 
         m = min(e.microbatches, max(max_microbatches, 2 * len(stages)))  # enough to reach the steady phase
         schedule = build_schedule("1f1b" if len(stages) > 1 else "gpipe", len(stages), m)
         sim = simulate(schedule, Durations(forward=1 / 3, backward=2 / 3, per_stage=stages))
-        units = " | ".join(f"{u} {c.dp}x{c.tp}x{c.pp}" for u, c in e.choices.items() if not c.colocated)
+        units = " | ".join(
+            f"{u} {c.dp}x{c.tp}x{c.pp}{_cp_ep(c.as_dict())}" for u, c in e.choices.items() if not c.colocated
+        )
         shown = f"{m} of {e.microbatches} microbatches" if m < e.microbatches else f"{m} microbatches"
         title = f"{name}: {units} (dp x tp x pp), {shown}, {e.iteration_s:.2f} s per iteration"
         panels.append((title, sim.timeline, len(stages)))

@@ -24,6 +24,10 @@ Combinations are visited in increasing order of a lower bound on their iteration
 skipped. That makes the search exact with respect to its own rounding while solving only
 a small fraction of the convex problems.
 
+The LLM's options also carry context parallelism ``cp`` and expert parallelism ``ep`` (which sizes:
+planner/options.py): its devices per stage are then ``tp x cp x dp`` and ``K = C(tp, cp, ep) * tp * cp * dp``,
+with ``C`` a rank's time (planner/costs.py ``rank_compute``).
+
 ``solver=exhaustive`` evaluates every integer layout with the same model, for checking
 on small clusters.
 """
@@ -32,22 +36,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from functools import cache
 
 from scipy.optimize import brentq, minimize_scalar
 
 from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
+from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption, cp_candidates, divisors, ep_candidates
 
 TP_OPTIONS = (1, 2, 4, 8)
 
 
 class PlanningError(ValueError):
     """No layout satisfies the constraints; the message names the binding one."""
-
-
-@cache
-def divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 @dataclass
@@ -61,7 +60,16 @@ class Plan:
 
 
 class Orchestrator:
-    def __init__(self, model: LayoutModel, tp_options=TP_OPTIONS, vpp_options=(1,), allow_colocation: bool = True):
+    def __init__(
+        self,
+        model: LayoutModel,
+        tp_options=TP_OPTIONS,
+        vpp_options=(1,),
+        allow_colocation: bool = True,
+        cp_options=CP_OPTIONS,
+        min_cp_tokens: int = CP_MIN_TOKENS,
+        allow_ep: bool = True,
+    ):
         self.m = model
         c, w = model.c, model.w
         self.w = w
@@ -71,6 +79,8 @@ class Orchestrator:
         self.allow_colocation = allow_colocation
         self.has_enc = w.get("encoder") is not None
         self.has_gen = w.get("generator") is not None
+        self.cp_options = cp_candidates(w.seq_len, cp_options, min_cp_tokens)  # planner/options.py
+        self.allow_ep = allow_ep
 
     # ------------------------------------------------------------------ enumeration
     def tp_ok(self, unit: str, tp: int) -> bool:
@@ -83,17 +93,23 @@ class Orchestrator:
     def enc_pp_options(self) -> list[int]:
         return divisors(self.w.units["encoder"].layers) if self.has_enc else [1]
 
+    def ep_options(self, dp: int) -> tuple[int, ...]:
+        """Expert-parallel sizes of a MoE LLM with ``dp`` replicas: divisors of the expert count and of dp."""
+        return ep_candidates(self.w.units["llm"].num_experts if self.allow_ep else 0, dp)
+
     def llm_options(self):
-        """(tp, dp, vpp) of the LLM: dp divides the number of micro-batches."""
+        """LlmOptions of the LLM: dp divides the number of micro-batches; cp and ep: planner/options.py."""
         per_rank = self.m.batch // self.m.micro
         for tp in self.tp_options:
             if not self.tp_ok("llm", tp):
                 continue
-            for dp in divisors(per_rank):
-                if tp * dp > self.m.devices:
-                    break
-                for vpp in self.vpp_options:
-                    yield tp, dp, vpp
+            for cp in self.cp_options:
+                for dp in divisors(per_rank):
+                    if tp * cp * dp > self.m.devices:
+                        break
+                    for ep in self.ep_options(dp):
+                        for vpp in self.vpp_options:
+                            yield LlmOption(tp, dp, vpp, cp, ep)
 
     def side_options(self, unit: str, samples: int) -> list[UnitChoice]:
         """Colocated, or (tp, dp) with dp dividing the samples of a microbatch slot."""
@@ -113,24 +129,25 @@ class Orchestrator:
     def _fits(self, used: float) -> bool:
         return used + self.m.c.hw.overhead_bytes <= self.m.limit
 
-    def llm_pp_min(self, tp: int, dp: int, vpp: int, m: int) -> int | None:
+    def llm_pp_min(self, opt: LlmOption, m: int) -> int | None:
         """Smallest LLM pipeline size whose stages can fit (a lower bound: other units only add)."""
         c, micro = self.m.c, self.m.micro
-        act = c.activation_bytes("llm", tp, micro)
-        logits = self.m.logits(micro)
-        for pp in self.llm_pp_options(vpp):
+        act = c.activation_bytes("llm", opt.tp, micro, None, opt.cp)
+        logits = self.m.logits(micro, opt.cp)
+        for pp in self.llm_pp_options(opt.vpp):
             # the first stage keeps min(pp, m) microbatches in flight and the embeddings, the last one the
             # head and the logits; the state is the least any shard mode holds (gradients left out: FSDP2's
             # may be absent at the peak), so this stays a bound
-            first = act / pp * min(pp, m) + self._least_state(tp, dp, pp, 0)
-            last = act / pp + logits + self._least_state(tp, dp, pp, pp - 1)
+            first = act / pp * min(pp, m) + self._least_state(opt, pp, 0)
+            last = act / pp + logits + self._least_state(opt, pp, pp - 1)
             held = first + logits if pp == 1 else max(first, last)
             if self._fits(held):
                 return pp
         return None
 
-    def _least_state(self, tp: int, dp: int, pp: int, stage: int) -> float:
-        state = self.m.c.state("llm", tp, dp, pp, None, stage)
+    def _least_state(self, opt: LlmOption, pp: int, stage: int) -> float:
+        shard = "zero1" if opt.cp > 1 or opt.ep > 1 else None  # the only mode CP / EP run with (evaluate.py)
+        state = self.m.c.state("llm", opt.tp, opt.dp, pp, shard, stage, 1, opt.cp, opt.ep)
         return state.total - state.grads
 
     def enc_pp_min(self, enc: UnitChoice, samples: float, m: int, later_stages: int) -> int | None:
@@ -150,19 +167,20 @@ class Orchestrator:
         """Every (LLM tp/dp/vpp, encoder option, generator option) with its bounds and a lower bound."""
         N, mdl = self.m.devices, self.m
         fastest = max(mdl.c.hw.intra_bw, mdl.c.hw.inter_bw)  # a bound must not assume the slower link
-        for tp, dp, vpp in self.llm_options():
+        for opt in self.llm_options():
+            tp, dp, vpp, cp, ep = opt.tp, opt.dp, opt.vpp, opt.cp, opt.ep
             B = mdl.micro * dp
             m = mdl.batch // B
-            a_l = tp * dp
-            pl_min = self.llm_pp_min(tp, dp, vpp, m)
+            a_l = opt.width
+            pl_min = self.llm_pp_min(opt, m)
             if pl_min is None:
                 continue
-            C_l = mdl.c.compute("llm", tp, mdl.micro)
+            C_l = mdl.c.rank_compute("llm", tp, mdl.micro, cp, ep)
             K_l = C_l * a_l
-            p2p_l = mdl.c.p2p_s(mdl.micro * self.w.seq_len * self.w.llm_dim * mdl.c.settings.act_bytes, fastest)
+            p2p_l = mdl.c.p2p_s(mdl.llm_boundary_bytes(mdl.micro, cp), fastest)
             tails = {
                 # zero1's traffic: the least of every shard mode (FSDP2 moves it per microbatch)
-                pp: mdl.c.sync_s("llm", tp, dp, pp, "zero1") + mdl.c.optimizer_s("llm", tp, dp, pp)
+                pp: mdl.c.sync_s("llm", tp, dp, pp, "zero1", 1, cp, ep) + mdl.c.optimizer_s("llm", tp, dp, pp, cp, ep)
                 for pp in self.llm_pp_options(vpp)
             }
             gens = []
@@ -210,7 +228,7 @@ class Orchestrator:
                     tail = tails[y_fit[-1]]
                     lower = C_e + (C_l + pl_min * p2p) / vpp + x_e + x_g + t_g + (m - 1) * steady + tail
                     bounds = ((x_min, x_max), (a_l * pl_min, y_max))
-                    yield lower, (tp, dp, vpp), enc, gen, bounds
+                    yield lower, opt, enc, gen, bounds
 
     def solve(self) -> Plan:
         started = time.perf_counter()
@@ -220,19 +238,19 @@ class Orchestrator:
             raise PlanningError(self.no_layout_reason())
         best: Evaluation | None = None
         solved = 0
-        for lower, (tp, dp, vpp), enc, gen, bounds in combos:
+        for lower, opt, enc, gen, bounds in combos:
             if best is not None and lower >= best.iteration_s * (1 - 1e-9):
                 break
             solved += 1
-            relaxed = self._relax(tp, dp, vpp, enc, gen, bounds)
-            for candidate in self._round(relaxed, tp, dp, vpp, enc, gen):
+            relaxed = self._relax(opt, enc, gen, bounds)
+            for candidate in self._round(relaxed, opt, enc, gen):
                 if candidate.feasible and (best is None or candidate.iteration_s < best.iteration_s):
                     best = candidate
         if best is None:
             raise PlanningError(self.no_layout_reason())
         return Plan("disttrain", best, N, time.perf_counter() - started, solved)
 
-    def _relax(self, tp: int, dp: int, vpp: int, enc, gen, bounds) -> tuple[float, float]:
+    def _relax(self, opt: LlmOption, enc, gen, bounds) -> tuple[float, float]:
         """Continuous optimum (encoder devices x, LLM devices y) of one combination.
 
         The convex problem in (x, y, t) reduces to one dimension: for a steady-phase stage time
@@ -243,7 +261,8 @@ class Orchestrator:
         and the minimum with a bounded ``minimize_scalar``.
         """
         mdl, c = self.m, self.m.c
-        B = mdl.micro * dp
+        tp, vpp = opt.tp, opt.vpp
+        B = mdl.micro * opt.dp
         m = mdl.batch // B
         bw = mdl.pp_bw(mdl.devices)
         sep_enc = enc is not None and not enc.colocated
@@ -251,9 +270,9 @@ class Orchestrator:
         t_g = c.compute("generator", gen.tp, B / gen.dp) if g_gpus else 0.0
         x_e = mdl.colocated_time("encoder", tp, mdl.micro) if enc is not None and enc.colocated else 0.0
         x_g = mdl.colocated_time("generator", tp, mdl.micro) if gen is not None and gen.colocated else 0.0
-        a_l = tp * dp
-        K_l = c.compute("llm", tp, mdl.micro) * a_l
-        p_l = c.p2p_s(mdl.micro * self.w.seq_len * self.w.llm_dim * c.settings.act_bytes, bw)
+        a_l = opt.width
+        K_l = c.rank_compute("llm", tp, mdl.micro, opt.cp, opt.ep) * a_l
+        p_l = c.p2p_s(mdl.llm_boundary_bytes(mdl.micro, opt.cp), bw)
         c_l = p_l + x_e + x_g
         if sep_enc:
             a_e = enc.tp * enc.dp
@@ -290,13 +309,14 @@ class Orchestrator:
             t = t_lo
         return x_of(t), y_of(t)
 
-    def _round(self, relaxed, tp, dp, vpp, enc, gen) -> list[Evaluation]:
+    def _round(self, relaxed, opt: LlmOption, enc, gen) -> list[Evaluation]:
         """Exact evaluations of the integer layouts around a continuous optimum."""
         x, y = relaxed
         N = self.m.devices
+        width = opt.width
         g_gpus = gen.gpus if gen is not None and not gen.colocated else 0
         sep_enc = enc is not None and not enc.colocated
-        llm_pps = self.llm_pp_options(vpp)
+        llm_pps = self.llm_pp_options(opt.vpp)
         enc_pps = self.enc_pp_options() if sep_enc else [1]
 
         def around(options: list[int], value: float) -> set[int]:
@@ -311,15 +331,15 @@ class Orchestrator:
         for pe in sorted(enc_candidates):
             e_gpus = pe * enc.tp * enc.dp if sep_enc else 0
             room = N - g_gpus - e_gpus
-            fitting = [p for p in llm_pps if p * tp * dp <= room]
+            fitting = [p for p in llm_pps if p * width <= room]
             if not fitting:
                 continue
-            llm_candidates = around(fitting, y / (tp * dp)) | {fitting[-1]}
+            llm_candidates = around(fitting, y / width) | {fitting[-1]}
             for pl in llm_candidates:
                 # with this LLM size, the largest encoder that still fits is a candidate too
                 pes = {pe}
                 if sep_enc:
-                    left = N - g_gpus - pl * tp * dp
+                    left = N - g_gpus - pl * width
                     fit_e = [p for p in enc_pps if p * enc.tp * enc.dp <= left]
                     if fit_e:
                         pes.add(fit_e[-1])
@@ -329,7 +349,7 @@ class Orchestrator:
                         continue
                     seen.add(key)
                     e = UnitChoice(enc.tp, enc.dp, pe2) if sep_enc else enc
-                    results.append(self.m.evaluate(UnitChoice(tp, dp, pl, vpp), e, gen))
+                    results.append(self.m.evaluate(opt.choice(pl), e, gen))
         return results
 
     # ------------------------------------------------------------------ exhaustive
@@ -345,15 +365,17 @@ class Orchestrator:
             )
         # memory: the most memory-friendly LLM layout with all devices
         tp = max(t for t in self.tp_options if self.tp_ok("llm", t))
-        pp = max(p for p in self.llm_pp_options(1) if p * tp <= max(N, tp)) if N >= tp else 1
+        cp = max(c for c in self.cp_options if c == 1 or tp * c <= N)
+        pp = max(p for p in self.llm_pp_options(1) if p * tp * cp <= max(N, tp)) if N >= tp * cp else 1
         probe = self.m.evaluate(
-            UnitChoice(tp, 1, pp),
+            UnitChoice(tp, 1, pp, cp=cp),
             COLOCATED if self.has_enc else None,
             COLOCATED if self.has_gen else None,
         )
         if not probe.feasible and "GB" in probe.reason:
             return (
-                f"memory: even with tp={tp}, pp={pp} the model does not fit ({probe.reason}); "
+                f"memory: even with tp={tp}{f', cp={cp}' if cp > 1 else ''}, pp={pp} the model does not fit "
+                f"({probe.reason}); "
                 "use more devices, a larger device, a smaller optim.micro_batch_size or planner.recompute=full "
                 "(or selective_op, every_k)"
             )

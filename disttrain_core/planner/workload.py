@@ -48,10 +48,36 @@ class UnitWork:
     # projector); the blocks split evenly. params_rep = params_first + params_last.
     params_first: int = 0
     params_last: int = 0
+    # Mixture of experts (LLM with ``llm.moe``; all 0 for dense units). Of params_tp, the routed experts
+    # (expert parallelism holds experts/ep of them) and the router + shared experts; the runtime's TP plan
+    # (parallel/tensor_parallel.py) reaches neither, so TP ranks hold and run the MoE feed-forward whole.
+    params_expert: int = 0
+    params_moe_rep: int = 0
+    flops_moe: float = 0.0  # forward + backward FLOPs per item of the MoE feed-forwards (active experts only)
+    num_experts: int = 0
+    top_k: int = 0
+    expert_dim: int = 0  # hidden width of one expert
+    shared_experts: int = 0
 
     @property
     def params(self) -> int:
         return self.params_tp + self.params_rep
+
+    @property
+    def params_dense_tp(self) -> int:
+        """Block parameters TP shards (attention, dense MLP): all of params_tp except the MoE feed-forwards."""
+        return self.params_tp - self.params_expert - self.params_moe_rep
+
+    @property
+    def flops_unsplit(self) -> float:
+        """FLOPs per item TP does not divide: the replicated modules and head, and the MoE feed-forwards."""
+        return self.flops_not_tp + self.flops_moe
+
+    def active_params(self) -> float:
+        """Parameters one token uses: all but the routed experts it is not sent to (top_k of num_experts)."""
+        if not self.num_experts:
+            return float(self.params)
+        return self.params - self.params_expert * (1.0 - self.top_k / self.num_experts)
 
     def tp_allowed(self, tp: int) -> bool:
         """Can the runtime shard this unit's blocks over ``tp`` devices (heads, KV heads, MLP width)?"""
@@ -187,6 +213,32 @@ def _largest_block_bytes(module, inputs) -> float:
     return max((sum(t.numel() * t.element_size() for t in saved.values()) for saved in per_block.values()), default=0.0)
 
 
+def _moe_work(cfg: ModelConfig, llm, count) -> dict:
+    """The MoE fields of the LLM's UnitWork: expert / router+shared parameter counts (from the built
+    modules) and the MoE feed-forwards' training FLOPs per sequence. The FLOPs follow what the FLOP
+    counter credits a MoE layer on meta (models/moe.py ``_balanced_estimate``): every token runs the
+    router (dim x E), its top_k experts and the shared experts (SwiGLU: three dim x hidden matmuls);
+    backward is twice the forward."""
+    moe = getattr(cfg.llm, "moe", None)
+    if moe is None:
+        return {}
+    layers = list(llm.layers.values())
+    experts = sum(count(layer.feed_forward.experts) for layer in layers)
+    rep = sum(count(layer.feed_forward.router) + count(layer.feed_forward.shared) for layer in layers)
+    hidden = moe.expert_ffn_dim or cfg.llm.ffn_dim
+    dim = cfg.llm.dim
+    forward_per_token = 2 * dim * moe.num_experts + 6 * dim * hidden * (moe.top_k + moe.shared_experts)
+    return {
+        "params_expert": experts,
+        "params_moe_rep": rep,
+        "flops_moe": 3.0 * forward_per_token * cfg.seq_len * len(layers),
+        "num_experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "expert_dim": hidden,
+        "shared_experts": moe.shared_experts,
+    }
+
+
 def _build(cfg: ModelConfig) -> Workload:
     import torch
 
@@ -230,6 +282,7 @@ def _build(cfg: ModelConfig) -> Workload:
         kv_heads=cfg.llm.n_kv_heads,
         params_first=count(llm.tok_embeddings),
         params_last=count(llm) - blocks - count(llm.tok_embeddings),
+        **_moe_work(cfg, llm, count),
     )
     if cfg.encoder is not None:
         vit, proj = model.encoder, model.encoder_projector
@@ -287,7 +340,7 @@ def _build(cfg: ModelConfig) -> Workload:
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 5
+WORKLOAD_VERSION = 6
 
 
 def _cache_file(cfg_yaml: str) -> Path:

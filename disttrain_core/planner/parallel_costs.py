@@ -1,0 +1,73 @@
+"""Communication the LLM's context and expert parallelism add to each microbatch (planner/costs.py adds them
+to the compute of a stage). Both are per transformer block and sit on the critical path of its forward and
+backward, unlike the data-parallel traffic, which waits until the last backward.
+
+Context parallelism (parallel/context_parallel.py, comm/ring_attention.py). Each of the ``cp`` ranks holds
+``s / cp`` positions of every sequence (zig-zag: chunks r and 2cp-1-r). Per block, the forward passes the
+K/V block ``cp - 1`` times around the ring (K and V: ``s/cp x kv_heads/tp x head_dim`` each, compute dtype)
+while the rank attends its queries to the block it holds; the backward passes K/V again (``cp - 1`` hops)
+plus the fp32 dK/dV accumulators (``cp`` hops, the last one after the last block's compute). A hop is
+hidden behind one block's attention: under zig-zag every off-diagonal hop is one dense product of
+``2c x c`` query-key pairs (``c = s / 2cp``), i.e. ``s^2 / (2 cp^2)`` pairs per head, 4 FLOPs per pair and
+head dimension forward, twice that backward. Only the part of a hop longer than that compute is counted:
+
+    fwd = (cp - 1) max(0, t(KV) - a)      bwd = (cp - 1) max(0, t(KV + dKV) - 2a) + t(dKV)
+
+with ``t(x) = x / bw + latency per message`` over the CP group's links and ``a`` one hop's forward
+attention time at the rate the unit's compute achieves (profiled, or the analytic peak x efficiency).
+
+Expert parallelism (parallel/expert_parallel.py). Per MoE block and microbatch four all-to-alls over the
+``ep`` ranks (token dispatch and combine forward, their gradients backward), each moving a rank's
+``s / cp x top_k`` assignment rows of ``dim`` values in the compute dtype, ``(ep - 1) / ep`` of them to other
+ranks (perfectly balanced routing, nothing dropped), plus one exchange of per-expert counts (latency only):
+
+    a2a = 4 (bytes (ep - 1) / ep / bw + (ep - 1) latency) + (ep - 1) latency
+
+The EP group is ``ep`` consecutive data-parallel replicas of a stage (tp x cp ranks apart), so its links are
+those of a span of ``tp x cp x ep`` devices. Neither is overlapped with compute in the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .costs import CostModel
+
+
+def ring_bw(costs: CostModel, span: int) -> float:
+    """Point-to-point bandwidth inside a group spanning ``span`` devices: the measured one on a profiled
+    machine (capped by the inter-node links when the group leaves the node), else the cluster's link."""
+    link = costs.link_bw(span)
+    if costs.hw.p2p_bw:
+        return min(costs.hw.p2p_bw, link) if span > costs.hw.per_node else costs.hw.p2p_bw
+    return link
+
+
+def ring_attention_exposed_s(costs: CostModel, unit: str, tp: int, cp: int, items: float) -> float:
+    """Seconds of one block's ring exchanges (forward + backward) not hidden behind its attention."""
+    if cp <= 1:
+        return 0.0
+    w = costs.work.units[unit]
+    act = costs.settings.act_bytes
+    head_dim = w.dim / w.heads
+    local = w.tokens / cp
+    kv = items * local * (w.kv_heads or w.heads) / tp * head_dim * 2 * act  # K and V of the held block
+    dkv = kv * 4 / act  # fp32 gradient accumulators
+    bw, latency = ring_bw(costs, tp * cp), costs.hw.latency_s
+    pairs = items * local * local / 2  # query-key pairs of one off-diagonal zig-zag hop, per head
+    attend = 4.0 * pairs * w.dim / tp * costs.seconds_per_flop(unit, tp)
+    forward = (cp - 1) * max(0.0, kv / bw + 2 * latency - attend)
+    backward = (cp - 1) * max(0.0, (kv + dkv) / bw + 4 * latency - 2 * attend) + dkv / bw + 2 * latency
+    return forward + backward
+
+
+def all_to_all_s(costs: CostModel, unit: str, tp: int, cp: int, ep: int, items: float) -> float:
+    """Seconds of one MoE block's all-to-alls for a microbatch of ``items`` sequences (forward + backward)."""
+    w = costs.work.units[unit]
+    if ep <= 1 or not w.num_experts:
+        return 0.0
+    rows = items * w.tokens / cp * w.top_k
+    nbytes = rows * w.dim * costs.settings.act_bytes * (ep - 1) / ep
+    latency = (ep - 1) * costs.hw.latency_s
+    return 4 * (nbytes / costs.link_bw(tp * cp * ep) + latency) + latency
