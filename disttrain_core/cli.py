@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 
 from .config import CONFIG_GROUPS, compose, group_options
-from .validation import ConfigError, validate_config
+from .validation import ConfigError, check_state_fits, validate_config
 
 # Hydra flags that do not train (help, config printing, completion): no preflight.
 PASSTHROUGH_FLAGS = {
@@ -158,6 +158,7 @@ def check_overrides(argv: list[str], on_composed: Callable | None = None) -> Non
             if on_composed is not None:
                 on_composed(cfg)
             validate_config(cfg)
+            check_state_fits(cfg)
         except ConfigError as error:
             raise PreflightError(str(error)) from error
 

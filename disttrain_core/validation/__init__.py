@@ -52,6 +52,7 @@ __all__ = [
     "validate_schedule_config",
     "validate_trainer",
     "world_size",
+    "check_state_fits",
 ]
 
 
@@ -69,6 +70,22 @@ def missing_keys(node, prefix: str = "") -> list[str]:
             if isinstance(value, DictConfig) and not value._is_none():
                 out.extend(missing_keys(value, name + "."))
     return out
+
+
+def check_state_fits(cfg: Config) -> None:
+    """A model whose training state cannot fit the processes' memory (cluster.memory_per_device_gb each) in any
+    layout fails before launch in one line, not minutes later when a process is killed for memory. Builds the
+    model on the meta device: train.py calls it after validate_config (parallel=auto: the planner checks)."""
+    if cfg.parallel.mode == "auto":
+        return
+    from ..planner import PlanningError, check_model_fits
+
+    try:
+        check_model_fits(cfg, world_size(cfg))
+    except PlanningError as error:
+        raise ConfigError(str(error)) from None
+    except (ValueError, TypeError, OverflowError, RuntimeError):
+        return  # a model the meta-device count cannot build: the later checks name what is wrong with it
 
 
 def validate_config(cfg: Config) -> None:
