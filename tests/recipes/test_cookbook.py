@@ -54,6 +54,12 @@ def cookbook() -> dict[str, list[str]]:
 # Commands another test of make test runs as typed (reduced alike), or -- for what this machine does not
 # have -- runs their emulation: command -> that test.
 ELSEWHERE = {
+    "python train.py model=llama_tiny parallel=dp parallel.cp=2 trainer.devices=4": (
+        "tests/distributed/test_context_parallel_training.py::test_llama_context_parallel_matches_one_process[dp2_cp2]"
+    ),
+    "python train.py model=llama_moe_tiny parallel=zero1 parallel.ep=2 trainer.devices=4": (
+        "tests/distributed/test_moe_training.py::test_expert_parallel_moe_matches_one_process"
+    ),
     "python train.py parallel=disagg4_tp2": (
         "tests/distributed/test_units.py::test_four_process_layouts_match_one_process[disagg4_tp2]"
     ),
