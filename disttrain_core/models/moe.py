@@ -204,7 +204,9 @@ class MoeFeedForward(nn.Module):
         counts, total = self._balance_counts(counts, tokens.shape[0])
         self.aux_loss = self._aux_loss(probs, counts, total)
         self.last_stats = MoeStats(counts, dropped, self.aux_loss.detach())
-        if self.pending_load is not None and self.training:
+        # Activation recompute runs this forward again inside backward: count each forward once.
+        first_pass = self.training and torch._C._current_graph_task_id() == -1
+        if self.pending_load is not None and first_pass:
             self.pending_load += counts
         if tokens.is_meta:  # FLOP counting on the meta device (models/flops.py): no routing outcome exists
             out = self._balanced_estimate(tokens, gates)
@@ -212,7 +214,7 @@ class MoeFeedForward(nn.Module):
             out = self.dispatcher(self.experts, tokens, routed_ids, gates)
         if self.shared is not None:
             out = out + self.shared(tokens)
-        if self.training and not tokens.is_meta:
+        if first_pass and not tokens.is_meta:
             self.step_dropped = dropped if self.step_dropped is None else self.step_dropped + dropped
             self.step_load = counts if self.step_load is None else self.step_load + counts
         if self.aux_scale and self.aux_loss.requires_grad:  # its gradient enters with the output's (any stage)

@@ -285,3 +285,18 @@ def test_flop_counting_on_meta_charges_top_k_experts_per_token():
     assert out.shape == x.shape
     per_row = 2 * 16 * 32 * 3  # w1, w3 and w2 of one SwiGLU expert, 2 FLOPs per multiply-add
     assert counter.get_total_flops() == 10 * 2 * per_row + 10 * per_row + 2 * 10 * 16 * 4
+
+
+def test_recomputed_forward_is_counted_once():
+    """Under activation checkpointing the forward runs again inside backward: expert counts, drops and the
+    aux-free load are recorded by the first pass only."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(16, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    plain = make_layer(capacity_factor=0.5, router="aux_free")
+    plain(x).sum().backward()
+    recomputed = make_layer(capacity_factor=0.5, router="aux_free")
+    checkpoint(recomputed, x, use_reentrant=False).sum().backward()
+    (dropped, load), (dropped_again, load_again) = plain.take_step_stats(), recomputed.take_step_stats()
+    assert dropped > 0 and dropped_again == dropped and torch.equal(load_again, load)
+    assert torch.equal(recomputed.pending_load, plain.pending_load) and plain.pending_load.sum() == 16 * 2
