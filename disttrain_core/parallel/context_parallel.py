@@ -48,6 +48,8 @@ class SequenceSlices:
         self.layout = layout
         self.positions = local_positions(self.padded, self.size, self.rank, layout)
         self.local_len = self.positions.numel()
+        # Every rank's positions in rank order: where an all-gather's concatenated slices belong.
+        self.gathered = torch.cat([local_positions(self.padded, self.size, r, layout) for r in range(self.size)])
 
     def slice(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """This rank's positions of ``x`` [B, S, ...] (padded with ``fill``)."""
@@ -68,8 +70,7 @@ class _GatherSequence(torch.autograd.Function):
         parts = [torch.empty_like(x) for _ in range(slices.size)]
         dist.all_gather(parts, x.contiguous(), group=slices.group)
         whole = x.new_empty(x.shape[0], slices.padded, *x.shape[2:])
-        for rank, part in enumerate(parts):
-            whole[:, local_positions(slices.padded, slices.size, rank, slices.layout).to(x.device)] = part
+        whole[:, slices.gathered.to(x.device)] = torch.cat(parts, dim=1)
         return whole[:, : slices.seq_len]
 
     @staticmethod

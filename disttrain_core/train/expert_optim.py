@@ -11,20 +11,27 @@ drives it (``ZeroOneOptimizer.experts``): one learning rate, one gradient norm, 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..config import OptimConfig
+from ..comm.buckets import bucket_numel
+from ..comm.engine import allreduce_gradients
+from ..config import CommConfig, OptimConfig
 from ..parallel.zero import adamw
 from .state import adamw_entries, owned_by
 
 
 class ExpertOptimizer:
     def __init__(
-        self, named_params: list[tuple[str, nn.Parameter]], cfg: OptimConfig, group, replicas: int, index: int
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        cfg: OptimConfig,
+        group,
+        replicas: int,
+        index: int,
+        comm: CommConfig | None = None,
     ):
         self.named_params = named_params
+        self.bucket_numel = bucket_numel((comm or CommConfig()).bucket_mb)
         self.params = [p for _, p in named_params]
         self.group, self.replicas, self.index = group, replicas, index
         decay = [p for p in self.params if p.ndim >= 2]
@@ -35,17 +42,12 @@ class ExpertOptimizer:
         self.inner = adamw(groups, cfg)
 
     def reduce_gradients(self) -> None:
-        """Sum the expert gradients over the ranks holding the same experts (one flat all-reduce)."""
+        """Sum the expert gradients over the ranks holding the same experts (in parallel.comm.bucket_mb buckets)."""
         for p in self.params:
             if p.grad is None:  # an expert no token reached on any microbatch of this rank
                 p.grad = torch.zeros_like(p)
-        if self.group is None or self.replicas == 1:
-            return
-        grads = [p.grad for p in self.params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.group)
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(reduced)
+        if self.group is not None and self.replicas > 1:  # a sum: the loss is already normalized globally
+            allreduce_gradients(self.params, self.group, self.bucket_numel, world=1)
 
     def grad_norm_squared(self) -> torch.Tensor:
         """This rank's share of the global squared norm: each expert is counted once over its replicas."""

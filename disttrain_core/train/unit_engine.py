@@ -290,7 +290,7 @@ class UnitEngine(Engine):
             members = self.groups.expert_members
             index = members.index(self.fabric.global_rank)
             self.optimizer.experts = ExpertOptimizer(
-                experts, self.cfg.optim, self.groups.expert_data, len(members), index
+                experts, self.cfg.optim, self.groups.expert_data, len(members), index, self.cfg.parallel.comm
             )
         self.optimizer.sync.install_forward_hooks(self.stages.values(), atomic=(DecoderBlock, VitBlock))
         self.executor.grad_sync = self.optimizer.sync
