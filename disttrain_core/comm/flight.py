@@ -46,7 +46,6 @@ _seq = itertools.count(1)
 _counts: dict[tuple, int] = {}
 _lock = threading.Lock()
 _groups: dict[str, dict] = {}  # process group name -> {"ranks": global ranks, "desc": description}
-_labels: dict[int, tuple] = {}  # id(process group) -> (the group, its name)
 _writes = itertools.count()
 
 
@@ -106,15 +105,12 @@ def group_name(group) -> str:
     remembered for the dump."""
     if isinstance(group, str):
         return group
-    known = _labels.get(id(group))
-    if known is not None and known[0] is group:
-        return known[1]
     import torch.distributed as dist
 
     pg = dist.distributed_c10d._get_default_group() if group is None else group
     name = str(pg.group_name)
-    _groups.setdefault(name, {"ranks": dist.get_process_group_ranks(pg), "desc": getattr(pg, "group_desc", "")})
-    _labels[id(group)] = (group, name)
+    if name not in _groups:  # no reference to the group is kept: it must die with destroy_process_group
+        _groups[name] = {"ranks": dist.get_process_group_ranks(pg), "desc": getattr(pg, "group_desc", "")}
     return name
 
 

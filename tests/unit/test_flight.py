@@ -177,3 +177,30 @@ def test_tool_exits_2_with_one_line_without_dumps(tmp_path, capsys):
     assert tool_main(_tool().main, [str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "no flight recorder dumps" in err and "\n" not in err
+
+
+def test_recording_keeps_no_reference_to_the_process_group(recorder, tmp_path):
+    """A group kept alive by the recorder outlives destroy_process_group and is torn down during interpreter
+    finalization, where gloo's threads abort the process ("terminate called without an active exception",
+    seen once in ~10 runs of test_context_parallel before this was fixed)."""
+    import gc
+    import weakref
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1, timeout=timedelta(seconds=30)
+    )
+    try:
+        group = dist.new_group([0])
+        name = flight.group_name(group)
+        flight.record("send", group=group, peers=0, nbytes=4)
+        alive = weakref.ref(group)
+        dist.destroy_process_group(group)
+        del group
+        gc.collect()
+        assert alive() is None, "the flight recorder still holds the process group"
+        assert flight.group_name(name) == name  # names (str) pass through
+    finally:
+        dist.destroy_process_group()
