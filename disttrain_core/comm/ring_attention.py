@@ -19,6 +19,10 @@ Sequences that do not divide into 2W (or W) chunks are padded at the end by the 
 positions come after every real one, so causality alone keeps them out of every real query's keys, and
 their own outputs are discarded (their labels are ignored).
 
+Packed documents: given every position's document id (each rank knows the whole row's ids), a query
+also ignores keys of other documents, so attention never crosses a document boundary; a block where a
+query's document has no key contributes nothing to it (log-sum-exp -inf, merged away).
+
 Grouped-query attention: keys and values travel with their own (fewer) heads; query head h attends with
 key/value head h // (query heads / key heads), as in ``F.scaled_dot_product_attention(enable_gqa=True)``.
 
@@ -71,19 +75,24 @@ class WorkCounter:
         self.entries += pairs * heads
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """fp32 scores [B, Hk, g, Sq, Sk] of grouped queries [B, Hk, g, Sq, D] against keys [B, Hk, 1, Sk, D]."""
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, same_doc=None) -> torch.Tensor:
+    """fp32 scores [B, Hk, g, Sq, Sk] of grouped queries [B, Hk, g, Sq, D] against keys [B, Hk, 1, Sk, D];
+    ``same_doc`` [B, Sq, Sk]: False where query and key belong to different packed documents."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:  # local order follows position order inside a rank's own block (both layouts)
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
+    if same_doc is not None:
+        s = s.masked_fill(~same_doc[:, None, None], float("-inf"))
     return s
 
 
-def _block_forward(q, k, v, scale, causal):
-    s = _scores(q, k, scale, causal)
+def _block_forward(q, k, v, scale, causal, same_doc=None):
+    s = _scores(q, k, scale, causal, same_doc)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float())
+    # A query whose document has no key in this block: lse = -inf, its output 0 (merging ignores it).
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)
+    out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.float())
     return out, lse
 
 
@@ -94,9 +103,9 @@ def _merge(out, lse, block_out, block_lse):
     return out, new_lse
 
 
-def _block_backward(q, k, v, out_grad, delta, lse, scale, causal):
+def _block_backward(q, k, v, out_grad, delta, lse, scale, causal, same_doc=None):
     """Gradients of one block from the global log-sum-exp: (dq, dk, dv), fp32, dk/dv summed over the group."""
-    p = torch.exp(_scores(q, k, scale, causal) - lse.unsqueeze(-1))
+    p = torch.exp(_scores(q, k, scale, causal, same_doc) - lse.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), out_grad).sum(2, keepdim=True)
     dp = torch.matmul(out_grad, v.float().transpose(-1, -2))
     ds = p * (dp - delta.unsqueeze(-1))
@@ -127,17 +136,36 @@ class _Plan:
         return slice(self.half, None), self.all, False  # only my tail chunk comes after it, and after all of it
 
 
+class _Documents:
+    """Packed-document masks of the blocks a rank computes: its queries' document ids and the whole padded
+    row's, from which the ids of any rank's keys follow (every CP rank holds the whole row's ids)."""
+
+    def __init__(self, q_ids: torch.Tensor, row_ids: torch.Tensor, ring: Ring, layout: str):
+        self.q_ids = q_ids
+        self.k_ids = [
+            row_ids[:, local_positions(row_ids.shape[1], ring.size, owner, layout).to(row_ids.device)]
+            for owner in range(ring.size)
+        ]
+        self.rank, self.size = ring.rank, ring.size
+
+    def same(self, step: int, rows: slice, cols: slice) -> torch.Tensor:
+        keys = self.k_ids[(self.rank - step) % self.size]
+        return self.q_ids[:, rows, None] == keys[:, None, cols]
+
+
 class RingAttention(torch.autograd.Function):
-    """``out = RingAttention.apply(q, k, v, ring, layout, counter)``: causal attention of this rank's
-    queries [B, H, S_local, D] over the keys/values [B, Hk, S_local, D] of the whole ring."""
+    """``out = RingAttention.apply(q, k, v, ring, layout, counter, docs)``: causal attention of this rank's
+    queries [B, H, S_local, D] over the keys/values [B, Hk, S_local, D] of the whole ring; ``docs``: None or
+    (this rank's document ids [B, S_local], the whole padded row's [B, S_padded]) for packed documents."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, layout: str, counter: WorkCounter | None):
+    def forward(ctx, q, k, v, ring: Ring, layout: str, counter: WorkCounter | None, docs=None):
         batch, heads, local_len, dim = q.shape
         kv_heads = k.shape[1]
         scale = dim**-0.5
         grouped = q.view(batch, kv_heads, heads // kv_heads, local_len, dim)
         plan = _Plan(layout, ring.size, ring.rank, local_len)
+        documents = None if docs is None else _Documents(docs[0], docs[1], ring, layout)
         out = torch.zeros(grouped.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(grouped.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         k_cur, v_cur = k.contiguous(), v.contiguous()
@@ -148,8 +176,9 @@ class RingAttention(torch.autograd.Function):
             todo = plan.step(step)
             if todo is not None:
                 rows, cols, causal = todo
+                same_doc = None if documents is None else documents.same(step, rows, cols)
                 block_out, block_lse = _block_forward(
-                    grouped[..., rows, :], k_cur[:, :, None, cols], v_cur[:, :, None, cols], scale, causal
+                    grouped[..., rows, :], k_cur[:, :, None, cols], v_cur[:, :, None, cols], scale, causal, same_doc
                 )
                 if counter is not None:
                     counter.add(block_out.shape[-2], k_cur[:, :, cols].shape[-2], causal, heads * batch)
@@ -158,13 +187,13 @@ class RingAttention(torch.autograd.Function):
                 _wait(k_works + v_works)
                 k_cur, v_cur = k_next, v_next
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.layout = ring, layout
+        ctx.ring, ctx.layout, ctx.documents = ring, layout, documents
         return out.view(batch, heads, local_len, dim).to(q.dtype)
 
     @staticmethod
     def backward(ctx, out_grad):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, layout = ctx.ring, ctx.layout
+        ring, layout, documents = ctx.ring, ctx.layout, ctx.documents
         batch, heads, local_len, dim = q.shape
         kv_heads = k.shape[1]
         scale = dim**-0.5
@@ -194,6 +223,7 @@ class RingAttention(torch.autograd.Function):
                     lse[..., rows],
                     scale,
                     causal,
+                    None if documents is None else documents.same(step, rows, cols),
                 )
                 dq[..., rows, :] += block[0]
                 dk[..., cols, :] += block[1]
@@ -217,10 +247,11 @@ class RingAttention(torch.autograd.Function):
         (dk, dv), works = travelling
         _wait(works)
         dq = dq.view(batch, heads, local_len, dim).to(q.dtype)
-        return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), None, None, None
+        return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, ring: Ring, layout: str = "zigzag", counter: WorkCounter | None = None):
-    """Causal attention of local q [B, H, S, D] against the ring's k/v [B, Hk, S, D] (see module doc)."""
+def ring_attention(q, k, v, ring: Ring, layout: str = "zigzag", counter: WorkCounter | None = None, docs=None):
+    """Causal attention of local q [B, H, S, D] against the ring's k/v [B, Hk, S, D] (see module doc);
+    ``docs`` = (local document ids [B, S], whole padded row's [B, S_padded]) keeps it inside documents."""
     chunk_count(layout, ring.size)
-    return RingAttention.apply(q, k, v, ring, layout, counter)
+    return RingAttention.apply(q, k, v, ring, layout, counter, docs)

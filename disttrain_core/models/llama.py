@@ -12,12 +12,34 @@ tensor-parallel plan that shards the projections needs no change here.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import LlamaConfig
+
+
+@dataclass
+class Documents:
+    """Where packed documents sit in a batch of rows: ``ids`` [B, S] (the document each position belongs to;
+    -1 for padding) and ``positions`` [B, S] (each position's index inside its document, which selects its
+    rotary angle). Attention never crosses a document: a query sees the earlier positions of its own
+    document only, exactly as if the document ran alone (data/packing.py builds these).
+
+    Under context parallelism each rank holds a slice of the row: ``ids``/``positions`` are then the rank's
+    own positions and ``row_ids`` the whole padded row's ids, from which the ring finds the documents of
+    every other rank's keys (parallel/context_parallel.py)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    row_ids: torch.Tensor | None = None
+
+
+def document_mask(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
+    """[B, Sq, Sk] True where query and key belong to the same document (causality is the caller's)."""
+    return q_ids[:, :, None] == k_ids[:, None, :]
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
@@ -52,11 +74,15 @@ def rope_table(head_dim: int, max_len: int, theta: float, device=None, scaling=N
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of ``x`` [B, S, H, D] by the angles in ``table``."""
+    """Rotate interleaved pairs of ``x`` [B, S, H, D] by the angles in ``table``: [>=S, D/2, 2] shared by
+    every row, or [B, S, D/2, 2] per row (packed documents)."""
     seq_len = x.shape[1]
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos = table[:seq_len, None, :, 0]
-    sin = table[:seq_len, None, :, 1]
+    if table.dim() == 4:
+        cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]
+    else:
+        cos = table[:seq_len, None, :, 0]
+        sin = table[:seq_len, None, :, 1]
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
@@ -71,21 +97,32 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.attend(self.wq(x), self.wk(x), self.wv(x), rope))
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        return self.wo(self.attend(self.wq(x), self.wk(x), self.wv(x), rope, documents))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         """Causal attention of projected ``[B, S, heads * head_dim]`` q/k/v (any local head count)."""
         batch, seq_len, _ = q.shape
         q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return self.core_attention(q, k, v).transpose(1, 2).reshape(batch, seq_len, -1)
+        return self.core_attention(q, k, v, documents).transpose(1, 2).reshape(batch, seq_len, -1)
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of [B, heads, S, head_dim] tensors (k/v may have fewer heads). Context parallelism
-        replaces it per module with ring attention over the sequence slices (parallel/context_parallel.py)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    def core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        """Causal attention of [B, heads, S, head_dim] tensors (k/v may have fewer heads), inside each document
+        when ``documents`` is given. Context parallelism replaces it per module with ring attention over the
+        sequence slices (parallel/context_parallel.py)."""
+        gqa = q.shape[1] != k.shape[1]
+        if documents is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        seq_len = q.shape[2]
+        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
+        mask = (document_mask(documents.ids, documents.ids) & causal)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class SwiGLU(nn.Module):
@@ -112,8 +149,8 @@ class DecoderBlock(nn.Module):
         else:
             self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -133,6 +170,7 @@ class Llama(nn.Module):
         # row i is the angle of the i-th position held and ``apply_rope`` needs no positions argument.
         self.rope_positions: torch.Tensor | None = None
         self.register_buffer("rope", torch.empty(0), persistent=False)
+        self.register_buffer("rope_by_position", torch.empty(0), persistent=False)  # row p: position p
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -142,14 +180,21 @@ class Llama(nn.Module):
         positions = self.rope_positions
         length = self.max_seq_len if positions is None else max(self.max_seq_len, int(positions.max()) + 1)
         table = rope_table(head_dim, length, self.cfg.rope_theta, device, scaling)
+        self.rope_by_position = table
         self.rope = table if positions is None else table[positions.to(table.device)]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tok_embeddings(tokens)
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        """The decoder blocks; with ``documents`` each position takes the angle of its place in its document
+        and attends inside it."""
+        if documents is None:
+            rope = self.rope
+        else:  # positions < max_seq_len: packing never makes a row longer than model.seq_len
+            rope = self.rope_by_position[documents.positions.to(self.rope_by_position.device)]
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope) if documents is None else layer(h, rope, documents)
         return h
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
@@ -158,5 +203,5 @@ class Llama(nn.Module):
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.output(normed)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.logits(self.final_norm(self.run_layers(self.embed(tokens))))
+    def forward(self, tokens: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        return self.logits(self.final_norm(self.run_layers(self.embed(tokens), documents)))

@@ -6,7 +6,8 @@ sequence: the sequence, padded to a multiple of 2cp, is cut into 2cp chunks and 
 2cp-1-c (zig-zag, comm/ring_attention.py), so causal attention costs every rank the same. What changes:
 
 * every decoder block's attention runs as a ring over the CP group (``Attention.core_attention``);
-* the rotary table holds the angles of the rank's own positions (``Llama.rope_positions``);
+* the rotary table holds the angles of the rank's own positions (``Llama.rope_positions``); packed
+  documents carry their own positions and ids, sliced the same way (``SequenceSlices.documents``);
 * the first LLM stage embeds the whole sequence (token embeddings and image placement need the
   positions) and keeps its slice; the labels are sliced the same way, padded positions ignored;
 * everything between, stage boundaries included, carries ``[B, S_padded / cp, D]``.
@@ -31,7 +32,7 @@ from torch import nn
 
 from ..comm.ring import Ring
 from ..comm.ring_attention import local_positions, padded_length, ring_attention
-from ..models.llama import Attention, Llama
+from ..models.llama import Attention, Documents, Llama
 
 LAYOUT = "zigzag"
 
@@ -57,6 +58,13 @@ class SequenceSlices:
         if pad:
             x = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1)
         return x.index_select(1, self.positions.to(x.device))
+
+    def documents(self, documents: Documents) -> Documents:
+        """This rank's share of packed-document ids and positions; the whole padded row's ids ride along for
+        the ring's masks (padding: document -1, position 0)."""
+        pad = self.padded - documents.ids.shape[1]
+        row_ids = F.pad(documents.ids, (0, pad), value=-1) if pad else documents.ids
+        return Documents(self.slice(documents.ids, fill=-1), self.slice(documents.positions), row_ids)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The whole sequence [B, S, D] from every rank's slice (autograd: gradients summed over the ranks)."""
@@ -116,8 +124,9 @@ def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def _ring_core(ring: Ring, layout: str):
-    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, ring, layout)
+    def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        docs = None if documents is None else (documents.ids, documents.row_ids)
+        return ring_attention(q, k, v, ring, layout, docs=docs)
 
     return core
 

@@ -107,3 +107,61 @@ def test_context_parallel_llama_matches_one_process(tmp_path, world):
         if world == 4:
             whole, sliced = result["memory"]
             assert sliced <= 0.35 * whole, (rank, whole, sliced, sliced / whole)
+
+
+def _packed_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    """Packed documents under cp = world: every document's loss equals its loss alone (one process), and the
+    gradients summed over the CP ranks equal those of the unsliced packed rows."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
+    from disttrain_core.data.packing import pack_rows
+    from disttrain_core.models.llama import Documents
+    from disttrain_core.parallel.context_parallel import SequenceSlices, apply_context_parallel
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 12, 3, 5, 9, 2, 13]  # rows of 30 and 29 tokens, padded by the ring to 32
+    docs = [torch.randint(0, 96, (n,), generator=g) for n in lengths]
+    rows = pack_rows(docs, [[0, 1, 2, 3], [4, 5, 6, 2]], 30)
+    whole = Documents(rows.doc_ids, rows.positions)
+    reference = _llama(2, 30)
+    h = reference.logits(reference.final_norm(reference.run_layers(reference.embed(rows.tokens), whole)))
+    ref_loss = F.cross_entropy(h.flatten(0, 1), rows.labels.flatten(), ignore_index=-100, reduction="sum")
+    ref_loss.backward()
+    model = _llama(2, 30)
+    slices = SequenceSlices(dist.group.WORLD, 30)
+    apply_context_parallel(model, slices)
+    local = slices.documents(whole)
+    h = model.run_layers(slices.slice(model.embed(rows.tokens)), local)
+    logits = model.logits(model.final_norm(h))
+    labels = slices.slice(rows.labels, fill=-100)
+    per_position = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    per_position = per_position.view(labels.shape)
+    per_doc = torch.stack([per_position[local.ids == i].sum() for i in range(len(docs))])
+    per_position.sum().backward()
+    dist.all_reduce(per_doc)
+    worst_doc = 0.0
+    for i, doc in enumerate(docs):
+        alone = F.cross_entropy(reference(doc[None])[0, :-1], doc[1:], reduction="sum").item()
+        copies = sum(row.count(i) for row in ([0, 1, 2, 3], [4, 5, 6, 2]))
+        worst_doc = max(worst_doc, abs(per_doc[i].item() / copies - alone) / alone)
+    worst_grad = 0.0
+    for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        worst_grad = max(worst_grad, (grad - q.grad).abs().max().item())
+    torch.save(
+        {"doc": worst_doc, "grad": worst_grad, "loss": (per_doc.sum() - ref_loss).abs().item() / ref_loss.item()},
+        os.path.join(out_dir, f"{rank}.pt"),
+    )
+    dist.destroy_process_group()
+
+
+def test_packed_documents_under_context_parallelism_keep_their_own_loss(tmp_path):
+    mp.start_processes(
+        _packed_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
+    for rank in range(2):
+        result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
+        assert result["doc"] < 1e-5 and result["loss"] < 1e-6 and result["grad"] < 1e-5, (rank, result)
