@@ -287,11 +287,15 @@ class Orchestrator:
         if x_lo + y_lo > D:
             return x_lo, y_lo
 
+        # Devices a stage time t needs; t_lo sits at the upper bounds, where t - c can round to 0 when c
+        # dwarfs the compute term (extreme workloads): the bound it was chosen for, not a division by zero.
         def x_of(t: float) -> float:
-            return max(x_lo, K_e / (t - c_e)) if sep_enc else 0.0
+            if not sep_enc:
+                return 0.0
+            return max(x_lo, min(x_hi, K_e / (t - c_e))) if t > c_e else x_hi
 
         def y_of(t: float) -> float:
-            return max(y_lo, K_l / (t - c_l))
+            return max(y_lo, min(y_hi, K_l / (t - c_l))) if t > c_l else y_hi
 
         def objective(t: float) -> float:
             return (m - 1) * t + c_e / a_e * x_of(t) + p_l / (a_l * vpp) * y_of(t)

@@ -42,7 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 from disttrain_core import cli
 from disttrain_core.config import CONFIG_GROUPS, Config, compose, group_options
 from disttrain_core.parallel.recompute import POLICIES
-from disttrain_core.validation import ConfigError, validate_config
+from disttrain_core.validation import ConfigError, check_state_fits, validate_config
 from disttrain_core.validation.numbers import RULES
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 2000))  # default suite (< 60 s on 2 cores)
@@ -256,6 +256,7 @@ def fast_check(base: list[str], example: list[str]):
             raise cli.PreflightError(cli.describe_compose_error(error, overrides)) from error
         try:
             validate_config(cfg)
+            check_state_fits(cfg)  # as cli.check_overrides: a model whose state cannot fit is refused
         except ConfigError as error:
             refused = cli.PreflightError(str(error))
             refused.cfg = cfg  # type: ignore[attr-defined]  for the test's look at the refused value
