@@ -143,7 +143,9 @@ def _overlapped_block_forward(self, x: torch.Tensor, rope: torch.Tensor) -> torc
     return h + MatmulReduceScatter.apply(ring, F.silu(gate) * up, _local(ffn.w2.weight))
 
 
-def _sequence_parallel_run_layers(self, h: torch.Tensor) -> torch.Tensor:
+def _sequence_parallel_run_layers(self, h: torch.Tensor, documents=None) -> torch.Tensor:
+    if documents is not None:  # refused before launch (validation); this guards direct use
+        raise ValueError("parallel.comm.tp_overlap does not run packed documents; turn it off")
     ring = self._ring
     h = ScatterSequence.apply(ring, h)
     for layer in self.layers.values():

@@ -58,6 +58,20 @@ class ProducerConfig:
 
 
 @dataclass
+class PackingConfig:
+    """Variable-length text packed into rows with document masks (data/packing.py, docs/HOTSPA.md)."""
+
+    enabled: bool = False
+    # commoncrawl | github: synthetic documents with those long-tail length profiles (deterministic per step)
+    source: str = "commoncrawl"
+    documents_per_step: int = 64  # the global batch, in documents
+    # Ascending length boundaries: bucket k packs the documents of length in (buckets[k-1], buckets[k]] into
+    # rows of buckets[k] tokens; None: one bucket of model.seq_len. The last is the longest document drawn.
+    buckets: Optional[list[int]] = None
+    rows_per_microbatch: int = 1  # packed rows per microbatch on one rank (HotSPa: 1)
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     path: str = MISSING  # directory of .tar shards, or a brace pattern like dir/shard-{000..099}.tar
@@ -77,6 +91,7 @@ class DataConfig:
     max_image_pixels: int = 64_000_000  # larger images are skipped and counted
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     producer: ProducerConfig = field(default_factory=ProducerConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
 
 
 # --------------------------------------------------------------------------- optim
@@ -255,6 +270,19 @@ class CommConfig:
 
 
 @dataclass
+class HotSpaConfig:
+    """parallel.mode=hotspa: one strategy per length bucket (data.packing.buckets), hot-switched in a step."""
+
+    # One per bucket, like dp2tp2, tp2pp2, dp4, cp2dp2 (factors dp, tp, pp, cp; their product = the world)
+    strategies: list[str] = field(default_factory=list)
+    # The strategy that holds gradients and runs the optimizer; None: the one with the least model state per
+    # process (the most sharded), as HotSPa does.
+    home: Optional[str] = None
+    # Bucket order within a step: min_switch (the order with the fewest switched bytes, home last) | given
+    order: str = "min_switch"
+
+
+@dataclass
 class ParallelConfig:
     name: str = MISSING
     # ddp: whole model on every process. megatron: one dp x tp x pp for the LLM, the encoder and
@@ -284,6 +312,7 @@ class ParallelConfig:
     hsdp_replicas: int = 1  # zero2/zero3: HSDP replicate x shard mesh over the DP replicas
     zero1: bool = False  # alias of shard=zero1 (parallel=zero1)
     comm: CommConfig = field(default_factory=CommConfig)
+    hotspa: HotSpaConfig = field(default_factory=HotSpaConfig)
 
 
 @dataclass

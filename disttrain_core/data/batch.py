@@ -18,6 +18,9 @@ class Batch:
     gen_weight: torch.Tensor  # [B] float32, 1 if the sample has a generation target
     gen_noise: torch.Tensor  # [B, C, h, w] float32, per-sample seeded diffusion noise
     gen_timesteps: torch.Tensor  # [B] int64, per-sample seeded diffusion timesteps
+    # Packed documents (data/packing.py): each position's document (-1: padding) and place inside it.
+    doc_ids: torch.Tensor | None = None  # [B, S] int64
+    positions: torch.Tensor | None = None  # [B, S] int64
     keys: list[str] = field(default_factory=list)
 
     @property
@@ -49,6 +52,8 @@ class Batch:
             gen_weight=self.gen_weight[rows],
             gen_noise=self.gen_noise[rows],
             gen_timesteps=self.gen_timesteps[rows],
+            doc_ids=None if self.doc_ids is None else self.doc_ids[rows],
+            positions=None if self.positions is None else self.positions[rows],
             keys=self.keys[rows],
         )
 
@@ -57,3 +62,34 @@ class Batch:
 
     def gen_samples(self) -> float:
         return float(self.gen_weight.sum())
+
+
+def pad_rows(rows: Batch, slot: int) -> list[Batch]:
+    """The bucket's rows cut into slots of ``slot`` rows, the last padded with empty rows (no loss)."""
+    n = rows.size
+    count = max(1, -(-n // slot))
+    pad = count * slot - n
+    if pad:
+        rows = with_empty_rows(rows, pad)
+    return [rows.select(range(i * slot, (i + 1) * slot)) for i in range(count)]
+
+
+def with_empty_rows(rows: Batch, pad: int) -> Batch:
+    def extend(t: torch.Tensor | None, fill) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, t.new_full((pad, *t.shape[1:]), fill)])
+
+    return Batch(
+        tokens=extend(rows.tokens, 0),
+        labels=extend(rows.labels, -100),
+        images=rows.images,
+        image_counts=extend(rows.image_counts, 0),
+        gen_images=extend(rows.gen_images, 0),
+        gen_weight=extend(rows.gen_weight, 0),
+        gen_noise=extend(rows.gen_noise, 0),
+        gen_timesteps=extend(rows.gen_timesteps, 0),
+        doc_ids=extend(rows.doc_ids, -1),
+        positions=extend(rows.positions, 0),
+        keys=list(rows.keys) + [""] * pad,
+    )

@@ -165,3 +165,9 @@ def pack_rows(documents: list[torch.Tensor], rows: list[list[int]], capacity: in
             positions[r, start : start + n] = torch.arange(n)
             start += n
     return PackedRows(tokens, labels, doc_ids, positions)
+
+
+def bucket_boundaries(cfg) -> list[int]:
+    """``data.packing.buckets``, or one bucket of ``model.seq_len``."""
+    buckets = cfg.data.packing.buckets
+    return [int(b) for b in buckets] if buckets else [int(cfg.model.seq_len)]

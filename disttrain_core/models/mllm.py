@@ -25,7 +25,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..data.batch import Batch
 from .latents import build_latent_encoder
-from .llama import Llama
+from .llama import Documents, Llama
 from .projector import MLPProjector
 from .unet import DiffusionGenerator
 from .vit import VisionTransformer
@@ -115,7 +115,8 @@ class MultimodalLLM(nn.Module):
         return out
 
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return self.output_losses(self.llm.run_layers(self.input_embeddings(batch)), batch)
+        documents = None if batch.doc_ids is None else Documents(batch.doc_ids, batch.positions)
+        return self.output_losses(self.llm.run_layers(self.input_embeddings(batch), documents), batch)
 
     def submodules(self) -> dict[str, nn.Module]:
         """The present modules by name, in data-flow order."""

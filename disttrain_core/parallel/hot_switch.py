@@ -34,18 +34,24 @@ def run_switch(
     src: dict[str, dict[int, Box]],
     dst: dict[str, dict[int, Box]],
     group=None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's tensors under the target layout, built from ``source`` (its tensors under the source
-    layout, keyed by name; only those it holds). Every rank of ``group`` calls it with the same plan."""
+    layout, keyed by name; only those it holds), written into ``into`` when given (the target's live
+    tensors, shaped as its boxes) or into new tensors. Every rank of ``group`` calls it with the same plan."""
     group = group if group is not None else dist.group.WORLD
     rank = dist.get_rank(group)
     dtype = _dtype(source.values())
     device = next(iter(source.values())).device if source else torch.device("cpu")
-    out = {
-        name: torch.empty([b - a for a, b in boxes[rank]], dtype=dtype, device=device)
-        for name, boxes in dst.items()
-        if rank in boxes
-    }
+    out = (
+        into
+        if into is not None
+        else {
+            name: torch.empty([b - a for a, b in boxes[rank]], dtype=dtype, device=device)
+            for name, boxes in dst.items()
+            if rank in boxes
+        }
+    )
     for t in plan.local:
         if t.receiver == rank:
             region(out[t.name], dst[t.name][rank], t.box).copy_(region(source[t.name], src[t.name][rank], t.box))

@@ -7,6 +7,8 @@ trainer, the tools).
   pipeline stages with the LLM's dp and tp (small modules replicated inside the
   TP group). ``folded``: they run inside the LLM's first and last stage, as
   Megatron-LM's multimodal example does.
+* ``hotspa``: a (dp, tp, pp, cp) strategy per length bucket of packed text (train/hotspa.py); the layout
+  is the home strategy's, the one that holds the model state.
 * ``manual``: ``parallel.units.{encoder,llm,generator}`` each with its own
   dp/tp/pp, or ``colocate: true`` for the encoder or generator to fold it into the
   LLM unit.
@@ -20,7 +22,7 @@ from dataclasses import replace
 from ..config import Config
 from .units import UnitLayout, build_layout
 
-MODES = ("ddp", "megatron", "manual", "auto")
+MODES = ("ddp", "megatron", "manual", "auto", "hotspa")
 
 
 def world_size_of(cfg: Config) -> int:
@@ -71,6 +73,12 @@ def resolve_units(cfg: Config) -> UnitLayout:
         ep = {name: getattr(units, name).ep for name in ("encoder", "llm", "generator")}
         colocate = (units.encoder.colocate, units.generator.colocate)
         return build_layout(sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep)
+    if p.mode == "hotspa":  # the home strategy's layout: it holds the model state and runs the optimizer
+        from .hotspa_layout import bucket_strategies, strategy_config
+
+        strategies, capacities, home = bucket_strategies(cfg)
+        index = max(i for i, s in enumerate(strategies) if s.name == home)
+        return resolve_units(strategy_config(cfg, strategies[index], capacities[index]))
     if p.mode == "auto":
         raise ValueError("parallel.mode=auto is resolved into units by the planner before anything is built")
     raise ValueError(f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")

@@ -30,6 +30,7 @@ from ..config import ModelConfig
 from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
 from ..models import build_model
+from ..models.llama import Documents
 from ..models.mllm import MultimodalLLM
 from ..models.vit import vit_block_count
 from .context_parallel import SequenceSlices, scale_gradient, sum_gradient
@@ -144,7 +145,12 @@ class LlmStage(nn.Module):
                 hidden = cp.slice(hidden)
         else:
             hidden = inbound
-        hidden = m.llm.run_layers(hidden)
+        documents = None
+        if batch.doc_ids is not None:  # packed documents: attention and positions stay inside each
+            documents = Documents(batch.doc_ids, batch.positions)
+            if cp is not None:
+                documents = cp.documents(documents)
+        hidden = m.llm.run_layers(hidden, documents)
         if not self.is_last:
             return StageOutput(hidden)
         hidden = m.llm.final_norm(hidden)

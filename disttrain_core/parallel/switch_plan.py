@@ -20,14 +20,15 @@ so the states move between layouts inside a step. The plan follows the public im
 
 Strategies. ``strategy_layout`` derives the boxes of a (dp, tp, pp) strategy for named parameters from
 where each lives (``ParamSpec``: its shape, the dimension tensor parallelism splits or None, and the
-pipeline stage that holds it, as a fraction of the layer stack). Ranks are ordered tp fastest, then dp,
-then pp, as in units.py.
+pipeline stage that holds it, as a fraction of the layer stack). Ranks are ordered tp fastest, then cp,
+dp and pp, as in units.py; context-parallel ranks hold whole parameters, like data-parallel replicas.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass, field
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
@@ -35,24 +36,37 @@ Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 @dataclass(frozen=True)
 class Strategy:
-    """A (dp, tp, pp) strategy of ``dp * tp * pp`` ranks; ``name`` like ``dp2tp2``."""
+    """A (dp, tp, pp, cp) strategy of ``dp * tp * pp * cp`` ranks; ``name`` like ``dp2tp2``."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+
+    FACTORS = ("dp", "tp", "pp", "cp")
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if v > 1]
+        parts = [f"{k}{getattr(self, k)}" for k in self.FACTORS if getattr(self, k) > 1]
         return "".join(parts) or "dp1"
 
+    @classmethod
+    def parse(cls, text: str) -> Strategy:
+        """``dp2tp2``, ``tp2pp2``, ``cp2dp2``, ...: factors in any order, each at most once, absent ones 1."""
+        found = re.fullmatch(r"((dp|tp|pp|cp)[1-9][0-9]*)+", str(text))
+        sizes = {k: int(v) for k, v in re.findall(r"(dp|tp|pp|cp)([0-9]+)", str(text))} if found else {}
+        if not found or len(re.findall(r"(dp|tp|pp|cp)", str(text))) != len(sizes):
+            raise ValueError(f"strategy {text!r}: write it as factors like dp2tp2, tp2pp2 or cp2dp2 (each once)")
+        return cls(**sizes)
+
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp, tp, pp) index of ``rank``: tp fastest, then dp, then pp."""
-        return (rank // self.tp) % self.dp, rank % self.tp, rank // (self.tp * self.dp)
+        """(dp, tp, pp) index of ``rank``: tp fastest, then cp, dp, pp (units.py's order)."""
+        inner = self.tp * self.cp
+        return (rank // inner) % self.dp, rank % self.tp, rank // (inner * self.dp)
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,10 @@ class SwitchPlan:
         to = sorted(r for s, r in self.messages if s == rank)
         frm = sorted(s for s, r in self.messages if r == rank)
         return to, frm
+
+    def moved(self) -> int:
+        """Elements that travel between processes (local copies not counted)."""
+        return sum(t.numel for ts in self.messages.values() for t in ts)
 
     def message_numel(self, sender: int, receiver: int) -> int:
         return sum(t.numel for t in self.messages.get((sender, receiver), []))

@@ -18,7 +18,6 @@ from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 from tqdm import tqdm
@@ -26,7 +25,6 @@ from tqdm import tqdm
 from ..clock import DeviceClock
 from ..comm.engine import interleaved_mode
 from ..config import Config, training_precision
-from ..data.batch import Batch
 from ..data.loader import MicrobatchLoader
 from ..data.reader import ShardStream, resolve_shards
 from ..data.samples import SampleEncoder
@@ -36,7 +34,7 @@ from ..models import build_model
 from ..models.flops import batch_flops
 from ..parallel.plan import build_pipeline, resolve_units
 from .checkpoint import CheckpointManager
-from .engine import DataParallelEngine, GlobalCounts, to_device
+from .engine import DataParallelEngine
 from .host_sync import HostSyncGuard
 from .memory_report import MemoryReport, allocation_peak
 from .metrics import MetricsLogger
@@ -45,6 +43,7 @@ from .perf import peak_flops_per_device, peak_memory_gib
 from .results import StepResult, StepValues, read_results
 from .resume import CheckpointIO
 from .state import model_fingerprint
+from .step_data import StepData
 from .stop import StopRequest
 from .timeline_report import TimelineReporter
 from .unit_engine import UnitEngine
@@ -58,7 +57,7 @@ def _dump_flight(reason: str) -> None:
     flight.dump(reason)
 
 
-class Trainer(CheckpointIO):
+class Trainer(StepData, CheckpointIO):
     def __init__(self, cfg: Config, fabric: Fabric, run_dir: str | Path, stop_request: StopRequest | None = None):
         self.cfg = cfg
         self.fabric = fabric
@@ -76,12 +75,19 @@ class Trainer(CheckpointIO):
         # Several units, or a data producer: every process gets the whole (reordered) global batch and
         # keeps its unit replica's block of each slot.
         self.producer = cfg.data.producer.address is not None
-        self.global_stream = len(self.layout.units) > 1 or self.producer
+        # Packed text (data.packing): every process builds the whole step and takes its share.
+        self.packing = cfg.data.packing.enabled
+        self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         single = self.layout.trains_with_ddp()
         self.schedule = self.broker = None
         timeout = timedelta(seconds=trainer.dist_timeout_s)
-        if single:
+        if cfg.parallel.mode == "hotspa":  # a strategy per length bucket (train/hotspa.py)
+            from .hotspa import HotSpaEngine
+
+            self.engine = HotSpaEngine(cfg, fabric, self.tokenizer, timeout=timeout)
+            self.count_group = None
+        elif single:
             self.engine = DataParallelEngine(cfg, fabric, self.tokenizer)
             self.count_group = dist.group.WORLD if self.world_size > 1 and not self.global_stream else None
         else:
@@ -93,8 +99,10 @@ class Trainer(CheckpointIO):
         self.optimizer = self.engine.build_optimizer()
         self.scheduler = build_scheduler(getattr(self.optimizer, "inner", self.optimizer), optim, trainer.max_steps)
 
-        shards = resolve_shards(cfg.data.path)
-        if self.global_stream:  # every process reads the one canonical stream and keeps its own samples
+        shards = [] if self.packing else resolve_shards(cfg.data.path)
+        if self.packing:
+            self.stream = None  # packed text is built per step (data/packed_loader.py)
+        elif self.global_stream:  # every process reads the one canonical stream and keeps its own samples
             self.stream = ShardStream(shards, 0, 1, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
         else:  # one stream per data-parallel replica, shards split by replica
             self.stream = ShardStream(shards, self.dp_rank, llm.dp, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
@@ -133,6 +141,10 @@ class Trainer(CheckpointIO):
                 float(cfg.data.producer.timeout_s),
                 int(cfg.data.producer.max_frame_mb) << 20,
             )
+        elif self.packing:
+            from ..data.packed_loader import packed_loader
+
+            self.loader = packed_loader(cfg, data_state)
         else:
             self.loader = self._local_loader(data_state)
         self.metrics = MetricsLogger(
@@ -173,33 +185,6 @@ class Trainer(CheckpointIO):
         )
 
     # --------------------------------------------------------------------- step
-    def _global_counts(self, microbatches: list[Batch], trace=None) -> GlobalCounts:
-        counts = to_device(  # host-side batch tensors: reading them synchronizes nothing
-            torch.tensor(
-                [
-                    sum(mb.loss_tokens() for mb in microbatches),
-                    sum(mb.gen_samples() for mb in microbatches),
-                    sum(mb.size for mb in microbatches),
-                    sum(int(mb.images.shape[0]) for mb in microbatches),
-                ],
-                dtype=torch.float64,
-            ),
-            self.fabric.device,
-        )
-        work = None
-        if self.count_group is not None:  # one copy per data-parallel replica
-            work = dist.all_reduce(counts, group=self.count_group, async_op=True)
-        return GlobalCounts(counts, work, trace)
-
-    def _local_microbatches(self, microbatches: list[Batch]) -> list[Batch]:
-        """The samples this process works on: its unit replica's block of every global microbatch."""
-        if not self.global_stream:
-            return microbatches
-        if self.broker is not None:
-            self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
-        block = self.unit.block(self.dp_rank, self.slot_samples)
-        return [mb.select(block) for mb in microbatches]
-
     def train_step(self) -> StepResult:
         """One optimizer step. Nothing is read back from the device here (see train/host_sync.py)."""
         inject("step", self.rank, self.step + 1)  # fault drills (disttrain_core/faults.py); off by default
@@ -289,7 +274,11 @@ class Trainer(CheckpointIO):
             "train/grad_norm": result.grad_norm,
             "perf/step_time_s": seconds / len(window),
             "perf/samples_per_s": sequences / seconds,
-            "perf/tokens_per_s": sequences * self.cfg.model.seq_len / seconds,
+            # packed rows: the tokens that carry a label (documents, not padding)
+            "perf/tokens_per_s": (
+                sum(r.loss_tokens for r in window) if self.packing else sequences * self.cfg.model.seq_len
+            )
+            / seconds,
             "perf/loss_tokens_per_s": sum(r.loss_tokens for r in window) / seconds,
             "perf/tflops_per_device": flops / seconds / self.world_size / 1e12,
             "perf/mfu": flops / seconds / (self.peak_flops * self.world_size),
@@ -300,6 +289,10 @@ class Trainer(CheckpointIO):
         }
         if self.cfg.model.generator is not None:
             metrics["train/gen_loss"] = result.gen_loss
+        switched = getattr(self.engine, "switch_seconds", None)
+        if switched is not None:  # HotSPa: host time spent switching since the last log, as a share of the steps
+            metrics["perf/switch_fraction"] = (switched - getattr(self, "_switch_logged", 0.0)) / seconds
+            self._switch_logged = switched
         if self.timelines is not None and self.timelines.last.get("step") == self.step:
             metrics["perf/pipeline_measured_s"] = self.timelines.last["measured_s"]
             metrics["perf/pipeline_predicted_s"] = self.timelines.last["predicted_s"]
@@ -315,16 +308,23 @@ class Trainer(CheckpointIO):
             )
         if self.rank == 0:
             layout = self.layout.describe()
+            if self.cfg.parallel.mode == "hotspa":
+                layout = self.engine.describe()
             if self.schedule is not None:
                 layout += f" schedule={self.schedule.name} stages={self.schedule.num_stages}"
+            if self.packing:
+                from ..data.packed_loader import describe
+
+                batch = describe(self.cfg)
+            else:
+                batch = f"{self.accumulation} microbatch(es) of {self.cfg.optim.micro_batch_size} per step per replica"
             log.info(
-                "training %s for %d steps: %d process(es) (%s), %d microbatch(es) of %d per step per replica",
+                "training %s for %d steps: %d process(es) (%s), %s",
                 self.cfg.model.name,
                 stop_at,
                 self.world_size,
                 layout,
-                self.accumulation,
-                self.cfg.optim.micro_batch_size,
+                batch,
             )
         progress = tqdm(
             total=stop_at,

@@ -210,6 +210,11 @@ def validate_layout(cfg: Config) -> None:
 
     p, m = cfg.parallel, cfg.model
     _require(p.mode in MODES, f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")
+    if p.mode == "hotspa":  # every strategy is checked as the megatron layout it runs as
+        from .packing import validate_hotspa
+
+        validate_hotspa(cfg)
+        return
     _require(
         p.modality_stages in ("separate", "folded"),
         f"parallel.modality_stages={p.modality_stages!r}: allowed values are separate and folded",
@@ -332,6 +337,13 @@ def validate_schedule_config(cfg: Config) -> None:
     from ..parallel.plan import resolve_units, stages_per_rank
     from ..schedule.generators import SCHEDULES
 
+    if cfg.parallel.mode == "hotspa":  # each strategy runs as its own rigid layout (strategy_config)
+        from ..parallel.hotspa_layout import bucket_strategies, strategy_config
+
+        strategies, capacities, _ = bucket_strategies(cfg)
+        for strategy, capacity in zip(strategies, capacities, strict=True):
+            validate_schedule_config(strategy_config(cfg, strategy, capacity))
+        return
     s, layout = cfg.schedule, resolve_units(cfg)
     llm = layout.llm
     rows = sum(u.pp for u in layout.units)

@@ -268,6 +268,11 @@ def validate_data(cfg: Config) -> None:
             )
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
+    if d.packing.enabled:  # documents are built per step: no shards are read
+        from .packing import validate_packing
+
+        validate_packing(cfg)
+        return
     shard_count = check_shards(cfg)  # none, missing ones, or generation into a path it should not write
     dp = 1 if cfg.parallel.mode == "auto" or reads_global_stream(cfg) else layout_of(cfg)[0]
     _require(

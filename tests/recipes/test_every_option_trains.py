@@ -31,6 +31,8 @@ COMPANION_OVERRIDES = {
     ("recipe", "mllm_small_bf16"): ["optim.global_batch_size=4", "optim.micro_batch_size=2"],
     # the same for mllm_small in fp32: 16 samples per step took 80 s of the suite
     ("model", "mllm_small"): ["optim.global_batch_size=4", "optim.micro_batch_size=2"],
+    # packed text documents: a text-only model
+    ("data", "longtail_text"): ["model=llama_tiny"],
 }
 TRAINED_ELSEWHERE = {
     ("parallel", name)
@@ -40,6 +42,7 @@ TRAINED_ELSEWHERE = {
         "disagg4_pp2",
         "disagg4_llm2_gen1",
         "megatron_pp2",
+        "hotspa",  # tests/distributed/test_hotspa.py: 5 steps against one process
     )
 }
 # Run as typed (reduced alike) by tests/recipes/test_cookbook.py: the README's commands.

@@ -1,0 +1,67 @@
+"""parallel=hotspa and data.packing are refused before launch, in one line, when a strategy does not span
+the run, a strategy cannot hold its bucket in the memory limit, buckets and strategies disagree in number,
+buckets are not ascending or reach beyond model.seq_len, or the model is not a text-only Llama; and the
+home is the strategy with the least model state per process."""
+
+import pytest
+
+from disttrain_core.config import compose, typed_config
+from disttrain_core.validation import ConfigError, validate_config
+
+HOT = ["parallel=hotspa", "data.packing.buckets=[64,256,1024]", "model.seq_len=1024"]
+
+
+def _cfg(*overrides):
+    return typed_config(compose(list(overrides)))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.hotspa.strategies=[dp4,dp2tp2]"], "2 strategies for 3 buckets"),
+        (["parallel.hotspa.strategies=[dp4,dp2tp2,tp2]"], "tp2 uses 2 processes but the run has 4"),
+        (["parallel.hotspa.strategies=[dp4,dp2tp2,tp3dp1]"], "uses 3 processes"),
+        (["parallel.hotspa.strategies=[dp4,dp2tp2,xx2]"], "write it as factors like dp2tp2"),
+        (["parallel.hotspa.home=pp4"], "parallel.hotspa.home='pp4' is none of the strategies"),
+        (["data.packing.buckets=[256,64,1024]"], "strictly ascending"),
+        (["data.packing.buckets=[64,256,2048]"], "reach beyond model.seq_len=1024"),
+        (  # measured by the planner's memory model: dp4 needs 55 MB at 1,024 tokens, tp2pp2 22 MB
+            [
+                "parallel.hotspa.strategies=[tp2pp2,dp2tp2,dp4]",
+                "cluster.runtime_overhead_gb=0",
+                "cluster.memory_per_device_gb=0.04",
+            ],
+            "strategy dp4 cannot hold its bucket of 1024-token rows",
+        ),
+        (["model=mllm_tiny"], "use a text-only model"),
+        (["data=synthetic_laion"], "parallel.mode=hotspa runs packed variable-length text"),
+        (["schedule=interleaved_1f1b", "schedule.vpp=2"], "one pipeline stage per rank"),
+    ],
+)
+def test_bad_hotspa_settings_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")) as error:
+        validate_config(_cfg(*HOT, *overrides))
+    assert "\n" not in str(error.value)
+
+
+def test_the_same_limit_accepts_strategies_that_shard_the_long_bucket():
+    validate_config(_cfg(*HOT, "cluster.runtime_overhead_gb=0", "cluster.memory_per_device_gb=0.04"))
+
+
+def test_the_default_preset_validates_and_its_home_is_the_most_sharded():
+    from disttrain_core.parallel.hotspa_layout import bucket_strategies
+
+    cfg = _cfg("parallel=hotspa")
+    validate_config(cfg)
+    strategies, capacities, home = bucket_strategies(cfg)
+    assert [s.name for s in strategies] == ["dp4", "dp2tp2", "tp2pp2"] and capacities == [64, 128, 256]
+    assert home == "tp2pp2"
+    assert bucket_strategies(_cfg("parallel=hotspa", "parallel.hotspa.home=dp2tp2"))[2] == "dp2tp2"
+
+
+def test_packing_with_a_static_layout_is_ddp_only():
+    with pytest.raises(ConfigError, match="parallel.mode=ddp or hotspa"):
+        validate_config(
+            _cfg("model=llama_tiny", "data=longtail_text", "parallel=pp2", "schedule=1f1b", "trainer.devices=2")
+        )
+    validate_config(_cfg("model=llama_tiny", "data=longtail_text", "trainer.devices=2"))
