@@ -68,6 +68,9 @@ class Strategy:
         inner = self.tp * self.cp
         return (rank // inner) % self.dp, rank % self.tp, rank // (inner * self.dp)
 
+    def cp_index(self, rank: int) -> int:
+        return (rank // self.tp) % self.cp
+
 
 @dataclass(frozen=True)
 class ParamSpec:

@@ -12,8 +12,9 @@ bytes, ``bucket_order``):
 2. the strategy runs its bucket's packed rows (split over its data-parallel replicas, one microbatch of
    ``data.packing.rows_per_microbatch`` rows per slot, the last slot padded with empty rows);
 3. its gradients are summed over its data(-and-context)-parallel ranks and switched into the home's
-   layout, where they are added on the home's first data-parallel replica only -- the home's own
-   reduction then sums its replicas, so every bucket counts once and nothing is rescaled.
+   layout, where they are added on one rank of each of the home's gradient groups (its first data- and
+   context-parallel rank) -- the home's own reduction then sums the group, so every bucket counts once
+   and nothing is rescaled.
 
 The home bucket runs last with the accumulated gradients already in place; the trainer then reduces,
 clips and steps the home optimizer as in any layout. Losses are normalized by the step's total label
@@ -100,9 +101,11 @@ class HotSpaEngine(Engine):
         specs = llm_param_specs(cfg, tokenizer)
         layers = cfg.model.llm.n_layers
         layouts = {s.name: strategy_layout(specs, s, layers) for s in strategies}
-        # Gradients come home on the home's first data-parallel replica only (its reduction adds the rest).
+        # Gradients come home on one rank of each of the home's gradient groups (data x context parallel): the
+        # first replica's first context-parallel rank; the home's own reduction sums the group.
+        home = self.home.strategy
         layouts[_GRAD] = {
-            name: {r: box for r, box in boxes.items() if self.home.strategy.coords(r)[0] == 0}
+            name: {r: box for r, box in boxes.items() if home.coords(r)[0] == 0 and home.cp_index(r) == 0}
             for name, boxes in layouts[home_name].items()
         }
         self.layouts = layouts

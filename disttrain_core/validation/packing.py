@@ -132,7 +132,10 @@ def check_strategies_fit(cfg: Config) -> None:
 
     strategies, capacities, _ = bucket_strategies(cfg)
     for strategy, capacity in zip(strategies, capacities, strict=True):
-        ev = strategy_memory(cfg, strategy, capacity)
+        try:
+            ev = strategy_memory(cfg, strategy, capacity)
+        except ValueError as error:  # the planner's own refusals (cluster settings, shapes): one line
+            raise ConfigError(f"parallel.hotspa strategy {strategy.name}: {error}") from None
         if not ev.feasible:
             raise ConfigError(
                 f"parallel.hotspa strategy {strategy.name} cannot hold its bucket of {capacity}-token rows within "

@@ -154,6 +154,8 @@ def validate_optim(cfg: Config) -> None:
         len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
         f"optim.betas={list(o.betas)}: give two values in [0, 1), e.g. [0.9,0.95]",
     )
+    if cfg.data.packing.enabled:  # a step is data.packing.documents_per_step documents, packed into rows
+        return
     dp = 1 if cfg.parallel.mode == "auto" else layout_of(cfg)[0]
     _require(
         o.global_batch_size % (o.micro_batch_size * dp) == 0,

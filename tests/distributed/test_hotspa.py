@@ -1,7 +1,8 @@
 """HotSPa end to end (train/hotspa.py): a bucketed step whose three buckets run under three strategies
-(dp4 for the short rows, dp2tp2, tp2pp2 for the longest), parameters and gradients hot-switched inside the
-step, gives the losses and parameters of one process training on the same packed documents, 5 steps,
-fp32, within 1e-5."""
+(dp4 for the short rows, dp2tp2, tp2pp2 for the longest; and with context parallelism: cp2dp2, dp4,
+cp2tp2), parameters and gradients hot-switched inside the step, gives the losses and parameters of one
+process training on the same packed documents, 5 steps, fp32: losses within 1e-5, parameters within 1e-5
+(1e-4 with context parallelism, see below)."""
 
 import pytest
 
@@ -35,9 +36,17 @@ def _train(run_dir, *overrides):
     return run_dir
 
 
-def test_three_strategies_in_one_step_match_one_process(tmp_path):
-    one = _train(tmp_path / "one", "trainer.devices=1")
-    hot = _train(tmp_path / "hot", "parallel=hotspa", "parallel.hotspa.strategies=[dp4,dp2tp2,tp2pp2]")
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("hotspa") / "one", "trainer.devices=1")
+
+
+# Ring attention sums in another order than the one-process SDPA: parameters whose gradient nearly cancels get
+# Adam steps of another size (as in tests/distributed/test_context_parallel_training.py, 1e-4); without context
+# parallelism every strategy runs the reference's kernels and the parameters agree to 1e-5.
+@pytest.mark.parametrize("strategies, tolerance", [("[dp4,dp2tp2,tp2pp2]", 1e-5), ("[cp2dp2,dp4,cp2tp2]", 1e-4)])
+def test_three_strategies_in_one_step_match_one_process(one, strategies, tolerance, tmp_path):
+    hot = _train(tmp_path / "hot", "parallel=hotspa", f"parallel.hotspa.strategies={strategies}")
     losses, reference = [m["loss"] for m in read_metrics(hot)], [m["loss"] for m in read_metrics(one)]
     assert len(losses) == 5 and losses == pytest.approx(reference, abs=1e-5, rel=0)
     ours = read_tensors(latest_checkpoint(hot / "checkpoints"))
@@ -45,6 +54,6 @@ def test_three_strategies_in_one_step_match_one_process(tmp_path):
     params = [k for k in theirs if k.startswith("llm.") and k in ours]
     assert len(params) >= 4 * 9  # every weight of every block, at least
     worst = max((ours[k] - theirs[k]).abs().max().item() for k in params)
-    assert worst < 1e-5, worst
+    assert worst < tolerance, worst
     assert losses[-1] < losses[0]  # and it learns
     assert all(0 < m["perf/switch_fraction"] < 1 for m in read_metrics(hot))  # switching is timed, and not all
