@@ -39,8 +39,9 @@ def run_switch(
     """This rank's tensors under the target layout, built from ``source`` (its tensors under the source
     layout, keyed by name; only those it holds), written into ``into`` when given (the target's live
     tensors, shaped as its boxes) or into new tensors. Every rank of ``group`` calls it with the same plan."""
-    group = group if group is not None else dist.group.WORLD
-    rank = dist.get_rank(group)
+    single = not dist.is_initialized()  # one process: every transfer is local
+    group = group if group is not None or single else dist.group.WORLD
+    rank = 0 if single else dist.get_rank(group)
     dtype = _dtype(source.values())
     device = next(iter(source.values())).device if source else torch.device("cpu")
     out = (

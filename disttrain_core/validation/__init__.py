@@ -21,7 +21,8 @@ from .common import (
     resolve_backend,
     world_size,
 )
-from .layout import check_pipeline, layout_of, reads_global_stream, validate_layout, validate_schedule_config
+from .layout import layout_of, reads_global_stream, validate_layout
+from .schedule import check_pipeline, validate_schedule_config
 from .settings import (
     validate_cluster,
     validate_data,
@@ -95,6 +96,9 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")
     validate_model(cfg)
     validate_device_contract(cfg)
+    # the cluster and planner settings first: the layout checks of parallel=hotspa run the planner's memory model
+    validate_cluster(cfg)
+    validate_planner(cfg)
     auto = cfg.parallel.mode == "auto"  # the layout is checked once the planner has chosen it
     if not auto:
         validate_trainer(cfg)
@@ -103,5 +107,3 @@ def validate_config(cfg: Config) -> None:
     validate_optim(cfg)
     if not auto:
         validate_schedule_config(cfg)
-    validate_cluster(cfg)
-    validate_planner(cfg)

@@ -84,13 +84,11 @@ def test_every_receiver_gets_exactly_its_new_box_and_senders_are_balanced(source
     for owners, entry in by_set.items():
         bound = -(-entry["bytes"] // len(owners)) + entry["largest"]
         for rank in owners:
-            sent = sum(
-                t.numel for t in plan.transfers() if t.sender == rank and tuple(slices_owner(shapes, src, t)) == owners
-            )
+            sent = sum(t.numel for t in plan.transfers() if t.sender == rank and tuple(slices_owner(src, t)) == owners)
             assert sent <= bound, (source.name, target.name, owners, rank, sent, bound)
 
 
-def slices_owner(shapes, src, t):
+def slices_owner(src, t):
     return [r for r, box in sorted(src[t.name].items()) if _holds(box, t.box)]
 
 
@@ -130,7 +128,7 @@ def test_two_nodes_prefer_a_sender_on_the_receivers_node():
         plan = plan_switch(shapes, src, dst, node)
         _check(specs, source, target, plan)
         for t in plan.transfers():
-            owners = slices_owner(shapes, src, t)
+            owners = slices_owner(src, t)
             if any(node(o) == node(t.receiver) for o in owners):
                 assert node(t.sender) == node(t.receiver), (source.name, target.name, t)
     # dp2tp4 -> tp8: a node's replica has every slice its own ranks need

@@ -1,0 +1,112 @@
+"""Checks of the pipeline schedule a layout runs (``schedule.*`` against the layout and batch sizes), one
+line each, before any process starts: the schedule is built and replayed here, so one that would deadlock
+fails now."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import Config
+from .common import ConfigError, _require
+
+# Stages x microbatches of one step's pipeline schedule, which check_pipeline builds and replays (about 0.1 ms
+# a slot): beyond this the check would take minutes, and such a batch is a typo.
+MAX_PIPELINE_SLOTS = 65_536
+
+
+def validate_schedule_config(cfg: Config) -> None:
+    from ..parallel.plan import resolve_units, stages_per_rank
+    from ..schedule.generators import SCHEDULES
+
+    if cfg.parallel.mode == "hotspa":  # each strategy runs as its own rigid layout (strategy_config)
+        from ..parallel.hotspa_layout import bucket_strategies, strategy_config
+
+        if list(cfg.parallel.hotspa.strategies) == ["auto"]:  # chosen before launch, validated then
+            return
+
+        strategies, capacities, _ = bucket_strategies(cfg)
+        for strategy, capacity in zip(strategies, capacities, strict=True):
+            validate_schedule_config(strategy_config(cfg, strategy, capacity))
+        return
+    s, layout = cfg.schedule, resolve_units(cfg)
+    llm = layout.llm
+    rows = sum(u.pp for u in layout.units)
+    per_rank = stages_per_rank(cfg)
+    # Samples per global microbatch: every LLM replica's micro-batch, together.
+    samples = cfg.optim.micro_batch_size * llm.dp
+    micro = cfg.optim.global_batch_size // samples
+    for unit in layout.units:
+        _require(
+            samples % unit.dp == 0,
+            f"a microbatch slot holds optim.micro_batch_size({cfg.optim.micro_batch_size}) x llm dp({llm.dp}) = "
+            f"{samples} samples, which the {unit.name} unit's dp({unit.dp}) cannot share evenly; choose sizes so "
+            f"{unit.dp} divides it",
+        )
+    if rows == 1:
+        _require(
+            s.name == "none" and not s.csv,
+            f"schedule={s.name} needs pipeline stages; set parallel.pp > 1 or use schedule=none",
+        )
+        return
+    _require(
+        s.name != "none" or s.csv,
+        f"this layout has {rows} pipeline stages and needs a schedule: pick "
+        f"schedule=<one of {', '.join(SCHEDULES)}> (1f1b is the usual choice)",
+    )
+    _require(
+        s.csv is not None or s.name in SCHEDULES, f"schedule={s.name!r} is unknown; available: {', '.join(SCHEDULES)}"
+    )
+    slots = rows * max(per_rank, 1) * micro
+    _require(
+        slots <= MAX_PIPELINE_SLOTS,
+        f"optim.global_batch_size={cfg.optim.global_batch_size} makes {micro} microbatches per step for "
+        f"{rows * max(per_rank, 1)} pipeline stages ({slots} schedule slots; the schedule is built and replayed "
+        f"before launch up to {MAX_PIPELINE_SLOTS}); raise optim.micro_batch_size or lower optim.global_batch_size",
+    )
+    _require(
+        s.microbatches is None or s.microbatches == micro,
+        f"schedule.microbatches={s.microbatches} disagrees with optim.global_batch_size("
+        f"{cfg.optim.global_batch_size}) / (optim.micro_batch_size({cfg.optim.micro_batch_size}) x dp({llm.dp})) "
+        f"= {micro}; leave schedule.microbatches unset or change the batch sizes",
+    )
+    if len(layout.units) > 1:
+        _require(
+            per_rank == 1 and not s.csv,
+            f"schedule={s.name} places several stages per rank, which a pipeline across units does not support; "
+            "use gpipe, 1f1b or zb_h1",
+        )
+        check_pipeline(cfg, layout, micro)
+        return
+    if s.name == "interleaved_1f1b":
+        _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per rank")
+        _require(
+            micro % llm.pp == 0 and micro >= llm.pp,
+            f"interleaved_1f1b needs the microbatches per step ({micro}) to be a multiple of the pipeline size "
+            f"({llm.pp}); raise optim.global_batch_size or lower optim.micro_batch_size",
+        )
+    elif not s.csv:
+        _require(s.vpp == per_rank, f"schedule={s.name} places {per_rank} stage(s) per rank; got schedule.vpp={s.vpp}")
+    if not s.csv:
+        stages = llm.pp * per_rank
+        layers = cfg.model.llm.n_layers
+        _require(
+            layers % stages == 0,
+            f"model.llm.n_layers={layers} cannot be split into pipeline size ({llm.pp}) x stages per rank "
+            f"({per_rank}) = {stages} equal stages; change parallel.pp or schedule.vpp",
+        )
+    else:
+        _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
+    check_pipeline(cfg, layout, micro)
+
+
+def check_pipeline(cfg: Config, layout, microbatches: int) -> None:
+    """Build the schedule the run will use and validate it with the layout's routing, including the replay
+    of every rank's point-to-point posts under NCCL's rules: a schedule that would deadlock fails here."""
+    from ..parallel.plan import pipeline_schedule, validate_pipeline
+    from ..schedule.simulator import ScheduleError
+
+    try:
+        schedule = pipeline_schedule(cfg, layout, microbatches)
+        validate_pipeline(layout, schedule, cfg.optim.micro_batch_size * layout.llm.dp)
+    except (ScheduleError, ValueError) as error:
+        raise ConfigError(f"schedule={cfg.schedule.csv or cfg.schedule.name}: {error}") from error
