@@ -3,10 +3,12 @@ helper that runs ``train.py`` in a subprocess with an outer timeout."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -125,3 +127,13 @@ def run_train(args: list[str], timeout: float = 240, cwd: Path = REPO) -> subpro
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]) -> None:
+    """A webdataset shard: each sample's members as ``<key>.<extension>``, in order."""
+    with tarfile.open(path, "w") as tar:
+        for key, members in samples:
+            for ext, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))

@@ -62,13 +62,24 @@ class PackingConfig:
     """Variable-length text packed into rows with document masks (data/packing.py, docs/HOTSPA.md)."""
 
     enabled: bool = False
-    # commoncrawl | github: synthetic documents with those long-tail length profiles (deterministic per step)
+    # commoncrawl | github: synthetic documents with those long-tail length profiles (deterministic per step);
+    # corpus: the documents of data.packing.corpus (data/corpus.py)
     source: str = "commoncrawl"
+    # source=corpus: a .jsonl file or a directory of them ("text" per line), or webdataset shards (a directory,
+    # file, glob or brace pattern; a sample's .txt, or its .json "text" / "texts")
+    corpus: Optional[str] = None
     documents_per_step: int = 64  # the global batch, in documents
+    # Every length of the profile times this (its shape kept): 1/32 draws the seed's 32K-context corpus for a
+    # 1K-context model. Lengths are then clamped to the last bucket.
+    length_scale: float = 1.0
     # Ascending length boundaries: bucket k packs the documents of length in (buckets[k-1], buckets[k]] into
     # rows of buckets[k] tokens; None: one bucket of model.seq_len. The last is the longest document drawn.
     buckets: Optional[list[int]] = None
     rows_per_microbatch: int = 1  # packed rows per microbatch on one rank (HotSPa: 1)
+    # A token budget per microbatch instead: a bucket of c-token rows runs max(1, tokens_per_microbatch // c)
+    # rows per microbatch on one rank, so short buckets do not pay per-microbatch costs (TP/CP collectives,
+    # pipeline hops) once per short row. None: rows_per_microbatch for every bucket.
+    tokens_per_microbatch: Optional[int] = None
 
 
 @dataclass

@@ -1,11 +1,12 @@
 """Steps of packed variable-length text (``data.packing.enabled``): every process builds the whole step --
 ``documents_per_step`` documents, bucketed and packed (data/packing.py) -- and the engine takes its share.
 
-Sources: ``commoncrawl`` and ``github`` draw synthetic documents whose lengths follow those long-tail
-profiles. Each document is a short random motif repeated with a little noise, so a model can learn it
-(attention has to find the motif's period inside its own document). A step's documents depend only on
-(seed, step): the data position is the step number, and a resumed run sees exactly the documents it
-would have seen.
+Sources: ``corpus`` reads the documents of a text corpus on disk (data/corpus.py: JSON lines or webdataset
+shards, such as the embedded LAION-like shards' captions). ``commoncrawl`` and ``github`` draw synthetic
+documents whose lengths follow those long-tail profiles; each is a short random motif repeated with a
+little noise, so a model can learn it (attention has to find the motif's period inside its own document).
+A step's documents depend only on (seed, step) -- for a corpus, on the step and the corpus's order: the
+data position is the step number, and a resumed run sees exactly the documents it would have seen.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from .batch import Batch, pad_rows
 from .packing import bucket_and_pack, bucket_boundaries, pack_rows, sample_lengths
 
-SOURCES = ("commoncrawl", "github")
+SOURCES = ("commoncrawl", "github", "corpus")
 
 
 def synthetic_document(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -51,19 +52,38 @@ def text_batch(rows) -> Batch:
 class PackedStepLoader:
     """``next_step()``: one Batch per bucket holding all of the step's packed rows of that bucket."""
 
-    def __init__(self, source: str, documents: int, boundaries: list[int], vocab: int, seed: int, state=None):
+    def __init__(
+        self,
+        source: str,
+        documents: int,
+        boundaries: list[int],
+        vocab: int,
+        seed: int,
+        state=None,
+        length_scale: float = 1.0,
+        corpus=None,
+    ):
+        """``corpus``: a data/corpus.py CorpusDocuments, for ``source="corpus"``."""
         if source not in SOURCES:
             raise ValueError(f"data.packing.source={source!r}: allowed values are {', '.join(SOURCES)}")
         self.source, self.documents, self.boundaries = source, documents, list(boundaries)
+        self.length_scale = float(length_scale)
         self.vocab, self.seed = vocab, seed
         self.step = int((state or {}).get("step", 0))
-        self.skipped: Counter[str] = Counter()
+        self.skipped: Counter[str] = Counter((state or {}).get("skipped", {}))
         self.truncated_images = 0
         self.last_lengths: list[int] = []
+        self.corpus = corpus
+        if (source == "corpus") != (corpus is not None):
+            raise ValueError("data.packing.source=corpus reads data.packing.corpus; the other sources read none")
+        if corpus is not None:
+            corpus.skipped = self.skipped  # one set of counts, saved with the step
 
     def step_documents(self, step: int) -> list[torch.Tensor]:
+        if self.corpus is not None:
+            return self.corpus.documents(step, self.documents)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        lengths = sample_lengths(self.source, self.documents, self.boundaries[-1], generator)
+        lengths = sample_lengths(self.source, self.documents, self.boundaries[-1], generator, scale=self.length_scale)
         return [synthetic_document(n, self.vocab, generator) for n in lengths]
 
     def next_step(self) -> list[Batch]:
@@ -74,18 +94,17 @@ class PackedStepLoader:
         return [text_batch(pack_rows(docs, b.rows, b.capacity)) for b in bucket_and_pack(lengths, self.boundaries)]
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "skipped": dict(self.skipped)}
 
 
-def replica_rows(buckets: list[Batch], rows_per_microbatch: int, replicas: int, replica: int) -> list[Batch]:
-    """Data parallelism over packed buckets: each bucket's rows cut into slots of ``rows_per_microbatch``
-    rows per replica (the last slot padded with empty rows); ``replica``'s block of every slot, in order.
-    Every replica gets the same number of microbatches."""
+def replica_rows(buckets: list[Batch], rows_per_microbatch: list[int], replicas: int, replica: int) -> list[Batch]:
+    """Data parallelism over packed buckets: bucket k's rows cut into slots of ``rows_per_microbatch[k]`` rows
+    per replica (the last slot padded with empty rows); ``replica``'s block of every slot, in order. Every
+    replica gets the same number of microbatches."""
     out = []
-    slot = rows_per_microbatch * replicas
-    block = range(replica * rows_per_microbatch, (replica + 1) * rows_per_microbatch)
-    for rows in buckets:
-        out += [mb.select(block) for mb in pad_rows(rows, slot)]
+    for rows, per_replica in zip(buckets, rows_per_microbatch, strict=True):
+        block = range(replica * per_replica, (replica + 1) * per_replica)
+        out += [mb.select(block) for mb in pad_rows(rows, per_replica * replicas)]
     return out
 
 
@@ -94,9 +113,31 @@ def packed_loader(cfg, state: dict | None) -> PackedStepLoader:
     packing = cfg.data.packing
     boundaries = bucket_boundaries(cfg)
     vocab = cfg.model.llm.vocab_size
-    return PackedStepLoader(packing.source, packing.documents_per_step, boundaries, vocab, cfg.trainer.seed, state)
+    corpus = None
+    if packing.source == "corpus":
+        from .corpus import CorpusDocuments
+        from .tokenizer import build_tokenizer
+
+        corpus = CorpusDocuments(packing.corpus, build_tokenizer(cfg.data.tokenizer), boundaries[-1], cfg.trainer.seed)
+    return PackedStepLoader(
+        packing.source,
+        packing.documents_per_step,
+        boundaries,
+        vocab,
+        cfg.trainer.seed,
+        state,
+        length_scale=packing.length_scale,
+        corpus=corpus,
+    )
 
 
 def describe(cfg) -> str:
     packing = cfg.data.packing
-    return f"{packing.documents_per_step} {packing.source} documents per step in buckets {bucket_boundaries(cfg)}"
+    if packing.source == "corpus":
+        return (
+            f"{packing.documents_per_step} documents per step of {packing.corpus} in buckets {bucket_boundaries(cfg)}"
+        )
+    scaled = f" (lengths x {packing.length_scale:g})" if packing.length_scale != 1.0 else ""
+    return (
+        f"{packing.documents_per_step} {packing.source} documents per step{scaled} in buckets {bucket_boundaries(cfg)}"
+    )

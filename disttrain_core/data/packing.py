@@ -27,7 +27,7 @@ Both are documented in docs/HOTSPA.md with the fractions the generator actually 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,13 +53,25 @@ PROFILES = {
 
 
 def sample_lengths(
-    profile: str | LengthProfile, count: int, max_len: int, generator: torch.Generator, min_len: int = 2
+    profile: str | LengthProfile,
+    count: int,
+    max_len: int,
+    generator: torch.Generator,
+    min_len: int = 2,
+    scale: float = 1.0,
 ) -> list[int]:
-    """``count`` document lengths in [min_len, max_len] from a profile (deterministic given ``generator``)."""
+    """``count`` document lengths in [min_len, max_len] from a profile (deterministic given ``generator``).
+    ``scale`` shrinks (or stretches) every length of the profile -- its median and the start of its tail --
+    keeping its shape: 1/32 draws the 32K-context corpus as a 1K-context one, instead of clamping 32K
+    documents at 1K (which makes most tokens long)."""
     if isinstance(profile, str):
         if profile not in PROFILES:
             raise ValueError(f"length profile {profile!r}: allowed values are {', '.join(PROFILES)}")
         profile = PROFILES[profile]
+    if not scale > 0:
+        raise ValueError(f"length scale {scale} must be positive")
+    if scale != 1.0:
+        profile = replace(profile, median=profile.median * scale, tail_start=profile.tail_start * scale)
     if max_len < min_len:
         raise ValueError(f"max_len={max_len} is below min_len={min_len}")
     tail = torch.rand(count, generator=generator) < profile.tail_share
@@ -171,3 +183,10 @@ def bucket_boundaries(cfg) -> list[int]:
     """``data.packing.buckets``, or one bucket of ``model.seq_len``."""
     buckets = cfg.data.packing.buckets
     return [int(b) for b in buckets] if buckets else [int(cfg.model.seq_len)]
+
+
+def microbatch_rows(packing, capacity: int) -> int:
+    """Packed rows of ``capacity`` tokens per microbatch on one rank: ``packing.tokens_per_microbatch //
+    capacity`` (at least one) when a token budget is set, else ``packing.rows_per_microbatch``."""
+    budget = packing.tokens_per_microbatch
+    return int(packing.rows_per_microbatch) if budget is None else max(1, int(budget) // int(capacity))

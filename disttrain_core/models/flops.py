@@ -141,3 +141,26 @@ def flops_per_sample(cfg) -> dict[str, float]:
     per_unit = module_flops(cfg)
     amount = {"image": cfg.nominal_images_per_sample, "sequence": 1.0, "sample": 1.0}
     return {name: f.train * amount[f.unit] for name, f in per_unit.items()}
+
+
+@lru_cache(maxsize=32)
+def _llm_terms(cfg_yaml: str) -> tuple[float, float]:
+    """(a, b): the LLM's training FLOPs over one sequence of n tokens are a n + b n^2 (b: attention), solved
+    from exact counts at ``seq_len`` and ``seq_len // 2``."""
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(cfg_yaml))
+    long = int(cfg.seq_len)
+    short = max(long // 2, 1)
+    if short == long:
+        return _cached(cfg_yaml)["llm"].train / long, 0.0
+    f_long = _cached(cfg_yaml)["llm"].train
+    f_short = module_flops(OmegaConf.merge(cfg, {"seq_len": short}))["llm"].train
+    b = (f_long / long - f_short / short) / (long - short)
+    return f_long / long - b * long, b
+
+
+def document_flops(cfg, lengths) -> float:
+    """Training FLOPs of the LLM over documents of ``lengths`` tokens, attending inside each document only:
+    the model's work under packing with document masks (the usual MFU convention: matmuls and attention,
+    causal counted as full). A dense masked kernel over a packed row computes more; that is not credited."""
+    a, b = _llm_terms(OmegaConf.to_yaml(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg))
+    return sum(a * n + b * n * n for n in lengths)

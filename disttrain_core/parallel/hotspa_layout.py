@@ -10,12 +10,17 @@ import torch
 from omegaconf import OmegaConf
 
 from ..config import Config
-from ..data.packing import bucket_boundaries
+from ..data.packing import bucket_boundaries, microbatch_rows
 from ..data.tokenizer import Tokenizer
 from .switch_plan import ParamSpec, Strategy, strategy_layout
 
 
 def parse_strategies(cfg: Config) -> list[Strategy]:
+    if list(cfg.parallel.hotspa.strategies) == ["auto"]:
+        raise ValueError(
+            "parallel.hotspa.strategies=[auto] is chosen by train.py before launch (planner/hotspa_auto.py); "
+            "name one strategy per bucket to use it here"
+        )
     return [Strategy.parse(s) for s in cfg.parallel.hotspa.strategies]
 
 
@@ -88,6 +93,7 @@ def llm_param_specs(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str
 def strategy_config(cfg: Config, strategy: Strategy, capacity: int) -> Config:
     """The config one strategy's engine is built from: the rigid layout with its sizes, rows of its bucket."""
     schedule = "none" if strategy.pp == 1 else (cfg.schedule.name if cfg.schedule.name != "none" else "1f1b")
+    rows = microbatch_rows(cfg.data.packing, capacity)
     return OmegaConf.merge(
         cfg,
         {
@@ -102,8 +108,8 @@ def strategy_config(cfg: Config, strategy: Strategy, capacity: int) -> Config:
             "model": {"seq_len": int(capacity)},
             "schedule": {"name": schedule, "vpp": 1},
             "optim": {
-                "micro_batch_size": cfg.data.packing.rows_per_microbatch,
-                "global_batch_size": cfg.data.packing.rows_per_microbatch * strategy.dp,
+                "micro_batch_size": rows,
+                "global_batch_size": rows * strategy.dp,
             },
         },
     )

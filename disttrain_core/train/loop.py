@@ -31,7 +31,7 @@ from ..data.samples import SampleEncoder
 from ..data.tokenizer import build_tokenizer
 from ..faults import inject
 from ..models import build_model
-from ..models.flops import batch_flops
+from ..models.flops import batch_flops, document_flops
 from ..parallel.plan import build_pipeline, resolve_units
 from .checkpoint import CheckpointManager
 from .engine import DataParallelEngine
@@ -77,6 +77,7 @@ class Trainer(StepData, CheckpointIO):
         self.producer = cfg.data.producer.address is not None
         # Packed text (data.packing): every process builds the whole step and takes its share.
         self.packing = cfg.data.packing.enabled
+        self._packed_flops = 0.0  # model FLOPs of the packed steps since the last log
         self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         single = self.layout.trains_with_ddp()
@@ -196,6 +197,8 @@ class Trainer(StepData, CheckpointIO):
         trace = getattr(self.engine, "trace", None)
         microbatches = self.loader.next_step()
         data_wait = time.perf_counter() - host_started
+        if self.packing:  # the model's FLOPs of this step's documents, on the host (read at the next log)
+            self._packed_flops += document_flops(self.cfg.model, self.loader.last_lengths)
         if trace is not None:
             trace.compute("data", host_started, time.perf_counter())
         counts = self._global_counts(microbatches, trace)
@@ -266,6 +269,8 @@ class Trainer(StepData, CheckpointIO):
             batch_flops(self.cfg.model, r.sequences, r.images, r.sequences if self.cfg.model.generator else 0)
             for r in window
         )
+        if self.packing:  # documents, not padded rows: attention inside each document (models/flops.py)
+            flops, self._packed_flops = self._packed_flops, 0.0
         metrics = {
             "train/loss": result.loss,
             "train/loss_avg": sum(r.loss for r in window) / len(window),

@@ -38,8 +38,9 @@ class StepData:
             if self.cfg.parallel.mode == "hotspa":
                 return microbatches
             from ..data.packed_loader import replica_rows
+            from ..data.packing import bucket_boundaries, microbatch_rows
 
-            rows = self.cfg.data.packing.rows_per_microbatch
+            rows = [microbatch_rows(self.cfg.data.packing, c) for c in bucket_boundaries(self.cfg)]
             return replica_rows(microbatches, rows, self.layout.llm.dp, self.dp_rank)
         if self.broker is not None:
             self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])

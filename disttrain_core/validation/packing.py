@@ -13,8 +13,30 @@ def validate_packing(cfg: Config) -> None:
 
     pk = cfg.data.packing
     _require(pk.source in SOURCES, f"data.packing.source={pk.source!r}: allowed values are {', '.join(SOURCES)}")
+    if pk.source == "corpus":
+        from ..data.corpus import corpus_files
+
+        _require(
+            pk.corpus is not None,
+            "data.packing.source=corpus reads data.packing.corpus: set it to a .jsonl file, a directory of them, or "
+            "webdataset shards (data.packing.corpus=${paths.data_dir}/synthetic_laion for the embedded shards)",
+        )
+        try:
+            corpus_files(str(pk.corpus))
+        except ValueError as error:
+            raise ConfigError(f"data.packing.corpus: {error}") from None
     _require(pk.documents_per_step >= 1, f"data.packing.documents_per_step={pk.documents_per_step}: use 1 or more")
+    _require(
+        pk.length_scale > 0,
+        f"data.packing.length_scale={pk.length_scale}: use a positive factor (1/32 draws 32K-context lengths for "
+        "a 1K context)",
+    )
     _require(pk.rows_per_microbatch >= 1, f"data.packing.rows_per_microbatch={pk.rows_per_microbatch}: use 1 or more")
+    _require(
+        pk.tokens_per_microbatch is None or pk.tokens_per_microbatch >= 1,
+        f"data.packing.tokens_per_microbatch={pk.tokens_per_microbatch}: use a positive token budget, or null for "
+        "data.packing.rows_per_microbatch rows per microbatch",
+    )
     if pk.buckets is not None:
         try:
             check_boundaries(list(pk.buckets))
@@ -66,6 +88,22 @@ def validate_hotspa(cfg: Config) -> None:
         f"parallel.mode=hotspa switches a text-only Llama; model={cfg.model.name} has an image encoder or "
         "generator: use a text-only model (model=llama_tiny)",
     )
+    _require(
+        cfg.schedule.name not in ("interleaved_1f1b", "zbv"),
+        f"schedule={cfg.schedule.name}: hot switching assumes one pipeline stage per rank; use 1f1b, gpipe or zb_h1",
+    )
+    _require(cfg.model.llm.moe is None, "parallel.mode=hotspa: MoE models are not switched yet; use a dense Llama")
+    _require(
+        not cfg.trainer.record_timeline,
+        "trainer.record_timeline compares one pipeline schedule with its prediction; a HotSPa step runs one per "
+        "bucket: unset it (perf/switch_fraction reports the switching share)",
+    )
+    if list(h.strategies) == ["auto"]:  # train.py chooses buckets and strategies before launch
+        _require(
+            h.home is None,
+            f"parallel.hotspa.home={h.home!r} names a strategy, but strategies=[auto] chooses them: unset home",
+        )
+        return
     buckets = bucket_boundaries(cfg)
     _require(
         len(h.strategies) == len(buckets),
@@ -91,11 +129,6 @@ def validate_hotspa(cfg: Config) -> None:
         home in [s.name for s in strategies],
         f"parallel.hotspa.home={h.home!r} is none of the strategies {[s.name for s in strategies]}",
     )
-    _require(
-        cfg.schedule.name not in ("interleaved_1f1b", "zbv"),
-        f"schedule={cfg.schedule.name}: hot switching assumes one pipeline stage per rank; use 1f1b, gpipe or zb_h1",
-    )
-    _require(cfg.model.llm.moe is None, "parallel.mode=hotspa: MoE models are not switched yet; use a dense Llama")
     for strategy, capacity in zip(strategies, capacities, strict=True):
         try:
             validate_layout(strategy_config(cfg, strategy, capacity))

@@ -57,3 +57,23 @@ def test_three_strategies_in_one_step_match_one_process(one, strategies, toleran
     assert worst < tolerance, worst
     assert losses[-1] < losses[0]  # and it learns
     assert all(0 < m["perf/switch_fraction"] < 1 for m in read_metrics(hot))  # switching is timed, and not all
+
+
+def test_a_hotspa_run_resumes_under_another_home(one, tmp_path):
+    """Stopped after step 3 with home tp2pp2 (the most sharded of dp4 / dp2tp2 / tp2pp2), resumed with
+    strategies dp2tp2 / dp4 / dp2tp2 (home dp2tp2): the checkpoint (the home's state, saved by name) is
+    resharded into the new home, the packed loader continues at step 4, and steps 4-5 and the final
+    parameters are those of the uninterrupted one-process run."""
+    run = tmp_path / "resumed"
+    _train(run, "parallel=hotspa", "parallel.hotspa.strategies=[dp4,dp2tp2,tp2pp2]", "trainer.exit_after_step=3")
+    _train(run, "parallel=hotspa", "parallel.hotspa.strategies=[dp2tp2,dp4,dp2tp2]", "trainer.resume=auto")
+    metrics = read_metrics(run)
+    resumed = {m["step"]: m["loss"] for m in metrics}
+    reference = {m["step"]: m["loss"] for m in read_metrics(one)}
+    assert sorted(resumed) == [1, 2, 3, 4, 5]
+    assert [resumed[s] for s in (4, 5)] == pytest.approx([reference[s] for s in (4, 5)], abs=1e-5, rel=0)
+    ours = read_tensors(latest_checkpoint(run / "checkpoints"))
+    theirs = read_tensors(latest_checkpoint(one / "checkpoints"))
+    params = [k for k in theirs if k.startswith("llm.") and k in ours]
+    assert len(params) >= 4 * 9
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in params) < 1e-5

@@ -2,7 +2,6 @@
 
 import io
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,8 @@ from disttrain_core.data.reader import Position, RawSample, ShardStream, resolve
 from disttrain_core.data.samples import BadSample, SampleEncoder, parse_segments
 from disttrain_core.data.synthetic import make_sample
 from disttrain_core.data.tokenizer import ByteTokenizer
+
+from ..conftest import write_tar
 
 TOK = ByteTokenizer()
 
@@ -98,15 +99,6 @@ def _jpeg(side=40, color=(200, 10, 10)):
     return buffer.getvalue()
 
 
-def _write_tar(path: Path, samples: list[tuple[str, dict[str, bytes]]]):
-    with tarfile.open(path, "w") as tar:
-        for key, members in samples:
-            for ext, data in members.items():
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
-
-
 def test_bad_samples_are_skipped_and_counted(tmp_path):
     good = {"jpg": _jpeg(), "txt": b"a red square"}
     samples = [
@@ -118,7 +110,7 @@ def test_bad_samples_are_skipped_and_counted(tmp_path):
         ("005", {"json": json.dumps({"texts": ["x", None], "images": [None, "0.png"]}).encode()}),
         ("006", good),
     ]
-    _write_tar(tmp_path / "a.tar", samples)
+    write_tar(tmp_path / "a.tar", samples)
     with open(tmp_path / "a.tar", "rb") as f:
         data = f.read()
     (tmp_path / "b.tar").write_bytes(data[: len(data) // 2 + 100])  # a truncated shard

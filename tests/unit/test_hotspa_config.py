@@ -36,6 +36,9 @@ def _cfg(*overrides):
         (["model=mllm_tiny"], "use a text-only model"),
         (["data=synthetic_laion"], "parallel.mode=hotspa runs packed variable-length text"),
         (["schedule=interleaved_1f1b", "schedule.vpp=2"], "one pipeline stage per rank"),
+        (["trainer.record_timeline=true"], "a HotSPa step runs one per bucket"),
+        (["data.packing.tokens_per_microbatch=0"], "data.packing.tokens_per_microbatch=0: use a positive token"),
+        (["data.packing.length_scale=-1"], "data.packing.length_scale=-1.0: use a positive factor"),
     ],
 )
 def test_bad_hotspa_settings_are_refused_in_one_line(overrides, message):

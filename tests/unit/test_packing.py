@@ -56,6 +56,44 @@ def test_length_profiles_are_long_tailed_and_deterministic():
         sample_lengths("wiki", 1, 8, g())
 
 
+def test_a_scaled_profile_keeps_its_shape_where_clamping_does_not():
+    """1/32 of the 32K profile, drawn up to 1K, has the 32K draw's token shares per relative length band;
+    clamping the unscaled profile at 1K piles most tokens onto the longest band."""
+    g = lambda: torch.Generator().manual_seed(2)  # noqa: E731
+    full = sample_lengths("commoncrawl", 20000, 32768, g())
+    scaled = sample_lengths("commoncrawl", 20000, 1024, g(), scale=1 / 32)
+    clamped = sample_lengths("commoncrawl", 20000, 1024, g())
+
+    def long_share(lengths, edge):  # the share of tokens in documents longer than edge
+        return sum(n for n in lengths if n > edge) / sum(lengths)
+
+    for edge in (64, 128, 512):
+        assert abs(long_share(scaled, edge) - long_share(full, 32 * edge)) < 0.03
+    assert long_share(clamped, 512) > 0.7 > 0.4 > long_share(scaled, 512)
+    with pytest.raises(ValueError, match="must be positive"):
+        sample_lengths("github", 1, 8, g(), scale=0.0)
+
+
+def test_a_token_budget_sets_rows_per_microbatch_per_bucket():
+    from types import SimpleNamespace
+
+    from disttrain_core.data.packed_loader import replica_rows, text_batch
+    from disttrain_core.data.packing import microbatch_rows
+
+    budget = SimpleNamespace(rows_per_microbatch=1, tokens_per_microbatch=512)
+    assert [microbatch_rows(budget, c) for c in (64, 128, 512, 1024)] == [8, 4, 1, 1]
+    rows = SimpleNamespace(rows_per_microbatch=3, tokens_per_microbatch=None)
+    assert [microbatch_rows(rows, c) for c in (64, 1024)] == [3, 3]
+    short = text_batch(pack_rows([torch.arange(2, 6)] * 5, [[k] for k in range(5)], 4))  # 5 rows of 4 tokens
+    long = text_batch(pack_rows([torch.arange(2, 10)], [[0]], 8))  # 1 row of 8
+    for replica in range(2):
+        mbs = replica_rows([short, long], [2, 1], replicas=2, replica=replica)
+        # short: 5 rows in slots of 2 x 2 -> 2 slots (the second padded); long: one slot of 1 x 2 (padded)
+        assert [mb.tokens.shape for mb in mbs] == [(2, 4), (2, 4), (1, 8)]
+    first = replica_rows([short, long], [2, 1], replicas=2, replica=0)
+    assert (first[0].tokens == short.tokens[:2]).all() and (first[2].tokens == long.tokens).all()
+
+
 def _llama(seq_len):
     from disttrain_core.config import LlamaConfig
     from disttrain_core.models.common import init_weights

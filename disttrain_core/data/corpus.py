@@ -1,0 +1,159 @@
+"""Text documents from a corpus on disk, for packed training (``data.packing.source=corpus``).
+
+A corpus is either JSON lines -- a ``.jsonl`` (or ``.jsonl.gz``) file or a directory of them, one document
+per line in its ``"text"`` field -- or webdataset shards (a directory of ``.tar`` files, a file, a glob or
+a brace pattern: data/reader.py), one document per sample: its ``.txt`` member, else its ``.json``
+member's ``"text"`` string or its ``"texts"`` list (the embedded LAION-like shards' interleaved captions,
+images left out) joined by spaces.
+
+A document is ``[bos] + tokens + [eos]`` in the run's tokenizer. A document longer than the last bucket is
+cut into pieces of that length (Megatron-style; counted in ``split``), a leftover of a single token is
+dropped. A record that is not valid JSON, has no text, or a shard that cannot be read is skipped and
+counted by reason, never a crash.
+
+Order: records in a fixed order (JSON lines: files sorted by name, lines in order; shards: the reader's
+interleaved stream of one data-parallel rank over all shards, shuffled per epoch with ``seed``), epoch after
+epoch. Step ``s`` reads records ``s * per_step`` to ``(s + 1) * per_step - 1`` of that infinite order, so the
+data position is the step number and a resumed run reads exactly the documents it would have read (found
+again by reading past the earlier records: resuming costs one pass over them).
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+
+from .reader import RawSample, ShardStream, resolve_shards
+from .tokenizer import Tokenizer
+
+
+def corpus_files(path: str) -> tuple[str, list[str]]:
+    """("jsonl" | "webdataset", files) named by ``path``; no files: ValueError naming the path."""
+    if os.path.isdir(path):
+        lines = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.jsonl.gz")))
+        if lines:
+            return "jsonl", lines
+    elif path.endswith((".jsonl", ".jsonl.gz")):
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file")
+        return "jsonl", [path]
+    shards = resolve_shards(path)
+    if not shards:
+        raise ValueError(f"{path} holds no .jsonl file and names no webdataset shard")
+    return "webdataset", shards
+
+
+def _text_of_json(record) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    text = record.get("text")
+    if isinstance(text, str):
+        return text
+    texts = record.get("texts")
+    if isinstance(texts, list):
+        parts = [t for t in texts if isinstance(t, str)]
+        return " ".join(parts) if parts else None
+    return None
+
+
+class CorpusDocuments:
+    """``documents(step, per_step)``: the tokenized documents of a step (see the module doc)."""
+
+    def __init__(self, path: str, tokenizer: Tokenizer, max_len: int, seed: int = 0):
+        self.kind, self.files = corpus_files(path)
+        self.tokenizer, self.max_len, self.seed = tokenizer, int(max_len), int(seed)
+        self.skipped: Counter[str] = Counter()
+        self.split = 0
+        self._records: Iterator[str | None] | None = None
+        self._next = 0  # index of the record self._records yields next
+
+    def _texts(self) -> Iterator[str | None]:
+        """Every record's text (None: a bad record, already counted), epoch after epoch."""
+        while True:
+            found = 0
+            for text in self._jsonl() if self.kind == "jsonl" else self._shards():
+                found += text is not None
+                yield text
+            if not found:
+                raise ValueError(f"the corpus {self.files[0]}... holds no readable document")
+
+    def _jsonl(self) -> Iterator[str | None]:
+        for name in self.files:
+            opener = gzip.open if name.endswith(".gz") else open
+            with opener(name, "rt", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    try:
+                        text = _text_of_json(json.loads(line))
+                    except json.JSONDecodeError:
+                        self.skipped["corpus_bad_json"] += 1
+                        yield None
+                        continue
+                    if text is None:
+                        self.skipped["corpus_no_text"] += 1
+                    yield text
+
+    def _shards(self) -> Iterator[str | None]:
+        stream = ShardStream(self.files, 0, 1, self.seed)
+        epoch = 0
+        while True:
+            produced = 0
+            for element in stream.epoch_elements(epoch):
+                item = element.item
+                if not isinstance(item, RawSample):
+                    self.skipped["corpus_bad_shard"] += 1
+                    yield None
+                    continue
+                produced += 1
+                yield self._sample_text(item)
+            if not produced:
+                return
+            epoch += 1
+
+    def _sample_text(self, sample: RawSample) -> str | None:
+        if "txt" in sample.members:
+            return sample.members["txt"].decode("utf-8", errors="replace")
+        try:
+            text = _text_of_json(json.loads(sample.members.get("json", b"")))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self.skipped["corpus_bad_json"] += 1
+            return None
+        if text is None:
+            self.skipped["corpus_no_text"] += 1
+        return text
+
+    def _seek(self, index: int) -> None:
+        """Position at record ``index``; records passed over are not counted again (a resumed run restores
+        its counts)."""
+        counts, split = Counter(self.skipped), self.split
+        if self._records is None or index < self._next:
+            self._records, self._next = self._texts(), 0
+        while self._next < index:
+            next(self._records)
+            self._next += 1
+        self.skipped.clear()
+        self.skipped.update(counts)
+        self.split = split
+
+    def documents(self, step: int, per_step: int) -> list[torch.Tensor]:
+        self._seek(step * per_step)
+        out = []
+        for _ in range(per_step):
+            text = next(self._records)
+            self._next += 1
+            if text is None:
+                continue
+            ids = [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
+            pieces = [ids[i : i + self.max_len] for i in range(0, len(ids), self.max_len)]
+            if len(pieces) > 1 and len(pieces[-1]) < 2:
+                pieces.pop()
+            self.split += len(pieces) - 1
+            out += [torch.tensor(p, dtype=torch.int64) for p in pieces]
+        return out
