@@ -94,6 +94,12 @@ def launch(cfg: DictConfig) -> float | None:
                 return None
             cfg = typed_config(container)
             validate_config(cfg)
+        if cfg.parallel.mode == "hotspa" and list(cfg.parallel.hotspa.strategies) == ["auto"]:
+            from .planner.hotspa_auto import resolve_hotspa_auto
+
+            container = resolve_hotspa_auto(cfg, container, Path(cfg.paths.output_dir))
+            cfg = typed_config(container)
+            validate_config(cfg)
         check_state_sources(cfg, Path(cfg.paths.output_dir))
     except (ConfigError, LaunchError, *STATE_ERRORS) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -12,7 +12,8 @@ on sigma takes, on its slowest data-parallel replica (rows dealt round-robin), t
 plus (pp - 1) times its longest row (pipeline fill and drain: the Hydraulis cost model the HotSPa authors
 use, shared/reference/algorithms.md). A step adds the home strategy's gradient sync and optimizer time, and
 for HotSPa the switches: per switch, the slowest rank's bytes over its links (parallel/switch_plan.py plans
-with the cluster's nodes; parameters in bf16 out of the home, gradients in fp32 back).
+with the cluster's nodes; parameters out of the home in the compute precision (bf16 under mixed precision),
+gradients in fp32 back).
 
 Memory: a strategy serves a bucket only if the planner's memory model holds rows of the bucket's length
 (``feasible``); the static candidates must hold the longest documents.
@@ -97,6 +98,20 @@ def switch_seconds(plans: PlanCache, source: str, target: str, hw, per_node: int
     return max((v[0] for v in load.values()), default=0.0) + (hw.latency_s if plan.messages else 0.0)
 
 
+def sampled_batches(source: str, documents: int, longest: int, seed: int, steps: int, scale: float = 1.0):
+    """``steps`` global batches of document lengths, as data/packed_loader.py draws them for ``seed``."""
+    out = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        out.append(sample_lengths(source, documents, longest, generator, scale=scale))
+    return out
+
+
+def fit_lengths(longest: int) -> tuple[int, int, int]:
+    """The three row lengths t(row) is fitted at for buckets up to ``longest``."""
+    return (max(longest // 8, 16), max(longest // 2, 32), longest)
+
+
 def predict(
     cfg,
     strategies: list[Strategy] | None,
@@ -106,22 +121,26 @@ def predict(
     source: str,
     seed: int = 0,
     steps: int = 4,
+    scale: float = 1.0,
+    costs: dict[str, StrategyCost] | None = None,
+    batches: list[list[int]] | None = None,
 ) -> dict:
     """Predicted step times of HotSPa (``strategies`` per ``buckets``; None: per bucket the fastest candidate
     that holds it), of every static candidate that holds the longest bucket, and of the longest bucket's
-    strategy used statically, averaged over ``steps`` sampled global batches of ``documents`` documents."""
+    strategy used statically, averaged over ``steps`` sampled global batches of ``documents`` documents
+    (lengths of ``source`` x ``scale``; ``batches``: given document lengths instead). ``costs``: fitted
+    already (every strategy named, fits at every bucket)."""
     from ..parallel.hotspa_layout import least_state, llm_param_specs
+    from . import planned_precision
     from .costs import Hardware
 
     longest = buckets[-1]
-    fit_lengths = (max(longest // 8, 16), max(longest // 2, 32), longest)
-    every = {s.name: s for s in [*(strategies or []), *candidates]}
-    costs = {name: strategy_cost(cfg, s, fit_lengths, sorted(set(buckets))) for name, s in every.items()}
-    samples = []
-    for step in range(steps):
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        lengths = sample_lengths(source, documents, longest, generator)
-        samples.append((lengths, bucket_and_pack(lengths, buckets)))
+    if costs is None:
+        every = {s.name: s for s in [*(strategies or []), *candidates]}
+        costs = {name: strategy_cost(cfg, s, fit_lengths(longest), sorted(set(buckets))) for name, s in every.items()}
+    if batches is None:
+        batches = sampled_batches(source, documents, longest, seed, steps, scale)
+    samples = [(lengths, bucket_and_pack(lengths, buckets)) for lengths in batches]
     if strategies is None:  # per bucket, the candidate that holds it and runs its rows fastest (switches aside)
         strategies = []
         for k, edge in enumerate(buckets):
@@ -140,16 +159,18 @@ def predict(
         if not costs[s.name].fits.get(edge, False):
             raise ValueError(f"strategy {s.name} cannot hold rows of {edge} tokens in memory")
     static = [s.name for s in candidates if costs[s.name].fits[longest]]
-    hw = Hardware.from_config(cfg.cluster, "bf16-mixed", None)
+    precision = planned_precision(cfg)
+    hw = Hardware.from_config(cfg.cluster, precision, None)
+    param_bytes = 2 if precision == "bf16-mixed" else 4
     per_node = int(cfg.cluster.gpus_per_node)
     specs = llm_param_specs(cfg)
     layers = int(cfg.model.llm.n_layers)
     layouts = {s.name: strategy_layout(specs, s, layers) for s in strategies}
     plans = PlanCache({n: p.shape for n, p in specs.items()}, layouts, lambda r: r // per_node)
     home = least_state(strategies, specs, layers)
-    switches = {  # (parameters out in bf16, gradients back in fp32) per non-home strategy
+    switches = {  # (parameters out in the compute precision, gradients back in fp32) per non-home strategy
         s.name: (
-            switch_seconds(plans, home, s.name, hw, per_node, 2),
+            switch_seconds(plans, home, s.name, hw, per_node, param_bytes),
             switch_seconds(plans, s.name, home, hw, per_node, 4),
         )
         for s in strategies

@@ -10,7 +10,8 @@ bytes, ``bucket_order``):
 1. the home's parameters are switched into the bucket's strategy (parallel/hot_switch.py: one plan per
    (from, to) pair, computed identically on every rank, one batched exchange);
 2. the strategy runs its bucket's packed rows (split over its data-parallel replicas, one microbatch of
-   ``data.packing.rows_per_microbatch`` rows per slot, the last slot padded with empty rows);
+   ``data.packing.rows_per_microbatch`` rows -- or ``tokens_per_microbatch`` tokens -- per replica per slot,
+   the last slot padded with empty rows);
 3. its gradients are summed over its data(-and-context)-parallel ranks and switched into the home's
    layout, where they are added on one rank of each of the home's gradient groups (its first data- and
    context-parallel rank) -- the home's own reduction then sums the group, so every bucket counts once
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -90,9 +92,9 @@ class HotSpaEngine(Engine):
         # The home is the last bucket with the home strategy: it runs last and owns the optimizer.
         self.home_index = max(i for i, name in enumerate(self.names) if name == home_name)
         self.members: list[_Member] = []
-        rows = cfg.data.packing.rows_per_microbatch
         for strategy, capacity in zip(strategies, capacities, strict=True):
             scfg = strategy_config(cfg, strategy, capacity)
+            rows = scfg.optim.micro_batch_size
             layout = resolve_units(scfg)
             schedule, broker, rows_of_units = build_pipeline(scfg, layout, 1)
             engine = UnitEngine(scfg, fabric, tokenizer, layout, schedule, broker, rows_of_units, timeout=timeout)
@@ -109,7 +111,8 @@ class HotSpaEngine(Engine):
             for name, boxes in layouts[home_name].items()
         }
         self.layouts = layouts
-        self.plans = PlanCache({n: s.shape for n, s in specs.items()}, layouts)
+        per_node = int(cfg.trainer.devices)  # ranks are placed node by node (launch.py)
+        self.plans = PlanCache({n: s.shape for n, s in specs.items()}, layouts, lambda r: r // per_node)
         self.order = bucket_order(self.plans, self.names, self.home_index, cfg.parallel.hotspa.order)
         self.named_parameters = self.home.engine.named_parameters
         for member in self.members:  # the live tensors must be the boxes the plans assume
@@ -164,7 +167,7 @@ class HotSpaEngine(Engine):
                     self.home.engine.synchronize()  # parameter gathers of the last update
                     home_params = self._home_tensors()
                 self._switch_in(member, home_params)
-            results.append(self._run_bucket(member, microbatches[index], counts))
+            results.append(self._run_bucket(member, microbatches[index], counts, record))
             if member is not self.home:
                 self._gradients_home(member)
         return _combined(results)
@@ -172,7 +175,7 @@ class HotSpaEngine(Engine):
     def _home_tensors(self) -> dict[str, torch.Tensor]:
         return local_box_tensors(self.home.engine.named_parameters, self.layouts[self.home.name], self.rank)
 
-    def _run_bucket(self, member: _Member, rows: Batch, counts: GlobalCounts) -> StepRecord:
+    def _run_bucket(self, member: _Member, rows: Batch, counts: GlobalCounts, record: bool) -> StepRecord:
         engine = member.engine
         slots = pad_rows(rows, member.slot)
         if len(slots) not in member.executors:
@@ -180,7 +183,7 @@ class HotSpaEngine(Engine):
         engine.executor = member.executors[len(slots)]
         engine.schedule = engine.executor.schedule
         block = engine.unit.block(engine.dp_rank, member.slot)
-        return engine.forward_backward([mb.select(block) for mb in slots], counts)
+        return engine.forward_backward([mb.select(block) for mb in slots], counts, record=record)
 
     def _executor(self, member: _Member, microbatches: int) -> PipelineExecutor:
         """The same stages and channels under a schedule for ``microbatches`` slots."""
@@ -203,17 +206,17 @@ class HotSpaEngine(Engine):
         return executor
 
     def _switch_in(self, member: _Member, home_params: dict[str, torch.Tensor]) -> None:
-        clock = _Clock()
+        started = time.perf_counter()
         params = member.engine.named_parameters
         _restore(params)
         into = local_box_tensors(params, self.layouts[member.name], self.rank)
         plan = self.plans.get(self.home.name, member.name)
         with torch.no_grad():
             run_switch(plan, home_params, self.layouts[self.home.name], self.layouts[member.name], into=into)
-        self.switch_seconds += clock.elapsed()
+        self.switch_seconds += time.perf_counter() - started
 
     def _gradients_home(self, member: _Member) -> None:
-        clock = _Clock()
+        started = time.perf_counter()
         engine = member.engine
         local = [_LocalGrad(p) for _, p in engine.named_parameters]
         group = engine.groups.gradient
@@ -233,7 +236,7 @@ class HotSpaEngine(Engine):
         for _, p in engine.named_parameters:
             p.grad = None
         _release(engine.named_parameters)
-        self.switch_seconds += clock.elapsed()
+        self.switch_seconds += time.perf_counter() - started
 
 
 _GRAD = "home:grad"
@@ -266,17 +269,6 @@ def _restore(named_parameters) -> None:
         size = getattr(p, "_hotspa_bytes", None)
         if size is not None:
             _local(p.data).untyped_storage().resize_(size)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        import time
-
-        self.time = time.perf_counter
-        self.start = self.time()
-
-    def elapsed(self) -> float:
-        return self.time() - self.start
 
 
 def _combined(results: list[StepRecord]) -> StepRecord:
