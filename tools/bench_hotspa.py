@@ -3,6 +3,15 @@ strategy that holds the longest bucket within a memory limit, alternated in one 
 
 Workload (fixed before measuring): a Llama of MODEL's shape; every step ``documents`` synthetic documents of
 the ``source`` length profile up to ``max_len`` tokens (data/packing.py), the same documents in every run.
+The profile describes 32K-context corpora (the seed's CommonCrawl runs); drawn for a 1K context it is
+scaled by ``length_scale`` = max_len / 32768 (``data.packing.length_scale``: median and tail start shrink,
+the shape stays), so the long tail stays a tail. Clamping the unscaled profile at 1K instead puts 82% of
+the tokens into the longest bucket: then every strategy runs mostly long rows and bucketing has little to
+win (measured: 1.00x; docs/PERFORMANCE.md).
+
+Networks: ``nodes=1`` runs the ``devices`` processes on this host over loopback; ``nodes=2`` splits them over
+two emulated nodes (tools/netem_cluster.py: network namespaces joined by a ``rate``-shaped link; needs root
+and iproute2), so switches and data-parallel reductions cross the slow link where the plans put them.
 
 Memory limit. The planner's memory model (validation/packing.py ``strategy_memory``, runtime overhead 0)
 gives the bytes pure data parallelism (dp over every process) needs at ``max_len`` with zero3 and full
@@ -18,7 +27,8 @@ train.py``, ``steps`` steps); a run's tokens/s is the median over its steps afte
 (tokens that carry a label). Reported: per alternation HotSPa / the best static of that alternation, their
 median and spread, and HotSPa's share of step time spent switching.
 
-    python tools/bench_hotspa.py                      # about 8 minutes here
+    python tools/bench_hotspa.py                      # about 10 minutes here
+    sudo python tools/bench_hotspa.py nodes=2 predict=false out=docs/results/bench_hotspa_2nodes.json
     python tools/bench_hotspa.py alternations=1 steps=3 format=json
 """
 
@@ -42,8 +52,13 @@ OPTIONS = {
     "buckets": "128,512,1024",
     "strategies": "dp4,dp4,dp2tp2",  # one per bucket
     "static": "dp2cp2,dp2tp2,cp4,tp2pp2",  # candidates for the longest bucket
-    "documents": "24",
+    "documents": "256",
     "source": "commoncrawl",
+    # every length of the profile x this; auto: max_len / 32768 (the seed's 32K contexts drawn for max_len)
+    "length_scale": "auto",
+    "nodes": "1",  # 2: the processes split over 2 emulated nodes (tools/netem_cluster.py; root and iproute2)
+    "rate": "1gbit",  # the emulated nodes' link
+    "delay": "0.1ms",
     "steps": "4",
     "skip": "1",
     "alternations": "3",
@@ -109,13 +124,23 @@ MODEL = [
 ]
 
 
+def length_scale(options: dict[str, str]) -> float:
+    value = options["length_scale"]
+    return int(options["max_len"]) / 32768 if value == "auto" else float(value)
+
+
 def _common(options: dict[str, str], limit_gb: float) -> list[str]:
+    devices, nodes = int(options["devices"]), int(options["nodes"])
+    if nodes < 1 or devices % nodes:
+        raise SystemExit(f"devices={devices} must split evenly over nodes={nodes}")
     return MODEL + [
         f"model.seq_len={options['max_len']}",
         "data=longtail_text",
         f"data.packing.source={options['source']}",
         f"data.packing.documents_per_step={options['documents']}",
-        f"trainer.devices={options['devices']}",
+        f"data.packing.length_scale={length_scale(options)}",
+        f"trainer.devices={devices // nodes}",
+        f"trainer.num_nodes={nodes}",
         f"trainer.max_steps={options['steps']}",
         "trainer.log_every_n_steps=1",
         "trainer.checkpoint.every_n_steps=0",
@@ -135,7 +160,9 @@ def memory_limit(options: dict[str, str]) -> tuple[float, float, dict[str, float
     from disttrain_core.validation.packing import strategy_memory
 
     devices, max_len = int(options["devices"]), int(options["max_len"])
-    cfg = typed_config(compose(_common(options, 1000.0) + [f"parallel.hotspa.strategies=[dp{devices}]"]))
+    cfg = typed_config(
+        compose(_common(options, 1000.0) + [f"parallel.hotspa.strategies=[dp{devices}]", "trainer.accelerator=cpu"])
+    )
     least_dp = strategy_memory(cfg, Strategy(dp=devices), max_len, recompute="full", shard="zero3").memory["llm"]
     margin = float(cfg.planner.memory_margin)
     limit_gb = least_dp * 0.999 / margin / 1e9
@@ -147,13 +174,13 @@ def memory_limit(options: dict[str, str]) -> tuple[float, float, dict[str, float
     return limit_gb, margin, needs
 
 
-def run(args: list[str], run_dir: Path, skip: int) -> dict:
-    result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+def run(args: list[str], run_dir: Path, skip: int, options: dict[str, str]) -> dict:
+    command = [sys.executable, str(REPO_ROOT / "train.py"), *args, f"hydra.run.dir={run_dir}"]
+    if int(options["nodes"]) > 1:
+        cluster = REPO_ROOT / "tools" / "netem_cluster.py"
+        network = [f"nodes={options['nodes']}", f"rate={options['rate']}", f"delay={options['delay']}", "timeout=1500"]
+        command = [sys.executable, str(cluster), *network, "--", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=REPO_ROOT)
     if result.returncode != 0:
         raise SystemExit(f"train.py {' '.join(args)} failed:\n{result.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -161,6 +188,9 @@ def run(args: list[str], run_dir: Path, skip: int) -> dict:
     return {
         "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in kept),
         "switch_fraction": statistics.median(r.get("perf/switch_fraction", 0.0) for r in kept),
+        "switch_s_per_step": statistics.median(
+            r.get("perf/switch_fraction", 0.0) * r["perf/step_time_s"] for r in kept
+        ),
         "final_loss": rows[-1]["loss"],
     }
 
@@ -190,7 +220,8 @@ def main(argv: list[str]) -> int:
         print(
             f"hotspa / best static tokens/s: median {results['ratio_median']:.3f} (min {results['ratio_min']:.3f}, "
             f"max {results['ratio_max']:.3f}) over {len(results['alternations'])} alternation(s); switching "
-            f"{100 * results['switch_fraction_median']:.1f}% of hotspa's step time"
+            f"{100 * results['switch_fraction_median']:.1f}% of hotspa's step time "
+            f"({results['switch_s_per_step_median']:.3f} s per step)"
         )
     if "predicted_at_scale" in results:
         for key, p in results["predicted_at_scale"].items():
@@ -227,9 +258,9 @@ def measure(options: dict[str, str], extra: list[str]) -> dict:
     alternations = []
     with tempfile.TemporaryDirectory() as tmp:
         for a in range(int(options["alternations"])):
-            entry = {"hotspa": run(hot, Path(tmp) / f"hot{a}", skip)}
+            entry = {"hotspa": run(hot, Path(tmp) / f"hot{a}", skip, options)}
             for name, args in statics.items():
-                entry[name] = run(args, Path(tmp) / f"{name}{a}", skip)
+                entry[name] = run(args, Path(tmp) / f"{name}{a}", skip, options)
             best = max(fitting, key=lambda n: entry[n]["tokens_per_s"])
             entry["best_static"] = best
             entry["ratio"] = entry["hotspa"]["tokens_per_s"] / entry[best]["tokens_per_s"]
@@ -249,6 +280,7 @@ def measure(options: dict[str, str], extra: list[str]) -> dict:
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "switch_fraction_median": statistics.median(e["hotspa"]["switch_fraction"] for e in alternations),
+        "switch_s_per_step_median": statistics.median(e["hotspa"]["switch_s_per_step"] for e in alternations),
     }
 
 

@@ -182,6 +182,8 @@ def reduce(overrides: list[str], shards: Path, run_dir: Path) -> list[str]:
         key, _, value = override.partition("=")
         if key == "data.path" and "{" in value:  # a brace pattern over the test shards instead, quoted alike
             override = f"data.path='{shards}/shard-{{000000..000003}}.tar'"
+        if key == "data.packing.corpus":  # a text corpus of shards: the test shards' captions
+            override = f"data.packing.corpus={shards}"
         reduced.append(override)
     data = [] if any(o.startswith("data.path=") for o in reduced) else [f"data.path={shards}"]
     # the command's own decode workers (base_overrides turns them off for tests that compare losses)
