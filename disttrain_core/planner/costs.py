@@ -23,7 +23,8 @@ data-parallel group (dp x cp ranks; dp x cp / ep for the experts) and the activa
 Memory per device (``memory_bytes``) follows this runtime's layout: the model state of the unit's
 shard mode (none, zero1, zero2, zero3: planner/memory.py, the same table tools/memory.py prints), what
 a step holds beyond it (FSDP2's gathered parameters, autocast's bf16 weight copies per in-flight
-microbatch), and activations per in-flight microbatch from Korthikanti et al. (docs/PLANNER.md).
+microbatch), and activations per in-flight microbatch from Korthikanti et al. (docs/PLANNER.md); those
+methods live in planner/activation_costs.py (``MemoryCosts``, mixed into ``CostModel``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .memory import FSDP, ModelState, model_state, transient_bytes, unit_model_state
+from .activation_costs import MemoryCosts
+from .memory import FSDP
 from .parallel_costs import all_to_all_s, ring_attention_exposed_s
 from .workload import UnitWork, Workload
 
@@ -97,7 +99,7 @@ class PlannerSettings:
         return 2 if self.precision.startswith("bf16") else 4
 
 
-class CostModel:
+class CostModel(MemoryCosts):
     """Unit-level times (seconds) and memory (bytes) on one hardware for one workload."""
 
     def __init__(self, workload: Workload, hw: Hardware, settings: PlannerSettings, profile=None):
@@ -245,152 +247,6 @@ class CostModel:
             return stepped * per + local * self.profile.copy_s_per_param
         # AdamW touches master, grad, two moments (read + write) ~ 28 bytes; copy-back 8 bytes
         return (28.0 * stepped + 8.0 * local) / self.hw.hbm_bw
-
-    # ------------------------------------------------------------------------- memory
-    def _policy(self, policy: str | None) -> str:
-        """The policy to cost: the given one, else the setting; ``auto`` (chosen per unit by
-        LayoutModel.evaluate) costs as ``full`` where no unit is given, so memory bounds stay lower bounds."""
-        policy = policy or self.settings.recompute
-        return "full" if policy == "auto" else policy
-
-    def _block_units(self, unit: str, tp: int) -> tuple[float, float]:
-        """[s, h] tensors one block keeps for backward without recompute, and with selective_op.
-
-        Without recompute (Korthikanti et al.'s accounting, redone for these blocks and checked against
-        what autograd saves in tests/unit/test_planner.py): the input, both norm outputs and the residual
-        (TP does not split these), then q, k, v (k and v scaled by kv_heads / heads), the RoPE'd q and k,
-        the attention output, and the MLP's hidden activations (2 for GELU, 4 for SwiGLU: gate, up, SiLU,
-        product). Flash attention (CUDA and CPU SDPA) keeps no s x s scores.
-        selective_op keeps the block input and the outputs of the matmuls and of attention (q, k, v,
-        the attention output, the two projections back to h, the MLP's first matmul(s)).
-
-        A MoE feed-forward (models/moe.py; checked against autograd in tests/unit/test_planner_cp_ep.py)
-        keeps per token and routed expert the expert's sorted input row, its SwiGLU hidden activations
-        (4 x expert width) and its output twice (reordered, and saved by the gate product), the shared
-        experts' hidden activations, and index and router tensors too small to count. TP does not split
-        it (the runtime's TP plan does not reach the experts). selective_op keeps the input rows, the first
-        matmuls and the outputs.
-        """
-        w = self.work.units[unit]
-        kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
-        rope = (1.0 + kv) if w.kv_heads else 0.0
-        if w.num_experts:
-            width = w.expert_dim / w.dim
-            none = 4.0 + (1.0 + 2.0 * kv + rope + 1.0) / tp
-            none += w.top_k * (3.0 + 4.0 * width) + 4.0 * width * w.shared_experts
-            selective = 3.0 + (1.0 + 2.0 * kv + 1.0) / tp
-            selective += w.top_k * (2.0 + 2.0 * width) + 2.0 * width * w.shared_experts
-            return none, selective
-        hidden = (4.0 if w.gated_mlp else 2.0) * w.mlp_ratio
-        none = 4.0 + (1.0 + 2.0 * kv + rope + 1.0 + hidden) / tp
-        first_matmuls = (2.0 if w.gated_mlp else 1.0) * w.mlp_ratio
-        selective = 3.0 + (1.0 + 2.0 * kv + 1.0 + first_matmuls) / tp
-        return none, selective
-
-    def activation_bytes(self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1) -> float:
-        """Bytes saved for backward by the whole unit for ``items`` items (one microbatch), under the
-        recompute policy (parallel/recompute.py): none, full (a block keeps its input), selective_op, or
-        every_k (every k-th block full, the rest none). A context-parallel rank holds 1/cp of every
-        sequence and so 1/cp of every tensor (ring attention saves what SDPA does: its q, k, v, output)."""
-        w = self.work.units[unit]
-        scale = self.settings.act_bytes / 2  # the units below are 16-bit elements
-        policy = self._policy(policy)
-        if w.counted_activation_bytes:  # U-Net: counted on meta in fp32 with the runtime's wrappers
-            counted = {"none": w.counted_activation_bytes, **w.counted_recompute_bytes}
-            if policy == "every_k":  # between none and full, by the share of blocks recomputed
-                k = self.settings.recompute_every
-                kept = counted["none"] - (counted["none"] - counted["full"]) / k
-            else:
-                kept = counted[policy]
-            return items * kept * self.settings.act_bytes / 4
-        none, selective = self._block_units(unit, tp)
-        per_layer = {
-            "none": none,
-            "full": 1.0,
-            "selective_op": selective,
-            "every_k": (1.0 + (self.settings.recompute_every - 1) * none) / self.settings.recompute_every,
-        }[policy]
-        tokens = w.tokens / cp
-        return items * 2.0 * tokens * w.dim * per_layer * w.layers * scale  # logits: the LLM's last stage
-
-    def recompute_transient_bytes(
-        self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1
-    ) -> float:
-        """Extra bytes while one recomputed block runs its backward: what recompute dropped, for one block
-        (1/cp of it on a context-parallel rank)."""
-        w = self.work.units[unit]
-        policy = self._policy(policy)
-        if policy == "none":
-            return 0.0
-        if w.counted_activation_bytes:  # U-Net: its largest block, counted on meta
-            return items * w.counted_recompute_bytes.get("largest_block", 0.0) * self.settings.act_bytes / 4
-        none, selective = self._block_units(unit, tp)
-        dropped = none - (selective if policy == "selective_op" else 1.0)
-        return items * 2.0 * (w.tokens / cp) * w.dim * dropped * self.settings.act_bytes / 2
-
-    def recompute_factor(self, unit: str, policy: str | None = None) -> float:
-        """Compute time with recompute over without: full runs each block's forward again (a third of its
-        forward + backward FLOPs), every_k does so for 1/k of the blocks; selective_op reruns no matmul and
-        is counted as free."""
-        w = self.work.units[unit]
-        policy = policy or self.settings.recompute  # auto without a unit's choice: no recompute (a lower bound)
-        if policy in ("none", "selective_op", "auto") or w.counted_activation_bytes or not w.train_flops:
-            return 1.0
-        blocks = (w.train_flops - w.flops_not_tp) / w.train_flops
-        share = 1.0 if policy == "full" else 1.0 / self.settings.recompute_every
-        return 1.0 + blocks * share / 3.0
-
-    def shard_of(self, shard: str | None) -> str:
-        """A unit's shard mode: given, or ``planner.shard``; ``auto`` without a unit's choice is zero3, the
-        least state (a lower bound, as pruning needs)."""
-        shard = shard or self.settings.shard
-        return "zero3" if shard == "auto" else shard
-
-    def state(
-        self,
-        unit: str,
-        tp: int,
-        dp: int,
-        pp: int,
-        shard: str | None = None,
-        stage: int | None = None,
-        hsdp_replicas: int = 1,
-        cp: int = 1,
-        ep: int = 1,
-    ) -> ModelState:
-        """Model state per rank (planner/memory.py) of pipeline stage ``stage`` of ``unit`` (None: the
-        average stage, a lower bound of the fullest). Non-expert parameters are sharded over the dp x cp
-        ranks that reduce their gradients, the rank's 1/ep of the routed experts over dp x cp / ep."""
-        w = self.work.units[unit]
-        dense, experts = self._split_params(unit, tp, pp, stage, ep)
-        f = w.trainable_fraction
-        if not experts and cp == 1:
-            return model_state(dense, dense * f, dp, self.shard_of(shard), hsdp_replicas, self.settings.act_bytes)
-        return unit_model_state(
-            dense, experts, f, dp * cp, ep, self.shard_of(shard), hsdp_replicas, self.settings.act_bytes
-        )
-
-    def state_bytes(
-        self, unit: str, tp: int, dp: int, pp: int, shard: str | None = None, stage: int | None = None
-    ) -> float:
-        return self.state(unit, tp, dp, pp, shard, stage).total
-
-    def largest_group(self, unit: str, tp: int, ep: int = 1) -> float:
-        """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head."""
-        w = self.work.units[unit]
-        held = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / ep
-        block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)
-        return max(block, float(self.work.vocab * w.dim) if unit == "llm" else 0.0)
-
-    def step_transient_bytes(
-        self, unit: str, tp: int, pp: int, shard: str | None, in_flight: int, stage: int | None = None, ep: int = 1
-    ) -> float:
-        """Gathered FSDP2 parameters and autocast's weight copies (planner/memory.py ``transient_bytes``)."""
-        mixed = self.settings.precision.startswith("bf16")
-        local = self.local_params(unit, tp, pp, stage, ep)
-        return transient_bytes(
-            local, self.largest_group(unit, tp, ep), self.shard_of(shard), in_flight, mixed, self.settings.act_bytes
-        )
 
 
 def interp(points: list[tuple[float, float]], x: float) -> float:

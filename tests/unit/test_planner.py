@@ -134,7 +134,7 @@ def test_llm_activation_formula_matches_what_autograd_saves():
     """Korthikanti's per-layer count (adapted to SwiGLU and RMSNorm) against the bytes autograd
     really saves for one decoder block of a real (CPU) Llama, fp32."""
     from disttrain_core.models.llama import Llama
-    from disttrain_core.planner.workload import _counted_saved_bytes
+    from disttrain_core.planner.activation_count import counted_saved_bytes
 
     cfg = compose(["model=mllm_small"])
     model = layout_model("mllm_small", 1, 8)
@@ -143,7 +143,7 @@ def test_llm_activation_formula_matches_what_autograd_saves():
     llm = Llama(cfg.model.llm, cfg.model.seq_len)
     block = llm.layers["0"]
     x = torch.randn(2, cfg.model.seq_len, cfg.model.llm.dim, requires_grad=True)
-    measured = _counted_saved_bytes(lambda h: block(h, llm.rope), (x,))
+    measured = counted_saved_bytes(lambda h: block(h, llm.rope), (x,))
     assert 0.9 < predicted / measured < 1.1, (predicted, measured)
 
 

@@ -98,7 +98,7 @@ def test_moe_flops_count_only_the_active_experts():
 
 def test_moe_activation_formula_matches_what_autograd_saves():
     from disttrain_core.models.llama import Llama
-    from disttrain_core.planner.workload import _counted_saved_bytes
+    from disttrain_core.planner.activation_count import counted_saved_bytes
 
     wider = ["model.llm.dim=512", "model.llm.n_heads=8", "model.llm.moe.expert_ffn_dim=1024"]
     overrides = ["model=llama_moe_tiny", *wider]
@@ -107,7 +107,7 @@ def test_moe_activation_formula_matches_what_autograd_saves():
     predicted = model.c.activation_bytes("llm", 1, 2, "none") / cfg.model.llm.n_layers
     llm = Llama(cfg.model.llm, cfg.model.seq_len)
     x = torch.randn(2, cfg.model.seq_len, cfg.model.llm.dim, requires_grad=True)
-    measured = _counted_saved_bytes(lambda h: llm.layers["0"](h, llm.rope), (x,))
+    measured = counted_saved_bytes(lambda h: llm.layers["0"](h, llm.rope), (x,))
     assert 0.9 < predicted / measured < 1.1, (predicted, measured)
 
 
