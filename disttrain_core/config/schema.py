@@ -291,6 +291,15 @@ class HotSpaConfig:
     home: Optional[str] = None
     # Bucket order within a step: min_switch (the order with the fewest switched bytes, home last) | given
     order: str = "min_switch"
+    # One recompute policy per bucket (none | full | selective_op | every_k); None: parallel.recompute for all.
+    # Long buckets recompute, short ones need not.
+    recompute: Optional[list[str]] = None
+    # Time each bucket's rows (perf/bucket_s/<capacity>; on CUDA the device is synchronized after each bucket):
+    # what tools/profile_hotspa.py measures strategies with
+    time_buckets: bool = False
+    # strategies=[auto]: a profile written by tools/profile_hotspa.py (measured t(row) per strategy) instead of
+    # the planner's analytic costs
+    profile: Optional[str] = None
 
 
 @dataclass

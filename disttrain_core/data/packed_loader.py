@@ -3,8 +3,10 @@
 
 Sources: ``corpus`` reads the documents of a text corpus on disk (data/corpus.py: JSON lines or webdataset
 shards, such as the embedded LAION-like shards' captions). ``commoncrawl`` and ``github`` draw synthetic
-documents whose lengths follow those long-tail profiles; each is a short random motif repeated with a
-little noise, so a model can learn it (attention has to find the motif's period inside its own document).
+documents whose lengths follow those long-tail profiles; ``dense`` draws documents_per_step / buckets
+documents of exactly each bucket's length, so every row is one document (tools/profile_hotspa.py). Each
+is a short random motif repeated with a little noise, so a model can learn it (attention has to find the
+motif's period inside its own document).
 A step's documents depend only on (seed, step) -- for a corpus, on the step and the corpus's order: the
 data position is the step number, and a resumed run sees exactly the documents it would have seen.
 """
@@ -18,7 +20,7 @@ import torch
 from .batch import Batch, pad_rows
 from .packing import bucket_and_pack, bucket_boundaries, pack_rows, sample_lengths
 
-SOURCES = ("commoncrawl", "github", "corpus")
+SOURCES = ("commoncrawl", "github", "corpus", "dense")
 
 
 def synthetic_document(length: int, vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -83,6 +85,9 @@ class PackedStepLoader:
         if self.corpus is not None:
             return self.corpus.documents(step, self.documents)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        if self.source == "dense":
+            each = max(1, self.documents // len(self.boundaries))
+            return [synthetic_document(b, self.vocab, generator) for b in self.boundaries for _ in range(each)]
         lengths = sample_lengths(self.source, self.documents, self.boundaries[-1], generator, scale=self.length_scale)
         return [synthetic_document(n, self.vocab, generator) for n in lengths]
 

@@ -90,8 +90,15 @@ def llm_param_specs(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str
     return specs
 
 
-def strategy_config(cfg: Config, strategy: Strategy, capacity: int) -> Config:
-    """The config one strategy's engine is built from: the rigid layout with its sizes, rows of its bucket."""
+def bucket_recompute(cfg: Config, bucket: int) -> str:
+    """The recompute policy of bucket ``bucket``: ``parallel.hotspa.recompute[bucket]`` or parallel.recompute."""
+    policies = cfg.parallel.hotspa.recompute
+    return str(policies[bucket]) if policies else str(cfg.parallel.recompute)
+
+
+def strategy_config(cfg: Config, strategy: Strategy, capacity: int, recompute: str | None = None) -> Config:
+    """The config one strategy's engine is built from: the rigid layout with its sizes, rows of its bucket,
+    the bucket's recompute policy (``recompute``; None: parallel.recompute)."""
     schedule = "none" if strategy.pp == 1 else (cfg.schedule.name if cfg.schedule.name != "none" else "1f1b")
     rows = microbatch_rows(cfg.data.packing, capacity)
     return OmegaConf.merge(
@@ -104,6 +111,7 @@ def strategy_config(cfg: Config, strategy: Strategy, capacity: int) -> Config:
                 "pp": strategy.pp,
                 "cp": strategy.cp,
                 "shard": "zero1",
+                "recompute": recompute or cfg.parallel.recompute,
             },
             "model": {"seq_len": int(capacity)},
             "schedule": {"name": schedule, "vpp": 1},

@@ -74,11 +74,11 @@ def resolve_units(cfg: Config) -> UnitLayout:
         colocate = (units.encoder.colocate, units.generator.colocate)
         return build_layout(sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep)
     if p.mode == "hotspa":  # the home strategy's layout: it holds the model state and runs the optimizer
-        from .hotspa_layout import bucket_strategies, strategy_config
+        from .hotspa_layout import bucket_recompute, bucket_strategies, strategy_config
 
         strategies, capacities, home = bucket_strategies(cfg)
         index = max(i for i, s in enumerate(strategies) if s.name == home)
-        return resolve_units(strategy_config(cfg, strategies[index], capacities[index]))
+        return resolve_units(strategy_config(cfg, strategies[index], capacities[index], bucket_recompute(cfg, index)))
     if p.mode == "auto":
         raise ValueError("parallel.mode=auto is resolved into units by the planner before anything is built")
     raise ValueError(f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")

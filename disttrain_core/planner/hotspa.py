@@ -79,11 +79,21 @@ def strategy_cost(cfg, strategy: Strategy, lengths: tuple[int, int, int], check:
             raise ValueError(f"strategy {strategy.name} cannot run rows of {n} tokens: {ev.reason}")
         times.append(max(t for _, t in ev.stage_times))
         sync = ev.sync_s
-    # A dense row of n tokens is one document of n: t(n) = a n^2 + b n + c through the three points.
+    a, b, c = fit_row_time(lengths, times)
+    return StrategyCost(strategy, a, b, c, sync, memory_fits(cfg, strategy, check))
+
+
+def fit_row_time(lengths, times) -> tuple[float, float, float]:
+    """(a, b, c) of t(n) = a n^2 + b n + c through three (dense row length, time) points, each at least 0:
+    a dense row of n tokens is one document of n."""
     x = torch.tensor([[float(n * n), float(n), 1.0] for n in lengths], dtype=torch.float64)
-    a, b, c = torch.linalg.solve(x, torch.tensor(times, dtype=torch.float64)).tolist()
-    fits = {n: _evaluate(cfg, strategy, n, memory=True).feasible for n in check}
-    return StrategyCost(strategy, max(a, 0.0), max(b, 0.0), max(c, 0.0), sync, fits)
+    a, b, c = torch.linalg.solve(x, torch.tensor([float(t) for t in times], dtype=torch.float64)).tolist()
+    return max(a, 0.0), max(b, 0.0), max(c, 0.0)
+
+
+def memory_fits(cfg, strategy: Strategy, lengths) -> dict[int, bool]:
+    """Whether ``strategy`` holds rows of each length in ``cluster.memory_per_device_gb`` (planner's model)."""
+    return {n: _evaluate(cfg, strategy, n, memory=True).feasible for n in lengths}
 
 
 def switch_seconds(plans: PlanCache, source: str, target: str, hw, per_node: int, bytes_per_element: int) -> float:

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from ..parallel.switch_plan import Strategy
 from ..validation import ConfigError
-from .hotspa import fit_lengths, predict, strategy_cost
+from .hotspa import StrategyCost, fit_lengths, memory_fits, predict, strategy_cost
 
 AUTO = "auto"
 
@@ -107,23 +107,32 @@ def choose(cfg, max_buckets: int = 3, steps: int = 4) -> dict:
     candidates = [s for s in candidate_strategies(world) if any(_runs(cfg, s, n) for n in lengths)]
     if not candidates:
         raise ConfigError(f"parallel.hotspa.strategies=[auto]: no (dp, tp, pp, cp) over {world} processes runs")
+    measured = read_profile(cfg, world) if cfg.parallel.hotspa.profile else None
     costs = {}
     for s in candidates:
-        try:
-            cost = strategy_cost(cfg, s, fit_lengths(seq_len), lengths)
-        except ValueError:  # the planner cannot run rows of some fit length on it
-            continue
+        if measured is not None:  # t(row) measured on this machine by tools/profile_hotspa.py
+            if s.name not in measured:
+                continue
+            m = measured[s.name]
+            cost = StrategyCost(s, m["a"], m["b"], m["c"], m["sync_s"], memory_fits(cfg, s, lengths))
+        else:
+            try:
+                cost = strategy_cost(cfg, s, fit_lengths(seq_len), lengths)
+            except ValueError:  # the planner cannot run rows of some fit length on it
+                continue
         cost.fits = {n: ok and _runs(cfg, s, n) for n, ok in cost.fits.items()}
         costs[s.name] = cost
     fitting = [s for s in candidates if s.name in costs]
-    batches = None
-    if packing.source == "corpus":  # the run's own first steps
-        from ..data.corpus import CorpusDocuments
-        from ..data.tokenizer import build_tokenizer
+    if not fitting:
+        raise ConfigError(
+            f"parallel.hotspa.profile={cfg.parallel.hotspa.profile}: it measured none of the strategies this run "
+            "can use; profile them (python tools/profile_hotspa.py)"
+        )
+    # the run's own documents: its first steps, as its loader draws them (synthetic, dense or a corpus)
+    from ..data.packed_loader import packed_loader
 
-        corpus = CorpusDocuments(packing.corpus, build_tokenizer(cfg.data.tokenizer), seq_len, int(cfg.trainer.seed))
-        per_step = int(packing.documents_per_step)
-        batches = [[d.numel() for d in corpus.documents(k, per_step)] for k in range(steps)]
+    loader = packed_loader(cfg, None)
+    batches = [[d.numel() for d in loader.step_documents(k)] for k in range(steps)]
 
     def predicted(strategies, buckets) -> dict:
         return predict(
@@ -154,6 +163,60 @@ def choose(cfg, max_buckets: int = 3, steps: int = 4) -> dict:
         )
     best = min(options, key=lambda p: (round(p["hotspa_step_s"], 12), len(p["buckets"])))
     return {"buckets": best["buckets"], "strategies": best["strategies"], "chosen": best, "options": options}
+
+
+PROFILE_FORMAT = 1
+
+
+def profile_identity(cfg, world: int) -> dict:
+    """What a profile must have been measured with to serve this run: the model's shape (its context aside),
+    precision, recompute, processes and nodes, and this machine's CPU or GPU model."""
+    import torch
+
+    from ..config import training_precision
+    from ..train.perf import _cpu_model
+    from ..validation.common import resolve_accelerator
+
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    model.pop("seq_len", None)
+    device = resolve_accelerator(cfg.trainer.accelerator)
+    name = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else _cpu_model()
+    return {
+        "model": model,
+        "precision": training_precision(cfg.trainer.precision, device),
+        "recompute": str(cfg.parallel.recompute),
+        "world": world,
+        "nodes": int(cfg.trainer.num_nodes),
+        "device": name,
+    }
+
+
+def read_profile(cfg, world: int) -> dict[str, dict]:
+    """Strategy name -> measured {a, b, c, sync_s} from ``parallel.hotspa.profile``; a profile of another
+    model, precision, recompute, process count or machine is refused in one line."""
+    path = Path(str(cfg.parallel.hotspa.profile))
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"parallel.hotspa.profile={path}: cannot be read ({error}); write one with python tools/profile_hotspa.py"
+        ) from None
+    if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT or not isinstance(raw.get("strategies"), dict):
+        raise ConfigError(f"parallel.hotspa.profile={path}: not a profile of tools/profile_hotspa.py")
+    want = profile_identity(cfg, world)
+    differs = [key for key, value in want.items() if raw.get("identity", {}).get(key) != value]
+    if differs:
+        raise ConfigError(
+            f"parallel.hotspa.profile={path} was measured with another {', '.join(differs)} than this run; "
+            "profile this setting (python tools/profile_hotspa.py with the run's overrides)"
+        )
+    out = {}
+    for name, entry in raw["strategies"].items():
+        try:
+            out[Strategy.parse(name).name] = {k: float(entry[k]) for k in ("a", "b", "c", "sync_s")}
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"parallel.hotspa.profile={path}: the entry of {name!r} is damaged") from None
+    return out
 
 
 def resolve_hotspa_auto(cfg, container: dict, run_dir: Path) -> dict:

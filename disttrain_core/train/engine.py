@@ -132,6 +132,10 @@ class Engine:
         """The model modules this process runs."""
         return []
 
+    def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
+        """Engine-specific metrics of the ``steps`` steps (``seconds`` long) since the last log."""
+        return {}
+
     def after_step(self) -> None:
         """After the optimizer step: aux-loss-free MoE routers move their expert biases."""
         update_biases(self.models())

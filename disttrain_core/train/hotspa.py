@@ -41,7 +41,13 @@ from ..config import Config
 from ..data.batch import Batch, pad_rows
 from ..data.tokenizer import Tokenizer
 from ..parallel.hot_switch import run_switch
-from ..parallel.hotspa_layout import bucket_strategies, llm_param_specs, local_box_tensors, strategy_config
+from ..parallel.hotspa_layout import (
+    bucket_recompute,
+    bucket_strategies,
+    llm_param_specs,
+    local_box_tensors,
+    strategy_config,
+)
 from ..parallel.plan import build_pipeline, pipeline_broker, pipeline_schedule, resolve_units
 from ..parallel.switch_plan import PlanCache, Strategy, strategy_layout
 from ..schedule.executor import PipelineExecutor, StepRecord
@@ -92,8 +98,8 @@ class HotSpaEngine(Engine):
         # The home is the last bucket with the home strategy: it runs last and owns the optimizer.
         self.home_index = max(i for i, name in enumerate(self.names) if name == home_name)
         self.members: list[_Member] = []
-        for strategy, capacity in zip(strategies, capacities, strict=True):
-            scfg = strategy_config(cfg, strategy, capacity)
+        for k, (strategy, capacity) in enumerate(zip(strategies, capacities, strict=True)):
+            scfg = strategy_config(cfg, strategy, capacity, bucket_recompute(cfg, k))
             rows = scfg.optim.micro_batch_size
             layout = resolve_units(scfg)
             schedule, broker, rows_of_units = build_pipeline(scfg, layout, 1)
@@ -117,7 +123,11 @@ class HotSpaEngine(Engine):
         self.named_parameters = self.home.engine.named_parameters
         for member in self.members:  # the live tensors must be the boxes the plans assume
             local_box_tensors(member.engine.named_parameters, layouts[member.name], self.rank, check=True)
-        self.switch_seconds = 0.0
+        self.switch_seconds = 0.0  # host time spent switching, since the last log
+        # parallel.hotspa.time_buckets: each bucket's rows timed (the device synchronized after them), since the
+        # last log -- what tools/profile_hotspa.py fits t(row) from
+        self.time_buckets = bool(cfg.parallel.hotspa.time_buckets)
+        self.bucket_seconds = [0.0] * len(self.members)
         log.info("hotspa: buckets %s, strategies %s, home %s, order %s", capacities, self.names, home_name, self.order)
 
     def describe(self) -> str:
@@ -167,10 +177,26 @@ class HotSpaEngine(Engine):
                     self.home.engine.synchronize()  # parameter gathers of the last update
                     home_params = self._home_tensors()
                 self._switch_in(member, home_params)
+            started = time.perf_counter()
             results.append(self._run_bucket(member, microbatches[index], counts, record))
+            if self.time_buckets:
+                if self.fabric.device.type == "cuda":
+                    torch.cuda.synchronize(self.fabric.device)
+                self.bucket_seconds[index] += time.perf_counter() - started
             if member is not self.home:
                 self._gradients_home(member)
         return _combined(results)
+
+    def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
+        """``perf/switch_fraction``: host time spent switching as a share of the steps; with time_buckets,
+        ``perf/bucket_s/<capacity>``: each bucket's seconds per step."""
+        metrics = {"perf/switch_fraction": self.switch_seconds / seconds}
+        self.switch_seconds = 0.0
+        if self.time_buckets:
+            for member, spent in zip(self.members, self.bucket_seconds, strict=True):
+                metrics[f"perf/bucket_s/{member.capacity}"] = spent / steps
+            self.bucket_seconds = [0.0] * len(self.members)
+        return metrics
 
     def _home_tensors(self) -> dict[str, torch.Tensor]:
         return local_box_tensors(self.home.engine.named_parameters, self.layouts[self.home.name], self.rank)

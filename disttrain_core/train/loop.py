@@ -294,10 +294,7 @@ class Trainer(StepData, CheckpointIO):
         }
         if self.cfg.model.generator is not None:
             metrics["train/gen_loss"] = result.gen_loss
-        switched = getattr(self.engine, "switch_seconds", None)
-        if switched is not None:  # HotSPa: host time spent switching since the last log, as a share of the steps
-            metrics["perf/switch_fraction"] = (switched - getattr(self, "_switch_logged", 0.0)) / seconds
-            self._switch_logged = switched
+        metrics.update(self.engine.window_metrics(seconds, len(window)))  # HotSPa: switching, per-bucket times
         if self.timelines is not None and self.timelines.last.get("step") == self.step:
             metrics["perf/pipeline_measured_s"] = self.timelines.last["measured_s"]
             metrics["perf/pipeline_predicted_s"] = self.timelines.last["predicted_s"]

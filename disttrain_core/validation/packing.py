@@ -71,7 +71,13 @@ def validate_packing(cfg: Config) -> None:
 def validate_hotspa(cfg: Config) -> None:
     """The strategies, their buckets and the home; every strategy is then checked as the megatron layout it
     runs as (heads divisible by tp, layers by pp, rows by cp, ...)."""
-    from ..parallel.hotspa_layout import bucket_boundaries, bucket_strategies, parse_strategies, strategy_config
+    from ..parallel.hotspa_layout import (
+        bucket_boundaries,
+        bucket_recompute,
+        bucket_strategies,
+        parse_strategies,
+        strategy_config,
+    )
     from ..parallel.plan import world_size_of
     from .layout import validate_layout
 
@@ -98,7 +104,17 @@ def validate_hotspa(cfg: Config) -> None:
         "trainer.record_timeline compares one pipeline schedule with its prediction; a HotSPa step runs one per "
         "bucket: unset it (perf/switch_fraction reports the switching share)",
     )
+    _require(
+        h.profile is None or list(h.strategies) == ["auto"],
+        f"parallel.hotspa.profile={h.profile} is read by parallel.hotspa.strategies=[auto] only; the strategies "
+        f"{list(h.strategies)} are given: drop the profile or set the strategies to [auto]",
+    )
     if list(h.strategies) == ["auto"]:  # train.py chooses buckets and strategies before launch
+        _require(
+            h.recompute is None,
+            "parallel.hotspa.recompute sets a policy per bucket, but strategies=[auto] chooses the buckets (with "
+            "parallel.recompute for all): unset it",
+        )
         _require(
             h.home is None,
             f"parallel.hotspa.home={h.home!r} names a strategy, but strategies=[auto] chooses them: unset home",
@@ -129,9 +145,19 @@ def validate_hotspa(cfg: Config) -> None:
         home in [s.name for s in strategies],
         f"parallel.hotspa.home={h.home!r} is none of the strategies {[s.name for s in strategies]}",
     )
-    for strategy, capacity in zip(strategies, capacities, strict=True):
+    if h.recompute is not None:
+        from ..parallel.recompute import POLICIES
+
+        _require(
+            len(h.recompute) == len(buckets),
+            f"parallel.hotspa.recompute has {len(h.recompute)} policies for {len(buckets)} buckets: give one per "
+            "bucket, or leave it null for parallel.recompute everywhere",
+        )
+        bad = [p for p in h.recompute if p not in POLICIES]
+        _require(not bad, f"parallel.hotspa.recompute: {bad[0]!r} is not one of {', '.join(POLICIES)}" if bad else "")
+    for k, (strategy, capacity) in enumerate(zip(strategies, capacities, strict=True)):
         try:
-            validate_layout(strategy_config(cfg, strategy, capacity))
+            validate_layout(strategy_config(cfg, strategy, capacity, bucket_recompute(cfg, k)))
         except ConfigError as error:
             raise ConfigError(f"parallel.hotspa strategy {strategy.name} (bucket of {capacity}): {error}") from None
     check_strategies_fit(cfg)
@@ -145,7 +171,7 @@ def strategy_memory(cfg: Config, strategy, capacity: int, recompute: str | None 
     from ..parallel.hotspa_layout import strategy_config
     from ..planner import build_layout_model, choices_of_config
 
-    scfg = strategy_config(cfg, strategy, capacity)
+    scfg = strategy_config(cfg, strategy, capacity, recompute)
     policy = recompute or cfg.parallel.recompute
     scfg = OmegaConf.merge(scfg, {"planner": {"cost": "analytic", "recompute": policy, "shard": shard}})
     # the run's processes per node (a tensor-parallel group is placed as the run places it)
@@ -160,18 +186,18 @@ def strategy_memory(cfg: Config, strategy, capacity: int, recompute: str | None 
 
 def check_strategies_fit(cfg: Config) -> None:
     """Every strategy holds its bucket's rows in ``cluster.memory_per_device_gb`` (the planner's memory model,
-    with the run's recompute policy and ZeRO-1), or the run is refused in one line naming both."""
-    from ..parallel.hotspa_layout import bucket_strategies
+    with its bucket's recompute policy and ZeRO-1), or the run is refused in one line naming both."""
+    from ..parallel.hotspa_layout import bucket_recompute, bucket_strategies
 
     strategies, capacities, _ = bucket_strategies(cfg)
-    for strategy, capacity in zip(strategies, capacities, strict=True):
+    for k, (strategy, capacity) in enumerate(zip(strategies, capacities, strict=True)):
         try:
-            ev = strategy_memory(cfg, strategy, capacity)
+            ev = strategy_memory(cfg, strategy, capacity, recompute=bucket_recompute(cfg, k))
         except ValueError as error:  # the planner's own refusals (cluster settings, shapes): one line
             raise ConfigError(f"parallel.hotspa strategy {strategy.name}: {error}") from None
         if not ev.feasible:
             raise ConfigError(
                 f"parallel.hotspa strategy {strategy.name} cannot hold its bucket of {capacity}-token rows within "
                 f"cluster.memory_per_device_gb={cfg.cluster.memory_per_device_gb:g} ({ev.reason}): give that bucket "
-                "more tp, pp or cp, or raise the memory limit"
+                "more tp, pp or cp, recompute (parallel.hotspa.recompute), or raise the memory limit"
             )

@@ -44,9 +44,16 @@ def one(tmp_path_factory):
 # Ring attention sums in another order than the one-process SDPA: parameters whose gradient nearly cancels get
 # Adam steps of another size (as in tests/distributed/test_context_parallel_training.py, 1e-4); without context
 # parallelism every strategy runs the reference's kernels and the parameters agree to 1e-5.
-@pytest.mark.parametrize("strategies, tolerance", [("[dp4,dp2tp2,tp2pp2]", 1e-5), ("[cp2dp2,dp4,cp2tp2]", 1e-4)])
-def test_three_strategies_in_one_step_match_one_process(one, strategies, tolerance, tmp_path):
-    hot = _train(tmp_path / "hot", "parallel=hotspa", f"parallel.hotspa.strategies={strategies}")
+# The first set also recomputes differently per bucket (none / selective_op / full): the same numbers.
+@pytest.mark.parametrize(
+    "strategies, tolerance, extra",
+    [
+        ("[dp4,dp2tp2,tp2pp2]", 1e-5, ["parallel.hotspa.recompute=[none,selective_op,full]"]),
+        ("[cp2dp2,dp4,cp2tp2]", 1e-4, []),
+    ],
+)
+def test_three_strategies_in_one_step_match_one_process(one, strategies, tolerance, extra, tmp_path):
+    hot = _train(tmp_path / "hot", "parallel=hotspa", f"parallel.hotspa.strategies={strategies}", *extra)
     losses, reference = [m["loss"] for m in read_metrics(hot)], [m["loss"] for m in read_metrics(one)]
     assert len(losses) == 5 and losses == pytest.approx(reference, abs=1e-5, rel=0)
     ours = read_tensors(latest_checkpoint(hot / "checkpoints"))

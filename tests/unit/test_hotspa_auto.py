@@ -70,3 +70,36 @@ def test_auto_refusals_are_one_line():
 
     with pytest.raises(ValueError, match="chosen by train.py before launch"):
         parse_strategies(_cfg(*TIGHT))
+
+
+def _profile(tmp_path, cfg, strategies: dict[str, tuple[float, float, float]], **identity):
+    from disttrain_core.planner.hotspa_auto import PROFILE_FORMAT, profile_identity
+
+    entries = {name: {"a": a, "b": b, "c": c, "sync_s": 0.01} for name, (a, b, c) in strategies.items()}
+    raw = {"format": PROFILE_FORMAT, "identity": {**profile_identity(cfg, 4), **identity}, "strategies": entries}
+    path = tmp_path / "profile.json"
+    path.write_text(__import__("json").dumps(raw))
+    return path
+
+
+def test_a_measured_profile_replaces_the_analytic_costs(tmp_path):
+    """Measured row times decide: pure DP cheapest per token where it fits, tp2pp2 next, dp2cp2 dear (as ring
+    attention measures here): auto keeps dp2cp2 out and runs the short buckets on dp4."""
+    cfg = _cfg(*TIGHT)
+    per_token = {"dp4": (1e-8, 4e-5, 0.0), "tp2pp2": (1e-8, 3e-5, 0.002), "dp2cp2": (1e-8, 1.2e-4, 0.004)}
+    path = _profile(tmp_path, cfg, per_token)
+    result = choose(_cfg(*TIGHT, f"parallel.hotspa.profile={path}"))
+    assert result["strategies"][0] == "dp4" and "dp2cp2" not in result["strategies"]
+    assert result["strategies"][-1] == "tp2pp2" and len(result["buckets"]) >= 2
+    assert set(result["chosen"]["fit"]) == set(per_token)  # only what the profile measured
+
+
+def test_a_profile_of_another_setting_is_refused(tmp_path):
+    cfg = _cfg(*TIGHT)
+    other = _profile(tmp_path, cfg, {"dp4": (0, 1e-5, 0)}, world=8)
+    with pytest.raises(ConfigError, match="measured with another world than this run"):
+        choose(_cfg(*TIGHT, f"parallel.hotspa.profile={other}"))
+    with pytest.raises(ConfigError, match="cannot be read"):
+        choose(_cfg(*TIGHT, f"parallel.hotspa.profile={tmp_path}/none.json"))
+    with pytest.raises(ConfigError, match="is read by parallel.hotspa.strategies=\\[auto\\] only"):
+        validate_config(_cfg("parallel=hotspa", f"parallel.hotspa.profile={other}"))

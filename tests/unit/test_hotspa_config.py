@@ -6,6 +6,7 @@ home is the strategy with the least model state per process."""
 import pytest
 
 from disttrain_core.config import compose, typed_config
+from disttrain_core.parallel.switch_plan import Strategy
 from disttrain_core.validation import ConfigError, validate_config
 
 HOT = ["parallel=hotspa", "data.packing.buckets=[64,256,1024]", "model.seq_len=1024"]
@@ -37,6 +38,8 @@ def _cfg(*overrides):
         (["data=synthetic_laion"], "parallel.mode=hotspa runs packed variable-length text"),
         (["schedule=interleaved_1f1b", "schedule.vpp=2"], "one pipeline stage per rank"),
         (["trainer.record_timeline=true"], "a HotSPa step runs one per bucket"),
+        (["parallel.hotspa.recompute=[none,full]"], "has 2 policies for 3 buckets"),
+        (["parallel.hotspa.recompute=[none,full,often]"], "'often' is not one of none, full"),
         (["data.packing.tokens_per_microbatch=0"], "data.packing.tokens_per_microbatch=0: use a positive token"),
         (["data.packing.length_scale=-1"], "data.packing.length_scale=-1.0: use a positive factor"),
     ],
@@ -49,6 +52,21 @@ def test_bad_hotspa_settings_are_refused_in_one_line(overrides, message):
 
 def test_the_same_limit_accepts_strategies_that_shard_the_long_bucket():
     validate_config(_cfg(*HOT, "cluster.runtime_overhead_gb=0", "cluster.memory_per_device_gb=0.04"))
+
+
+def test_a_bucket_that_recomputes_fits_where_it_did_not():
+    """The memory check reads each bucket's own recompute policy: dp4 holds 1,024-token rows at 0.04 GB only
+    when its bucket recomputes every block, whatever the other buckets do; the engine builds it so."""
+    from disttrain_core.parallel.hotspa_layout import bucket_recompute, strategy_config
+
+    tight = [*HOT, "parallel.hotspa.strategies=[tp2pp2,dp2tp2,dp4]", "cluster.runtime_overhead_gb=0"]
+    tight.append("cluster.memory_per_device_gb=0.04")
+    with pytest.raises(ConfigError, match="dp4 cannot hold its bucket"):
+        validate_config(_cfg(*tight, "parallel.hotspa.recompute=[full,full,none]"))
+    cfg = _cfg(*tight, "parallel.hotspa.recompute=[none,none,full]")
+    validate_config(cfg)
+    assert [bucket_recompute(cfg, k) for k in range(3)] == ["none", "none", "full"]
+    assert strategy_config(cfg, Strategy.parse("dp4"), 1024, bucket_recompute(cfg, 2)).parallel.recompute == "full"
 
 
 def test_the_default_preset_validates_and_its_home_is_the_most_sharded():
