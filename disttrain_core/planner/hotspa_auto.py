@@ -222,6 +222,7 @@ def read_profile(cfg, world: int) -> dict[str, dict]:
 def resolve_hotspa_auto(cfg, container: dict, run_dir: Path) -> dict:
     """``container`` with the chosen buckets and strategies (printed, and saved as hotspa_plan.json)."""
     result = choose(cfg)
+    result["profile"] = cfg.parallel.hotspa.profile
     chosen = result["chosen"]
     best = chosen["best_static"]
     versus = f"{chosen['static_step_s'][best]:.3g} s for the best static strategy ({best})" if best else "no static"
@@ -234,6 +235,7 @@ def resolve_hotspa_auto(cfg, container: dict, run_dir: Path) -> dict:
     (run_dir / "hotspa_plan.json").write_text(json.dumps(result, indent=1) + "\n")
     out = {**container}
     out["data"] = {**out["data"], "packing": {**out["data"]["packing"], "buckets": list(result["buckets"])}}
-    hotspa = {**out["parallel"]["hotspa"], "strategies": list(result["strategies"])}
+    # the profile has served (hotspa_plan.json names it); the resolved config names strategies, not auto
+    hotspa = {**out["parallel"]["hotspa"], "strategies": list(result["strategies"]), "profile": None}
     out["parallel"] = {**out["parallel"], "hotspa": hotspa}
     return out

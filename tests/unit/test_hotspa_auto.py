@@ -3,6 +3,8 @@ and memory models: the set with the shortest predicted step, every bucket on a s
 long bucket sharded when the memory limit leaves pure data parallelism out), validated like a written one.
 Whether the prediction ranks strategies as they measure is a benchmark question (docs/HOTSPA.md)."""
 
+import json
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -78,7 +80,7 @@ def _profile(tmp_path, cfg, strategies: dict[str, tuple[float, float, float]], *
     entries = {name: {"a": a, "b": b, "c": c, "sync_s": 0.01} for name, (a, b, c) in strategies.items()}
     raw = {"format": PROFILE_FORMAT, "identity": {**profile_identity(cfg, 4), **identity}, "strategies": entries}
     path = tmp_path / "profile.json"
-    path.write_text(__import__("json").dumps(raw))
+    path.write_text(json.dumps(raw))
     return path
 
 
@@ -92,6 +94,10 @@ def test_a_measured_profile_replaces_the_analytic_costs(tmp_path):
     assert result["strategies"][0] == "dp4" and "dp2cp2" not in result["strategies"]
     assert result["strategies"][-1] == "tp2pp2" and len(result["buckets"]) >= 2
     assert set(result["chosen"]["fit"]) == set(per_token)  # only what the profile measured
+    run = [*TIGHT, f"parallel.hotspa.profile={path}"]
+    container = resolve_hotspa_auto(_cfg(*run), OmegaConf.to_container(compose(run)), tmp_path)
+    validate_config(typed_config(container))  # the chosen strategies run without the profile
+    assert json.loads((tmp_path / "hotspa_plan.json").read_text())["profile"] == str(path)
 
 
 def test_a_profile_of_another_setting_is_refused(tmp_path):
