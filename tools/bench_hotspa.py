@@ -20,14 +20,16 @@ recompute: every run here recomputes every block). The limit is set just below t
 strategy fits the longest bucket; a candidate runs only if it fits under it (printed). HotSPa's strategies
 are validated against the same limit before its runs start.
 
-Static runs pack every document into rows of ``max_len`` (one bucket) and run one strategy (as
-``parallel=hotspa`` with one bucket: the same engine, no switching). HotSPa packs into ``buckets`` and runs
+Static candidates (``static``): by default every (dp, tp, pp, cp) over the processes that the runtime
+accepts at ``max_len``. Static runs pack every document into rows of ``max_len`` (one bucket) and run one
+strategy (as ``parallel=hotspa`` with one bucket: the same engine, no switching). HotSPa packs into ``buckets`` and runs
 ``strategies``, one per bucket. Each alternation runs HotSPa and every fitting candidate once (``python
 train.py``, ``steps`` steps); a run's tokens/s is the median over its steps after the first ``skip``
 (tokens that carry a label). Reported: per alternation HotSPa / the best static of that alternation, their
-median and spread, and HotSPa's share of step time spent switching.
+median and spread, and HotSPa's share of step time spent switching. With ``auto_profile`` (a
+tools/profile_hotspa.py profile), each alternation also runs ``strategies=[auto]`` and reports it alike.
 
-    python tools/bench_hotspa.py                      # about 10 minutes here
+    python tools/bench_hotspa.py auto_profile=docs/results/hotspa_profile.json   # about 17 minutes here
     sudo python tools/bench_hotspa.py nodes=2 predict=false out=docs/results/bench_hotspa_2nodes.json
     python tools/bench_hotspa.py alternations=1 steps=3 format=json
 """
@@ -50,8 +52,12 @@ OPTIONS = {
     "devices": "4",
     "max_len": "1024",
     "buckets": "128,512,1024",
-    "strategies": "dp4,dp4,dp2tp2",  # one per bucket
-    "static": "dp2cp2,dp2tp2,cp4,tp2pp2",  # candidates for the longest bucket
+    # one per bucket; auto: parallel.hotspa.strategies=[auto] chooses buckets and strategies (with profile=)
+    "strategies": "dp4,dp4,dp2tp2",
+    "profile": "none",  # auto's measured costs: a tools/profile_hotspa.py profile of this workload's settings
+    # static candidates for the longest bucket; all: every (dp, tp, pp, cp) over the processes the runtime accepts
+    "static": "all",
+    "auto_profile": "none",  # a tools/profile_hotspa.py profile: each alternation also runs strategies=[auto]
     "documents": "256",
     "source": "commoncrawl",
     # every length of the profile x this; auto: max_len / 32768 (the seed's 32K contexts drawn for max_len)
@@ -152,6 +158,15 @@ def _common(options: dict[str, str], limit_gb: float) -> list[str]:
     ]
 
 
+def static_candidates(options: dict[str, str], cfg) -> list[str]:
+    if options["static"] != "all":
+        return options["static"].split(",")
+    from disttrain_core.planner.hotspa_auto import _runs, candidate_strategies
+
+    max_len = int(options["max_len"])
+    return [s.name for s in candidate_strategies(int(options["devices"])) if _runs(cfg, s, max_len)]
+
+
 def memory_limit(options: dict[str, str]) -> tuple[float, float, dict[str, float]]:
     """(limit in GB, planner.memory_margin, bytes each static candidate needs at max_len): a strategy fits
     when it needs at most limit x margin; the limit sits just below what pure DP needs at least."""
@@ -167,7 +182,7 @@ def memory_limit(options: dict[str, str]) -> tuple[float, float, dict[str, float
     margin = float(cfg.planner.memory_margin)
     limit_gb = least_dp * 0.999 / margin / 1e9
     needs = {}
-    for name in options["static"].split(","):
+    for name in static_candidates(options, cfg):
         ev = strategy_memory(cfg, Strategy.parse(name), max_len)
         needs[name] = ev.memory.get("llm", float("inf")) if ev.feasible else float("inf")
     needs[f"dp{devices} (zero3, full recompute)"] = least_dp
@@ -185,7 +200,10 @@ def run(args: list[str], run_dir: Path, skip: int, options: dict[str, str]) -> d
         raise SystemExit(f"train.py {' '.join(args)} failed:\n{result.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     kept = [r for r in rows if r["step"] > skip]
+    plan = run_dir / "hotspa_plan.json"  # strategies=auto: what it chose
+    chosen = json.loads(plan.read_text()) if plan.is_file() else None
     return {
+        **({"auto": {"buckets": chosen["buckets"], "strategies": chosen["strategies"]}} if chosen else {}),
         "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in kept),
         "switch_fraction": statistics.median(r.get("perf/switch_fraction", 0.0) for r in kept),
         "switch_s_per_step": statistics.median(
@@ -223,6 +241,8 @@ def main(argv: list[str]) -> int:
             f"{100 * results['switch_fraction_median']:.1f}% of hotspa's step time "
             f"({results['switch_s_per_step_median']:.3f} s per step)"
         )
+        if "auto_ratio_median" in results:
+            print(f"strategies=[auto] with the profile / best static: median {results['auto_ratio_median']:.3f}")
     if "predicted_at_scale" in results:
         for key, p in results["predicted_at_scale"].items():
             if key in ("artifact_strategies", "fastest_per_bucket"):
@@ -243,14 +263,24 @@ def measure(options: dict[str, str], extra: list[str]) -> dict:
     if int(options["steps"]) <= skip:
         raise SystemExit(f"steps={options['steps']} must exceed skip={skip}")
     limit_gb, margin, needs = memory_limit(options)
-    fitting = [name for name in options["static"].split(",") if needs[name] <= limit_gb * 1e9 * margin]
+    candidates = [name for name in needs if not name.endswith(")")]  # the pure-DP floor is not a candidate
+    fitting = [name for name in candidates if needs[name] <= limit_gb * 1e9 * margin]
     if not fitting:
         raise SystemExit(f"no static candidate fits {limit_gb:.4f} GB ({needs}); add tp or cp candidates")
     common = _common(options, limit_gb) + extra
-    hot = common + [
-        f"data.packing.buckets=[{options['buckets']}]",
-        f"parallel.hotspa.strategies=[{options['strategies']}]",
-    ]
+    auto = ["data.packing.buckets=null", "parallel.hotspa.strategies=[auto]"]
+    if options["strategies"] == "auto":
+        hot = common + auto
+        if options["profile"] != "none":
+            hot.append(f"parallel.hotspa.profile={Path(options['profile']).resolve()}")
+    else:
+        hot = common + [
+            f"data.packing.buckets=[{options['buckets']}]",
+            f"parallel.hotspa.strategies=[{options['strategies']}]",
+        ]
+    also_auto = None
+    if options["auto_profile"] != "none":
+        also_auto = common + auto + [f"parallel.hotspa.profile={Path(options['auto_profile']).resolve()}"]
     statics = {
         name: common + [f"data.packing.buckets=[{options['max_len']}]", f"parallel.hotspa.strategies=[{name}]"]
         for name in fitting
@@ -259,14 +289,21 @@ def measure(options: dict[str, str], extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for a in range(int(options["alternations"])):
             entry = {"hotspa": run(hot, Path(tmp) / f"hot{a}", skip, options)}
+            if also_auto is not None:
+                entry["hotspa_auto"] = run(also_auto, Path(tmp) / f"auto{a}", skip, options)
             for name, args in statics.items():
                 entry[name] = run(args, Path(tmp) / f"{name}{a}", skip, options)
             best = max(fitting, key=lambda n: entry[n]["tokens_per_s"])
             entry["best_static"] = best
             entry["ratio"] = entry["hotspa"]["tokens_per_s"] / entry[best]["tokens_per_s"]
+            line = f"alternation {a + 1}: hotspa / {best} = {entry['ratio']:.3f}"
+            if also_auto is not None:
+                entry["auto_ratio"] = entry["hotspa_auto"]["tokens_per_s"] / entry[best]["tokens_per_s"]
+                chosen = entry["hotspa_auto"]["auto"]
+                line += f"; auto ({chosen['strategies']} for {chosen['buckets']}) / {best} = {entry['auto_ratio']:.3f}"
             alternations.append(entry)
             if options["format"] == "text":
-                print(f"alternation {a + 1}: hotspa / {best} = {entry['ratio']:.3f}", flush=True)
+                print(line, flush=True)
     ratios = [e["ratio"] for e in alternations]
     return {
         "model_overrides": MODEL,
@@ -281,6 +318,11 @@ def measure(options: dict[str, str], extra: list[str]) -> dict:
         "ratio_max": max(ratios),
         "switch_fraction_median": statistics.median(e["hotspa"]["switch_fraction"] for e in alternations),
         "switch_s_per_step_median": statistics.median(e["hotspa"]["switch_s_per_step"] for e in alternations),
+        **(
+            {"auto_ratio_median": statistics.median(e["auto_ratio"] for e in alternations)}
+            if also_auto is not None
+            else {}
+        ),
     }
 
 

@@ -31,6 +31,16 @@ def test_the_limit_refuses_pure_data_parallelism_at_the_longest_bucket(bench):
     assert min(needs["dp2cp2"], needs["cp4"]) <= limit_gb * 1e9 * margin
 
 
+def test_every_strategy_the_runtime_accepts_is_a_static_candidate_by_default(bench):
+    """static=all: pure pipeline parallelism is a candidate too (its absence once made a 0.82x look like 1.41x)."""
+    from disttrain_core.cli import split_tool_args
+
+    options, _ = split_tool_args([o for o in TINY if not o.startswith("static=")], bench.OPTIONS)
+    assert options["static"] == "all"
+    _, _, needs = bench.memory_limit(options)
+    assert {"pp4", "dp2tp2", "tp2pp2", "dp2cp2", "cp4", "dp4"} <= set(needs)
+
+
 def test_one_alternation_writes_its_measurements(bench, tmp_path):
     out = tmp_path / "bench.json"
     args = [*TINY, "alternations=1", "steps=2", "skip=1", "predict=false", "format=json", f"out={out}"]
