@@ -123,10 +123,14 @@ def choose(cfg, max_buckets: int = 3, steps: int = 4) -> dict:
         cost.fits = {n: ok and _runs(cfg, s, n) for n, ok in cost.fits.items()}
         costs[s.name] = cost
     fitting = [s for s in candidates if s.name in costs]
-    if not fitting:
+    if not fitting and measured is not None:
         raise ConfigError(
             f"parallel.hotspa.profile={cfg.parallel.hotspa.profile}: it measured none of the strategies this run "
             "can use; profile them (python tools/profile_hotspa.py)"
+        )
+    if not fitting:
+        raise ConfigError(
+            f"parallel.hotspa.strategies=[auto]: the planner cannot cost any strategy over {world} processes"
         )
     # the run's own documents: its first steps, as its loader draws them (synthetic, dense or a corpus)
     from ..data.packed_loader import packed_loader
