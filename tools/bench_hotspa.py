@@ -29,7 +29,7 @@ train.py``, ``steps`` steps); a run's tokens/s is the median over its steps afte
 median and spread, and HotSPa's share of step time spent switching. With ``auto_profile`` (a
 tools/profile_hotspa.py profile), each alternation also runs ``strategies=[auto]`` and reports it alike.
 
-    python tools/bench_hotspa.py auto_profile=docs/results/hotspa_profile.json   # about 17 minutes here
+    python tools/bench_hotspa.py auto_profile=docs/results/hotspa_profile.json   # about 10 minutes here
     sudo python tools/bench_hotspa.py nodes=2 predict=false out=docs/results/bench_hotspa_2nodes.json
     python tools/bench_hotspa.py alternations=1 steps=3 format=json
 """
