@@ -161,10 +161,10 @@ def _common(options: dict[str, str], limit_gb: float) -> list[str]:
 def static_candidates(options: dict[str, str], cfg) -> list[str]:
     if options["static"] != "all":
         return options["static"].split(",")
-    from disttrain_core.planner.hotspa_auto import _runs, candidate_strategies
+    from disttrain_core.planner.hotspa_auto import candidate_strategies, runs_on
 
     max_len = int(options["max_len"])
-    return [s.name for s in candidate_strategies(int(options["devices"])) if _runs(cfg, s, max_len)]
+    return [s.name for s in candidate_strategies(int(options["devices"])) if runs_on(cfg, s, max_len)]
 
 
 def memory_limit(options: dict[str, str]) -> tuple[float, float, dict[str, float]]:

@@ -50,12 +50,11 @@ def _config(extra: list[str]):
     return typed_config(compose(["parallel=hotspa", "parallel.hotspa.strategies=[auto]", *extra]))
 
 
-def plan(options: dict[str, str], extra: list[str]) -> tuple[list[int], list]:
-    """(the three lengths, the strategies to measure)."""
+def plan(options: dict[str, str], cfg) -> tuple[list[int], list]:
+    """(the three lengths, the strategies to measure) for the run ``cfg`` describes."""
     from disttrain_core.parallel.switch_plan import Strategy
-    from disttrain_core.planner.hotspa_auto import _runs, candidate_strategies
+    from disttrain_core.planner.hotspa_auto import candidate_strategies, runs_on
 
-    cfg = _config(extra)
     seq_len = int(cfg.model.seq_len)
     if options["lengths"] == "auto":
         lengths = [max(seq_len // 8, 16), max(seq_len // 2, 32), seq_len]
@@ -65,7 +64,7 @@ def plan(options: dict[str, str], extra: list[str]) -> tuple[list[int], list]:
         raise SystemExit(f"lengths={options['lengths']}: give three different lengths up to model.seq_len={seq_len}")
     world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
     if options["strategies"] == "auto":
-        strategies = [s for s in candidate_strategies(world) if all(_runs(cfg, s, n) for n in lengths)]
+        strategies = [s for s in candidate_strategies(world) if all(runs_on(cfg, s, n) for n in lengths)]
     else:
         strategies = [Strategy.parse(s) for s in options["strategies"].split(",")]
     if not strategies:
@@ -119,8 +118,8 @@ def main(argv: list[str]) -> int:
     from disttrain_core.planner.hotspa_auto import PROFILE_FORMAT, profile_identity
 
     options, extra = split_tool_args(argv, OPTIONS)
-    lengths, strategies = plan(options, extra)
     cfg = _config(extra)
+    lengths, strategies = plan(options, cfg)
     world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
     result = {
         "format": PROFILE_FORMAT,

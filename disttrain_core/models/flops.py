@@ -158,9 +158,15 @@ def _llm_terms(cfg_yaml: str) -> tuple[float, float]:
     return f_long / long - b * long, b
 
 
-def document_flops(cfg, lengths) -> float:
-    """Training FLOPs of the LLM over documents of ``lengths`` tokens, attending inside each document only:
+def llm_flop_terms(cfg) -> tuple[float, float]:
+    """(a, b) of the LLM's training FLOPs a n + b n^2 over a sequence of n tokens (counted once per config)."""
+    return _llm_terms(OmegaConf.to_yaml(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg))
+
+
+def document_flops(terms: tuple[float, float], lengths) -> float:
+    """Training FLOPs of the LLM over documents of ``lengths`` tokens (``terms``: llm_flop_terms), attending
+    inside each document only:
     the model's work under packing with document masks (the usual MFU convention: matmuls and attention,
     causal counted as full). A dense masked kernel over a packed row computes more; that is not credited."""
-    a, b = _llm_terms(OmegaConf.to_yaml(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg))
+    a, b = terms  # llm_flop_terms(model config)
     return sum(a * n + b * n * n for n in lengths)

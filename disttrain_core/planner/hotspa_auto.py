@@ -66,7 +66,7 @@ def bucket_sets(seq_len: int, max_buckets: int) -> list[list[int]]:
     return sets
 
 
-def _runs(cfg, strategy: Strategy, capacity: int) -> bool:
+def runs_on(cfg, strategy: Strategy, capacity: int) -> bool:
     """The runtime accepts ``strategy`` for rows of ``capacity`` tokens (the checks of parallel=hotspa)."""
     from ..parallel.hotspa_layout import strategy_config
     from ..validation.layout import validate_layout
@@ -104,7 +104,7 @@ def choose(cfg, max_buckets: int = 3, steps: int = 4) -> dict:
     packing = cfg.data.packing
     sets = [[int(b) for b in packing.buckets]] if packing.buckets else bucket_sets(seq_len, max_buckets)
     lengths = sorted({b for bucket in sets for b in bucket})
-    candidates = [s for s in candidate_strategies(world) if any(_runs(cfg, s, n) for n in lengths)]
+    candidates = [s for s in candidate_strategies(world) if any(runs_on(cfg, s, n) for n in lengths)]
     if not candidates:
         raise ConfigError(f"parallel.hotspa.strategies=[auto]: no (dp, tp, pp, cp) over {world} processes runs")
     measured = read_profile(cfg, world) if cfg.parallel.hotspa.profile else None
@@ -120,7 +120,7 @@ def choose(cfg, max_buckets: int = 3, steps: int = 4) -> dict:
                 cost = strategy_cost(cfg, s, fit_lengths(seq_len), lengths)
             except ValueError:  # the planner cannot run rows of some fit length on it
                 continue
-        cost.fits = {n: ok and _runs(cfg, s, n) for n, ok in cost.fits.items()}
+        cost.fits = {n: ok and runs_on(cfg, s, n) for n, ok in cost.fits.items()}
         costs[s.name] = cost
     fitting = [s for s in candidates if s.name in costs]
     if not fitting and measured is not None:

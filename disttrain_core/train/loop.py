@@ -31,7 +31,7 @@ from ..data.samples import SampleEncoder
 from ..data.tokenizer import build_tokenizer
 from ..faults import inject
 from ..models import build_model
-from ..models.flops import batch_flops, document_flops
+from ..models.flops import batch_flops, document_flops, llm_flop_terms
 from ..parallel.plan import build_pipeline, resolve_units
 from .checkpoint import CheckpointManager
 from .engine import DataParallelEngine
@@ -78,6 +78,7 @@ class Trainer(StepData, CheckpointIO):
         # Packed text (data.packing): every process builds the whole step and takes its share.
         self.packing = cfg.data.packing.enabled
         self._packed_flops = 0.0  # model FLOPs of the packed steps since the last log
+        self._flop_terms = llm_flop_terms(cfg.model) if self.packing else None  # counted once, not per step
         self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         single = self.layout.trains_with_ddp()
@@ -198,7 +199,7 @@ class Trainer(StepData, CheckpointIO):
         microbatches = self.loader.next_step()
         data_wait = time.perf_counter() - host_started
         if self.packing:  # the model's FLOPs of this step's documents, on the host (read at the next log)
-            self._packed_flops += document_flops(self.cfg.model, self.loader.last_lengths)
+            self._packed_flops += document_flops(self._flop_terms, self.loader.last_lengths)
         if trace is not None:
             trace.compute("data", host_started, time.perf_counter())
         counts = self._global_counts(microbatches, trace)

@@ -81,15 +81,16 @@ def test_llm_flops_match_the_analytic_formula():
 def test_document_flops_count_attention_inside_each_document():
     from omegaconf import OmegaConf
 
-    from disttrain_core.models.flops import document_flops
+    from disttrain_core.models.flops import document_flops, llm_flop_terms
 
     cfg = compose(["model=llama_tiny", "model.seq_len=1024"]).model
+    terms = llm_flop_terms(cfg)
     exact = {n: module_flops(OmegaConf.merge(cfg, {"seq_len": n}))["llm"].train for n in (1024, 512, 96)}
     for n, flops in exact.items():  # exact at the two fitted lengths and at a third one
-        assert document_flops(cfg, [n]) == pytest.approx(flops, rel=1e-9)
+        assert document_flops(terms, [n]) == pytest.approx(flops, rel=1e-9)
     # four documents of 256 packed in one row: four times one document, less than a dense row of 1,024
-    four = document_flops(cfg, [256] * 4)
-    assert four == pytest.approx(4 * document_flops(cfg, [256])) and four < exact[1024]
+    four = document_flops(terms, [256] * 4)
+    assert four == pytest.approx(4 * document_flops(terms, [256])) and four < exact[1024]
 
 
 def test_frozen_encoder_costs_forward_only():
