@@ -51,9 +51,9 @@ from disttrain_core.config import REPO_ROOT  # noqa: E402
 OPTIONS = {
     "devices": "4",
     "max_len": "1024",
-    "buckets": "128,512,1024",
+    "buckets": "256,1024",
     # one per bucket; auto: parallel.hotspa.strategies=[auto] chooses buckets and strategies (with profile=)
-    "strategies": "dp4,dp4,dp2tp2",
+    "strategies": "dp4,pp4",
     "profile": "none",  # auto's measured costs: a tools/profile_hotspa.py profile of this workload's settings
     # static candidates for the longest bucket; all: every (dp, tp, pp, cp) over the processes the runtime accepts
     "static": "all",
