@@ -116,6 +116,9 @@ class OptimConfig:
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
+    # optim=sgd only: torch SGD's momentum and Nesterov switch (weight_decay is added to the gradient, L2)
+    momentum: float = 0.0
+    nesterov: bool = False
     grad_clip: float = 1.0  # 0 disables clipping
     global_batch_size: int = 16  # samples per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 4  # samples per forward/backward on one rank
@@ -303,6 +306,23 @@ class HotSpaConfig:
 
 
 @dataclass
+class LocalSgdConfig:
+    """parallel.mode=local_sgd (train/local_sgd.py, docs/LOCAL_SGD.md): workers train alone between syncs."""
+
+    # diloco: an outer Nesterov-SGD step on the averaged pseudo-gradient every sync_every steps (Douillard et
+    # al. 2023); post_local_sgd: plain parameter averaging every sync_every steps (Lin et al. 2020)
+    method: str = "diloco"
+    # Processes per worker (the shard group: they train one model replica together, DDP inside); the sync
+    # group joins the workers' corresponding processes. None: trainer.devices (one worker per node).
+    shard_group: Optional[int] = None
+    warmup_steps: int = 0  # synchronous data-parallel steps before the first local one
+    sync_every: int = 16  # local steps between syncs
+    outer_lr: float = 0.7  # diloco: the outer optimizer (torch SGD over the last synced parameters)
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+
+
+@dataclass
 class ParallelConfig:
     name: str = MISSING
     # ddp: whole model on every process. megatron: one dp x tp x pp for the LLM, the encoder and
@@ -333,6 +353,7 @@ class ParallelConfig:
     zero1: bool = False  # alias of shard=zero1 (parallel=zero1)
     comm: CommConfig = field(default_factory=CommConfig)
     hotspa: HotSpaConfig = field(default_factory=HotSpaConfig)
+    local_sgd: LocalSgdConfig = field(default_factory=LocalSgdConfig)
 
 
 @dataclass

@@ -9,6 +9,8 @@ trainer, the tools).
   Megatron-LM's multimodal example does.
 * ``hotspa``: a (dp, tp, pp, cp) strategy per length bucket of packed text (train/hotspa.py); the layout
   is the home strategy's, the one that holds the model state.
+* ``local_sgd``: the whole model on every process, as ``ddp``; workers of ``parallel.local_sgd.shard_group``
+  processes step alone between syncs (train/local_sgd.py).
 * ``manual``: ``parallel.units.{encoder,llm,generator}`` each with its own
   dp/tp/pp, or ``colocate: true`` for the encoder or generator to fold it into the
   LLM unit.
@@ -22,7 +24,14 @@ from dataclasses import replace
 from ..config import Config
 from .units import UnitLayout, build_layout
 
-MODES = ("ddp", "megatron", "manual", "auto", "hotspa")
+MODES = ("ddp", "megatron", "manual", "auto", "hotspa", "local_sgd")
+
+
+def local_sgd_shard_group(cfg: Config) -> int:
+    """Processes per local-SGD worker (``parallel.mode=local_sgd``): ``parallel.local_sgd.shard_group``, or
+    ``trainer.devices`` (one worker per node)."""
+    size = cfg.parallel.local_sgd.shard_group
+    return int(cfg.trainer.devices) if size is None else int(size)
 
 
 def world_size_of(cfg: Config) -> int:
@@ -40,6 +49,9 @@ def resolve_units(cfg: Config) -> UnitLayout:
     p, model = cfg.parallel, cfg.model
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
     same = {name: (p.recompute, p.recompute_every) for name in ("encoder", "llm", "generator")}
+    if p.mode == "local_sgd":  # every process the whole model, DDP inside each worker (train/local_sgd.py)
+        sizes = {"llm": (world_size_of(cfg), 1, 1)}
+        return build_layout(sizes, has_encoder, has_generator, True, True, same, {"llm": ("none", 1)}, {}, {})
     if p.mode == "ddp":
         sizes = {"llm": (world_size_of(cfg) // p.cp, 1, 1)}
         shard = {"llm": (layout_shard(p, "none" if p.cp == 1 and p.ep == 1 else "zero1"), p.hsdp_replicas)}

@@ -32,7 +32,7 @@ from ..parallel.plan import resolve_units
 from ..parallel.recompute import apply_recompute
 from ..schedule.executor import StepRecord
 from .optim import build_optimizer
-from .state import adamw_entries, model_entries, owned_by
+from .state import model_entries, optimizer_entries, owned_by
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,11 @@ class Engine:
     def after_backward(self) -> None:
         """Make gradients global (sum over data-parallel replicas) if the engine has not already."""
 
+    def count_group(self, step: int, default):
+        """The group step ``step``'s loss counts are summed over (``default``: the trainer's for this layout;
+        local SGD: one worker's after its warm-up)."""
+        return default
+
     def synchronize(self) -> None:
         """Finish communication still in flight that writes parameters (overlapped gathers)."""
 
@@ -135,6 +140,11 @@ class Engine:
     def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
         """Engine-specific metrics of the ``steps`` steps (``seconds`` long) since the last log."""
         return {}
+
+    def whole_run_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The logged window's throughput for the whole run, from this process's view of it (local SGD: one
+        worker's counts)."""
+        return metrics
 
     def after_step(self) -> None:
         """After the optimizer step: aux-loss-free MoE routers move their expert biases."""
@@ -184,8 +194,13 @@ class DataParallelEngine(Engine):
     diffusion noise targets; here only the forward runs under autocast.
     """
 
-    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer):
+    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, group=None):
+        """``group``: the processes DDP averages over (None: all of them; local SGD: one worker's)."""
         self.cfg, self.fabric = cfg, fabric
+        self.group = group
+        self.replicas = dist.get_world_size(group) if group is not None else fabric.world_size
+        # The group a step's loss sums are reduced over for logging: the one its loss counts are reduced over.
+        self.loss_group = group
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
         import_pretrained(cfg, tokenizer, [self.raw_model])
@@ -198,7 +213,7 @@ class DataParallelEngine(Engine):
         # for a compute-only benchmark) every microbatch runs under no_sync and after_backward reduces.
         self.ddp_sync = comm.overlap_grad_reduce and not comm.skip_collectives
         self.bucket_numel = bucket_numel(comm.bucket_mb)
-        if fabric.world_size > 1:
+        if self.replicas > 1:
             device_ids = [fabric.device.index] if fabric.device.type == "cuda" else None
             bucket_mb = comm.bucket_mb if comm.bucket_mb > 0 else 1e6
             # Gradients are views of DDP's buckets: no second copy (16 bytes per parameter, not 20). Every
@@ -210,6 +225,7 @@ class DataParallelEngine(Engine):
                 bucket_cap_mb=bucket_mb,
                 gradient_as_bucket_view=True,
                 broadcast_buffers=False,
+                process_group=group,
             )
         mixed = training_precision(cfg.trainer.precision, fabric.device.type) != "32"
         self.autocast = fabric.autocast if mixed else nullcontext
@@ -219,21 +235,22 @@ class DataParallelEngine(Engine):
         return [self.raw_model]
 
     def checkpoint_state(self, saving: bool) -> dict:
-        state = {**model_entries([self.raw_model]), **adamw_entries(self.optimizer, self.named_parameters)}
+        state = {**model_entries([self.raw_model]), **optimizer_entries(self.optimizer, self.named_parameters)}
         # Every replica holds all of it: each saves its share (loading reads everything).
         return owned_by(state, self.fabric.global_rank, self.fabric.world_size) if saving else state
 
     def forward_backward(self, microbatches, counts, record=False) -> StepRecord:
         device = self.fabric.device
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # lm, gen loss sums: kept on the device
-        # DDP averages gradients over processes; scale so the result is the global-batch gradient.
-        scale = float(self.fabric.world_size)
+        # DDP averages gradients over its replicas; scale so the result is the sum over them, normalized by
+        # the counts (the global batch's, or one local-SGD worker's).
+        scale = float(self.replicas)
         # MoE aux terms: balanced over every replica (one global microbatch), averaged over the microbatches.
         balance = dist.group.WORLD if self.fabric.world_size > 1 else None
         configure_moe([self.raw_model], balance, scale / len(microbatches))
         for index, microbatch in enumerate(microbatches):
             last = index == len(microbatches) - 1 and self.ddp_sync
-            sync = self.model.no_sync() if self.fabric.world_size > 1 and not last else nullcontext()
+            sync = self.model.no_sync() if self.replicas > 1 and not last else nullcontext()
             with sync:
                 with self.autocast():
                     out = self.model(batch_to_device(microbatch, device))
@@ -242,8 +259,10 @@ class DataParallelEngine(Engine):
                 if name in out:
                     totals[position] += out[name].detach().double()
         work = None
-        if self.fabric.world_size > 1:  # every process logs global-batch losses; read at logging steps
-            work = dist.all_reduce(totals, async_op=True)
+        loss_group = self.loss_group
+        loss_group_size = dist.get_world_size(loss_group) if loss_group is not None else self.fabric.world_size
+        if loss_group_size > 1:  # every process logs the losses its counts normalize; read at logging steps
+            work = dist.all_reduce(totals, group=loss_group, async_op=True)
 
         def reduced() -> dict[str, torch.Tensor]:
             if work is not None:
@@ -254,9 +273,9 @@ class DataParallelEngine(Engine):
 
     def after_backward(self) -> None:
         comm = self.cfg.parallel.comm
-        if self.fabric.world_size > 1 and not self.ddp_sync and not comm.skip_collectives:
+        if self.replicas > 1 and not self.ddp_sync and not comm.skip_collectives:
             params = [p for _, p in self.named_parameters]
-            allreduce_gradients(params, None, self.bucket_numel, self.fabric.world_size)
+            allreduce_gradients(params, self.group, self.bucket_numel, self.replicas)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         params = [p for _, p in self.named_parameters if p.grad is not None]

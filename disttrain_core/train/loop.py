@@ -7,7 +7,8 @@ generation targets in the whole global batch, and every microbatch divides its
 summed losses by those totals. The accumulated gradient is then exactly the
 gradient of the global-batch mean loss, whatever the number of processes,
 pipeline stages and microbatches -- which is what makes parallel layouts
-reproduce a single process.
+reproduce a single process. (Local SGD after its warm-up is the exception: each
+worker normalizes by its own tokens, train/local_sgd.py.)
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from ..data.tokenizer import build_tokenizer
 from ..faults import inject
 from ..models import build_model
 from ..models.flops import batch_flops, document_flops, llm_flop_terms
-from ..parallel.plan import build_pipeline, resolve_units
+from ..parallel.plan import resolve_units
 from .checkpoint import CheckpointManager
-from .engine import DataParallelEngine
+from .engines import build_engine
 from .host_sync import HostSyncGuard
 from .memory_report import MemoryReport, allocation_peak
 from .metrics import MetricsLogger
@@ -46,7 +47,6 @@ from .state import model_fingerprint
 from .step_data import StepData
 from .stop import StopRequest
 from .timeline_report import TimelineReporter
-from .unit_engine import UnitEngine
 
 log = logging.getLogger(__name__)
 
@@ -81,23 +81,10 @@ class Trainer(StepData, CheckpointIO):
         self._flop_terms = llm_flop_terms(cfg.model) if self.packing else None  # counted once, not per step
         self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        single = self.layout.trains_with_ddp()
-        self.schedule = self.broker = None
         timeout = timedelta(seconds=trainer.dist_timeout_s)
-        if cfg.parallel.mode == "hotspa":  # a strategy per length bucket (train/hotspa.py)
-            from .hotspa import HotSpaEngine
-
-            self.engine = HotSpaEngine(cfg, fabric, self.tokenizer, timeout=timeout)
-            self.count_group = None
-        elif single:
-            self.engine = DataParallelEngine(cfg, fabric, self.tokenizer)
-            self.count_group = dist.group.WORLD if self.world_size > 1 and not self.global_stream else None
-        else:
-            self.schedule, self.broker, rows_of_units = build_pipeline(cfg, self.layout, self.accumulation)
-            self.engine = UnitEngine(
-                cfg, fabric, self.tokenizer, self.layout, self.schedule, self.broker, rows_of_units, timeout=timeout
-            )
-            self.count_group = None if self.global_stream else self.engine.groups.data_parallel
+        self.engine, self.count_group, self.schedule, self.broker = build_engine(
+            cfg, fabric, self.tokenizer, self.layout, self.accumulation, self.global_stream, timeout
+        )
         self.optimizer = self.engine.build_optimizer()
         self.scheduler = build_scheduler(getattr(self.optimizer, "inner", self.optimizer), optim, trainer.max_steps)
 
@@ -295,6 +282,7 @@ class Trainer(StepData, CheckpointIO):
         }
         if self.cfg.model.generator is not None:
             metrics["train/gen_loss"] = result.gen_loss
+        metrics = self.engine.whole_run_metrics(metrics)  # local SGD: counts of one worker -> of all
         metrics.update(self.engine.window_metrics(seconds, len(window)))  # HotSPa: switching, per-bucket times
         if self.timelines is not None and self.timelines.last.get("step") == self.step:
             metrics["perf/pipeline_measured_s"] = self.timelines.last["measured_s"]

@@ -9,18 +9,24 @@ import torch
 from ..config import OptimConfig
 from ..parallel.zero import adamw
 
+OPTIMIZERS = ("adamw", "sgd")
+
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW; matrices (and convolution kernels) decay, vectors (norms, biases) do not."""
-    if cfg.name != "adamw":
-        raise ValueError(f"optim.name={cfg.name!r} is unknown; available: ['adamw']")
+    """AdamW (or torch SGD, ``optim.name=sgd``); matrices (and convolution kernels) decay, vectors (norms,
+    biases) do not."""
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={cfg.name!r} is unknown; available: {list(OPTIMIZERS)}")
     decay = [p for _, p in params if p.requires_grad and p.ndim >= 2]
     no_decay = [p for _, p in params if p.requires_grad and p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
-    return adamw([g for g in groups if g["params"]], cfg)
+    groups = [g for g in groups if g["params"]]
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=True)
+    return adamw(groups, cfg)
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:

@@ -62,6 +62,25 @@ def adamw_entries(optimizer: torch.optim.Optimizer, named_params: list[tuple[str
     return state
 
 
+def optimizer_entries(optimizer: torch.optim.Optimizer, named_params: list[tuple[str, nn.Parameter]]) -> dict:
+    """AdamW's state (:func:`adamw_entries`), or torch SGD's momentum buffers as ``optim.<name>.momentum_buffer``
+    (none without momentum). A zero buffer made before the first step gives that step what torch's own first
+    step gives (the gradient itself, dampening 0)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return adamw_entries(optimizer, named_params)
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    state = {}
+    for name, param in named_params:
+        group = groups.get(id(param))
+        if group is None or not group["momentum"]:
+            continue
+        entry = optimizer.state[param]
+        if entry.get("momentum_buffer") is None:
+            entry["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state[f"optim.{name}.momentum_buffer"] = entry["momentum_buffer"]
+    return state
+
+
 def owned_by(entries: dict, index: int, count: int) -> dict:
     """The entries replica ``index`` of ``count`` identical replicas saves: replicated tensors split by bytes
     (largest first, each to the least loaded replica; the same on every replica), so each tensor is

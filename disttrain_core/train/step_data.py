@@ -26,8 +26,9 @@ class StepData:
             self.fabric.device,
         )
         work = None
-        if self.count_group is not None:  # one copy per data-parallel replica
-            work = dist.all_reduce(counts, group=self.count_group, async_op=True)
+        group = self.engine.count_group(self.step + 1, self.count_group)
+        if group is not None:  # one copy per data-parallel replica
+            work = dist.all_reduce(counts, group=group, async_op=True)
         return GlobalCounts(counts, work, trace)
 
     def _local_microbatches(self, microbatches: list[Batch]) -> list[Batch]:

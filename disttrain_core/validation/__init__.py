@@ -105,5 +105,9 @@ def validate_config(cfg: Config) -> None:
         validate_layout(cfg)
     validate_data(cfg)
     validate_optim(cfg)
+    if auto:  # the planner's memory model and the sharded optimizers it chooses from are AdamW's
+        from .local_sgd import validate_optimizer
+
+        validate_optimizer(cfg)
     if not auto:
         validate_schedule_config(cfg)

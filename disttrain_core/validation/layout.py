@@ -202,14 +202,18 @@ def _validate_unit_shard(unit, schedule_name: str) -> None:
 
 def validate_layout(cfg: Config) -> None:
     from ..parallel.plan import MODES, resolve_units
+    from .local_sgd import validate_local_sgd, validate_optimizer
 
     p, m = cfg.parallel, cfg.model
     _require(p.mode in MODES, f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")
+    validate_optimizer(cfg)
     if p.mode == "hotspa":  # every strategy is checked as the megatron layout it runs as
         from .packing import validate_hotspa
 
         validate_hotspa(cfg)
         return
+    if p.mode == "local_sgd":
+        validate_local_sgd(cfg)
     _require(
         p.modality_stages in ("separate", "folded"),
         f"parallel.modality_stages={p.modality_stages!r}: allowed values are separate and folded",

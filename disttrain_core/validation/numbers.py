@@ -108,7 +108,7 @@ def _run_rules() -> list[Rule]:
     t, s = "trainer", "data.synthetic"
     return [
         # optimizer
-        one_of("optim.name", ("adamw",), "the available optimizer is 'adamw'"),
+        one_of("optim.name", ("adamw", "sgd"), "the available optimizers are 'adamw' and 'sgd'"),
         positive("optim.lr", "the learning rate must be positive and finite, e.g. optim.lr=3e-4"),
         within("optim.min_lr_ratio", 0, 1),
         at_least("optim.warmup_steps", 0),
@@ -116,6 +116,7 @@ def _run_rules() -> list[Rule]:
         at_least("optim.weight_decay", 0),
         positive("optim.eps", "use a small positive number, e.g. 1e-8"),
         at_least("optim.grad_clip", 0, "use 0 (off) or a positive norm"),
+        within("optim.momentum", 0, 1, open_high=True),
         at_least("optim.micro_batch_size", 1),
         at_least("optim.global_batch_size", 1),
         # trainer

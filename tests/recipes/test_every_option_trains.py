@@ -57,6 +57,7 @@ TRAINED_ELSEWHERE |= {
     ("schedule", "interleaved_1f1b"),  # python train.py parallel=pp2 schedule=interleaved_1f1b schedule.vpp=2 ...
     ("schedule", "zb_h1"),
     ("recipe", "mllm_tiny_ddp2"),  # python train.py recipe=mllm_tiny_ddp2
+    ("parallel", "local_sgd"),  # python train.py parallel=local_sgd trainer.devices=4 ... shard_group=2 ...
 }
 CASES = [
     (group, option)

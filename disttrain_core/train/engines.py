@@ -1,0 +1,45 @@
+"""Which engine runs a layout, and over which group a step's loss counts are summed."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+from lightning_fabric import Fabric
+
+from ..config import Config
+from ..data.tokenizer import Tokenizer
+from ..parallel.plan import build_pipeline
+from ..parallel.units import UnitLayout
+from .engine import DataParallelEngine, Engine
+from .unit_engine import UnitEngine
+
+
+def build_engine(
+    cfg: Config,
+    fabric: Fabric,
+    tokenizer: Tokenizer,
+    layout: UnitLayout,
+    accumulation: int,
+    global_stream: bool,
+    timeout: timedelta,
+) -> tuple[Engine, object, object, object]:
+    """(engine, count group, pipeline schedule, broker). The count group sums the loss counts of the processes
+    that read different samples (None: every process already sees the whole step, or there is one process);
+    schedule and broker are None outside the unit engine."""
+    world = fabric.world_size
+    if cfg.parallel.mode == "hotspa":  # a strategy per length bucket (train/hotspa.py)
+        from .hotspa import HotSpaEngine
+
+        return HotSpaEngine(cfg, fabric, tokenizer, timeout=timeout), None, None, None
+    if cfg.parallel.mode == "local_sgd":  # workers step alone between syncs (train/local_sgd.py)
+        from .local_sgd import LocalSgdEngine
+
+        engine = LocalSgdEngine(cfg, fabric, tokenizer, timeout=timeout)
+        return engine, dist.group.WORLD if world > 1 else None, None, None
+    if layout.trains_with_ddp():
+        group = dist.group.WORLD if world > 1 and not global_stream else None
+        return DataParallelEngine(cfg, fabric, tokenizer), group, None, None
+    schedule, broker, rows_of_units = build_pipeline(cfg, layout, accumulation)
+    engine = UnitEngine(cfg, fabric, tokenizer, layout, schedule, broker, rows_of_units, timeout=timeout)
+    return engine, None if global_stream else engine.groups.data_parallel, schedule, broker

@@ -1,0 +1,227 @@
+"""Local SGD: workers train alone between syncs (``parallel.mode=local_sgd``, docs/LOCAL_SGD.md).
+
+The processes form a 2-D mesh: a *worker* is ``shard_group`` consecutive processes that train one model
+replica together (DDP inside the worker), and a *sync group* joins the processes at the same place in every
+worker. The first ``warmup_steps`` steps are synchronous data parallelism (each worker's DDP average, then a
+sum over the sync group, the loss normalized by the global batch). After them each worker steps alone on its
+own samples (its loss normalized by its own tokens), and every ``sync_every`` steps the workers sync:
+
+* each process syncs only the parameters it *owns* -- the worker's parameters split by bytes over its
+  ``shard_group`` processes, as ZeRO-1 splits optimizer state -- so each parameter crosses the sync group once
+  per worker, not once per process;
+* pseudo-gradient of worker m: ``anchor - theta_m`` (``anchor``: the parameters of the last sync), averaged over
+  the sync group;
+* ``diloco``: ``anchor <- OuterSGD(anchor, grad = mean pseudo-gradient)`` with torch SGD (``outer_lr``,
+  ``outer_momentum``, Nesterov), DiLoCo's outer step; ``post_local_sgd``: ``anchor <- mean theta_m`` (plain
+  averaging: outer lr 1, no momentum);
+* the owner broadcasts the new anchor inside its worker and every process sets its parameters to it.
+
+The anchors and the outer momentum exist only for owned parameters: besides the model and the inner
+optimizer, a process holds 1/shard_group of one extra model copy (2/shard_group with momentum).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from lightning_fabric import Fabric
+
+from ..comm.engine import allreduce_gradients
+from ..config import Config
+from ..data.tokenizer import Tokenizer
+from ..parallel.plan import local_sgd_shard_group
+from .engine import DataParallelEngine
+from .state import model_entries, optimizer_entries, owned_by
+
+log = logging.getLogger(__name__)
+
+
+def mesh_groups(world: int, shard: int, rank: int, timeout: timedelta | None = None):
+    """(this rank's worker group, its sync group, worker index, index inside the worker). Every rank creates
+    every group, in one order (a group built only by its members can hang later, docs/COMM.md)."""
+    workers = world // shard
+    mine = sync = None
+    for w in range(workers):
+        group = dist.new_group(list(range(w * shard, (w + 1) * shard)), timeout=timeout)
+        if rank // shard == w:
+            mine = group
+    for j in range(shard):
+        group = dist.new_group([w * shard + j for w in range(workers)], timeout=timeout)
+        if rank % shard == j:
+            sync = group
+    return mine, sync, rank // shard, rank % shard
+
+
+class LocalSgdEngine(DataParallelEngine):
+    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, timeout: timedelta | None = None):
+        ls = cfg.parallel.local_sgd
+        world, rank = fabric.world_size, fabric.global_rank
+        self.shard = local_sgd_shard_group(cfg)
+        self.workers = world // self.shard
+        if world > 1:
+            worker_group, self.sync_group, self.worker, self.place = mesh_groups(world, self.shard, rank, timeout)
+        else:
+            worker_group, self.sync_group, self.worker, self.place = None, None, 0, 0
+        self.worker_group = worker_group
+        super().__init__(cfg, fabric, tokenizer, group=worker_group if world > 1 else None)
+        self.warmup, self.every, self.method = int(ls.warmup_steps), int(ls.sync_every), ls.method
+        self.step = 0  # optimizer steps taken (checkpointed: a resumed run knows where the next sync is)
+        self._step_tensor = torch.zeros((), dtype=torch.int64)
+        # This process's share of the parameters, by bytes (the same split on every process of every worker).
+        names = dict(self.named_parameters)
+        self.owner_of = {n: place for place in range(self.shard) for n in owned_by(dict(names), place, self.shard)}
+        self.owned = [(n, p) for n, p in self.named_parameters if self.owner_of[n] == self.place]
+        with torch.no_grad():
+            self.anchors = {n: torch.nn.Parameter(p.detach().clone().float()) for n, p in self.owned}
+        post = self.method == "post_local_sgd"
+        anchors = list(self.anchors.values())
+        self.outer = (
+            torch.optim.SGD(
+                anchors,
+                lr=1.0 if post else ls.outer_lr,
+                momentum=0.0 if post else ls.outer_momentum,
+                nesterov=False if post else bool(ls.outer_nesterov and ls.outer_momentum > 0),
+            )
+            if anchors
+            else None
+        )
+        self.syncs = 0  # since the last log
+        self.steps_logged = self.local_steps_logged = 0  # steps (local ones) since the last log
+        log.info(
+            "local_sgd: %s, %d workers x %d processes, warmup %d steps, sync every %d steps",
+            self.method,
+            self.workers,
+            self.shard,
+            self.warmup,
+            self.every,
+        )
+
+    # ------------------------------------------------------------------ the step
+    def synchronous(self, step: int) -> bool:
+        """Step ``step`` (1-based) is a warm-up step: synchronous data parallelism over every process."""
+        return step <= self.warmup
+
+    def count_group(self, step: int, default):
+        if self.synchronous(step):
+            return default
+        return self.worker_group if self.shard > 1 else None
+
+    def forward_backward(self, microbatches, counts, record=False):
+        # Loss sums are reduced over the processes whose tokens normalize them.
+        self.loss_group = None if self.synchronous(self.step + 1) else self.worker_group
+        return super().forward_backward(microbatches, counts, record)
+
+    def after_backward(self) -> None:
+        super().after_backward()  # the worker's sum (DDP)
+        if self.synchronous(self.step + 1) and self.workers > 1:
+            params = [p for _, p in self.named_parameters]
+            allreduce_gradients(params, self.sync_group, self.bucket_numel, 1)  # a sum over the workers
+
+    def after_step(self) -> None:
+        super().after_step()
+        self.step += 1
+        self.steps_logged += 1
+        self.local_steps_logged += int(not self.synchronous(self.step))
+        if self.step <= self.warmup:
+            if self.step == self.warmup:  # the synchronous parameters are the first anchor
+                self._set_anchors()
+            return
+        if (self.step - self.warmup) % self.every == 0:
+            self.sync()
+
+    def _set_anchors(self) -> None:
+        with torch.no_grad():
+            for name, param in self.owned:
+                self.anchors[name].copy_(param)
+
+    def sync(self) -> None:
+        """The outer step: pseudo-gradients averaged over the workers, the anchors stepped, every process of
+        every worker set to them."""
+        with torch.no_grad():
+            for name, param in self.owned:
+                anchor = self.anchors[name]
+                anchor.grad = anchor.detach() - param.detach().float()
+            anchors = list(self.anchors.values())
+            if self.workers > 1 and anchors:
+                allreduce_gradients(anchors, self.sync_group, self.bucket_numel, self.workers)  # the mean
+            if self.outer is not None:
+                self.outer.step()
+                self.outer.zero_grad(set_to_none=True)
+            for name, param in self.owned:
+                param.copy_(self.anchors[name])
+            if self.shard > 1:  # every owner's new parameters to the rest of its worker
+                first = self.worker * self.shard
+                works = [
+                    dist.broadcast(param.data, first + self.owner_of[name], group=self.worker_group, async_op=True)
+                    for name, param in self.named_parameters
+                ]
+                for work in works:
+                    work.wait()
+        self.syncs += 1
+
+    def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
+        syncs, self.syncs = self.syncs, 0
+        return {"local_sgd/syncs": float(syncs)}
+
+    def whole_run_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """After warm-up the counts are worker 0's. Every worker takes global_batch / workers samples per step, so
+        samples and padded tokens per second scale exactly by the workers; labelled tokens and FLOPs (images,
+        caption lengths) are worker 0's times the workers, an estimate (docs/LOCAL_SGD.md)."""
+        local, window = self.local_steps_logged, max(1, self.steps_logged)
+        self.local_steps_logged = self.steps_logged = 0
+        if not local or self.workers == 1:
+            return metrics
+        # counted: (window - local) global batches + local batches of one worker; done: window global batches
+        factor = window / (window - local + local / self.workers)
+        out = dict(metrics)
+        for key in (
+            "perf/samples_per_s",
+            "perf/tokens_per_s",
+            "perf/loss_tokens_per_s",
+            "perf/tflops_per_device",
+            "perf/mfu",
+        ):
+            if key in out:
+                out[key] = metrics[key] * factor
+        return out
+
+    # ------------------------------------------------------------ checkpoints
+    def _prefix(self) -> str:
+        """Worker 0's state is the checkpoint's ``model.*`` / ``optim.*`` (what rank 0 logs, what an export
+        reads); worker w > 0 keeps its own under ``local_sgd.worker<w>.``."""
+        return "" if self.worker == 0 else f"local_sgd.worker{self.worker}."
+
+    def checkpoint_state(self, saving: bool) -> dict:
+        prefix = self._prefix()
+        local = {**model_entries([self.raw_model]), **optimizer_entries(self.optimizer, self.named_parameters)}
+        state = {prefix + key: value for key, value in local.items()}
+        if saving:  # replicated inside the worker: each of its processes writes a share
+            state = owned_by(state, self.place, self.shard)
+        # The anchors and the outer momentum: the same in every worker; worker 0's owners write them.
+        shared: dict[str, torch.Tensor] = {}
+        for name, anchor in self.anchors.items():
+            shared[f"local_sgd.anchor.{name}"] = anchor.detach()
+            if self.outer is not None and self.outer.defaults["momentum"]:
+                entry = self.outer.state[anchor]
+                if entry.get("momentum_buffer") is None:
+                    entry["momentum_buffer"] = torch.zeros_like(anchor)
+                shared[f"local_sgd.outer.{name}.momentum_buffer"] = entry["momentum_buffer"]
+        self._step_tensor.fill_(self.step)
+        if not saving or self.worker == 0:
+            state.update(shared)
+            if not saving or self.fabric.global_rank == 0:
+                state["local_sgd.step"] = self._step_tensor
+        return state
+
+    def checkpoint_loaded(self, absent: list[str]) -> None:
+        missing = [key for key in absent if key.startswith("local_sgd.")]
+        if missing:
+            raise ValueError(
+                f"the checkpoint has no {missing[0]}: it was written by another local-SGD mesh or another mode; "
+                f"resume with the same parallel.local_sgd.shard_group and process count ({self.workers} workers "
+                f"x {self.shard})"
+            )
+        self.step = int(self._step_tensor)

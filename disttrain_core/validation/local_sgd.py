@@ -1,0 +1,65 @@
+"""Checks of ``parallel.mode=local_sgd`` (train/local_sgd.py) and of ``optim=sgd``: one line each, before
+any process starts."""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..parallel.plan import local_sgd_shard_group as shard_group_size
+from .common import _require
+
+METHODS = ("diloco", "post_local_sgd")
+
+
+def validate_local_sgd(cfg: Config) -> None:
+    p, ls = cfg.parallel, cfg.parallel.local_sgd
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    _require(
+        ls.method in METHODS,
+        f"parallel.local_sgd.method={ls.method!r}: allowed values are {', '.join(METHODS)}",
+    )
+    size = shard_group_size(cfg)
+    _require(
+        size >= 1 and world % size == 0,
+        f"parallel.local_sgd.shard_group={size} does not divide the {world} processes (trainer.devices x "
+        "trainer.num_nodes): each worker is shard_group processes; use a divisor, or null for one worker per node",
+    )
+    _require(ls.sync_every >= 1, f"parallel.local_sgd.sync_every={ls.sync_every}: use 1 or more local steps")
+    _require(ls.warmup_steps >= 0, f"parallel.local_sgd.warmup_steps={ls.warmup_steps}: use 0 or more steps")
+    _require(ls.outer_lr > 0, f"parallel.local_sgd.outer_lr={ls.outer_lr}: use a positive rate, e.g. 0.7")
+    _require(
+        0 <= ls.outer_momentum < 1,
+        f"parallel.local_sgd.outer_momentum={ls.outer_momentum}: use a value in [0, 1), e.g. 0.9",
+    )
+    _require(
+        p.cp == 1 and p.ep == 1 and p.tp == 1 and p.pp == 1,
+        "parallel.mode=local_sgd replicates the whole model in every worker (DDP inside it); "
+        "unset parallel.tp / pp / cp / ep",
+    )
+    _require(
+        p.shard in (None, "none") and not p.zero1,
+        f"parallel.mode=local_sgd shards nothing inside a worker yet (parallel.shard={p.shard}); unset parallel.shard",
+    )
+    _require(
+        not cfg.data.packing.enabled and cfg.data.producer.address is None,
+        "parallel.mode=local_sgd reads its own shards in each worker: unset data.packing and data.producer.address",
+    )
+    _require(cfg.model.llm.moe is None, "parallel.mode=local_sgd: MoE models are not supported yet; use a dense LLM")
+
+
+def validate_optimizer(cfg: Config) -> None:
+    """``optim=sgd`` runs where the optimizer is torch's own over whole parameters (DDP and local SGD); the
+    sharded ZeRO-1 optimizer and the planner's memory model are AdamW's."""
+    if cfg.optim.name != "sgd":
+        return
+    _require(
+        not cfg.optim.nesterov or cfg.optim.momentum > 0,
+        f"optim.nesterov=true needs optim.momentum > 0 (it is {cfg.optim.momentum}); set a momentum, e.g. 0.9",
+    )
+    from ..parallel.plan import resolve_units
+
+    mode = cfg.parallel.mode
+    _require(
+        mode in ("ddp", "local_sgd") and (mode == "local_sgd" or resolve_units(cfg).trains_with_ddp()),
+        f"optim=sgd runs with parallel=dp (no sharding) or parallel=local_sgd; parallel.mode={mode} shards AdamW "
+        "(ZeRO-1 / FSDP2): use optim=adamw",
+    )

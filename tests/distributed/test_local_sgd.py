@@ -1,0 +1,187 @@
+"""Local SGD (parallel=local_sgd) against synchronous data parallelism and against DiLoCo's update rule
+written out here, in fp32 on 4 processes (2 workers x 2 processes: DDP inside a worker, syncs across)."""
+
+import copy
+
+import pytest
+import torch
+
+from disttrain_core.train.checkpoint import latest_checkpoint, read_tensors
+
+from ..conftest import cli_overrides, read_metrics, run_train
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 6
+COMMON = [
+    "model=llama_tiny",
+    "model.seq_len=16",  # every caption below is longer: each sample has the same number of loss tokens
+    f"trainer.max_steps={STEPS}",
+    "trainer.precision=32",
+    "trainer.devices=4",
+    "optim.global_batch_size=16",
+    "optim.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "data.shuffle_shards=false",
+]
+MESH = ["parallel=local_sgd", "parallel.local_sgd.shard_group=2"]
+
+
+@pytest.fixture(scope="module")
+def long_text(tmp_path_factory):
+    """4 shards of text-only samples whose captions all exceed 16 tokens (equal loss tokens per sample)."""
+    from disttrain_core.config import SyntheticDataConfig
+    from disttrain_core.data.synthetic import generate_shards
+
+    out = tmp_path_factory.mktemp("text") / "shards"
+    config = SyntheticDataConfig(
+        num_shards=4,
+        samples_per_shard=32,
+        text_only_fraction=1.0,
+        caption_words_log_mean=3.5,
+        caption_words_log_sigma=0.05,
+    )
+    generate_shards(config, out, processes=1)
+    return out
+
+
+def _train(shards, run_dir, *extra):
+    result = run_train(cli_overrides(shards, run_dir) + COMMON + list(extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [m["loss"] for m in read_metrics(run_dir)], read_tensors(latest_checkpoint(run_dir / "checkpoints"))
+
+
+def _close(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def test_a_warmup_over_the_whole_run_is_synchronous_data_parallelism(long_text, tmp_path):
+    dp_losses, dp_params = _train(long_text, tmp_path / "dp", "parallel=dp")
+    ls_losses, ls_params = _train(long_text, tmp_path / "ls", *MESH, f"parallel.local_sgd.warmup_steps={STEPS}")
+    assert max(abs(a - b) for a, b in zip(dp_losses, ls_losses, strict=True)) < 1e-5
+    assert _close(dp_params, ls_params) < 1e-5
+    assert dp_losses[-1] < dp_losses[0]
+
+
+@pytest.mark.parametrize("method", ["diloco", "post_local_sgd"])
+def test_sgd_synced_every_step_with_outer_lr_one_is_synchronous_sgd(long_text, tmp_path, method):
+    """optim=sgd, outer lr 1, no outer momentum, sync_every=1: the average of the workers' SGD steps is the SGD
+    step on the averaged gradient (equal tokens per worker: each normalizes by its own)."""
+    sgd = ["optim=sgd", "optim.lr=0.1", "optim.grad_clip=0", "optim.warmup_steps=2"]
+    dp_losses, dp_params = _train(long_text, tmp_path / "dp", "parallel=dp", *sgd)
+    outer = ["parallel.local_sgd.outer_lr=1", "parallel.local_sgd.outer_momentum=0"]
+    ls_losses, ls_params = _train(
+        long_text,
+        tmp_path / method,
+        *MESH,
+        *sgd,
+        *outer,
+        f"parallel.local_sgd.method={method}",
+        "parallel.local_sgd.warmup_steps=0",
+        "parallel.local_sgd.sync_every=1",
+    )
+    # the logged loss is worker 0's (its half of the batch): compare the parameters, the same in every worker
+    # after a sync
+    assert _close(dp_params, ls_params) < 1e-5
+    assert dp_losses[-1] < dp_losses[0] and len(ls_losses) == STEPS
+
+
+def _reference_diloco(shards, warmup: int, every: int, outer_lr: float, momentum: float):
+    """DiLoCo written from its update rule (Douillard et al. 2023, Algorithm 1) in one process: 2 workers, each
+    the AdamW of the run over its two ranks' samples; every ``every`` steps after ``warmup`` synchronous ones,
+    delta = mean_m(anchor - theta_m); v = mu v + delta; anchor -= lr (delta + mu v) (Nesterov); theta_m = anchor.
+    Returns worker 0's loss per step and the final parameters."""
+    from disttrain_core.config import compose, typed_config
+    from disttrain_core.data.loader import MicrobatchLoader
+    from disttrain_core.data.reader import ShardStream, resolve_shards
+    from disttrain_core.data.samples import SampleEncoder
+    from disttrain_core.data.tokenizer import build_tokenizer
+    from disttrain_core.models import build_model, materialize
+    from disttrain_core.train.optim import build_optimizer, build_scheduler
+
+    cfg = typed_config(compose([f"data.path={shards}", *COMMON, *MESH]))
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    paths = resolve_shards(cfg.data.path)
+    micro, world = cfg.optim.micro_batch_size, 4
+    per_rank = cfg.optim.global_batch_size // (micro * world)
+    loaders = [
+        MicrobatchLoader(
+            ShardStream(paths, rank, world, seed=cfg.trainer.seed, shuffle=False),
+            SampleEncoder(cfg.model, tokenizer, seed=cfg.trainer.seed, max_image_pixels=cfg.data.max_image_pixels),
+            micro,
+            per_rank,
+        )
+        for rank in range(world)
+    ]
+    base = build_model(cfg.model, tokenizer, device="meta")
+    materialize(base, "cpu", seed=cfg.trainer.seed, std=cfg.model.init_std)
+    workers = [copy.deepcopy(base) for _ in range(2)]
+    optims = [build_optimizer([(n, p) for n, p in w.named_parameters()], cfg.optim) for w in workers]
+    scheds = [build_scheduler(o, cfg.optim, cfg.trainer.max_steps) for o in optims]
+    anchor = {n: p.detach().clone() for n, p in base.named_parameters()}
+    velocity = {n: torch.zeros_like(p) for n, p in anchor.items()}
+    losses = []
+    for step in range(1, STEPS + 1):
+        batches = [loader.next_step() for loader in loaders]
+        sync_step = step <= warmup
+        tokens = [sum(mb.loss_tokens() for mb in batches[r]) for r in range(world)]
+        for m, model in enumerate(workers):
+            ranks = range(world) if sync_step else (2 * m, 2 * m + 1)
+            normalizer = float(sum(tokens[r] for r in ranks))
+            model.zero_grad(set_to_none=True)
+            total = 0.0
+            for r in ranks:
+                for mb in batches[r]:
+                    out = model(mb)
+                    (out["lm_loss_sum"] / normalizer).backward()
+                    total += out["lm_loss_sum"].item()
+            if m == 0:
+                losses.append(total / normalizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optims[m].step()
+            scheds[m].step()
+        if step == warmup:
+            anchor = {n: p.detach().clone() for n, p in workers[0].named_parameters()}
+        if step > warmup and (step - warmup) % every == 0:
+            with torch.no_grad():
+                params = [dict(w.named_parameters()) for w in workers]
+                for name in anchor:
+                    delta = sum(anchor[name] - p[name] for p in params) / len(params)
+                    velocity[name] = momentum * velocity[name] + delta
+                    anchor[name] = anchor[name] - outer_lr * (delta + momentum * velocity[name])
+                for p in params:
+                    for name, value in anchor.items():
+                        p[name].copy_(value)
+    return losses, {n: p.detach() for n, p in workers[0].named_parameters()}
+
+
+def test_diloco_on_a_2x2_mesh_is_the_update_rule(long_text, tmp_path):
+    warmup, every, lr, mu = 2, 2, 0.7, 0.9
+    losses, params = _train(
+        long_text,
+        tmp_path / "diloco",
+        *MESH,
+        f"parallel.local_sgd.warmup_steps={warmup}",
+        f"parallel.local_sgd.sync_every={every}",
+        f"parallel.local_sgd.outer_lr={lr}",
+        f"parallel.local_sgd.outer_momentum={mu}",
+    )
+    ref_losses, ref_params = _reference_diloco(long_text, warmup, every, lr, mu)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 1e-5, (losses, ref_losses)
+    assert _close(params, ref_params) < 1e-5
+
+
+def test_a_run_resumed_between_two_syncs_continues_identically(long_text, tmp_path):
+    """Step 3 lies between the syncs of steps 2 (the end of warm-up), 4 and 6: the checkpoint carries every
+    worker's parameters and inner optimizer, the anchors, the outer momentum and the step."""
+    settings = [*MESH, "parallel.local_sgd.warmup_steps=2", "parallel.local_sgd.sync_every=2"]
+    whole, whole_params = _train(long_text, tmp_path / "whole", *settings)
+    stopped = tmp_path / "stopped"
+    _train(long_text, stopped, *settings, "trainer.checkpoint.every_n_steps=3", "trainer.exit_after_step=3")
+    result = run_train(cli_overrides(long_text, stopped) + COMMON + settings + ["trainer.resume=auto"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = [m for m in read_metrics(stopped) if m["step"] > 3]
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    assert max(abs(m["loss"] - whole[m["step"] - 1]) for m in resumed) < 1e-6
+    assert _close(whole_params, read_tensors(latest_checkpoint(stopped / "checkpoints"))) < 1e-6

@@ -1,0 +1,57 @@
+"""parallel=local_sgd and optim=sgd are refused before launch, in one line, for a shard group that does not
+divide the world, sync_every < 1, an unknown method, outer settings out of range, layouts local SGD does not
+shard, and an SGD optimizer where the sharded AdamW runs."""
+
+import pytest
+
+from disttrain_core.config import compose, typed_config
+from disttrain_core.validation import ConfigError, validate_config
+
+LOCAL = ["parallel=local_sgd", "trainer.devices=4", "optim.micro_batch_size=2"]
+
+
+def _cfg(*overrides):
+    return typed_config(compose(list(overrides)))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.local_sgd.shard_group=3"], "shard_group=3 does not divide the 4 processes"),
+        (["parallel.local_sgd.sync_every=0"], "sync_every=0: use 1 or more"),
+        (["parallel.local_sgd.method=edit_v2"], "method='edit_v2': allowed values are diloco, post_local_sgd"),
+        (["parallel.local_sgd.warmup_steps=-1"], "warmup_steps=-1"),
+        (["parallel.local_sgd.outer_lr=0"], "outer_lr=0.0: use a positive rate"),
+        (["parallel.local_sgd.outer_momentum=1.0"], "outer_momentum=1.0: use a value in [0, 1)"),
+        (["parallel.tp=2"], "unset parallel.tp / pp / cp / ep"),
+        (["parallel.shard=zero1"], "shards nothing inside a worker yet"),
+        (["model=llama_tiny", "data=longtail_text"], "unset data.packing"),
+    ],
+)
+def test_bad_local_sgd_settings_fail_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate_config(_cfg(*LOCAL, *overrides))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel=zero1"], "optim=sgd runs with parallel=dp (no sharding) or parallel=local_sgd"),
+        (["parallel=megatron_tp2"], "use optim=adamw"),
+        (["parallel=auto"], "use optim=adamw"),
+        (["optim.nesterov=true"], "optim.nesterov=true needs optim.momentum > 0"),
+        (["optim.momentum=1.5"], "optim.momentum"),
+    ],
+)
+def test_sgd_where_adamw_is_sharded_fails_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        validate_config(_cfg("optim=sgd", "trainer.devices=2", "optim.micro_batch_size=2", *overrides))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_good_settings_pass():
+    validate_config(_cfg(*LOCAL))
+    validate_config(_cfg(*LOCAL, "parallel.local_sgd.shard_group=2", "optim=sgd", "optim.momentum=0.9"))
+    validate_config(_cfg(*LOCAL, "parallel.local_sgd.shard_group=null", "parallel.local_sgd.method=post_local_sgd"))
+    validate_config(_cfg("optim=sgd", "trainer.devices=2", "optim.micro_batch_size=2"))
