@@ -320,6 +320,9 @@ class LocalSgdConfig:
     outer_lr: float = 0.7  # diloco: the outer optimizer (torch SGD over the last synced parameters)
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
+    # EDiT's layer-wise sync: each decoder block's parameters are synced just before the block's forward in the
+    # step after a sync step, the next block's reduction prefetched (overlapped with compute)
+    layerwise: bool = False
 
 
 @dataclass

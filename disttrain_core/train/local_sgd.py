@@ -16,6 +16,9 @@ own samples (its loss normalized by its own tokens), and every ``sync_every`` st
   averaging: outer lr 1, no momentum);
 * the owner broadcasts the new anchor inside its worker and every process sets its parameters to it.
 
+``layerwise`` (EDiT's layer-wise sync): the same operations, decoder block by decoder block during the next
+forward, each block's reduction in flight while the previous block computes (train/local_sgd_sync.py).
+
 The anchors and the outer momentum exist only for owned parameters: besides the model and the inner
 optimizer, a process holds 1/shard_group of one extra model copy (2/shard_group with momentum).
 """
@@ -34,6 +37,7 @@ from ..config import Config
 from ..data.tokenizer import Tokenizer
 from ..parallel.plan import local_sgd_shard_group
 from .engine import DataParallelEngine
+from .local_sgd_sync import OuterSync
 from .state import model_entries, optimizer_entries, owned_by
 
 log = logging.getLogger(__name__)
@@ -73,20 +77,26 @@ class LocalSgdEngine(DataParallelEngine):
         # This process's share of the parameters, by bytes (the same split on every process of every worker).
         names = dict(self.named_parameters)
         self.owner_of = {n: place for place in range(self.shard) for n in owned_by(dict(names), place, self.shard)}
-        self.owned = [(n, p) for n, p in self.named_parameters if self.owner_of[n] == self.place]
-        with torch.no_grad():
-            self.anchors = {n: torch.nn.Parameter(p.detach().clone().float()) for n, p in self.owned}
-        post = self.method == "post_local_sgd"
-        anchors = list(self.anchors.values())
-        self.outer = (
-            torch.optim.SGD(
-                anchors,
-                lr=1.0 if post else ls.outer_lr,
-                momentum=0.0 if post else ls.outer_momentum,
-                nesterov=False if post else bool(ls.outer_nesterov and ls.outer_momentum > 0),
-            )
-            if anchors
-            else None
+        post = self.method == "post_local_sgd"  # plain averaging: outer lr 1, no momentum
+        momentum = 0.0 if post else float(ls.outer_momentum)
+        outer = {
+            "lr": 1.0 if post else float(ls.outer_lr),
+            "momentum": momentum,
+            "nesterov": bool(ls.outer_nesterov and momentum > 0),
+        }
+        self.layerwise = bool(ls.layerwise)
+        self.outer = OuterSync(
+            self.raw_model,
+            self.named_parameters,
+            self.owner_of,
+            self.place,
+            self.worker * self.shard,
+            self.sync_group,
+            worker_group,
+            self.workers,
+            self.shard,
+            outer,
+            self.layerwise,
         )
         self.syncs = 0  # since the last log
         self.steps_logged = self.local_steps_logged = 0  # steps (local ones) since the last log
@@ -127,40 +137,21 @@ class LocalSgdEngine(DataParallelEngine):
         self.local_steps_logged += int(not self.synchronous(self.step))
         if self.step <= self.warmup:
             if self.step == self.warmup:  # the synchronous parameters are the first anchor
-                self._set_anchors()
+                self.outer.set_anchors()
             return
         if (self.step - self.warmup) % self.every == 0:
             self.sync()
 
-    def _set_anchors(self) -> None:
-        with torch.no_grad():
-            for name, param in self.owned:
-                self.anchors[name].copy_(param)
-
     def sync(self) -> None:
-        """The outer step: pseudo-gradients averaged over the workers, the anchors stepped, every process of
-        every worker set to them."""
-        with torch.no_grad():
-            for name, param in self.owned:
-                anchor = self.anchors[name]
-                anchor.grad = anchor.detach() - param.detach().float()
-            anchors = list(self.anchors.values())
-            if self.workers > 1 and anchors:
-                allreduce_gradients(anchors, self.sync_group, self.bucket_numel, self.workers)  # the mean
-            if self.outer is not None:
-                self.outer.step()
-                self.outer.zero_grad(set_to_none=True)
-            for name, param in self.owned:
-                param.copy_(self.anchors[name])
-            if self.shard > 1:  # every owner's new parameters to the rest of its worker
-                first = self.worker * self.shard
-                works = [
-                    dist.broadcast(param.data, first + self.owner_of[name], group=self.worker_group, async_op=True)
-                    for name, param in self.named_parameters
-                ]
-                for work in works:
-                    work.wait()
+        """The outer step (train/local_sgd_sync.py): now, or unit by unit in the next forward (layer-wise)."""
+        if self.layerwise:
+            self.outer.sync_in_next_forward()
+        else:
+            self.outer.sync_now()
         self.syncs += 1
+
+    def synchronize(self) -> None:
+        self.outer.finish()  # a layer-wise sync still pending: before a checkpoint, at the end
 
     def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
         syncs, self.syncs = self.syncs, 0
@@ -195,20 +186,16 @@ class LocalSgdEngine(DataParallelEngine):
         return "" if self.worker == 0 else f"local_sgd.worker{self.worker}."
 
     def checkpoint_state(self, saving: bool) -> dict:
+        self.outer.finish()  # a checkpoint holds synced parameters, never a sync half applied
         prefix = self._prefix()
         local = {**model_entries([self.raw_model]), **optimizer_entries(self.optimizer, self.named_parameters)}
         state = {prefix + key: value for key, value in local.items()}
         if saving:  # replicated inside the worker: each of its processes writes a share
             state = owned_by(state, self.place, self.shard)
         # The anchors and the outer momentum: the same in every worker; worker 0's owners write them.
-        shared: dict[str, torch.Tensor] = {}
-        for name, anchor in self.anchors.items():
-            shared[f"local_sgd.anchor.{name}"] = anchor.detach()
-            if self.outer is not None and self.outer.defaults["momentum"]:
-                entry = self.outer.state[anchor]
-                if entry.get("momentum_buffer") is None:
-                    entry["momentum_buffer"] = torch.zeros_like(anchor)
-                shared[f"local_sgd.outer.{name}.momentum_buffer"] = entry["momentum_buffer"]
+        shared: dict[str, torch.Tensor] = {f"local_sgd.anchor.{n}": a.detach() for n, a in self.outer.anchors.items()}
+        for name, buffer in self.outer.momentum_buffers().items():
+            shared[f"local_sgd.outer.{name}.momentum_buffer"] = buffer
         self._step_tensor.fill_(self.step)
         if not saving or self.worker == 0:
             state.update(shared)

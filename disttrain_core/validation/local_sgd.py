@@ -44,6 +44,11 @@ def validate_local_sgd(cfg: Config) -> None:
         "parallel.mode=local_sgd reads its own shards in each worker: unset data.packing and data.producer.address",
     )
     _require(cfg.model.llm.moe is None, "parallel.mode=local_sgd: MoE models are not supported yet; use a dense LLM")
+    _require(
+        not (ls.layerwise and cfg.trainer.compile),
+        "parallel.local_sgd.layerwise syncs in forward hooks, which trainer.compile would trace; set one of them "
+        "to false",
+    )
 
 
 def validate_optimizer(cfg: Config) -> None:

@@ -185,3 +185,15 @@ def test_a_run_resumed_between_two_syncs_continues_identically(long_text, tmp_pa
     assert [m["step"] for m in resumed] == [4, 5, 6]
     assert max(abs(m["loss"] - whole[m["step"] - 1]) for m in resumed) < 1e-6
     assert _close(whole_params, read_tensors(latest_checkpoint(stopped / "checkpoints"))) < 1e-6
+
+
+def test_layerwise_sync_in_the_forward_equals_syncing_every_layer_at_once(long_text, tmp_path):
+    """EDiT's timing: the syncs due after steps 4 and 6 run block by block in the next forward (the one after
+    step 6 when the final checkpoint is written); the losses of steps 5-6 and the parameters are the same."""
+    settings = [*MESH, "parallel.local_sgd.warmup_steps=2", "parallel.local_sgd.sync_every=2"]
+    at_once, at_once_params = _train(long_text, tmp_path / "at_once", *settings)
+    layerwise, layerwise_params = _train(
+        long_text, tmp_path / "layerwise", *settings, "parallel.local_sgd.layerwise=true"
+    )
+    assert max(abs(a - b) for a, b in zip(at_once, layerwise, strict=True)) < 1e-6
+    assert _close(at_once_params, layerwise_params) < 1e-6

@@ -26,6 +26,7 @@ def _cfg(*overrides):
         (["parallel.tp=2"], "unset parallel.tp / pp / cp / ep"),
         (["parallel.shard=zero1"], "shards nothing inside a worker yet"),
         (["model=llama_tiny", "data=longtail_text"], "unset data.packing"),
+        (["parallel.local_sgd.layerwise=true", "trainer.compile=true"], "layerwise syncs in forward hooks"),
     ],
 )
 def test_bad_local_sgd_settings_fail_in_one_line(overrides, message):

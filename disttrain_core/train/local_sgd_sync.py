@@ -1,0 +1,138 @@
+"""The outer step of local SGD, unit by unit: all at once after the optimizer step, or -- EDiT's layer-wise
+sync (``parallel.local_sgd.layerwise``) -- during the next forward, each decoder block's parameters synced
+just before the block runs, the next block's reduction already in flight (prefetched one block ahead) so it
+overlaps this block's compute.
+
+Units in forward order: unit 0 is every parameter outside the decoder blocks (embeddings, output head, norms,
+encoder, generator: synced before the forward starts), unit i the i-th decoder block. Per unit, a process
+reduces the pseudo-gradients of the parameters it owns over its sync group (one flat all-reduce), steps their
+anchors with the unit's outer optimizer, takes the anchors and broadcasts them inside its worker. Both timings
+apply the same operations to the same values: after a sync step no parameter changes until the next forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..models.llama import DecoderBlock
+
+
+class OuterSync:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        named_parameters: list[tuple[str, torch.nn.Parameter]],
+        owner_of: dict[str, int],
+        place: int,
+        worker_first_rank: int,
+        sync_group,
+        worker_group,
+        workers: int,
+        shard: int,
+        outer: dict,
+        layerwise: bool,
+    ):
+        """``owner_of``: the place (index inside a worker) that syncs each parameter; ``outer``: torch SGD's
+        lr, momentum and nesterov for every unit's outer optimizer."""
+        self.place, self.first, self.workers, self.shard = place, worker_first_rank, workers, shard
+        self.sync_group, self.worker_group = sync_group, worker_group
+        self.owner_of = owner_of
+        blocks = [m for m in model.modules() if isinstance(m, DecoderBlock)]
+        unit_of = {id(p): i + 1 for i, block in enumerate(blocks) for p in block.parameters()}
+        self.units: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
+        for name, param in named_parameters:
+            self.units[unit_of.get(id(param), 0)].append((name, param))
+        self.owned = [[(n, p) for n, p in unit if owner_of[n] == place] for unit in self.units]
+        with torch.no_grad():
+            self.anchors = {n: torch.nn.Parameter(p.detach().clone().float()) for u in self.owned for n, p in u}
+        self.outers = [
+            torch.optim.SGD([self.anchors[n] for n, _ in unit], **outer) if unit else None for unit in self.owned
+        ]
+        self.inflight: dict[int, tuple[object, torch.Tensor]] = {}
+        self.next_unit = len(self.units)  # the unit the pending sync applies next (len: none pending)
+        if layerwise:
+            model.register_forward_pre_hook(lambda module, args: self._before(0))
+            for index, block in enumerate(blocks):
+                block.register_forward_pre_hook(lambda module, args, unit=index + 1: self._before(unit))
+
+    # -------------------------------------------------------------------- state
+    def set_anchors(self) -> None:
+        with torch.no_grad():
+            for unit in self.owned:
+                for name, param in unit:
+                    self.anchors[name].copy_(param)
+
+    def momentum_buffers(self) -> dict[str, torch.Tensor]:
+        """The outer momentum of each owned parameter (created at zero: torch SGD's first step then gives the
+        same as its own first step, dampening 0); empty without momentum."""
+        buffers = {}
+        for unit, outer in zip(self.owned, self.outers, strict=True):
+            if outer is None or not outer.defaults["momentum"]:
+                continue
+            for name, _ in unit:
+                entry = outer.state[self.anchors[name]]
+                if entry.get("momentum_buffer") is None:
+                    entry["momentum_buffer"] = torch.zeros_like(self.anchors[name])
+                buffers[name] = entry["momentum_buffer"]
+        return buffers
+
+    # --------------------------------------------------------------- the sync
+    def sync_now(self) -> None:
+        """Every unit: all reductions in flight, then applied in order."""
+        for unit in range(len(self.units)):
+            self._launch(unit)
+        for unit in range(len(self.units)):
+            self._apply(unit)
+
+    def sync_in_next_forward(self) -> None:
+        self.next_unit = 0
+
+    def finish(self) -> None:
+        """Apply what a pending layer-wise sync has not yet (before a checkpoint, at the end)."""
+        while self.next_unit < len(self.units):
+            self._launch(self.next_unit)
+            self._apply(self.next_unit)
+            self.next_unit += 1
+
+    def _before(self, unit: int) -> None:
+        if self.next_unit != unit:  # no sync pending for this unit (later microbatches, recompute)
+            return
+        self._launch(unit)
+        if unit + 1 < len(self.units):
+            self._launch(unit + 1)  # prefetch: in flight while this unit computes
+        self._apply(unit)
+        self.next_unit = unit + 1
+
+    def _launch(self, unit: int) -> None:
+        if unit in self.inflight or not self.owned[unit]:
+            return
+        with torch.no_grad():
+            flat = torch.cat([(self.anchors[n] - p.detach().float()).reshape(-1) for n, p in self.owned[unit]])
+        work = dist.all_reduce(flat, group=self.sync_group, async_op=True) if self.workers > 1 else None
+        self.inflight[unit] = (work, flat)
+
+    def _apply(self, unit: int) -> None:
+        owned = self.owned[unit]
+        with torch.no_grad():
+            if owned:
+                work, flat = self.inflight.pop(unit)
+                if work is not None:
+                    work.wait()
+                flat.div_(self.workers)  # the mean pseudo-gradient
+                offset = 0
+                for name, _ in owned:
+                    anchor = self.anchors[name]
+                    anchor.grad = flat[offset : offset + anchor.numel()].view_as(anchor)
+                    offset += anchor.numel()
+                self.outers[unit].step()
+                self.outers[unit].zero_grad(set_to_none=True)
+                for name, param in owned:
+                    param.copy_(self.anchors[name])
+            if self.shard > 1:  # every owner's new parameters to the rest of its worker
+                works = [
+                    dist.broadcast(p.data, self.first + self.owner_of[n], group=self.worker_group, async_op=True)
+                    for n, p in self.units[unit]
+                ]
+                for work in works:
+                    work.wait()
