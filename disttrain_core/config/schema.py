@@ -306,6 +306,32 @@ class HotSpaConfig:
 
 
 @dataclass
+class LocalSgdPenaltyConfig:
+    """EDiT's pseudo-gradient penalty (train/local_sgd_penalty.py), per sync unit; each piece switchable."""
+
+    anomaly: bool = False  # drop a worker whose pseudo-gradient norm is anomalous (EWMA z-test); rollback if all
+    ewma_alpha: float = 0.02
+    ewma_warmup: int = 10  # normal values seen before the test applies
+    threshold: float = 3.0  # z-score above which a norm is anomalous (one-sided)
+    weighting: bool = False  # softmax(-G / temperature) weights over the normal workers (else equal)
+    temperature: float = 1.0
+    clip: Optional[float] = None  # clip the combined pseudo-gradient of each unit to this norm
+
+
+@dataclass
+class LocalSgdSpikesConfig:
+    """Fault injection for the penalty's tests and benchmark: on a local step at or after ``start_step``, each
+    worker of ``workers`` scales its loss by ``scale`` with probability ``probability`` (drawn from ``seed``,
+    the worker and the step: the same on every process)."""
+
+    workers: list[int] = field(default_factory=list)
+    probability: float = 0.0
+    scale: float = 10.0
+    start_step: int = 0
+    seed: int = 0
+
+
+@dataclass
 class LocalSgdConfig:
     """parallel.mode=local_sgd (train/local_sgd.py, docs/LOCAL_SGD.md): workers train alone between syncs."""
 
@@ -323,6 +349,8 @@ class LocalSgdConfig:
     # EDiT's layer-wise sync: each decoder block's parameters are synced just before the block's forward in the
     # step after a sync step, the next block's reduction prefetched (overlapped with compute)
     layerwise: bool = False
+    penalty: LocalSgdPenaltyConfig = field(default_factory=LocalSgdPenaltyConfig)
+    spikes: LocalSgdSpikesConfig = field(default_factory=LocalSgdSpikesConfig)
 
 
 @dataclass

@@ -201,6 +201,7 @@ class DataParallelEngine(Engine):
         self.replicas = dist.get_world_size(group) if group is not None else fabric.world_size
         # The group a step's loss sums are reduced over for logging: the one its loss counts are reduced over.
         self.loss_group = group
+        self.loss_multiplier = 1.0  # local SGD's injected spikes scale a worker's loss (the logged sums are not)
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
         import_pretrained(cfg, tokenizer, [self.raw_model])
@@ -254,7 +255,7 @@ class DataParallelEngine(Engine):
             with sync:
                 with self.autocast():
                     out = self.model(batch_to_device(microbatch, device))
-                _loss(out, *counts(), self.cfg.model.gen_loss_weight, scale=scale).backward()
+                _loss(out, *counts(), self.cfg.model.gen_loss_weight, scale=scale * self.loss_multiplier).backward()
             for position, name in enumerate(("lm_loss_sum", "gen_loss_sum")):
                 if name in out:
                     totals[position] += out[name].detach().double()

@@ -25,8 +25,11 @@ optimizer, a process holds 1/shard_group of one extra model copy (2/shard_group 
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,8 +38,10 @@ from lightning_fabric import Fabric
 from ..comm.engine import allreduce_gradients
 from ..config import Config
 from ..data.tokenizer import Tokenizer
+from ..models.llama import DecoderBlock
 from ..parallel.plan import local_sgd_shard_group
 from .engine import DataParallelEngine
+from .local_sgd_penalty import Penalty
 from .local_sgd_sync import OuterSync
 from .state import model_entries, optimizer_entries, owned_by
 
@@ -85,6 +90,7 @@ class LocalSgdEngine(DataParallelEngine):
             "nesterov": bool(ls.outer_nesterov and momentum > 0),
         }
         self.layerwise = bool(ls.layerwise)
+        blocks = sum(isinstance(m, DecoderBlock) for m in self.raw_model.modules())  # sync units: blocks + the rest
         self.outer = OuterSync(
             self.raw_model,
             self.named_parameters,
@@ -97,8 +103,16 @@ class LocalSgdEngine(DataParallelEngine):
             self.shard,
             outer,
             self.layerwise,
+            penalty=Penalty(ls.penalty, 1 + blocks, self.workers),
+            worker=self.worker,
         )
-        self.syncs = 0  # since the last log
+        self.spikes = ls.spikes
+        self._penalty_tensor = torch.zeros(len(self.outer.units), 3 * self.workers, dtype=torch.float64)
+        # rank 0 writes every sync's verdicts (norms, anomalous workers, weights, injected spikes) here
+        self.verdict_log = Path(cfg.paths.output_dir) / "local_sgd_syncs.jsonl" if self.outer.penalty else None
+        self.spiked_since_sync: set[int] = set()
+        self.syncs = self.anomalous_logged = self.rollbacks_logged = 0  # since the last log
+        self.sync_step, self.sync_spikes = 0, []
         self.steps_logged = self.local_steps_logged = 0  # steps (local ones) since the last log
         log.info(
             "local_sgd: %s, %d workers x %d processes, warmup %d steps, sync every %d steps",
@@ -119,9 +133,19 @@ class LocalSgdEngine(DataParallelEngine):
             return default
         return self.worker_group if self.shard > 1 else None
 
+    def spiked(self, step: int, worker: int) -> bool:
+        """parallel.local_sgd.spikes: does ``worker`` scale its loss on local step ``step``?"""
+        s = self.spikes
+        if worker not in s.workers or self.synchronous(step) or step < s.start_step or s.probability <= 0:
+            return False
+        return random.Random(f"{s.seed}:{worker}:{step}").random() < s.probability
+
     def forward_backward(self, microbatches, counts, record=False):
+        step = self.step + 1
         # Loss sums are reduced over the processes whose tokens normalize them.
-        self.loss_group = None if self.synchronous(self.step + 1) else self.worker_group
+        self.loss_group = None if self.synchronous(step) else self.worker_group
+        self.loss_multiplier = float(self.spikes.scale) if self.spiked(step, self.worker) else 1.0
+        self.spiked_since_sync |= {w for w in range(self.workers) if self.spiked(step, w)}
         return super().forward_backward(microbatches, counts, record)
 
     def after_backward(self) -> None:
@@ -144,18 +168,38 @@ class LocalSgdEngine(DataParallelEngine):
 
     def sync(self) -> None:
         """The outer step (train/local_sgd_sync.py): now, or unit by unit in the next forward (layer-wise)."""
+        self._write_verdicts()  # of the previous sync (a layer-wise one completes in the forward after it)
+        self.sync_step, self.sync_spikes = self.step, sorted(self.spiked_since_sync)
+        self.spiked_since_sync = set()
         if self.layerwise:
             self.outer.sync_in_next_forward()
         else:
             self.outer.sync_now()
         self.syncs += 1
 
+    def _write_verdicts(self) -> None:
+        verdicts, self.outer.verdicts = self.outer.verdicts, []
+        for verdict in verdicts:
+            self.anomalous_logged += sum(verdict["anomalous"])
+            self.rollbacks_logged += int(not any(verdict["weights"]))
+        if not verdicts or self.verdict_log is None or self.fabric.global_rank != 0:
+            return
+        with self.verdict_log.open("a") as out:
+            for verdict in verdicts:
+                out.write(json.dumps({"step": self.sync_step, "spiked": self.sync_spikes, **verdict}) + "\n")
+
     def synchronize(self) -> None:
         self.outer.finish()  # a layer-wise sync still pending: before a checkpoint, at the end
+        self._write_verdicts()
 
     def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
         syncs, self.syncs = self.syncs, 0
-        return {"local_sgd/syncs": float(syncs)}
+        metrics = {"local_sgd/syncs": float(syncs)}
+        if self.outer.penalty is not None:  # (worker, unit) pairs judged anomalous, units rolled back
+            metrics["local_sgd/anomalous"] = float(self.anomalous_logged)
+            metrics["local_sgd/rollbacks"] = float(self.rollbacks_logged)
+            self.anomalous_logged = self.rollbacks_logged = 0
+        return metrics
 
     def whole_run_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """After warm-up the counts are worker 0's. Every worker takes global_batch / workers samples per step, so
@@ -197,10 +241,14 @@ class LocalSgdEngine(DataParallelEngine):
         for name, buffer in self.outer.momentum_buffers().items():
             shared[f"local_sgd.outer.{name}.momentum_buffer"] = buffer
         self._step_tensor.fill_(self.step)
+        if self.outer.penalty is not None:
+            self._penalty_tensor.copy_(torch.tensor(self.outer.penalty.state(), dtype=torch.float64))
         if not saving or self.worker == 0:
             state.update(shared)
             if not saving or self.fabric.global_rank == 0:
                 state["local_sgd.step"] = self._step_tensor
+                if self.outer.penalty is not None:  # the detectors: the same on every process
+                    state["local_sgd.penalty"] = self._penalty_tensor
         return state
 
     def checkpoint_loaded(self, absent: list[str]) -> None:
@@ -212,3 +260,5 @@ class LocalSgdEngine(DataParallelEngine):
                 f"x {self.shard})"
             )
         self.step = int(self._step_tensor)
+        if self.outer.penalty is not None:
+            self.outer.penalty.load(self._penalty_tensor.tolist())

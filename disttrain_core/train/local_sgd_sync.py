@@ -32,12 +32,19 @@ class OuterSync:
         shard: int,
         outer: dict,
         layerwise: bool,
+        penalty=None,
+        worker: int = 0,
     ):
         """``owner_of``: the place (index inside a worker) that syncs each parameter; ``outer``: torch SGD's
         lr, momentum and nesterov for every unit's outer optimizer."""
         self.place, self.first, self.workers, self.shard = place, worker_first_rank, workers, shard
         self.sync_group, self.worker_group = sync_group, worker_group
         self.owner_of = owner_of
+        self.worker = worker
+        # EDiT's penalty (train/local_sgd_penalty.py), or None: the plain mean of the pseudo-gradients
+        self.penalty = penalty if penalty is not None and penalty.active else None
+        self.verdicts: list[dict] = []  # per unit of each sync since last read: norms, flags, weights
+        self.device = next(p.device for _, p in named_parameters)
         blocks = [m for m in model.modules() if isinstance(m, DecoderBlock)]
         unit_of = {id(p): i + 1 for i, block in enumerate(blocks) for p in block.parameters()}
         self.units: list[list[tuple[str, torch.nn.Parameter]]] = [[] for _ in range(len(blocks) + 1)]
@@ -49,7 +56,7 @@ class OuterSync:
         self.outers = [
             torch.optim.SGD([self.anchors[n] for n, _ in unit], **outer) if unit else None for unit in self.owned
         ]
-        self.inflight: dict[int, tuple[object, torch.Tensor]] = {}
+        self.inflight: dict[int, tuple[object, torch.Tensor | None, bool]] = {}
         self.next_unit = len(self.units)  # the unit the pending sync applies next (len: none pending)
         if layerwise:
             model.register_forward_pre_hook(lambda module, args: self._before(0))
@@ -105,28 +112,70 @@ class OuterSync:
         self.next_unit = unit + 1
 
     def _launch(self, unit: int) -> None:
-        if unit in self.inflight or not self.owned[unit]:
+        """Start unit ``unit``'s reduction: the mean pseudo-gradient, or (penalty) the weighted sum of the
+        workers' pseudo-gradients once every process knows every worker's norm."""
+        if unit in self.inflight:
             return
+        owned = self.owned[unit]
+        flat = None
         with torch.no_grad():
-            flat = torch.cat([(self.anchors[n] - p.detach().float()).reshape(-1) for n, p in self.owned[unit]])
-        work = dist.all_reduce(flat, group=self.sync_group, async_op=True) if self.workers > 1 else None
-        self.inflight[unit] = (work, flat)
+            if owned:
+                flat = torch.cat([(self.anchors[n] - p.detach().float()).reshape(-1) for n, p in owned])
+        rollback = False
+        if self.penalty is not None:
+            weights = self._weigh(unit, flat)
+            rollback = not any(weights)
+            if flat is not None:
+                flat.mul_(weights[self.worker])
+        work = None
+        if flat is not None and self.workers > 1:
+            work = dist.all_reduce(flat, group=self.sync_group, async_op=True)
+        self.inflight[unit] = (work, flat, rollback)
+
+    def _weigh(self, unit: int, flat: torch.Tensor | None) -> list[float]:
+        """Every worker's pseudo-gradient norm over the whole unit (a sum inside the worker, then gathered over
+        the sync group), judged by the penalty; the verdict is recorded."""
+        square = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if flat is not None:
+            square += flat.double().square().sum()
+        if self.shard > 1:
+            dist.all_reduce(square, group=self.worker_group)
+        norms = [square]
+        if self.workers > 1:
+            norms = [torch.zeros_like(square) for _ in range(self.workers)]
+            dist.all_gather(norms, square, group=self.sync_group)
+        values = [float(n.sqrt()) for n in norms]  # a host read, once per unit and sync (not per step)
+        weights, flags = self.penalty.verdict(unit, values)
+        self.verdicts.append({"unit": unit, "norms": values, "anomalous": flags, "weights": weights})
+        return weights
 
     def _apply(self, unit: int) -> None:
         owned = self.owned[unit]
+        work, flat, rollback = self.inflight.pop(unit, (None, None, False))
         with torch.no_grad():
+            if work is not None:
+                work.wait()
+            if self.penalty is None:
+                if flat is not None:
+                    flat.div_(self.workers)  # the mean pseudo-gradient
+            elif self.penalty.cfg.clip is not None:  # the combined pseudo-gradient's norm over the whole unit
+                square = torch.zeros(1, dtype=torch.float64, device=self.device)
+                if flat is not None:
+                    square += flat.double().square().sum()
+                if self.shard > 1:
+                    dist.all_reduce(square, group=self.worker_group)
+                scale = min(1.0, float(self.penalty.cfg.clip) / (float(square.sqrt()) + 1e-6))
+                if flat is not None:
+                    flat.mul_(scale)
             if owned:
-                work, flat = self.inflight.pop(unit)
-                if work is not None:
-                    work.wait()
-                flat.div_(self.workers)  # the mean pseudo-gradient
-                offset = 0
-                for name, _ in owned:
-                    anchor = self.anchors[name]
-                    anchor.grad = flat[offset : offset + anchor.numel()].view_as(anchor)
-                    offset += anchor.numel()
-                self.outers[unit].step()
-                self.outers[unit].zero_grad(set_to_none=True)
+                if not rollback:  # every worker anomalous: no outer step, the anchor comes back
+                    offset = 0
+                    for name, _ in owned:
+                        anchor = self.anchors[name]
+                        anchor.grad = flat[offset : offset + anchor.numel()].view_as(anchor)
+                        offset += anchor.numel()
+                    self.outers[unit].step()
+                    self.outers[unit].zero_grad(set_to_none=True)
                 for name, param in owned:
                     param.copy_(self.anchors[name])
             if self.shard > 1:  # every owner's new parameters to the rest of its worker

@@ -44,6 +44,25 @@ def validate_local_sgd(cfg: Config) -> None:
         "parallel.mode=local_sgd reads its own shards in each worker: unset data.packing and data.producer.address",
     )
     _require(cfg.model.llm.moe is None, "parallel.mode=local_sgd: MoE models are not supported yet; use a dense LLM")
+    pen, spikes = ls.penalty, ls.spikes
+    _require(0 < pen.ewma_alpha <= 1, f"parallel.local_sgd.penalty.ewma_alpha={pen.ewma_alpha}: use a value in (0, 1]")
+    _require(pen.ewma_warmup >= 2, f"parallel.local_sgd.penalty.ewma_warmup={pen.ewma_warmup}: use 2 or more syncs")
+    _require(pen.threshold > 0, f"parallel.local_sgd.penalty.threshold={pen.threshold}: use a positive z-score, e.g. 3")
+    _require(pen.temperature > 0, f"parallel.local_sgd.penalty.temperature={pen.temperature}: use a positive value")
+    _require(
+        pen.clip is None or pen.clip > 0,
+        f"parallel.local_sgd.penalty.clip={pen.clip}: use a positive norm, or null for no clipping",
+    )
+    workers = world // size if size >= 1 and world % size == 0 else 0
+    bad = [w for w in spikes.workers if not 0 <= w < workers]
+    _require(
+        not bad,
+        f"parallel.local_sgd.spikes.workers: {bad[0] if bad else ''} is not a worker (0..{workers - 1})",
+    )
+    _require(
+        0 <= spikes.probability <= 1,
+        f"parallel.local_sgd.spikes.probability={spikes.probability}: use a value in [0, 1]",
+    )
     _require(
         not (ls.layerwise and cfg.trainer.compile),
         "parallel.local_sgd.layerwise syncs in forward hooks, which trainer.compile would trace; set one of them "

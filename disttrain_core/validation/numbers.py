@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 from .common import ConfigError
 
+LAYERS_MAX = 4096  # transformer blocks (Llama-3.1 405B has 126)
 SEED_MAX = 2**32 - 1  # numpy (and Lightning's seed_everything) accept seeds in [0, 2**32 - 1]
 
 
@@ -74,7 +75,9 @@ def _model_rules() -> list[Rule]:
         at_least("model.reference_global_batch", 1),
         at_least("model.reference_micro_batch", 1),
         at_least("model.init_std", 0, "use 0 or a small positive standard deviation, e.g. 0.02"),
-        *(at_least(f"{llm}.{n}", 1) for n in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")),
+        *(at_least(f"{llm}.{n}", 1) for n in ("vocab_size", "dim", "n_heads", "n_kv_heads", "ffn_dim")),
+        # a block count past any real model is a typo; the checks after these build the model on meta, block by block
+        within(f"{llm}.n_layers", 1, LAYERS_MAX),
         positive(f"{llm}.norm_eps", "use a small positive number, e.g. 1e-5"),
         positive(f"{llm}.rope_theta", "use a positive base, e.g. 10000.0 or 500000.0"),
         one_of(f"{llm}.rope_scaling.rope_type", ("llama3",), "the supported rope_type is 'llama3'"),
@@ -82,7 +85,8 @@ def _model_rules() -> list[Rule]:
         positive(f"{llm}.rope_scaling.low_freq_factor", "use a positive number (Llama-3.1: 1.0)"),
         positive(f"{llm}.rope_scaling.high_freq_factor", "use a positive number (Llama-3.1: 4.0)"),
         at_least(f"{llm}.rope_scaling.original_max_position_embeddings", 1),
-        *(at_least(f"{vit}.{n}", 1) for n in ("image_size", "patch_size", "channels", "dim", "n_layers")),
+        *(at_least(f"{vit}.{n}", 1) for n in ("image_size", "patch_size", "channels", "dim")),
+        within(f"{vit}.n_layers", 1, LAYERS_MAX),
         *(at_least(f"{vit}.{n}", 1) for n in ("n_heads", "mlp_dim")),
         at_least(f"{vit}.output_dim", 0, "use 0 (no output projection) or more"),
         positive(f"{vit}.norm_eps", "use a small positive number, e.g. 1e-5"),

@@ -197,3 +197,97 @@ def test_layerwise_sync_in_the_forward_equals_syncing_every_layer_at_once(long_t
     )
     assert max(abs(a - b) for a, b in zip(at_once, layerwise, strict=True)) < 1e-6
     assert _close(at_once_params, layerwise_params) < 1e-6
+
+
+# EDiT's penalty: 4 workers of one process, inner SGD (a scaled loss scales the pseudo-gradient), 10
+# synchronous steps (past the steepest fall of the norms), then a sync after every step; worker 3's loss is
+# scaled by 20 on 30% of the steps from step 20 (after the EWMA's 8 syncs).
+PENALTY_RUN = [
+    "parallel=local_sgd",
+    "parallel.local_sgd.shard_group=1",
+    "parallel.local_sgd.warmup_steps=10",
+    "parallel.local_sgd.sync_every=1",
+    "parallel.local_sgd.outer_lr=1",
+    "parallel.local_sgd.outer_momentum=0",
+    "optim=sgd",
+    "optim.lr=0.05",
+    "optim.grad_clip=0",
+    "trainer.max_steps=50",
+    "trainer.checkpoint.every_n_steps=100",
+]
+DETECT = [
+    "parallel.local_sgd.penalty.anomaly=true",
+    "parallel.local_sgd.penalty.ewma_warmup=8",
+    "parallel.local_sgd.penalty.ewma_alpha=0.2",  # 40 syncs while the norms fall 10x: follow them faster
+]
+SPIKES = [
+    "parallel.local_sgd.spikes.workers=[3]",
+    "parallel.local_sgd.spikes.probability=0.3",
+    "parallel.local_sgd.spikes.scale=50",
+    "parallel.local_sgd.spikes.start_step=20",
+]
+
+
+def _penalty_run(shards, run_dir, *extra):
+    result = run_train(cli_overrides(shards, run_dir) + COMMON + PENALTY_RUN + list(extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [m["loss"] for m in read_metrics(run_dir)]
+
+
+def test_the_penalty_finds_the_spikes_and_keeps_the_loss_of_a_clean_run(long_text, tmp_path):
+    import json
+
+    clean = _penalty_run(long_text, tmp_path / "clean", *DETECT)
+    penalized = _penalty_run(long_text, tmp_path / "penalized", *DETECT, *SPIKES)
+    plain = _penalty_run(long_text, tmp_path / "plain", *SPIKES)
+    syncs = [json.loads(line) for line in (tmp_path / "penalized" / "local_sgd_syncs.jsonl").read_text().splitlines()]
+    flagged: dict[tuple[int, int], bool] = {}
+    injected: dict[tuple[int, int], bool] = {}
+    for sync in syncs:
+        if sync["step"] < 20:  # the EWMA's warm-up
+            continue
+        for worker, anomalous in enumerate(sync["anomalous"]):
+            key = (sync["step"], worker)
+            flagged[key] = flagged.get(key, False) or anomalous
+            injected[key] = worker in sync["spiked"]
+    spiked = [k for k in injected if injected[k]]
+    clean_pairs = [k for k in injected if not injected[k]]
+    recall = sum(flagged[k] for k in spiked) / len(spiked)
+    false_positives = sum(flagged[k] for k in clean_pairs) / len(clean_pairs)
+    tail = slice(-5, None)
+    ratio = sum(penalized[tail]) / sum(clean[tail])
+    degraded = sum(plain[tail]) / sum(clean[tail])
+    print(
+        f"recall {recall:.2f} over {len(spiked)} spiked syncs, false positives {false_positives:.3f} over "
+        f"{len(clean_pairs)}; final loss penalized / clean {ratio:.3f}, plain / clean {degraded:.3f}"
+    )
+    assert len(spiked) >= 5 and recall >= 0.9 and false_positives <= 0.1
+    assert abs(ratio - 1) <= 0.05
+    assert degraded > 1.05
+
+
+def test_when_every_worker_is_anomalous_the_parameters_roll_back(long_text, tmp_path):
+    every = [
+        "parallel.local_sgd.spikes.workers=[0,1,2,3]",
+        "parallel.local_sgd.spikes.probability=1",
+        "parallel.local_sgd.spikes.scale=50",
+        "parallel.local_sgd.spikes.start_step=20",
+    ]
+    run_dir = tmp_path / "rollback"
+    # with outer momentum, a zero combined pseudo-gradient would still move the anchor: only a skipped step
+    # brings the parameters back
+    kept = [o for o in PENALTY_RUN[:-2] if "outer_" not in o] + ["parallel.local_sgd.outer_momentum=0.9"]
+    result = run_train(
+        cli_overrides(long_text, run_dir)
+        + COMMON
+        + kept
+        + DETECT
+        + every
+        + ["trainer.max_steps=22", "trainer.checkpoint.every_n_steps=19", "trainer.checkpoint.keep_last=3"]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    assert sum(m.get("local_sgd/rollbacks", 0) for m in metrics) > 0
+    before = read_tensors(run_dir / "checkpoints" / "step_00000019")
+    after = read_tensors(latest_checkpoint(run_dir / "checkpoints"))
+    assert _close(before, after) == 0.0  # steps 20-22 rolled back to the sync of step 19

@@ -143,7 +143,7 @@ CASES = [
     (["optim.lr=inf"], "optim.lr=inf: the learning rate must be positive and finite"),
     (["optim.decay_steps=0"], "optim.decay_steps=0: use null (decay over trainer.max_steps) or 1 or more steps"),
     (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio=1.5: use a value in [0, 1]"),
-    (["optim.name=sgd"], "optim.name='sgd': the available optimizer is 'adamw'"),
+    (["optim.name=lamb"], "optim.name='lamb': the available optimizers are 'adamw' and 'sgd'"),
     (["trainer.accelerator=tpu"], "trainer.accelerator='tpu': allowed values are auto, cpu, cuda"),
     (["trainer.dist_timeout_s=0"], "trainer.dist_timeout_s=0: use a positive number of seconds"),
     (["trainer.seed=-1"], "trainer.seed=-1: use a value in [0, 4294967295]"),

@@ -27,6 +27,11 @@ def _cfg(*overrides):
         (["parallel.shard=zero1"], "shards nothing inside a worker yet"),
         (["model=llama_tiny", "data=longtail_text"], "unset data.packing"),
         (["parallel.local_sgd.layerwise=true", "trainer.compile=true"], "layerwise syncs in forward hooks"),
+        (["parallel.local_sgd.penalty.ewma_alpha=0"], "penalty.ewma_alpha=0.0: use a value in (0, 1]"),
+        (["parallel.local_sgd.penalty.temperature=0"], "penalty.temperature=0.0"),
+        (["parallel.local_sgd.penalty.clip=-1"], "penalty.clip=-1.0: use a positive norm"),
+        (["parallel.local_sgd.spikes.workers=[4]"], "spikes.workers: 4 is not a worker (0..3)"),
+        (["parallel.local_sgd.spikes.probability=2"], "spikes.probability=2.0"),
     ],
 )
 def test_bad_local_sgd_settings_fail_in_one_line(overrides, message):
