@@ -130,7 +130,10 @@ class MemoryCosts:
         dense, experts = self._split_params(unit, tp, pp, stage, ep)
         f = w.trainable_fraction
         if not experts and cp == 1:
-            return model_state(dense, dense * f, dp, self.shard_of(shard), hsdp_replicas, self.settings.act_bytes)
+            st = self.settings
+            return model_state(
+                dense, dense * f, dp, self.shard_of(shard), hsdp_replicas, st.act_bytes, st.moment_bytes, st.outer_bytes
+            )
         return unit_model_state(
             dense, experts, f, dp * cp, ep, self.shard_of(shard), hsdp_replicas, self.settings.act_bytes
         )

@@ -144,11 +144,18 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     from . import choices_of_config, planned_precision
     from .costs import CostModel, Hardware, PlannerSettings
     from .evaluate import LayoutModel
+    from .memory import optimizer_state_bytes
     from .workload import workload_of
 
     layout = layout or resolve_units(cfg)
     precision = planned_precision(cfg)
-    settings = PlannerSettings(precision=precision, recompute_every=int(cfg.planner.recompute_every))
+    moments, outer = optimizer_state_bytes(cfg)
+    settings = PlannerSettings(
+        precision=precision,
+        recompute_every=int(cfg.planner.recompute_every),
+        moment_bytes=moments,
+        outer_bytes=outer,
+    )
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
     costs = CostModel(workload_of(cfg.model), hw, settings)
     model = LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), layout.world_size)

@@ -93,6 +93,8 @@ class PlannerSettings:
     shard: str = "auto"
     dp_overlap: float = 0.0  # share of the ZeRO-1 traffic hidden behind compute
     memory_margin: float = 0.9  # plan to this share of device memory
+    moment_bytes: float = 8.0  # optimizer state per trainable parameter (AdamW; planner/memory.py)
+    outer_bytes: tuple[float, float] = (0.0, 0.0)  # local SGD's anchors and outer momentum per parameter
 
     @property
     def act_bytes(self) -> int:

@@ -13,6 +13,12 @@ zero1      4         4           4 / dp       8 / dp      2 (the bf16 gather buf
 zero2/3    4 / S     4 / S       --           8 / S       --
 =========  ========  ==========  ===========  ==========  ============================================
 
+The Adam column is the optimizer's state: 8 bytes for AdamW; ``optim=sgd`` holds 4 (its momentum buffer) or
+none without momentum (``moment_bytes``). Local SGD (``parallel.mode=local_sgd``, train/local_sgd_sync.py)
+adds, per process, its 1/shard_group share of the fp32 anchors (4 bytes per trainable parameter / shard_group,
+counted as master) and of the outer momentum (4 / shard_group when the outer step has momentum, counted as
+moments).
+
 Frozen parameters count in ``params`` only. Parameters are fp32 everywhere and are the master weights
 except under ZeRO-1, whose optimizer keeps fp32 master slices (a bf16 wire leaves the parameters with
 bf16-rounded values). Padding (ZeRO-1 buckets to a multiple of dp, FSDP2 dim-0 shards to a multiple
@@ -71,17 +77,42 @@ class ModelState:
 
 
 def model_state(
-    local: float, trainable: float, dp: int, shard: str, hsdp_replicas: int = 1, wire_bytes: int = 4
+    local: float,
+    trainable: float,
+    dp: int,
+    shard: str,
+    hsdp_replicas: int = 1,
+    wire_bytes: int = 4,
+    moment_bytes: float = 8.0,
+    outer: tuple[float, float] = (0.0, 0.0),
 ) -> ModelState:
+    """``moment_bytes``: the optimizer's state per trainable parameter; ``outer``: local SGD's (anchor, outer
+    momentum) bytes per trainable parameter on this process (already divided by the shard group)."""
     if shard not in SHARDS:
         raise ValueError(f"shard={shard!r}: allowed values are {', '.join(SHARDS)}")
+    anchors, momentum = outer[0] * trainable, outer[1] * trainable
+    m = moment_bytes
     if shard == "none":
-        return ModelState(4.0 * local, 4.0 * trainable, 0.0, 8.0 * trainable, 0.0)
+        return ModelState(4.0 * local, 4.0 * trainable, anchors, m * trainable + momentum, 0.0)
     if shard == "zero1":
         buffers = 2.0 * trainable if wire_bytes == 2 else 0.0
-        return ModelState(4.0 * local, 4.0 * trainable, 4.0 * trainable / dp, 8.0 * trainable / dp, buffers)
+        return ModelState(4.0 * local, 4.0 * trainable, 4.0 * trainable / dp, m * trainable / dp, buffers)
     shards = max(1, dp // hsdp_replicas)
-    return ModelState(4.0 * local / shards, 4.0 * trainable / shards, 0.0, 8.0 * trainable / shards, 0.0)
+    return ModelState(4.0 * local / shards, 4.0 * trainable / shards, 0.0, m * trainable / shards, 0.0)
+
+
+def optimizer_state_bytes(cfg) -> tuple[float, tuple[float, float]]:
+    """(moment bytes per trainable parameter, local SGD's (anchor, outer momentum) bytes) of a config: what
+    train/optim.py and train/local_sgd_sync.py allocate."""
+    o = cfg.optim
+    moments = 8.0 if o.name != "sgd" else (4.0 if o.momentum > 0 else 0.0)
+    if cfg.parallel.mode != "local_sgd":
+        return moments, (0.0, 0.0)
+    from ..parallel.plan import local_sgd_shard_group
+
+    ls, shard = cfg.parallel.local_sgd, local_sgd_shard_group(cfg)
+    outer_momentum = ls.method != "post_local_sgd" and ls.outer_momentum > 0
+    return moments, (4.0 / shard, (4.0 if outer_momentum else 0.0) / shard)
 
 
 def unit_model_state(

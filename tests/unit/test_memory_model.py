@@ -74,3 +74,22 @@ def test_memory_tool_breaks_down_a_disaggregated_layout():
     llm = result["params"]["llm"]
     assert roles[("llm", 0)]["state"]["total"] == pytest.approx(16 * llm / 2)
     assert roles[("llm", 0)]["logits"] > 0 and roles[("encoder", 0)]["logits"] == 0
+
+
+def test_sgd_and_local_sgd_state_is_what_their_optimizers_allocate():
+    """optim=sgd keeps a momentum buffer (4 bytes) or nothing; local SGD adds its share of the fp32 anchors and
+    of the outer momentum (train/local_sgd_sync.py keeps them for owned parameters only)."""
+    from disttrain_core.config import compose, typed_config
+    from disttrain_core.planner.memory import model_state, optimizer_state_bytes
+
+    def cfg(*overrides):
+        return typed_config(compose(["trainer.devices=4", *overrides]))
+
+    assert optimizer_state_bytes(cfg()) == (8.0, (0.0, 0.0))
+    assert optimizer_state_bytes(cfg("optim=sgd")) == (0.0, (0.0, 0.0))
+    assert optimizer_state_bytes(cfg("optim=sgd", "optim.momentum=0.9")) == (4.0, (0.0, 0.0))
+    local = ["parallel=local_sgd", "parallel.local_sgd.shard_group=2"]
+    assert optimizer_state_bytes(cfg(*local)) == (8.0, (2.0, 2.0))
+    assert optimizer_state_bytes(cfg(*local, "parallel.local_sgd.method=post_local_sgd")) == (8.0, (2.0, 0.0))
+    state = model_state(1000, 1000, 4, "none", moment_bytes=4.0, outer=(2.0, 2.0))
+    assert (state.params, state.grads, state.master, state.moments) == (4000, 4000, 2000, 6000)
