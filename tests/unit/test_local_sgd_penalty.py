@@ -65,5 +65,5 @@ def test_clipping_bounds_each_units_combined_pseudo_gradient():
             p.add_(torch.randn_like(p))  # a pseudo-gradient of norm ~sqrt(numel) per parameter
     sync.sync_now()
     for unit in sync.units:
-        moved = math.sqrt(sum(float((p - start[n]).square().sum()) for n, p in unit))
+        moved = math.sqrt(sum(float((p.detach() - start[n]).square().sum()) for n, p in unit))
         assert 0.5e-3 < moved <= 1e-3 * (1 + 1e-5), moved
