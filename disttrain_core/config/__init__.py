@@ -1,7 +1,7 @@
 """Typed configuration schema.
 
 Every config group under ``conf/`` is merged on top of these dataclasses
-(``config/model.py``: the model; ``config/schema.py``: everything else), so an
+(``config/model.py``: the model; ``config/parallel.py``: parallelism; ``config/schema.py``: the rest), so an
 unknown key or a value of the wrong type fails while Hydra composes the config,
 with a message naming the key. Semantic checks (divisibility, ranges, files on
 disk) live in :mod:`disttrain_core.validation`.

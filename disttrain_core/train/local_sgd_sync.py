@@ -135,11 +135,7 @@ class OuterSync:
     def _weigh(self, unit: int, flat: torch.Tensor | None) -> list[float]:
         """Every worker's pseudo-gradient norm over the whole unit (a sum inside the worker, then gathered over
         the sync group), judged by the penalty; the verdict is recorded."""
-        square = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if flat is not None:
-            square += flat.double().square().sum()
-        if self.shard > 1:
-            dist.all_reduce(square, group=self.worker_group)
+        square = self._worker_square(flat)
         norms = [square]
         if self.workers > 1:
             norms = [torch.zeros_like(square) for _ in range(self.workers)]
@@ -148,6 +144,15 @@ class OuterSync:
         weights, flags = self.penalty.verdict(unit, values)
         self.verdicts.append({"unit": unit, "norms": values, "anomalous": flags, "weights": weights})
         return weights
+
+    def _worker_square(self, flat: torch.Tensor | None) -> torch.Tensor:
+        """The squared norm of a unit's vector over the whole worker (each process holds its owned part)."""
+        square = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if flat is not None:
+            square += flat.double().square().sum()
+        if self.shard > 1:
+            dist.all_reduce(square, group=self.worker_group)
+        return square
 
     def _apply(self, unit: int) -> None:
         owned = self.owned[unit]
@@ -159,11 +164,7 @@ class OuterSync:
                 if flat is not None:
                     flat.div_(self.workers)  # the mean pseudo-gradient
             elif self.penalty.cfg.clip is not None:  # the combined pseudo-gradient's norm over the whole unit
-                square = torch.zeros(1, dtype=torch.float64, device=self.device)
-                if flat is not None:
-                    square += flat.double().square().sum()
-                if self.shard > 1:
-                    dist.all_reduce(square, group=self.worker_group)
+                square = self._worker_square(flat)
                 scale = min(1.0, float(self.penalty.cfg.clip) / (float(square.sqrt()) + 1e-6))
                 if flat is not None:
                     flat.mul_(scale)
