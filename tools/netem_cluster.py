@@ -13,9 +13,11 @@ forms one job across the nodes. The namespaces have no route anywhere else: traf
 between them. Everything is removed afterwards -- on success, on failure, and on Ctrl-C or
 SIGTERM (deleting a namespace deletes its interfaces, their veth peers and their qdiscs).
 
-Needs root and iproute2 (``ip``, ``tc``). Options: ``nodes`` (2), ``rate`` (1gbit), ``delay``
-(0.1ms), ``port`` (29500), ``timeout`` seconds for the command (0: none). Exit status: the first
-non-zero status of the node commands, else 0.
+Needs root and iproute2 (``ip``, ``tc``). Options: ``nodes`` (2), ``rate`` (1gbit; a comma-separated
+list gives each node its own egress rate, e.g. ``rate=1gbit,100mbit``), ``delay`` (0.1ms), ``port``
+(29500), ``timeout`` seconds for the command (0: none), ``pin`` (false; true: node k's processes run on
+core k only -- the affinity ``taskset -c k`` would set -- so one node cannot borrow another's core).
+Exit status: the first non-zero status of the node commands, else 0.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import subprocess
 import sys
 import time
 
-OPTIONS = {"nodes": "2", "rate": "1gbit", "delay": "0.1ms", "port": "29500", "timeout": "0"}
+OPTIONS = {"nodes": "2", "rate": "1gbit", "delay": "0.1ms", "port": "29500", "timeout": "0", "pin": "false"}
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -36,12 +38,16 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 class Cluster:
     def __init__(self, nodes: int, rate: str, delay: str):
+        rates = rate.split(",")
+        if len(rates) not in (1, nodes):
+            raise ValueError(f"rate={rate}: give one rate or one per node ({nodes})")
         tag = f"{os.getpid() % 100000}"
         self.prefix = f"dtn{tag}"
         self.switch = f"{self.prefix}-sw"
         self.nodes = [f"{self.prefix}-n{k}" for k in range(nodes)]
         self.subnet = 10 + os.getpid() % 200  # 10.77.<subnet>.0/24, private to these namespaces
-        self.rate, self.delay = rate, delay
+        self.rates = rates * nodes if len(rates) == 1 else rates
+        self.delay = delay
         self.warned = False
 
     def address(self, k: int) -> str:
@@ -60,18 +66,18 @@ class Cluster:
             run("ip", "-n", self.switch, "link", "set", f"p{k}", "up")
             run("ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", "eth0")
             run("ip", "-n", ns, "link", "set", "eth0", "up")
-            self._shape(ns)
+            self._shape(ns, self.rates[k])
 
-    def _shape(self, ns: str) -> None:
+    def _shape(self, ns: str, rate: str) -> None:
         """Rate with tbf; delay with a netem child when the kernel has sch_netem."""
         tc = ("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0")
-        run(*tc, "root", "handle", "1:", "tbf", "rate", self.rate, "burst", "512kb", "latency", "100ms")
+        run(*tc, "root", "handle", "1:", "tbf", "rate", rate, "burst", "512kb", "latency", "100ms")
         if self.delay not in ("0", "0ms", ""):
             delayed = run(*tc, "parent", "1:1", "handle", "10:", "netem", "delay", self.delay, check=False)
             if delayed.returncode and not self.warned:
                 print(
                     f"netem_cluster: this kernel has no netem qdisc ({delayed.stderr.strip()}): "
-                    f"links are rate-limited to {self.rate} but not delayed",
+                    f"links are rate-limited to {','.join(self.rates)} but not delayed",
                     file=sys.stderr,
                 )
                 self.warned = True
@@ -101,7 +107,13 @@ def main(argv: list[str]) -> int:
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print("error: the emulated cluster needs root and iproute2 (ip, tc)", file=sys.stderr)
         return 2
-    cluster = Cluster(int(options["nodes"]), options["rate"], options["delay"])
+    pin = options["pin"].lower() in ("1", "true", "yes")
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        cluster = Cluster(int(options["nodes"]), options["rate"], options["delay"])
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     processes: list[subprocess.Popen] = []
 
     def stop(signum, _frame):
@@ -120,7 +132,12 @@ def main(argv: list[str]) -> int:
                 "GLOO_SOCKET_IFNAME": "eth0",
                 "NCCL_SOCKET_IFNAME": "eth0",
             }
-            processes.append(subprocess.Popen(["ip", "netns", "exec", ns, *command], env=env, start_new_session=True))
+            pinned = (lambda core=cores[k % len(cores)]: os.sched_setaffinity(0, {core})) if pin else None
+            processes.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, *command], env=env, start_new_session=True, preexec_fn=pinned
+                )
+            )
         deadline = time.time() + float(options["timeout"]) if float(options["timeout"]) > 0 else None
         while any(p.poll() is None for p in processes):
             if deadline and time.time() > deadline:

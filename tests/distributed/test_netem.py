@@ -1,6 +1,7 @@
 """The emulated multi-node harness (tools/netem_cluster.py): it cleans up after itself, and
 train.py runs across two emulated nodes with the losses of one node."""
 
+import ast
 import os
 import shutil
 import signal
@@ -51,6 +52,28 @@ def test_nodes_see_each_other_and_everything_is_removed_on_success_and_failure(t
     failed = subprocess.run([*TOOL, "nodes=2", "--", "sh", "-c", "exit 3"], capture_output=True, text=True)
     assert failed.returncode == 3
     assert namespaces() == before and links() == root_links
+
+
+def test_pinned_nodes_run_on_their_own_core_with_their_own_rate(tmp_path):
+    """pin=true: node k's processes may use core k only; rate=a,b: node k's egress is shaped at its own rate."""
+    probe = (
+        "import os, subprocess, sys; k = os.environ['NODE_RANK']; "
+        "qdisc = subprocess.run(['tc', 'qdisc', 'show', 'dev', 'eth0'], capture_output=True, text=True).stdout; "
+        "open(os.path.join(sys.argv[1], 'node' + k), 'w').write(repr((sorted(os.sched_getaffinity(0)), qdisc)))"
+    )
+    ok = subprocess.run(
+        [*TOOL, "nodes=2", "pin=true", "rate=1gbit,100mbit", "--", sys.executable, "-c", probe, str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    cores = sorted(os.sched_getaffinity(0))
+    for k, rate in enumerate(("1Gbit", "100Mbit")):
+        affinity, qdisc = ast.literal_eval((tmp_path / f"node{k}").read_text())
+        assert affinity == [cores[k % len(cores)]]
+        assert f"rate {rate}" in qdisc, qdisc
+    bad = subprocess.run([*TOOL, "nodes=2", "rate=1gbit,2gbit,3gbit", "--", "true"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "give one rate or one per node" in bad.stderr
 
 
 def test_everything_is_removed_when_interrupted():
