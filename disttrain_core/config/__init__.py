@@ -39,6 +39,7 @@ from .schema import (  # noqa: F401
     ProducerConfig,
     ReorderConfig,
     ScheduleConfig,
+    StragglerConfig,
     SyntheticDataConfig,
     TrainerConfig,
     UnitConfig,

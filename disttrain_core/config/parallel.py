@@ -95,11 +95,14 @@ class HotSpaConfig:
 class LocalSgdPenaltyConfig:
     """EDiT's pseudo-gradient penalty (train/local_sgd_penalty.py), per sync unit; each piece switchable."""
 
-    anomaly: bool = False  # drop a worker whose pseudo-gradient norm is anomalous (EWMA z-test); rollback if all
+    # drop a worker whose pseudo-gradient norm is anomalous (EWMA z-test); rollback if all are. null: on for the
+    # methods edit and a_edit, off for diloco and post_local_sgd
+    anomaly: Optional[bool] = None
     ewma_alpha: float = 0.02
     ewma_warmup: int = 10  # normal values seen before the test applies
     threshold: float = 3.0  # z-score above which a norm is anomalous (one-sided)
-    weighting: bool = False  # softmax(-G / temperature) weights over the normal workers (else equal)
+    # softmax(-G / temperature) weights over the normal workers (else equal). null: as ``anomaly``
+    weighting: Optional[bool] = None
     temperature: float = 1.0
     clip: Optional[float] = None  # clip the combined pseudo-gradient of each unit to this norm
 
@@ -122,19 +125,30 @@ class LocalSgdConfig:
     """parallel.mode=local_sgd (train/local_sgd.py, docs/LOCAL_SGD.md): workers train alone between syncs."""
 
     # diloco: an outer Nesterov-SGD step on the averaged pseudo-gradient every sync_every steps (Douillard et
-    # al. 2023); post_local_sgd: plain parameter averaging every sync_every steps (Lin et al. 2020)
+    # al. 2023); post_local_sgd: plain parameter averaging every sync_every steps (Lin et al. 2020); edit: DiLoCo's
+    # outer step with EDiT's layer-wise sync and pseudo-gradient penalty on by default (Cheng et al. 2025);
+    # a_edit: EDiT synced when sync_interval_s seconds have passed since the last sync (fast workers take more
+    # local steps than slow ones)
     method: str = "diloco"
     # Processes per worker (the shard group: they train one model replica together, DDP inside); the sync
     # group joins the workers' corresponding processes. None: trainer.devices (one worker per node).
     shard_group: Optional[int] = None
     warmup_steps: int = 0  # synchronous data-parallel steps before the first local one
-    sync_every: int = 16  # local steps between syncs
+    sync_every: int = 16  # local steps between syncs (not a_edit)
+    sync_interval_s: Optional[float] = None  # a_edit: seconds of local training between syncs (required there)
+    # a_edit: mix each worker's sync weight with its share of the steps taken since the last sync,
+    # (1 - step_weight) x weight + step_weight x share (the public implementation's use_step_weight; 0: off)
+    step_weight: float = 0.0
     outer_lr: float = 0.7  # diloco: the outer optimizer (torch SGD over the last synced parameters)
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     # EDiT's layer-wise sync: each decoder block's parameters are synced just before the block's forward in the
-    # step after a sync step, the next block's reduction prefetched (overlapped with compute)
-    layerwise: bool = False
+    # step after a sync step, the next block's reduction prefetched (overlapped with compute). null: on for edit
+    # and a_edit, off for diloco and post_local_sgd
+    layerwise: Optional[bool] = None
+    # Anchors (the last synced parameters) and outer momentum in host memory, pinned (CUDA only: on CPU they are
+    # in host memory already); a sync moves each unit's anchors to the device and its pseudo-gradient back
+    offload: bool = False
     penalty: LocalSgdPenaltyConfig = field(default_factory=LocalSgdPenaltyConfig)
     spikes: LocalSgdSpikesConfig = field(default_factory=LocalSgdSpikesConfig)
 

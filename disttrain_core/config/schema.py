@@ -135,6 +135,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """A slow process, emulated for benchmarks (train/straggler.py): after each optimizer step a rank in
+    ``ranks`` busy-works (factor - 1) x the CPU time its training thread took in the step (needs
+    trainer.threads_per_rank=1), with probability ``probability`` per step
+    (1: persistently slow; drawn from ``seed``, the rank and the step)."""
+
+    ranks: list[int] = field(default_factory=list)
+    factor: float = 1.5
+    probability: float = 1.0
+    seed: int = 0
+
+
+@dataclass
 class TrainerConfig:
     accelerator: str = "auto"  # auto | cpu | cuda
     devices: int = 1  # processes per node
@@ -172,6 +185,7 @@ class TrainerConfig:
     # the planner's prediction for its role: <run>/memory/rank<R>.json (train/memory_report.py). 0: off.
     memory_report_step: int = 0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 # ------------------------------------------------------------------------- cluster

@@ -34,6 +34,20 @@ def local_sgd_shard_group(cfg: Config) -> int:
     return int(cfg.trainer.devices) if size is None else int(size)
 
 
+EDIT_METHODS = ("edit", "a_edit")
+
+
+def local_sgd_features(ls) -> tuple[bool, bool, bool]:
+    """(layer-wise sync, anomaly elimination, softmax weighting) of ``parallel.local_sgd``: each setting, or
+    where it is null the method's default (on for edit and a_edit, off for diloco and post_local_sgd)."""
+    default = ls.method in EDIT_METHODS
+
+    def pick(value) -> bool:
+        return default if value is None else bool(value)
+
+    return pick(ls.layerwise), pick(ls.penalty.anomaly), pick(ls.penalty.weighting)
+
+
 def world_size_of(cfg: Config) -> int:
     return cfg.trainer.devices * cfg.trainer.num_nodes
 

@@ -111,6 +111,8 @@ def optimizer_state_bytes(cfg) -> tuple[float, tuple[float, float]]:
     from ..parallel.plan import local_sgd_shard_group
 
     ls, shard = cfg.parallel.local_sgd, local_sgd_shard_group(cfg)
+    if ls.offload:  # in host memory (train/local_sgd_sync.py): no device bytes
+        return moments, (0.0, 0.0)
     outer_momentum = ls.method != "post_local_sgd" and ls.outer_momentum > 0
     return moments, (4.0 / shard, (4.0 if outer_momentum else 0.0) / shard)
 

@@ -97,6 +97,7 @@ def import_pretrained(cfg: Config, tokenizer: Tokenizer, modules: list[torch.nn.
 class Engine:
     named_parameters: list[tuple[str, torch.nn.Parameter]]
     optimizer: object | None = None
+    stop_request = None  # the trainer's (train/stop.py), for engines that agree on stopping themselves
 
     def build_optimizer(self):
         """Plain AdamW over this process's parameters (the unit engine shards it: ZeRO-1)."""
@@ -145,6 +146,28 @@ class Engine:
         """The logged window's throughput for the whole run, from this process's view of it (local SGD: one
         worker's counts)."""
         return metrics
+
+    # Where the loop's agreements come from. Every rank takes the same steps, so the step decides; A-EDiT's
+    # workers take different numbers of steps and agree only at their syncs (train/local_sgd.py).
+    def keep_going(self, step: int, stop_at: int) -> bool:
+        """Whether the loop takes another step."""
+        return step < stop_at
+
+    def checkpoint_due(self, step: int, every: int) -> bool:
+        """Whether to save a checkpoint after ``step`` (``every``: trainer.checkpoint.every_n_steps, 0 off)."""
+        return bool(every) and step % every == 0
+
+    def stop_agreed(self, stop_request) -> bool:
+        """Whether the ranks agreed to stop after this step (a signal on some rank, train/stop.py)."""
+        return stop_request.agreed()
+
+    def checkpoint_step(self, step: int) -> int:
+        """The step a checkpoint saved after this process's ``step`` is named after (the same on every rank)."""
+        return step
+
+    def resumed_step(self, step: int) -> int:
+        """This process's step after loading the checkpoint named ``step``."""
+        return step
 
     def after_step(self) -> None:
         """After the optimizer step: aux-loss-free MoE routers move their expert biases."""

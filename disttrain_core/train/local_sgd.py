@@ -18,6 +18,10 @@ own samples (its loss normalized by its own tokens), and every ``sync_every`` st
 
 ``layerwise`` (EDiT's layer-wise sync): the same operations, decoder block by decoder block during the next
 forward, each block's reduction in flight while the previous block computes (train/local_sgd_sync.py).
+``edit`` is ``diloco`` with layer-wise sync and EDiT's penalty on unless set off; ``a_edit`` is ``edit`` synced
+when ``sync_interval_s`` seconds have passed instead of every ``sync_every`` steps: its workers take different
+numbers of steps, and the loop's agreements (stop, checkpoint, end of run) move to its syncs
+(train/local_sgd_clock.py).
 
 The anchors and the outer momentum exist only for owned parameters: besides the model and the inner
 optimizer, a process holds 1/shard_group of one extra model copy (2/shard_group with momentum).
@@ -39,8 +43,9 @@ from ..comm.engine import allreduce_gradients
 from ..config import Config
 from ..data.tokenizer import Tokenizer
 from ..models.llama import DecoderBlock
-from ..parallel.plan import local_sgd_shard_group
+from ..parallel.plan import local_sgd_features, local_sgd_shard_group
 from .engine import DataParallelEngine
+from .local_sgd_clock import TimedSyncs
 from .local_sgd_penalty import Penalty
 from .local_sgd_sync import OuterSync
 from .state import model_entries, optimizer_entries, owned_by
@@ -89,7 +94,7 @@ class LocalSgdEngine(DataParallelEngine):
             "momentum": momentum,
             "nesterov": bool(ls.outer_nesterov and momentum > 0),
         }
-        self.layerwise = bool(ls.layerwise)
+        self.layerwise, anomaly, weighting = local_sgd_features(ls)  # null: the method's default
         blocks = sum(isinstance(m, DecoderBlock) for m in self.raw_model.modules())  # sync units: blocks + the rest
         self.outer = OuterSync(
             self.raw_model,
@@ -103,8 +108,9 @@ class LocalSgdEngine(DataParallelEngine):
             self.shard,
             outer,
             self.layerwise,
-            penalty=Penalty(ls.penalty, 1 + blocks, self.workers),
+            penalty=Penalty(ls.penalty, 1 + blocks, self.workers, anomaly, weighting),
             worker=self.worker,
+            offload=bool(ls.offload),
         )
         self.spikes = ls.spikes
         self._penalty_tensor = torch.zeros(len(self.outer.units), 3 * self.workers, dtype=torch.float64)
@@ -114,13 +120,15 @@ class LocalSgdEngine(DataParallelEngine):
         self.syncs = self.anomalous_logged = self.rollbacks_logged = 0  # since the last log
         self.sync_step, self.sync_spikes = 0, []
         self.steps_logged = self.local_steps_logged = 0  # steps (local ones) since the last log
+        self.timed = self.method == "a_edit"
+        self.clock = TimedSyncs(self, cfg, timeout) if self.timed else None
         log.info(
-            "local_sgd: %s, %d workers x %d processes, warmup %d steps, sync every %d steps",
+            "local_sgd: %s, %d workers x %d processes, warmup %d steps, sync every %s",
             self.method,
             self.workers,
             self.shard,
             self.warmup,
-            self.every,
+            f"{ls.sync_interval_s} s" if self.timed else f"{self.every} steps",
         )
 
     # ------------------------------------------------------------------ the step
@@ -145,6 +153,8 @@ class LocalSgdEngine(DataParallelEngine):
         # Loss sums are reduced over the processes whose tokens normalize them.
         self.loss_group = None if self.synchronous(step) else self.worker_group
         self.loss_multiplier = float(self.spikes.scale) if self.spiked(step, self.worker) else 1.0
+        if self.timed and not self.synchronous(step):
+            self.clock.begin()  # the first interval starts with the first local step
         self.spiked_since_sync |= {w for w in range(self.workers) if self.spiked(step, w)}
         return super().forward_backward(microbatches, counts, record)
 
@@ -163,7 +173,11 @@ class LocalSgdEngine(DataParallelEngine):
             if self.step == self.warmup:  # the synchronous parameters are the first anchor
                 self.outer.set_anchors()
             return
-        if (self.step - self.warmup) % self.every == 0:
+        if self.timed:  # A-EDiT: when the interval since the last sync has passed on this worker's clock
+            if self.clock.due():
+                self.clock.agree()
+                self.sync()
+        elif (self.step - self.warmup) % self.every == 0:
             self.sync()
 
     def sync(self) -> None:
@@ -209,8 +223,10 @@ class LocalSgdEngine(DataParallelEngine):
         self.local_steps_logged = self.steps_logged = 0
         if not local or self.workers == 1:
             return metrics
+        # A-EDiT: worker 0's share of the local steps all workers took between the last two syncs
+        share = self.clock.share if self.timed else 1.0 / self.workers
         # counted: (window - local) global batches + local batches of one worker; done: window global batches
-        factor = window / (window - local + local / self.workers)
+        factor = window / (window - local + local * share)
         out = dict(metrics)
         for key in (
             "perf/samples_per_s",
@@ -222,6 +238,27 @@ class LocalSgdEngine(DataParallelEngine):
             if key in out:
                 out[key] = metrics[key] * factor
         return out
+
+    # ------------------------------------- the loop's agreements (A-EDiT: at syncs only)
+    def _local(self, step: int) -> bool:
+        return self.timed and not self.synchronous(step)
+
+    def keep_going(self, step: int, stop_at: int) -> bool:
+        if not self.timed or stop_at <= self.warmup:
+            return step < stop_at
+        return not self.clock.over
+
+    def checkpoint_due(self, step: int, every: int) -> bool:
+        return self.clock.take("checkpoint") if self._local(step) else super().checkpoint_due(step, every)
+
+    def stop_agreed(self, stop_request) -> bool:
+        return self.clock.take("stop") if self._local(self.step) else stop_request.agreed()
+
+    def checkpoint_step(self, step: int) -> int:
+        return self.clock.steps[0] if self._local(step) else step
+
+    def resumed_step(self, step: int) -> int:
+        return self.step if self.timed else step
 
     # ------------------------------------------------------------ checkpoints
     def _prefix(self) -> str:
@@ -241,12 +278,16 @@ class LocalSgdEngine(DataParallelEngine):
         for name, buffer in self.outer.momentum_buffers().items():
             shared[f"local_sgd.outer.{name}.momentum_buffer"] = buffer
         self._step_tensor.fill_(self.step)
+        if self.timed:
+            self.clock.state(self.step)
         if self.outer.penalty is not None:
             self._penalty_tensor.copy_(torch.tensor(self.outer.penalty.state(), dtype=torch.float64))
         if not saving or self.worker == 0:
             state.update(shared)
             if not saving or self.fabric.global_rank == 0:
                 state["local_sgd.step"] = self._step_tensor
+                if self.timed:  # each worker's step at the sync the checkpoint was taken at
+                    state["local_sgd.worker_steps"] = self.clock.steps_tensor
                 if self.outer.penalty is not None:  # the detectors: the same on every process
                     state["local_sgd.penalty"] = self._penalty_tensor
         return state
@@ -260,5 +301,8 @@ class LocalSgdEngine(DataParallelEngine):
                 f"x {self.shard})"
             )
         self.step = int(self._step_tensor)
+        if self.timed:
+            self.clock.loaded()
+            self.step = self.clock.steps[self.worker]
         if self.outer.penalty is not None:
             self.outer.penalty.load(self._penalty_tensor.tolist())

@@ -56,22 +56,24 @@ class Ewma:
 
 
 class Penalty:
-    def __init__(self, cfg, units: int, workers: int):
-        """``cfg``: parallel.local_sgd.penalty."""
+    def __init__(self, cfg, units: int, workers: int, anomaly: bool | None = None, weighting: bool | None = None):
+        """``cfg``: parallel.local_sgd.penalty; ``anomaly`` / ``weighting``: the method's resolved switches
+        (parallel/plan.py local_sgd_features), else the settings'."""
         self.cfg = cfg
+        self.anomaly = bool(cfg.anomaly) if anomaly is None else anomaly
+        self.weighting = bool(cfg.weighting) if weighting is None else weighting
         self.detectors = [[Ewma(float(cfg.ewma_alpha)) for _ in range(workers)] for _ in range(units)]
 
     @property
     def active(self) -> bool:
-        c = self.cfg
-        return bool(c.anomaly or c.weighting or c.clip is not None)
+        return bool(self.anomaly or self.weighting or self.cfg.clip is not None)
 
     def verdict(self, unit: int, norms: list[float]) -> tuple[list[float], list[bool]]:
         """(weights summing to 1 -- all 0 when every worker is anomalous --, anomalous flags) of one unit's
         sync from the workers' pseudo-gradient norms; updates the statistics of the normal workers."""
         c = self.cfg
         flags = [False] * len(norms)
-        if c.anomaly:
+        if self.anomaly:
             for m, (detector, norm) in enumerate(zip(self.detectors[unit], norms, strict=True)):
                 ready = detector.count >= int(c.ewma_warmup)
                 flags[m] = bool(ready and detector.z(norm) > float(c.threshold)) or not math.isfinite(norm)
@@ -81,7 +83,7 @@ class Penalty:
         weights = [0.0] * len(norms)
         if not normal:
             return weights, flags
-        if c.weighting:
+        if self.weighting:
             scores = [-norms[m] / float(c.temperature) for m in normal]
             top = max(scores)
             exps = [math.exp(s - top) for s in scores]

@@ -34,9 +34,13 @@ class OuterSync:
         layerwise: bool,
         penalty=None,
         worker: int = 0,
+        offload: bool = False,
     ):
         """``owner_of``: the place (index inside a worker) that syncs each parameter; ``outer``: torch SGD's
-        lr, momentum and nesterov for every unit's outer optimizer."""
+        lr, momentum and nesterov for every unit's outer optimizer; ``offload``: anchors and outer momentum in
+        host memory (pinned when the parameters are on CUDA): a sync brings a unit's anchors to the device
+        for its pseudo-gradient, takes the reduced pseudo-gradient to the host for the outer step there, and
+        copies the new anchors back into the parameters."""
         self.place, self.first, self.workers, self.shard = place, worker_first_rank, workers, shard
         self.sync_group, self.worker_group = sync_group, worker_group
         self.owner_of = owner_of
@@ -51,12 +55,23 @@ class OuterSync:
         for name, param in named_parameters:
             self.units[unit_of.get(id(param), 0)].append((name, param))
         self.owned = [[(n, p) for n, p in unit if owner_of[n] == place] for unit in self.units]
+        self.home = torch.device("cpu") if offload else self.device  # where anchors and outer momentum live
+        pin = offload and self.device.type == "cuda"
+
+        def anchor(p: torch.Tensor) -> torch.nn.Parameter:
+            copy = p.detach().float().to(self.home, copy=True)
+            return torch.nn.Parameter(copy.pin_memory() if pin else copy)
+
         with torch.no_grad():
-            self.anchors = {n: torch.nn.Parameter(p.detach().clone().float()) for u in self.owned for n, p in u}
+            self.anchors = {n: anchor(p) for u in self.owned for n, p in u}
         self.outers = [
             torch.optim.SGD([self.anchors[n] for n, _ in unit], **outer) if unit else None for unit in self.owned
         ]
         self.inflight: dict[int, tuple[object, torch.Tensor | None, bool]] = {}
+        # A-EDiT's step weighting (parallel.local_sgd.step_weight): each worker's share of the steps taken since
+        # the last sync, set before each sync; None: off
+        self.shares: list[float] | None = None
+        self.share_ratio = 0.0
         self.next_unit = len(self.units)  # the unit the pending sync applies next (len: none pending)
         if layerwise:
             model.register_forward_pre_hook(lambda module, args: self._before(0))
@@ -120,11 +135,17 @@ class OuterSync:
         flat = None
         with torch.no_grad():
             if owned:
-                flat = torch.cat([(self.anchors[n] - p.detach().float()).reshape(-1) for n, p in owned])
+                flat = torch.cat(
+                    [
+                        (self.anchors[n].to(self.device, non_blocking=True) - p.detach().float()).reshape(-1)
+                        for n, p in owned
+                    ]
+                )
         rollback = False
-        if self.penalty is not None:
-            weights = self._weigh(unit, flat)
+        if self.penalty is not None or self.shares is not None:
+            weights = self._weigh(unit, flat) if self.penalty is not None else [1.0 / self.workers] * self.workers
             rollback = not any(weights)
+            weights = mix_weights(weights, self.shares, self.share_ratio)
             if flat is not None:
                 flat.mul_(weights[self.worker])
         work = None
@@ -160,16 +181,19 @@ class OuterSync:
         with torch.no_grad():
             if work is not None:
                 work.wait()
-            if self.penalty is None:
+            if self.penalty is None and self.shares is None:
                 if flat is not None:
                     flat.div_(self.workers)  # the mean pseudo-gradient
-            elif self.penalty.cfg.clip is not None:  # the combined pseudo-gradient's norm over the whole unit
+            elif (
+                self.penalty is not None and self.penalty.cfg.clip is not None
+            ):  # the combined pseudo-gradient's norm over the whole unit
                 square = self._worker_square(flat)
                 scale = min(1.0, float(self.penalty.cfg.clip) / (float(square.sqrt()) + 1e-6))
                 if flat is not None:
                     flat.mul_(scale)
             if owned:
                 if not rollback:  # every worker anomalous: no outer step, the anchor comes back
+                    flat = flat.to(self.home)  # offload: the outer step runs where the anchors are
                     offset = 0
                     for name, _ in owned:
                         anchor = self.anchors[name]
@@ -186,3 +210,17 @@ class OuterSync:
                 ]
                 for work in works:
                     work.wait()
+
+
+def mix_weights(weights: list[float], shares: list[float] | None, ratio: float) -> list[float]:
+    """A-EDiT's step weighting: each worker's weight becomes (1 - ratio) x its weight + ratio x its share of the
+    steps taken since the last sync, over the workers whose weight is not zero (anomalous ones stay out), then
+    renormalized to sum 1. Without shares (or all weights zero: a rollback) the weights are returned as they
+    are."""
+    if shares is None or not any(weights):
+        return weights
+    mixed = [(1.0 - ratio) * w + ratio * s if w > 0 else 0.0 for w, s in zip(weights, shares, strict=True)]
+    total = sum(mixed)
+    if total <= 0:  # every normal worker took no step: fall back to the weights alone
+        return weights
+    return [m / total for m in mixed]

@@ -46,6 +46,7 @@ from .resume import CheckpointIO
 from .state import model_fingerprint
 from .step_data import StepData
 from .stop import StopRequest
+from .straggler import Straggler
 from .timeline_report import TimelineReporter
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class Trainer(StepData, CheckpointIO):
         control = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.stop_request = stop_request or StopRequest(float(trainer.stop_grace_s), on_signal=_dump_flight)
         self.stop_request.attach(control)
+        self.engine.stop_request = self.stop_request
+        self.straggler = Straggler(trainer.straggler, self.rank)
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints",
             rank=self.rank,
@@ -179,6 +182,7 @@ class Trainer(StepData, CheckpointIO):
         inject("step", self.rank, self.step + 1)  # fault drills (disttrain_core/faults.py); off by default
         started = self.clock.stamp()
         host_started = time.perf_counter()
+        self.straggler.start()
         comm = self.cfg.parallel.comm
         if comm.interleave_modes:
             self.engine.set_comm_mode(interleaved_mode(comm.interleave_modes, comm.interleave_block, self.step + 1))
@@ -217,6 +221,7 @@ class Trainer(StepData, CheckpointIO):
                 report.after_optimizer_step(self.engine, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
+            self.straggler.delay(step)  # trainer.straggler: an emulated slow process (benchmarks)
             self.engine.after_step()
             moe = self.engine.moe_stats()
             result.resolve()
@@ -329,7 +334,7 @@ class Trainer(StepData, CheckpointIO):
         last_metrics: dict[str, float] = {}
         saved_at = self.step
         weight = self.cfg.model.gen_loss_weight
-        while self.step < stop_at:
+        while self.engine.keep_going(self.step, stop_at):
             window.append(self.train_step())
             progress.update(1)
             if self._logs(self.step):  # the only place step results are read back from the device
@@ -346,10 +351,10 @@ class Trainer(StepData, CheckpointIO):
                     progress.write(self._format(last_metrics))
                 window = []
             every = trainer.checkpoint.every_n_steps
-            if every and self.step % every == 0:
+            if self.engine.checkpoint_due(self.step, every):
                 self.save_checkpoint()
                 saved_at = self.step
-            if self.stop_request.agreed():
+            if self.engine.stop_agreed(self.stop_request):
                 last_metrics = {**last_metrics, "stopped_at_step": float(self.step)}
                 if self.rank == 0:
                     progress.write(

@@ -72,15 +72,15 @@ class CheckpointIO:
                 len(absent),
                 absent[0],
             )
-        self.step = step
+        self.step = self.engine.resumed_step(step)  # A-EDiT: each worker's own step at the saving sync
         restore_scheduler(self.scheduler, self.step)
-        superseded = self.checkpoints.supersede_after(self.step)
+        superseded = self.checkpoints.supersede_after(step)
         if self.rank == 0:
-            log.info("resumed from %s at step %d (saved by layout %s)", checkpoint, self.step, meta.get("layout"))
+            log.info("resumed from %s at step %d (saved by layout %s)", checkpoint, step, meta.get("layout"))
             if superseded:
                 log.warning(
                     "this run continues from step %d: newer checkpoint(s) %s renamed *.superseded (kept, not resumed)",
-                    self.step,
+                    step,
                     ", ".join(superseded),
                 )
         replicas = 1 if self.global_stream else self.layout.llm.dp
@@ -105,8 +105,9 @@ class CheckpointIO:
         )
         if owns_data:
             files[self._data_file()] = self.loader.state_dict()
+        named = self.engine.checkpoint_step(self.step)  # the same on every rank (A-EDiT: worker 0's step)
         if self.rank == 0:
-            files["trainer.json"] = {"step": self.step}
+            files["trainer.json"] = {"step": named}
         meta = {
             "data": {
                 "stream": "global" if self.global_stream else "per_replica",
@@ -116,4 +117,4 @@ class CheckpointIO:
             "model": {"name": self.cfg.model.name, "fingerprint": self.fingerprint},
             "torch": torch.__version__,
         }
-        self.checkpoints.save(self.step, state, files, meta)
+        self.checkpoints.save(named, state, files, meta)

@@ -5,8 +5,9 @@ any rank sets a flag in that rank. After every optimizer step the ranks reduce t
 (MAX, one integer on a host-side gloo group of its own, so it never waits behind training's
 collectives or synchronizes a device; asynchronously, read one step later); when any rank was
 signalled, every rank learns it after the same step, saves a checkpoint there and returns from
-the loop normally: the job exits 0 and ``trainer.resume=auto`` continues exactly. Repeated
-SIGTERMs are one request; a second SIGINT (Ctrl-C twice) exits at once.
+the loop normally: the job exits 0 and ``trainer.resume=auto`` continues exactly. Repeated SIGTERMs are
+one request; a second SIGINT (Ctrl-C twice) exits at once. (A-EDiT's workers take different numbers of
+steps and agree only at their syncs: it reduces the flags there instead, train/local_sgd_clock.py.)
 
 The flag is not a deadline. ``trainer.stop_grace_s`` after the handler ran, a process that has
 not ended records its flight recorder and exits with status 143. The handler runs when the main

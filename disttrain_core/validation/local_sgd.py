@@ -4,10 +4,11 @@ any process starts."""
 from __future__ import annotations
 
 from ..config import Config
+from ..parallel.plan import local_sgd_features
 from ..parallel.plan import local_sgd_shard_group as shard_group_size
 from .common import _require
 
-METHODS = ("diloco", "post_local_sgd")
+METHODS = ("diloco", "post_local_sgd", "edit", "a_edit")
 
 
 def validate_local_sgd(cfg: Config) -> None:
@@ -24,6 +25,28 @@ def validate_local_sgd(cfg: Config) -> None:
         "trainer.num_nodes): each worker is shard_group processes; use a divisor, or null for one worker per node",
     )
     _require(ls.sync_every >= 1, f"parallel.local_sgd.sync_every={ls.sync_every}: use 1 or more local steps")
+    interval = ls.sync_interval_s
+    if ls.method == "a_edit":
+        _require(
+            interval is not None and 0 < interval < float("inf"),
+            f"parallel.local_sgd.method=a_edit syncs every sync_interval_s seconds (it is {interval}); set "
+            "parallel.local_sgd.sync_interval_s to a positive number of seconds, e.g. 600",
+        )
+    else:
+        _require(
+            ls.step_weight == 0,
+            f"parallel.local_sgd.step_weight={ls.step_weight} weights A-EDiT's workers by their steps; with "
+            f"method={ls.method} every worker takes the same steps: use method=a_edit or set step_weight=0",
+        )
+        _require(
+            interval is None,
+            f"parallel.local_sgd.sync_interval_s={interval} is A-EDiT's: with method={ls.method} syncs come every "
+            "sync_every steps; use method=a_edit or unset sync_interval_s",
+        )
+    _require(
+        0 <= ls.step_weight <= 1,
+        f"parallel.local_sgd.step_weight={ls.step_weight}: use a value in [0, 1] (0: off, e.g. 0.5)",
+    )
     _require(ls.warmup_steps >= 0, f"parallel.local_sgd.warmup_steps={ls.warmup_steps}: use 0 or more steps")
     _require(ls.outer_lr > 0, f"parallel.local_sgd.outer_lr={ls.outer_lr}: use a positive rate, e.g. 0.7")
     _require(
@@ -63,8 +86,16 @@ def validate_local_sgd(cfg: Config) -> None:
         0 <= spikes.probability <= 1,
         f"parallel.local_sgd.spikes.probability={spikes.probability}: use a value in [0, 1]",
     )
+    if ls.offload:
+        from .common import resolve_accelerator
+
+        _require(
+            resolve_accelerator(cfg.trainer.accelerator) == "cuda",
+            "parallel.local_sgd.offload moves anchors from device to host memory; on CPU they are in host memory "
+            "already: unset it (or train on CUDA)",
+        )
     _require(
-        not (ls.layerwise and cfg.trainer.compile),
+        not (local_sgd_features(ls)[0] and cfg.trainer.compile),
         "parallel.local_sgd.layerwise syncs in forward hooks, which trainer.compile would trace; set one of them "
         "to false",
     )

@@ -139,6 +139,9 @@ def _run_rules() -> list[Rule]:
         at_least(f"{t}.max_restarts", 0, "use 0 (no restarts) or more"),
         at_least(f"{t}.checkpoint.every_n_steps", 0, "use 0 (off) or more"),
         at_least(f"{t}.checkpoint.keep_last", 1, "keep at least 1"),
+        within(f"{t}.straggler.factor", 1, 100),
+        within(f"{t}.straggler.probability", 0, 1),
+        each(at_least(f"{t}.straggler.ranks", 0), "give ranks >= 0, e.g. [1]", allow_empty=True),
         # data (data.* and data.producer.* are checked in settings.validate_data)
         at_least(f"{s}.num_shards", 1),
         at_least(f"{s}.samples_per_shard", 1),

@@ -171,6 +171,18 @@ def validate_trainer(cfg: Config) -> None:
         f"trainer.memory_report_step={t.memory_report_step}: use 0 (off) or a step from 1 to trainer.max_steps "
         f"({t.max_steps})",
     )
+    world = t.devices * t.num_nodes
+    slow = [r for r in t.straggler.ranks if r >= world]
+    _require(
+        not slow,
+        f"trainer.straggler.ranks: {slow[0] if slow else ''} is not a rank of this job (0..{world - 1}); "
+        "name ranks below trainer.devices x trainer.num_nodes",
+    )
+    _require(
+        not t.straggler.ranks or t.threads_per_rank == 1,
+        f"trainer.straggler multiplies the training thread's CPU time, which is the step's compute only with one "
+        f"torch thread (trainer.threads_per_rank={t.threads_per_rank}): set trainer.threads_per_rank=1",
+    )
     accelerator = resolve_accelerator(t.accelerator)
     if accelerator == "cuda":
         import torch

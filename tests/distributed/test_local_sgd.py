@@ -172,10 +172,17 @@ def test_diloco_on_a_2x2_mesh_is_the_update_rule(long_text, tmp_path):
     assert _close(params, ref_params) < 1e-5
 
 
-def test_a_run_resumed_between_two_syncs_continues_identically(long_text, tmp_path):
+@pytest.mark.parametrize("method", ["diloco", "edit"])
+def test_a_run_resumed_between_two_syncs_continues_identically(long_text, tmp_path, method):
     """Step 3 lies between the syncs of steps 2 (the end of warm-up), 4 and 6: the checkpoint carries every
-    worker's parameters and inner optimizer, the anchors, the outer momentum and the step."""
-    settings = [*MESH, "parallel.local_sgd.warmup_steps=2", "parallel.local_sgd.sync_every=2"]
+    worker's parameters and inner optimizer, the anchors, the outer momentum and the step (edit: with its
+    layer-wise sync and its penalty's detector statistics, both on by default)."""
+    settings = [
+        *MESH,
+        f"parallel.local_sgd.method={method}",
+        "parallel.local_sgd.warmup_steps=2",
+        "parallel.local_sgd.sync_every=2",
+    ]
     whole, whole_params = _train(long_text, tmp_path / "whole", *settings)
     stopped = tmp_path / "stopped"
     _train(long_text, stopped, *settings, "trainer.checkpoint.every_n_steps=3", "trainer.exit_after_step=3")

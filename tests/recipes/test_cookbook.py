@@ -116,6 +116,15 @@ BENCHMARKS = {
     ],
     "python tools/bench_reorder.py": ["measure=false", "groups=16,64", "trials=1"],
     "sudo python tools/bench_overlap.py": ["network=loopback", "cycles=2", "block=2", "rounds=1"],
+    "sudo python tools/bench_local_sgd.py": [
+        "scenarios=straggler",
+        "methods=dp,a_edit",
+        "steps=6",
+        "warmup=2",
+        "sync_every=2",
+        "heldout=16",
+        "picture=none",
+    ],
     "sudo python tools/bench_overlap.py rate=500mbit micro_batch=6 network=emulated": [
         "cycles=2",
         "block=2",

@@ -19,7 +19,23 @@ def _cfg(*overrides):
     [
         (["parallel.local_sgd.shard_group=3"], "shard_group=3 does not divide the 4 processes"),
         (["parallel.local_sgd.sync_every=0"], "sync_every=0: use 1 or more"),
-        (["parallel.local_sgd.method=edit_v2"], "method='edit_v2': allowed values are diloco, post_local_sgd"),
+        (["parallel.local_sgd.method=edit_v2"], "method='edit_v2': allowed values are diloco, post_local_sgd, edit"),
+        (["parallel.local_sgd.method=a_edit"], "a_edit syncs every sync_interval_s seconds (it is None)"),
+        (["parallel.local_sgd.method=a_edit", "parallel.local_sgd.sync_interval_s=0"], "(it is 0.0)"),
+        (["parallel.local_sgd.sync_interval_s=60"], "sync_interval_s=60.0 is A-EDiT's"),
+        (["parallel.local_sgd.step_weight=0.5"], "step_weight=0.5 weights A-EDiT's workers by their steps"),
+        (
+            [
+                "parallel.local_sgd.method=a_edit",
+                "parallel.local_sgd.sync_interval_s=1",
+                "parallel.local_sgd.step_weight=2",
+            ],
+            "step_weight=2.0: use",
+        ),
+        (["trainer.straggler.ranks=[4]", "trainer.threads_per_rank=1"], "trainer.straggler.ranks: 4 is not a rank"),
+        (["trainer.straggler.factor=0.5"], "trainer.straggler.factor"),
+        (["trainer.straggler.ranks=[1]"], "set trainer.threads_per_rank=1"),
+        (["parallel.local_sgd.offload=true"], "on CPU they are in host memory already"),
         (["parallel.local_sgd.warmup_steps=-1"], "warmup_steps=-1"),
         (["parallel.local_sgd.outer_lr=0"], "outer_lr=0.0: use a positive rate"),
         (["parallel.local_sgd.outer_momentum=1.0"], "outer_momentum=1.0: use a value in [0, 1)"),
@@ -27,6 +43,7 @@ def _cfg(*overrides):
         (["parallel.shard=zero1"], "shards nothing inside a worker yet"),
         (["model=llama_tiny", "data=longtail_text"], "unset data.packing"),
         (["parallel.local_sgd.layerwise=true", "trainer.compile=true"], "layerwise syncs in forward hooks"),
+        (["parallel.local_sgd.method=edit", "trainer.compile=true"], "layerwise syncs in forward hooks"),
         (["parallel.local_sgd.penalty.ewma_alpha=0"], "penalty.ewma_alpha=0.0: use a value in (0, 1]"),
         (["parallel.local_sgd.penalty.temperature=0"], "penalty.temperature=0.0"),
         (["parallel.local_sgd.penalty.clip=-1"], "penalty.clip=-1.0: use a positive norm"),
@@ -61,3 +78,26 @@ def test_good_settings_pass():
     validate_config(_cfg(*LOCAL, "parallel.local_sgd.shard_group=2", "optim=sgd", "optim.momentum=0.9"))
     validate_config(_cfg(*LOCAL, "parallel.local_sgd.shard_group=null", "parallel.local_sgd.method=post_local_sgd"))
     validate_config(_cfg("optim=sgd", "trainer.devices=2", "optim.micro_batch_size=2"))
+
+
+@pytest.mark.parametrize(
+    "method, settings, expected",
+    [
+        ("diloco", [], (False, False, False)),
+        ("post_local_sgd", [], (False, False, False)),
+        ("edit", [], (True, True, True)),
+        ("a_edit", ["parallel.local_sgd.sync_interval_s=1"], (True, True, True)),
+        (
+            "edit",
+            ["parallel.local_sgd.layerwise=false", "parallel.local_sgd.penalty.weighting=false"],
+            (False, True, False),
+        ),
+        ("diloco", ["parallel.local_sgd.penalty.anomaly=true"], (False, True, False)),
+    ],
+)
+def test_edit_methods_turn_on_layerwise_sync_and_the_penalty_unless_set(method, settings, expected):
+    from disttrain_core.parallel.plan import local_sgd_features
+
+    cfg = _cfg(*LOCAL, f"parallel.local_sgd.method={method}", *settings)
+    validate_config(cfg)
+    assert local_sgd_features(cfg.parallel.local_sgd) == expected

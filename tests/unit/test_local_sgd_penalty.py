@@ -5,6 +5,7 @@ combined pseudo-gradient (train/local_sgd_penalty.py, train/local_sgd_sync.py)."
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from disttrain_core.train.local_sgd_penalty import Ewma, Penalty
@@ -67,3 +68,16 @@ def test_clipping_bounds_each_units_combined_pseudo_gradient():
     for unit in sync.units:
         moved = math.sqrt(sum(float((p.detach() - start[n]).square().sum()) for n, p in unit))
         assert 0.5e-3 < moved <= 1e-3 * (1 + 1e-5), moved
+
+
+def test_step_weighting_mixes_in_each_workers_share_of_the_steps():
+    """A-EDiT's step weighting: (1 - r) w + r s over the workers with a weight, renormalized; anomalous workers
+    (weight 0) stay out; a rollback (all zero) and no shares leave the weights alone."""
+    from disttrain_core.train.local_sgd_sync import mix_weights
+
+    assert mix_weights([0.5, 0.5], [0.6, 0.4], 0.5) == pytest.approx([0.55, 0.45])
+    assert mix_weights([0.5, 0.5], [0.6, 0.4], 1.0) == pytest.approx([0.6, 0.4])
+    assert mix_weights([0.0, 1.0, 0.0], [0.5, 0.3, 0.2], 0.5) == pytest.approx([0.0, 1.0, 0.0])
+    assert mix_weights([0.2, 0.8, 0.0], [0.5, 0.3, 0.2], 0.5) == pytest.approx([0.35 / 0.9, 0.55 / 0.9, 0.0])
+    assert mix_weights([0.0, 0.0], [0.6, 0.4], 0.5) == [0.0, 0.0]
+    assert mix_weights([0.5, 0.5], None, 0.5) == [0.5, 0.5]

@@ -91,5 +91,6 @@ def test_sgd_and_local_sgd_state_is_what_their_optimizers_allocate():
     local = ["parallel=local_sgd", "parallel.local_sgd.shard_group=2"]
     assert optimizer_state_bytes(cfg(*local)) == (8.0, (2.0, 2.0))
     assert optimizer_state_bytes(cfg(*local, "parallel.local_sgd.method=post_local_sgd")) == (8.0, (2.0, 0.0))
+    assert optimizer_state_bytes(cfg(*local, "parallel.local_sgd.offload=true")) == (8.0, (0.0, 0.0))  # host memory
     state = model_state(1000, 1000, 4, "none", moment_bytes=4.0, outer=(2.0, 2.0))
     assert (state.params, state.grads, state.master, state.moments) == (4000, 4000, 2000, 6000)
