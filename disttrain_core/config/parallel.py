@@ -146,7 +146,7 @@ class LocalSgdConfig:
     # step after a sync step, the next block's reduction prefetched (overlapped with compute). null: on for edit
     # and a_edit, off for diloco and post_local_sgd
     layerwise: Optional[bool] = None
-    # Anchors (the last synced parameters) and outer momentum in host memory, pinned (CUDA only: on CPU they are
+    # Anchors (the last synced parameters; pinned) and outer momentum in host memory (CUDA only: on CPU they are
     # in host memory already); a sync moves each unit's anchors to the device and its pseudo-gradient back
     offload: bool = False
     penalty: LocalSgdPenaltyConfig = field(default_factory=LocalSgdPenaltyConfig)

@@ -161,6 +161,10 @@ class Engine:
         """Whether the ranks agreed to stop after this step (a signal on some rank, train/stop.py)."""
         return stop_request.agreed()
 
+    def host_reads(self, step: int) -> bool:
+        """Whether step ``step`` reads values on the host by design (trainer.sync_debug does not check it)."""
+        return False
+
     def checkpoint_step(self, step: int) -> int:
         """The step a checkpoint saved after this process's ``step`` is named after (the same on every rank)."""
         return step

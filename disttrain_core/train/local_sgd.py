@@ -120,6 +120,8 @@ class LocalSgdEngine(DataParallelEngine):
         self.syncs = self.anomalous_logged = self.rollbacks_logged = 0  # since the last log
         self.sync_step, self.sync_spikes = 0, []
         self.steps_logged = self.local_steps_logged = 0  # steps (local ones) since the last log
+        stop = cfg.trainer.exit_after_step
+        self.stop_at = cfg.trainer.max_steps if stop is None else min(cfg.trainer.max_steps, stop)
         self.timed = self.method == "a_edit"
         self.clock = TimedSyncs(self, cfg, timeout) if self.timed else None
         log.info(
@@ -185,7 +187,8 @@ class LocalSgdEngine(DataParallelEngine):
         self._write_verdicts()  # of the previous sync (a layer-wise one completes in the forward after it)
         self.sync_step, self.sync_spikes = self.step, sorted(self.spiked_since_sync)
         self.spiked_since_sync = set()
-        if self.layerwise:
+        last = self.clock.over if self.timed else self.step >= self.stop_at
+        if self.layerwise and not last:  # the run's last sync has no next forward to overlap with: at once
             self.outer.sync_in_next_forward()
         else:
             self.outer.sync_now()
@@ -238,6 +241,18 @@ class LocalSgdEngine(DataParallelEngine):
             if key in out:
                 out[key] = metrics[key] * factor
         return out
+
+    def host_reads(self, step: int) -> bool:
+        """Whether step ``step`` may read values on the host (trainer.sync_debug leaves it unchecked): a sync
+        step with the penalty (its norms are read to judge them; the step after, with layer-wise sync), and
+        every A-EDiT step after warm-up (each may end in a sync agreed on host-side values)."""
+        if self.synchronous(step):
+            return False
+        if self.timed:
+            return True
+        local = step - self.warmup
+        due = local % self.every == 0 or (self.layerwise and local > 1 and (local - 1) % self.every == 0)
+        return self.outer.penalty is not None and due
 
     # ------------------------------------- the loop's agreements (A-EDiT: at syncs only)
     def _local(self, step: int) -> bool:

@@ -56,6 +56,8 @@ class TimedSyncs:
         if self.deadline is None:
             self.deadline = time.perf_counter() + self.interval
             self.started = time.perf_counter()
+            # resumed from a warm-up checkpoint: the first sync counts the steps taken after the warm-up
+            self.steps = [max(s, self.engine.warmup) for s in self.steps]
 
     def due(self) -> bool:
         due = time.perf_counter() >= self.deadline
@@ -116,3 +118,5 @@ class TimedSyncs:
     def loaded(self) -> None:
         values = [int(v) for v in self.steps_tensor]
         self.steps, self.rounds = values[:-1], values[-1]
+        # a checkpoint of a finished run (resume=auto after the end): nothing more to train
+        self.over = self.rounds > 0 and sum(self.steps) >= self.engine.workers * self.stop_at

@@ -37,8 +37,8 @@ class OuterSync:
         offload: bool = False,
     ):
         """``owner_of``: the place (index inside a worker) that syncs each parameter; ``outer``: torch SGD's
-        lr, momentum and nesterov for every unit's outer optimizer; ``offload``: anchors and outer momentum in
-        host memory (pinned when the parameters are on CUDA): a sync brings a unit's anchors to the device
+        lr, momentum and nesterov for every unit's outer optimizer; ``offload``: anchors (pinned when the
+        parameters are on CUDA) and outer momentum in host memory: a sync brings a unit's anchors to the device
         for its pseudo-gradient, takes the reduced pseudo-gradient to the host for the outer step there, and
         copies the new anchors back into the parameters."""
         self.place, self.first, self.workers, self.shard = place, worker_first_rank, workers, shard

@@ -249,10 +249,13 @@ class Trainer(StepData, CheckpointIO):
 
     def _checks_host_syncs(self, step: int) -> bool:
         """trainer.sync_debug checks this step: not the first, a logging or a checkpoint step (timelines are
-        recorded at logging steps), and not while the communication trace (which anchors its clock) is on."""
+        recorded at logging steps), not a step the engine reads host values in by design (local SGD's sync
+        steps with the penalty, A-EDiT's steps), and not while the communication trace (which anchors its clock)
+        is on."""
         every = self.cfg.trainer.checkpoint.every_n_steps
         checkpoint = bool(every) and step % every == 0
-        return step > 1 and not self._logs(step) and not checkpoint and not self.cfg.parallel.comm.trace
+        skipped = self._logs(step) or checkpoint or self.engine.host_reads(step) or self.cfg.parallel.comm.trace
+        return step > 1 and not skipped
 
     # --------------------------------------------------------------------- loop
     def _metrics(self, result: StepValues, window: list[StepValues]) -> dict[str, float]:

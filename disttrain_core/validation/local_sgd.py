@@ -32,6 +32,12 @@ def validate_local_sgd(cfg: Config) -> None:
             f"parallel.local_sgd.method=a_edit syncs every sync_interval_s seconds (it is {interval}); set "
             "parallel.local_sgd.sync_interval_s to a positive number of seconds, e.g. 600",
         )
+        _require(
+            interval is None or cfg.trainer.stop_grace_s > interval,
+            f"trainer.stop_grace_s={cfg.trainer.stop_grace_s} is shorter than parallel.local_sgd.sync_interval_s="
+            f"{interval}: A-EDiT stops at its next sync, so a preempted job would be killed before it saves; give "
+            "stop_grace_s more than the interval plus a step and a checkpoint save",
+        )
     else:
         _require(
             ls.step_weight == 0,

@@ -195,8 +195,8 @@ def test_a_run_resumed_between_two_syncs_continues_identically(long_text, tmp_pa
 
 
 def test_layerwise_sync_in_the_forward_equals_syncing_every_layer_at_once(long_text, tmp_path):
-    """EDiT's timing: the syncs due after steps 4 and 6 run block by block in the next forward (the one after
-    step 6 when the final checkpoint is written); the losses of steps 5-6 and the parameters are the same."""
+    """EDiT's timing: the sync due after step 4 runs block by block in step 5's forward (the run's last, after
+    step 6, at once: no forward follows); the losses of steps 5-6 and the parameters are the same."""
     settings = [*MESH, "parallel.local_sgd.warmup_steps=2", "parallel.local_sgd.sync_every=2"]
     at_once, at_once_params = _train(long_text, tmp_path / "at_once", *settings)
     layerwise, layerwise_params = _train(

@@ -23,6 +23,10 @@ def _cfg(*overrides):
         (["parallel.local_sgd.method=a_edit"], "a_edit syncs every sync_interval_s seconds (it is None)"),
         (["parallel.local_sgd.method=a_edit", "parallel.local_sgd.sync_interval_s=0"], "(it is 0.0)"),
         (["parallel.local_sgd.sync_interval_s=60"], "sync_interval_s=60.0 is A-EDiT's"),
+        (
+            ["parallel.local_sgd.method=a_edit", "parallel.local_sgd.sync_interval_s=900"],
+            "trainer.stop_grace_s=600.0 is shorter than parallel.local_sgd.sync_interval_s=900.0",
+        ),
         (["parallel.local_sgd.step_weight=0.5"], "step_weight=0.5 weights A-EDiT's workers by their steps"),
         (
             [
