@@ -26,7 +26,7 @@ model's mean loss per token on ``heldout`` samples of a separately generated sha
 every worker holds the same parameters). Reported: each method's tokens/s / synchronous DP's and held-out
 loss / synchronous DP's, per scenario; a PNG of every run's training loss (rank 0's) against wall seconds.
 
-    sudo python tools/bench_local_sgd.py                        # about 25 minutes here
+    sudo python tools/bench_local_sgd.py                        # about 14 minutes here
     sudo python tools/bench_local_sgd.py scenarios=slow_link methods=dp,edit steps=48 format=json
     sudo python tools/bench_local_sgd.py optim.lr=1e-3          # other names: Hydra overrides for every run
 """
