@@ -95,8 +95,18 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
             if wire != torch.float32:
                 counted["buffers"] = 2.0 * padded
         else:  # none (DDP: gradients are bucket views) and FSDP2 (the local shards)
+            from .memory import optimizer_state_bytes
+
             learn = sum(_numel(p) for _, p in trainable)
-            counted.update(params=4.0 * (learn + frozen), grads=4.0 * learn, moments=8.0 * learn)
+            # optim=sgd's moments (4 bytes or none); local SGD's anchors and outer momentum, split by bytes over
+            # the worker's processes (train/local_sgd_sync.py): the same per-parameter bytes as the planner's
+            moments, (anchor, outer) = optimizer_state_bytes(cfg)
+            counted.update(
+                params=4.0 * (learn + frozen),
+                grads=4.0 * learn,
+                master=anchor * learn,
+                moments=(moments + outer) * learn,
+            )
         counted["total"] = sum(counted.values())
         return counted
     finally:
