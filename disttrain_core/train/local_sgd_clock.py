@@ -31,8 +31,7 @@ class TimedSyncs:
         self.interval = float(cfg.parallel.local_sgd.sync_interval_s)
         self.every = int(cfg.trainer.checkpoint.every_n_steps)
         self.step_weight = float(cfg.parallel.local_sgd.step_weight)
-        stop = cfg.trainer.exit_after_step
-        self.stop_at = cfg.trainer.max_steps if stop is None else min(cfg.trainer.max_steps, stop)
+        self.stop_at = engine.stop_at  # the run's samples: workers x this many steps
         workers, shard = engine.workers, engine.shard
         self.steps = [engine.warmup] * workers  # each worker's step at the last sync
         self.steps_tensor = torch.zeros(workers + 1, dtype=torch.int64)  # checkpointed: the steps, the syncs
@@ -79,9 +78,10 @@ class TimedSyncs:
             dist.all_reduce(vector, group=self.everyone)
         previous, self.steps = self.steps, [int(v) for v in vector[:-1]]
         taken = [now - before for now, before in zip(self.steps, previous, strict=True)]
-        self.share = taken[0] / max(1, sum(taken))
+        shares = [t / max(1, sum(taken)) for t in taken]
+        self.share = shares[0]
         if self.step_weight > 0:  # the sync that follows weights the workers by these steps too
-            engine.outer.shares = [t / max(1, sum(taken)) for t in taken]
+            engine.outer.shares = shares
             engine.outer.share_ratio = self.step_weight
         self.flags["checkpoint"] = bool(self.every) and any(
             now // self.every > before // self.every for now, before in zip(self.steps, previous, strict=True)
