@@ -332,7 +332,11 @@ def make_collectives(kind: str, group, dp: int, dedicated_group=None):
 
 def allreduce_gradients(params: list[nn.Parameter], group, bucket_numel: float, world: int) -> None:
     """Average ``params``' gradients over ``group`` in flat buckets, synchronously (DDP without overlap)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    allreduce_tensors([p.grad for p in params if p.grad is not None], group, bucket_numel, world)
+
+
+def allreduce_tensors(grads: list[torch.Tensor], group, bucket_numel: float, world: int) -> None:
+    """Average ``grads`` over ``group`` in place, in flat buckets of about ``bucket_numel`` elements."""
     bucket: list[torch.Tensor] = []
     count = 0
 

@@ -72,6 +72,15 @@ def training_precision(precision: str, device_type: str) -> str:
     return "bf16-mixed" if device_type == "cuda" else "32"
 
 
+def wire_format(cfg: Any, device_type: str) -> str:
+    """What stage boundaries and parameter gathers carry, ``bf16`` or ``fp32``: ``parallel.comm.wire_dtype``,
+    where ``auto`` is bf16 under bf16-mixed (the compute rounds to bf16 anyway) and fp32 otherwise."""
+    choice = cfg.parallel.comm.wire_dtype
+    if choice == "auto":
+        return "bf16" if training_precision(cfg.trainer.precision, device_type) == "bf16-mixed" else "fp32"
+    return choice
+
+
 def determinism(choice: Any, device_type: str) -> bool | str:
     """``trainer.deterministic`` resolved: True (strict), False, or "warn" (torch's warn_only)."""
     if choice == "auto":

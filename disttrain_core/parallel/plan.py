@@ -63,9 +63,13 @@ def resolve_units(cfg: Config) -> UnitLayout:
     p, model = cfg.parallel, cfg.model
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
     same = {name: (p.recompute, p.recompute_every) for name in ("encoder", "llm", "generator")}
-    if p.mode == "local_sgd":  # every process the whole model, DDP inside each worker (train/local_sgd.py)
-        sizes = {"llm": (world_size_of(cfg), 1, 1)}
-        return build_layout(sizes, has_encoder, has_generator, True, True, same, {"llm": ("none", 1)}, {}, {})
+    if p.mode == "local_sgd":  # the whole model in every worker: DDP or FSDP2 inside it (train/local_sgd.py)
+        world = world_size_of(cfg)
+        sizes = {"llm": (world, 1, 1)}
+        shard = layout_shard(p, "none")
+        # sharded: state over a worker's processes, replicated over the workers, as HSDP with a replica per worker
+        replicas = max(1, world // local_sgd_shard_group(cfg)) if shard != "none" else 1
+        return build_layout(sizes, has_encoder, has_generator, True, True, same, {"llm": (shard, replicas)}, {}, {})
     if p.mode == "ddp":
         sizes = {"llm": (world_size_of(cfg) // p.cp, 1, 1)}
         shard = {"llm": (layout_shard(p, "none" if p.cp == 1 and p.ep == 1 else "zero1"), p.hsdp_replicas)}

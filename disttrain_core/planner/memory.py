@@ -17,7 +17,9 @@ The Adam column is the optimizer's state: 8 bytes for AdamW; ``optim=sgd`` holds
 none without momentum (``moment_bytes``). Local SGD (``parallel.mode=local_sgd``, train/local_sgd_sync.py)
 adds, per process, its 1/shard_group share of the fp32 anchors (4 bytes per trainable parameter / shard_group,
 counted as master) and of the outer momentum (4 / shard_group when the outer step has momentum, counted as
-moments).
+moments): split by bytes under DDP and ZeRO-1, each process's shard under FSDP2. Sharded workers (zero1, zero2,
+zero3) are counted with ``hsdp_replicas`` = the number of workers, so S = dp / hsdp_replicas = shard_group (for
+zero1 too: its optimizer is split over one worker's processes).
 
 Frozen parameters count in ``params`` only. Parameters are fp32 everywhere and are the master weights
 except under ZeRO-1, whose optimizer keeps fp32 master slices (a bf16 wire leaves the parameters with
@@ -94,11 +96,14 @@ def model_state(
     m = moment_bytes
     if shard == "none":
         return ModelState(4.0 * local, 4.0 * trainable, anchors, m * trainable + momentum, 0.0)
+    # hsdp_replicas > 1: FSDP2's HSDP, or local SGD's sharded workers (zero1 too: its optimizer is split over
+    # a worker's dp / hsdp_replicas processes); the anchors and outer momentum are a share (outer: / S already)
+    shards = max(1, dp // hsdp_replicas)
     if shard == "zero1":
         buffers = 2.0 * trainable if wire_bytes == 2 else 0.0
-        return ModelState(4.0 * local, 4.0 * trainable, 4.0 * trainable / dp, m * trainable / dp, buffers)
-    shards = max(1, dp // hsdp_replicas)
-    return ModelState(4.0 * local / shards, 4.0 * trainable / shards, 0.0, m * trainable / shards, 0.0)
+        master = 4.0 * trainable / shards + anchors
+        return ModelState(4.0 * local, 4.0 * trainable, master, m * trainable / shards + momentum, buffers)
+    return ModelState(4.0 * local / shards, 4.0 * trainable / shards, anchors, m * trainable / shards + momentum, 0.0)
 
 
 def optimizer_state_bytes(cfg) -> tuple[float, tuple[float, float]]:

@@ -63,6 +63,7 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
     from ..parallel.recompute import apply_recompute
     from ..parallel.stages import build_unit_stage
     from ..parallel.tensor_parallel import apply_tensor_parallel
+    from .memory import optimizer_state_bytes
 
     replicas = unit.dp * getattr(unit, "cp", 1)  # the ZeRO-1 group: dp x cp (train/unit_engine.py)
     _fake_group(replicas * unit.tp)
@@ -85,22 +86,33 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
             rank = 0
             decay = [(n, p) for n, p in trainable if p.ndim >= 2]
             no_decay = [(n, p) for n, p in trainable if p.ndim < 2]
+            # local SGD's ZeRO-1 workers (hsdp_replicas = workers): the optimizer is split over one worker
+            split = replicas // unit.hsdp_replicas
             flats = [
-                FlatBuckets(group, replicas, rank, unit.tp, size, torch.device("meta"), graded)
+                FlatBuckets(group, split, rank, unit.tp, size, torch.device("meta"), graded)
                 for group in (decay, no_decay)
             ]
             padded = sum(f.padded for f in flats if f.params)
             shard = sum(f.shard_numel for f in flats if f.params)
-            counted.update(params=4.0 * (padded + frozen), grads=4.0 * padded, master=4.0 * shard, moments=8.0 * shard)
+            # local SGD's anchors and outer momentum: a share of the whole parameters, as under DDP
+            _, (anchor, outer) = optimizer_state_bytes(cfg)
+            learn = sum(_numel(p) for _, p in trainable)
+            counted.update(
+                params=4.0 * (padded + frozen),
+                grads=4.0 * padded,
+                master=4.0 * shard + anchor * learn,
+                moments=8.0 * shard + outer * learn,
+            )
             if wire != torch.float32:
                 counted["buffers"] = 2.0 * padded
         else:  # none (DDP: gradients are bucket views) and FSDP2 (the local shards)
-            from .memory import optimizer_state_bytes
-
             learn = sum(_numel(p) for _, p in trainable)
             # optim=sgd's moments (4 bytes or none); local SGD's anchors and outer momentum, split by bytes over
             # the worker's processes (train/local_sgd_sync.py): the same per-parameter bytes as the planner's
             moments, (anchor, outer) = optimizer_state_bytes(cfg)
+            if fsdp_mesh is not None:  # per element of the local shard: the anchors are shards too, not a share
+                shards = unit.dp // unit.hsdp_replicas
+                anchor, outer = anchor * shards, outer * shards
             counted.update(
                 params=4.0 * (learn + frozen),
                 grads=4.0 * learn,

@@ -230,6 +230,8 @@ class DataParallelEngine(Engine):
         self.loss_group = group
         self.loss_multiplier = 1.0  # local SGD's injected spikes scale a worker's loss (the logged sums are not)
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
+        # local SGD's sharded workers: FSDP2 over the group (on meta, before materialize) or ZeRO-1's optimizer
+        self.sharded = self.shard_model(self.raw_model)
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
         import_pretrained(cfg, tokenizer, [self.raw_model])
         unit = resolve_units(cfg).llm  # the one unit: every module on every process
@@ -241,7 +243,7 @@ class DataParallelEngine(Engine):
         # for a compute-only benchmark) every microbatch runs under no_sync and after_backward reduces.
         self.ddp_sync = comm.overlap_grad_reduce and not comm.skip_collectives
         self.bucket_numel = bucket_numel(comm.bucket_mb)
-        if self.replicas > 1:
+        if self.replicas > 1 and not self.sharded:
             device_ids = [fabric.device.index] if fabric.device.type == "cuda" else None
             bucket_mb = comm.bucket_mb if comm.bucket_mb > 0 else 1e6
             # Gradients are views of DDP's buckets: no second copy (16 bytes per parameter, not 20). Every
@@ -259,6 +261,15 @@ class DataParallelEngine(Engine):
         self.autocast = fabric.autocast if mixed else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
 
+    def shard_model(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` (on the meta device) is sharded over ``group`` (FSDP2, which it then applies) or
+        its gradients reduced by a sharded optimizer (ZeRO-1): either sums gradients and replaces DDP. Plain
+        data parallelism replicates (DDP); local SGD's workers may shard (train/local_sgd.py)."""
+        return False
+
+    def last_backward(self) -> None:
+        """Before the step's last backward (a sharded optimizer reduces gradient buckets as they complete)."""
+
     def models(self) -> list[torch.nn.Module]:
         return [self.raw_model]
 
@@ -271,14 +282,16 @@ class DataParallelEngine(Engine):
         device = self.fabric.device
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # lm, gen loss sums: kept on the device
         # DDP averages gradients over its replicas; scale so the result is the sum over them, normalized by
-        # the counts (the global batch's, or one local-SGD worker's).
-        scale = float(self.replicas)
+        # the counts (the global batch's, or one local-SGD worker's). FSDP2 and ZeRO-1 sum.
+        scale = 1.0 if self.sharded else float(self.replicas)
         # MoE aux terms: balanced over every replica (one global microbatch), averaged over the microbatches.
         balance = dist.group.WORLD if self.fabric.world_size > 1 else None
         configure_moe([self.raw_model], balance, scale / len(microbatches))
         for index, microbatch in enumerate(microbatches):
             last = index == len(microbatches) - 1 and self.ddp_sync
-            sync = self.model.no_sync() if self.replicas > 1 and not last else nullcontext()
+            sync = self.model.no_sync() if self.replicas > 1 and not last and not self.sharded else nullcontext()
+            if index == len(microbatches) - 1:
+                self.last_backward()
             with sync:
                 with self.autocast():
                     out = self.model(batch_to_device(microbatch, device))
@@ -301,7 +314,7 @@ class DataParallelEngine(Engine):
 
     def after_backward(self) -> None:
         comm = self.cfg.parallel.comm
-        if self.replicas > 1 and not self.ddp_sync and not comm.skip_collectives:
+        if self.replicas > 1 and not self.sharded and not self.ddp_sync and not comm.skip_collectives:
             params = [p for _, p in self.named_parameters]
             allreduce_gradients(params, self.group, self.bucket_numel, self.replicas)
 

@@ -1,14 +1,15 @@
 """Local SGD: workers train alone between syncs (``parallel.mode=local_sgd``, docs/LOCAL_SGD.md).
 
 The processes form a 2-D mesh: a *worker* is ``shard_group`` consecutive processes that train one model
-replica together (DDP inside the worker), and a *sync group* joins the processes at the same place in every
-worker. The first ``warmup_steps`` steps are synchronous data parallelism (each worker's DDP average, then a
-sum over the sync group, the loss normalized by the global batch). After them each worker steps alone on its
+replica together (DDP inside the worker, or sharded: ``parallel.shard=zero1|zero2|zero3``,
+train/local_sgd_shards.py), and a *sync group* joins the processes at the same place in every worker. The
+first ``warmup_steps`` steps are synchronous data parallelism (each worker's sum, then a sum over the sync
+group, the loss normalized by the global batch). After them each worker steps alone on its
 own samples (its loss normalized by its own tokens), and every ``sync_every`` steps the workers sync:
 
 * each process syncs only the parameters it *owns* -- the worker's parameters split by bytes over its
-  ``shard_group`` processes, as ZeRO-1 splits optimizer state -- so each parameter crosses the sync group once
-  per worker, not once per process;
+  ``shard_group`` processes, as ZeRO-1 splits optimizer state; under FSDP2 its shard of every parameter -- so
+  each parameter crosses the sync group once per worker, not once per process;
 * pseudo-gradient of worker m: ``anchor - theta_m`` (``anchor``: the parameters of the last sync), averaged over
   the sync group;
 * ``diloco``: ``anchor <- OuterSGD(anchor, grad = mean pseudo-gradient)`` with torch SGD (``outer_lr``,
@@ -23,7 +24,7 @@ when ``sync_interval_s`` seconds have passed instead of every ``sync_every`` ste
 numbers of steps, and the loop's agreements (stop, checkpoint, end of run) move to its syncs
 (train/local_sgd_clock.py).
 
-The anchors and the outer momentum exist only for owned parameters: besides the model and the inner
+The anchors and the outer momentum exist only for owned parameters (or shards): besides the model and the inner
 optimizer, a process holds 1/shard_group of one extra model copy (2/shard_group with momentum).
 """
 
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
-from ..comm.engine import allreduce_gradients
+from ..comm.engine import allreduce_tensors
 from ..config import Config
 from ..data.tokenizer import Tokenizer
 from ..models.llama import DecoderBlock
@@ -47,8 +48,8 @@ from ..parallel.plan import local_sgd_features, local_sgd_shard_group
 from .engine import DataParallelEngine
 from .local_sgd_clock import TimedSyncs
 from .local_sgd_penalty import Penalty
+from .local_sgd_shards import WorkerShards
 from .local_sgd_sync import OuterSync
-from .state import model_entries, optimizer_entries, owned_by
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +81,15 @@ class LocalSgdEngine(DataParallelEngine):
         else:
             worker_group, self.sync_group, self.worker, self.place = None, None, 0, 0
         self.worker_group = worker_group
+        # inside a worker: none (DDP), zero1, zero2 or zero3 (train/local_sgd_shards.py)
+        self.shards = WorkerShards(cfg, fabric.device, worker_group, self.worker, self.place, self.shard)
+        self.fsdp, self.zero1 = self.shards.fsdp, self.shards.zero1
         super().__init__(cfg, fabric, tokenizer, group=worker_group if world > 1 else None)
         self.warmup, self.every, self.method = int(ls.warmup_steps), int(ls.sync_every), ls.method
         self.step = 0  # optimizer steps taken (checkpointed: a resumed run knows where the next sync is)
         self._step_tensor = torch.zeros((), dtype=torch.int64)
-        # This process's share of the parameters, by bytes (the same split on every process of every worker).
-        names = dict(self.named_parameters)
-        self.owner_of = {n: place for place in range(self.shard) for n in owned_by(dict(names), place, self.shard)}
+        self.parameter = dict(self.named_parameters)
+        self.owner_of = self.shards.owners(self.parameter)  # who syncs what inside a worker
         post = self.method == "post_local_sgd"  # plain averaging: outer lr 1, no momentum
         momentum = 0.0 if post else float(ls.outer_momentum)
         outer = {
@@ -111,6 +114,7 @@ class LocalSgdEngine(DataParallelEngine):
             penalty=Penalty(ls.penalty, 1 + blocks, self.workers, anomaly, weighting),
             worker=self.worker,
             offload=bool(ls.offload),
+            sharded=self.fsdp,
         )
         self.spikes = ls.spikes
         self._penalty_tensor = torch.zeros(len(self.outer.units), 3 * self.workers, dtype=torch.float64)
@@ -132,6 +136,10 @@ class LocalSgdEngine(DataParallelEngine):
             self.warmup,
             f"{ls.sync_interval_s} s" if self.timed else f"{self.every} steps",
         )
+
+    def shard_model(self, model: torch.nn.Module) -> bool:
+        """FSDP2 over the worker's processes (zero2, zero3), or ZeRO-1's optimizer reducing the gradients."""
+        return self.shards.apply(model)
 
     # ------------------------------------------------------------------ the step
     def synchronous(self, step: int) -> bool:
@@ -160,11 +168,40 @@ class LocalSgdEngine(DataParallelEngine):
         self.spiked_since_sync |= {w for w in range(self.workers) if self.spiked(step, w)}
         return super().forward_backward(microbatches, counts, record)
 
+    def build_optimizer(self):
+        """The inner optimizer: torch's (over whole parameters, or FSDP2's shards), or ZeRO-1's over the worker
+        group (its fp32 master shards and moments split over the worker's processes)."""
+        if not self.zero1:
+            return super().build_optimizer()
+        self.optimizer = self.shards.zero1_optimizer(self.raw_model, self.named_parameters)
+        return self.optimizer
+
+    def last_backward(self) -> None:
+        if self.zero1:  # reduce-scatter each gradient bucket as soon as the last backward completes it
+            self.optimizer.sync.arm()
+
     def after_backward(self) -> None:
-        super().after_backward()  # the worker's sum (DDP)
+        if self.zero1:
+            self.optimizer.reduce_gradients()  # the worker's sum, each process its slice
+            self._refresh_masters()  # a layer-wise sync completed in this step's forward
+        else:
+            super().after_backward()  # the worker's sum (DDP; FSDP2 reduce-scattered in the backward)
         if self.synchronous(self.step + 1) and self.workers > 1:
-            params = [p for _, p in self.named_parameters]
-            allreduce_gradients(params, self.sync_group, self.bucket_numel, 1)  # a sum over the workers
+            # a sum over the workers (sharded: of each process's shard, the same shard in every worker)
+            grads = self.shards.gradient_shards(self.named_parameters, self.optimizer)
+            allreduce_tensors(grads, self.sync_group, self.bucket_numel, 1)
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        if not (self.fsdp or self.zero1):
+            return super().clip_gradients(max_norm)
+        return self.shards.clip(self.named_parameters, self.optimizer, max_norm)
+
+    def _refresh_masters(self) -> None:
+        """ZeRO-1: after a sync set the parameters, its fp32 master shards take their values (fp32 wire, so
+        the parameters hold the masters' values exactly: validation/local_sgd.py)."""
+        if self.zero1 and self.outer.applied:
+            self.outer.applied = False
+            self.optimizer.sync_master_from_params()
 
     def after_step(self) -> None:
         super().after_step()
@@ -173,6 +210,8 @@ class LocalSgdEngine(DataParallelEngine):
         self.local_steps_logged += int(not self.synchronous(self.step))
         if self.step <= self.warmup:
             if self.step == self.warmup:  # the synchronous parameters are the first anchor
+                if self.zero1:  # the step's updated parameters, gathered
+                    self.optimizer.wait_params()
                 self.outer.set_anchors()
             return
         if self.timed:  # A-EDiT: when the interval since the last sync has passed on this worker's clock
@@ -184,6 +223,8 @@ class LocalSgdEngine(DataParallelEngine):
 
     def sync(self) -> None:
         """The outer step (train/local_sgd_sync.py): now, or unit by unit in the next forward (layer-wise)."""
+        if self.zero1:  # the step's updated parameters, gathered (in the background with overlap) before use
+            self.optimizer.wait_params()
         self._write_verdicts()  # of the previous sync (a layer-wise one completes in the forward after it)
         self.sync_step, self.sync_spikes = self.step, sorted(self.spiked_since_sync)
         self.spiked_since_sync = set()
@@ -192,6 +233,7 @@ class LocalSgdEngine(DataParallelEngine):
             self.outer.sync_in_next_forward()
         else:
             self.outer.sync_now()
+            self._refresh_masters()
         self.syncs += 1
 
     def _write_verdicts(self) -> None:
@@ -206,8 +248,15 @@ class LocalSgdEngine(DataParallelEngine):
                 out.write(json.dumps({"step": self.sync_step, "spiked": self.sync_spikes, **verdict}) + "\n")
 
     def synchronize(self) -> None:
+        if self.zero1:
+            self.optimizer.wait_params()
         self.outer.finish()  # a layer-wise sync still pending: before a checkpoint, at the end
+        self._refresh_masters()
         self._write_verdicts()
+
+    def close(self) -> None:
+        if self.zero1:
+            self.optimizer.close()
 
     def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
         syncs, self.syncs = self.syncs, 0
@@ -282,16 +331,20 @@ class LocalSgdEngine(DataParallelEngine):
         return "" if self.worker == 0 else f"local_sgd.worker{self.worker}."
 
     def checkpoint_state(self, saving: bool) -> dict:
-        self.outer.finish()  # a checkpoint holds synced parameters, never a sync half applied
+        self.synchronize()  # a checkpoint holds synced parameters, never a sync half applied
         prefix = self._prefix()
-        local = {**model_entries([self.raw_model]), **optimizer_entries(self.optimizer, self.named_parameters)}
-        state = {prefix + key: value for key, value in local.items()}
-        if saving:  # replicated inside the worker: each of its processes writes a share
-            state = owned_by(state, self.place, self.shard)
+        f = self.fabric
+        mine = self.shards.checkpoint_entries(
+            self.raw_model, self.named_parameters, self.optimizer, f.global_rank, f.world_size, saving
+        )
+        state = {prefix + key: value for key, value in mine.items()}
         # The anchors and the outer momentum: the same in every worker; worker 0's owners write them.
-        shared: dict[str, torch.Tensor] = {f"local_sgd.anchor.{n}": a.detach() for n, a in self.outer.anchors.items()}
+        like = self.shards.like_parameter  # FSDP2: a DTensor of the shard, placed like the parameter
+        shared: dict[str, torch.Tensor] = {
+            f"local_sgd.anchor.{n}": like(self.parameter[n], a.detach()) for n, a in self.outer.anchors.items()
+        }
         for name, buffer in self.outer.momentum_buffers().items():
-            shared[f"local_sgd.outer.{name}.momentum_buffer"] = buffer
+            shared[f"local_sgd.outer.{name}.momentum_buffer"] = like(self.parameter[name], buffer)
         self._step_tensor.fill_(self.step)
         if self.timed:
             self.clock.state(self.step)
@@ -315,6 +368,8 @@ class LocalSgdEngine(DataParallelEngine):
                 f"resume with the same parallel.local_sgd.shard_group and process count ({self.workers} workers "
                 f"x {self.shard})"
             )
+        if self.zero1:  # step counters in place; the parameters gathered from the loaded masters
+            self.optimizer.checkpoint_loaded()
         self.step = int(self._step_tensor)
         if self.timed:
             self.clock.loaded()

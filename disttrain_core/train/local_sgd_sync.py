@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..dtensor import local
 from ..models.llama import DecoderBlock
 
 
@@ -35,16 +36,20 @@ class OuterSync:
         penalty=None,
         worker: int = 0,
         offload: bool = False,
+        sharded: bool = False,
     ):
         """``owner_of``: the place (index inside a worker) that syncs each parameter; ``outer``: torch SGD's
         lr, momentum and nesterov for every unit's outer optimizer; ``offload``: anchors (pinned when the
         parameters are on CUDA) and outer momentum in host memory: a sync brings a unit's anchors to the device
         for its pseudo-gradient, takes the reduced pseudo-gradient to the host for the outer step there, and
-        copies the new anchors back into the parameters."""
+        copies the new anchors back into the parameters. ``sharded`` (FSDP2 inside the worker): every process
+        owns the local shard of every parameter (a DTensor): pseudo-gradients, anchors and outer momentum are
+        those shards, and no broadcast follows (FSDP2 gathers the new shards in the next forward)."""
         self.place, self.first, self.workers, self.shard = place, worker_first_rank, workers, shard
         self.sync_group, self.worker_group = sync_group, worker_group
         self.owner_of = owner_of
         self.worker = worker
+        self.sharded = sharded
         # EDiT's penalty (train/local_sgd_penalty.py), or None: the plain mean of the pseudo-gradients
         self.penalty = penalty if penalty is not None and penalty.active else None
         self.verdicts: list[dict] = []  # per unit of each sync since last read: norms, flags, weights
@@ -59,7 +64,7 @@ class OuterSync:
         pin = offload and self.device.type == "cuda"
 
         def anchor(p: torch.Tensor) -> torch.nn.Parameter:
-            copy = p.detach().float().to(self.home, copy=True)
+            copy = local(p.detach()).float().to(self.home, copy=True)
             return torch.nn.Parameter(copy.pin_memory() if pin else copy)
 
         with torch.no_grad():
@@ -73,17 +78,18 @@ class OuterSync:
         self.shares: list[float] | None = None
         self.share_ratio = 0.0
         self.next_unit = len(self.units)  # the unit the pending sync applies next (len: none pending)
-        if layerwise:
-            model.register_forward_pre_hook(lambda module, args: self._before(0))
+        self.applied = False  # set when a unit's new parameters are written (the engine clears it)
+        if layerwise:  # prepended: before FSDP2's own pre-forward hook gathers the unit's new shards
+            model.register_forward_pre_hook(lambda module, args: self._before(0), prepend=True)
             for index, block in enumerate(blocks):
-                block.register_forward_pre_hook(lambda module, args, unit=index + 1: self._before(unit))
+                block.register_forward_pre_hook(lambda module, args, unit=index + 1: self._before(unit), prepend=True)
 
     # -------------------------------------------------------------------- state
     def set_anchors(self) -> None:
         with torch.no_grad():
             for unit in self.owned:
                 for name, param in unit:
-                    self.anchors[name].copy_(param)
+                    self.anchors[name].copy_(local(param))
 
     def momentum_buffers(self) -> dict[str, torch.Tensor]:
         """The outer momentum of each owned parameter (created at zero: torch SGD's first step then gives the
@@ -137,7 +143,7 @@ class OuterSync:
             if owned:
                 flat = torch.cat(
                     [
-                        (self.anchors[n].to(self.device, non_blocking=True) - p.detach().float()).reshape(-1)
+                        (self.anchors[n].to(self.device, non_blocking=True) - local(p.detach()).float()).reshape(-1)
                         for n, p in owned
                     ]
                 )
@@ -176,6 +182,7 @@ class OuterSync:
         return square
 
     def _apply(self, unit: int) -> None:
+        self.applied = True
         owned = self.owned[unit]
         work, flat, rollback = self.inflight.pop(unit, (None, None, False))
         with torch.no_grad():
@@ -202,8 +209,8 @@ class OuterSync:
                     self.outers[unit].step()
                     self.outers[unit].zero_grad(set_to_none=True)
                 for name, param in owned:
-                    param.copy_(self.anchors[name])
-            if self.shard > 1:  # every owner's new parameters to the rest of its worker
+                    local(param).copy_(self.anchors[name])
+            if self.shard > 1 and not self.sharded:  # every owner's new parameters to the rest of its worker
                 works = [
                     dist.broadcast(p.data, self.first + self.owner_of[n], group=self.worker_group, async_op=True)
                     for n, p in self.units[unit]

@@ -22,7 +22,7 @@ from ..comm.engine import MODES
 from ..comm.p2p import Channels
 from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
-from ..config import Config, training_precision
+from ..config import Config, training_precision, wire_format
 from ..data.tokenizer import Tokenizer
 from ..models.llama import DecoderBlock
 from ..models.moe import moe_layers
@@ -138,12 +138,8 @@ def _data_and_tensor_groups(layout: UnitLayout, rank: int, timeout, comm_groups:
 
 
 def wire_dtype(cfg: Config, device_type: str) -> torch.dtype:
-    """What stage boundaries and ZeRO parameter gathers carry: ``parallel.comm.wire_dtype``, where ``auto``
-    is bf16 under bf16-mixed (the compute rounds to bf16 anyway) and fp32 otherwise."""
-    choice = cfg.parallel.comm.wire_dtype
-    if choice == "auto":
-        choice = "bf16" if training_precision(cfg.trainer.precision, device_type) == "bf16-mixed" else "fp32"
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
+    """``parallel.comm.wire_dtype`` resolved (config.wire_format) as a torch dtype."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[wire_format(cfg, device_type)]
 
 
 def _loss(out: dict, n_tokens: torch.Tensor, n_gen: torch.Tensor, weight: float) -> torch.Tensor:

@@ -290,7 +290,8 @@ def validate_layout(cfg: Config) -> None:
     for unit in layout.units:
         if unit.cp > 1:
             _validate_context_unit(cfg, unit)
-        _validate_unit_shard(unit, cfg.schedule.name)
+        if p.mode != "local_sgd":  # its workers' sharding is checked by validate_local_sgd
+            _validate_unit_shard(unit, cfg.schedule.name)
         where = f"parallel {unit.name} unit"
         if "llm" in unit.modules and m.llm.moe is not None:
             _validate_moe(cfg, unit)

@@ -3,10 +3,10 @@ any process starts."""
 
 from __future__ import annotations
 
-from ..config import Config
-from ..parallel.plan import local_sgd_features
+from ..config import Config, wire_format
+from ..parallel.plan import layout_shard, local_sgd_features
 from ..parallel.plan import local_sgd_shard_group as shard_group_size
-from .common import _require
+from .common import _require, resolve_accelerator
 
 METHODS = ("diloco", "post_local_sgd", "edit", "a_edit")
 
@@ -61,12 +61,29 @@ def validate_local_sgd(cfg: Config) -> None:
     )
     _require(
         p.cp == 1 and p.ep == 1 and p.tp == 1 and p.pp == 1,
-        "parallel.mode=local_sgd replicates the whole model in every worker (DDP inside it); "
+        "parallel.mode=local_sgd holds the whole model in every worker (DDP or FSDP2 inside it); "
         "unset parallel.tp / pp / cp / ep",
     )
+    shard = layout_shard(p, "none")
     _require(
-        p.shard in (None, "none") and not p.zero1,
-        f"parallel.mode=local_sgd shards nothing inside a worker yet (parallel.shard={p.shard}); unset parallel.shard",
+        shard in ("none", "zero1", "zero2", "zero3"),
+        f"parallel.shard={shard!r}: a local-SGD worker runs none (DDP), zero1, zero2 or zero3",
+    )
+    _require(
+        shard == "none" or size >= 2,
+        f"parallel.shard={shard} shards over a worker's processes and parallel.local_sgd.shard_group={size}; use "
+        "shard_group=2 or more, or parallel.shard=none",
+    )
+    _require(
+        shard != "zero1" or wire_format(cfg, resolve_accelerator(cfg.trainer.accelerator)) == "fp32",
+        "parallel.shard=zero1 under local_sgd gathers parameters in bf16 (parallel.comm.wire_dtype, auto under "
+        "bf16-mixed): the pseudo-gradients would come from bf16-rounded weights; set parallel.comm.wire_dtype=fp32 "
+        "or use parallel.shard=zero2 / zero3",
+    )
+    _require(
+        p.hsdp_replicas == 1,
+        f"parallel.hsdp_replicas={p.hsdp_replicas}: under local_sgd the workers are the replicas "
+        "(parallel.local_sgd.shard_group processes each); unset parallel.hsdp_replicas",
     )
     _require(
         not cfg.data.packing.enabled and cfg.data.producer.address is None,
@@ -93,8 +110,6 @@ def validate_local_sgd(cfg: Config) -> None:
         f"parallel.local_sgd.spikes.probability={spikes.probability}: use a value in [0, 1]",
     )
     if ls.offload:
-        from .common import resolve_accelerator
-
         _require(
             resolve_accelerator(cfg.trainer.accelerator) == "cuda",
             "parallel.local_sgd.offload moves anchors from device to host memory; on CPU they are in host memory "
@@ -119,6 +134,11 @@ def validate_optimizer(cfg: Config) -> None:
     from ..parallel.plan import resolve_units
 
     mode = cfg.parallel.mode
+    _require(
+        mode != "local_sgd" or layout_shard(cfg.parallel, "none") != "zero1",
+        "optim=sgd with parallel.shard=zero1: ZeRO-1's optimizer inside local-SGD workers is AdamW; use "
+        "parallel.shard=zero2 or zero3 (torch SGD on FSDP2's shards), none, or optim=adamw",
+    )
     _require(
         mode in ("ddp", "local_sgd") and (mode == "local_sgd" or resolve_units(cfg).trains_with_ddp()),
         f"optim=sgd runs with parallel=dp (no sharding) or parallel=local_sgd; parallel.mode={mode} shards AdamW "

@@ -172,13 +172,15 @@ def test_diloco_on_a_2x2_mesh_is_the_update_rule(long_text, tmp_path):
     assert _close(params, ref_params) < 1e-5
 
 
-@pytest.mark.parametrize("method", ["diloco", "edit"])
-def test_a_run_resumed_between_two_syncs_continues_identically(long_text, tmp_path, method):
+@pytest.mark.parametrize("method,shard", [("diloco", "none"), ("edit", "none"), ("edit", "zero1"), ("edit", "zero3")])
+def test_a_run_resumed_between_two_syncs_continues_identically(long_text, tmp_path, method, shard):
     """Step 3 lies between the syncs of steps 2 (the end of warm-up), 4 and 6: the checkpoint carries every
     worker's parameters and inner optimizer, the anchors, the outer momentum and the step (edit: with its
-    layer-wise sync and its penalty's detector statistics, both on by default)."""
+    layer-wise sync and its penalty's detector statistics, both on by default; zero3: all of it sharded over
+    each worker's processes, anchors and outer momentum as DTensors placed like the parameters)."""
     settings = [
         *MESH,
+        f"parallel.shard={shard}",
         f"parallel.local_sgd.method={method}",
         "parallel.local_sgd.warmup_steps=2",
         "parallel.local_sgd.sync_every=2",
@@ -298,3 +300,27 @@ def test_when_every_worker_is_anomalous_the_parameters_roll_back(long_text, tmp_
     before = read_tensors(run_dir / "checkpoints" / "step_00000019")
     after = read_tensors(latest_checkpoint(run_dir / "checkpoints"))
     assert _close(before, after) == 0.0  # steps 20-22 rolled back to the sync of step 19
+
+
+@pytest.mark.parametrize("shard", ["zero1", "zero2", "zero3"])
+def test_sharded_workers_equal_ddp_workers(long_text, tmp_path, shard):
+    """EDiT's 2-D mesh with sharded workers: each worker's 2 processes (the shard group) shard its state -- ZeRO-1
+    its AdamW state, FSDP2 (zero2, zero3) everything -- and the sync group joins the processes that hold the same
+    shards. edit (layer-wise sync before FSDP2 gathers a block, the penalty's norms summed over the shards) gives
+    the losses and the checkpoint -- every worker's parameters and AdamW state, the anchors, the outer momentum --
+    of DDP workers."""
+    settings = [
+        *MESH,
+        "parallel.local_sgd.method=edit",
+        "parallel.local_sgd.warmup_steps=2",
+        "parallel.local_sgd.sync_every=2",
+        "optim.grad_clip=0.5",  # clipped by the worker's norm, summed over the shards
+    ]
+    ddp_losses, _ = _train(long_text, tmp_path / "ddp", *settings)
+    losses, _ = _train(long_text, tmp_path / shard, *settings, f"parallel.shard={shard}")
+    assert max(abs(a - b) for a, b in zip(ddp_losses, losses, strict=True)) < 1e-5, (ddp_losses, losses)
+    ddp_state, state = (read_tensors(latest_checkpoint(tmp_path / d / "checkpoints"), "") for d in ("ddp", shard))
+    for part in ("model.", "optim.", "local_sgd.worker1.model.", "local_sgd.worker1.optim.", "local_sgd.anchor."):
+        assert any(k.startswith(part) for k in state), part
+    assert any(k.endswith("momentum_buffer") for k in state)
+    assert _close(ddp_state, state) < 1e-5

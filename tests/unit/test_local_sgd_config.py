@@ -44,7 +44,16 @@ def _cfg(*overrides):
         (["parallel.local_sgd.outer_lr=0"], "outer_lr=0.0: use a positive rate"),
         (["parallel.local_sgd.outer_momentum=1.0"], "outer_momentum=1.0: use a value in [0, 1)"),
         (["parallel.tp=2"], "unset parallel.tp / pp / cp / ep"),
-        (["parallel.shard=zero1"], "shards nothing inside a worker yet"),
+        (["parallel.shard=zero4"], "parallel.shard='zero4': a local-SGD worker runs none (DDP), zero1, zero2"),
+        (["parallel.shard=zero3", "parallel.local_sgd.shard_group=1"], "use shard_group=2 or more"),
+        (
+            ["parallel.zero1=true", "parallel.local_sgd.shard_group=2", "parallel.comm.wire_dtype=bf16"],
+            "set parallel.comm.wire_dtype=fp32",
+        ),
+        (
+            ["parallel.shard=zero3", "parallel.local_sgd.shard_group=2", "parallel.hsdp_replicas=2"],
+            "under local_sgd the workers are the replicas",
+        ),
         (["model=llama_tiny", "data=longtail_text"], "unset data.packing"),
         (["parallel.local_sgd.layerwise=true", "trainer.compile=true"], "layerwise syncs in forward hooks"),
         (["parallel.local_sgd.method=edit", "trainer.compile=true"], "layerwise syncs in forward hooks"),
@@ -66,6 +75,10 @@ def test_bad_local_sgd_settings_fail_in_one_line(overrides, message):
     [
         (["parallel=zero1"], "optim=sgd runs with parallel=dp (no sharding) or parallel=local_sgd"),
         (["parallel=megatron_tp2"], "use optim=adamw"),
+        (
+            ["parallel=local_sgd", "parallel.local_sgd.shard_group=2", "parallel.shard=zero1"],
+            "ZeRO-1's optimizer inside local-SGD workers is AdamW",
+        ),
         (["parallel=auto"], "use optim=adamw"),
         (["optim.nesterov=true"], "optim.nesterov=true needs optim.momentum > 0"),
         (["optim.momentum=1.5"], "optim.momentum"),
@@ -80,6 +93,10 @@ def test_sgd_where_adamw_is_sharded_fails_in_one_line(overrides, message):
 def test_good_settings_pass():
     validate_config(_cfg(*LOCAL))
     validate_config(_cfg(*LOCAL, "parallel.local_sgd.shard_group=2", "optim=sgd", "optim.momentum=0.9"))
+    two = [*LOCAL, "parallel.local_sgd.shard_group=2"]
+    validate_config(_cfg(*two, "parallel.shard=zero3", "optim=sgd"))  # torch SGD on FSDP2's shards
+    validate_config(_cfg(*two, "parallel.shard=zero2", "trainer.precision=bf16-mixed"))
+    validate_config(_cfg(*two, "parallel.shard=zero1", "trainer.precision=bf16-mixed", "parallel.comm.wire_dtype=fp32"))
     validate_config(_cfg(*LOCAL, "parallel.local_sgd.shard_group=null", "parallel.local_sgd.method=post_local_sgd"))
     validate_config(_cfg("optim=sgd", "trainer.devices=2", "optim.micro_batch_size=2"))
 

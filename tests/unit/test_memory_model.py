@@ -94,3 +94,6 @@ def test_sgd_and_local_sgd_state_is_what_their_optimizers_allocate():
     assert optimizer_state_bytes(cfg(*local, "parallel.local_sgd.offload=true")) == (8.0, (0.0, 0.0))  # host memory
     state = model_state(1000, 1000, 4, "none", moment_bytes=4.0, outer=(2.0, 2.0))
     assert (state.params, state.grads, state.master, state.moments) == (4000, 4000, 2000, 6000)
+    # FSDP2 workers of 2 processes (HSDP with a replica per worker): everything is a half
+    state = model_state(1000, 1000, 4, "zero3", hsdp_replicas=2, outer=(2.0, 2.0))
+    assert (state.params, state.grads, state.master, state.moments) == (2000, 2000, 2000, 6000)

@@ -59,8 +59,23 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
         # optim=sgd's one momentum; local SGD's anchors and outer momentum (a 2-process worker's share)
         ["model=llama3_8b", "parallel=dp", "optim=sgd", "optim.momentum=0.9", "trainer.devices=2"],
         ["model=llama3_8b", "parallel=local_sgd", "parallel.local_sgd.shard_group=2", "trainer.devices=4"],
+        # FSDP2 inside each worker: parameters, gradients, AdamW state, anchors and outer momentum are shards
+        [
+            "model=llama3_8b",
+            "parallel=local_sgd",
+            "parallel.local_sgd.shard_group=2",
+            "parallel.shard=zero3",
+            "trainer.devices=4",
+        ],
+        [
+            "model=llama3_8b",
+            "parallel=local_sgd",
+            "parallel.local_sgd.shard_group=2",
+            "parallel.shard=zero1",
+            "trainer.devices=4",
+        ],
     ],
-    ids=["units_zero3_zero1", "hsdp_tp2", "zero2_pp2", "sgd", "local_sgd"],
+    ids=["units_zero3_zero1", "hsdp_tp2", "zero2_pp2", "sgd", "local_sgd", "local_sgd_zero3", "local_sgd_zero1"],
 )
 def test_rehearsed_roles_match_the_memory_model(overrides):
     result = rehearse(compose(overrides), progress=lambda *_: None)
