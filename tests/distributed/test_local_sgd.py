@@ -302,24 +302,34 @@ def test_when_every_worker_is_anomalous_the_parameters_roll_back(long_text, tmp_
     assert _close(before, after) == 0.0  # steps 20-22 rolled back to the sync of step 19
 
 
+SHARDED_RUN = [
+    *MESH,
+    "parallel.local_sgd.method=edit",
+    "parallel.local_sgd.warmup_steps=2",
+    "parallel.local_sgd.sync_every=2",
+    "optim.grad_clip=0.5",  # clipped by the worker's norm, summed over the shards
+]
+
+
+@pytest.fixture(scope="module")
+def ddp_workers(long_text, tmp_path_factory):
+    """The reference of the sharded runs: edit with DDP workers (losses, the whole checkpoint)."""
+    run_dir = tmp_path_factory.mktemp("ddp_workers")
+    losses, _ = _train(long_text, run_dir, *SHARDED_RUN)
+    return losses, read_tensors(latest_checkpoint(run_dir / "checkpoints"), "")
+
+
 @pytest.mark.parametrize("shard", ["zero1", "zero2", "zero3"])
-def test_sharded_workers_equal_ddp_workers(long_text, tmp_path, shard):
+def test_sharded_workers_equal_ddp_workers(long_text, tmp_path, ddp_workers, shard):
     """EDiT's 2-D mesh with sharded workers: each worker's 2 processes (the shard group) shard its state -- ZeRO-1
     its AdamW state, FSDP2 (zero2, zero3) everything -- and the sync group joins the processes that hold the same
     shards. edit (layer-wise sync before FSDP2 gathers a block, the penalty's norms summed over the shards) gives
     the losses and the checkpoint -- every worker's parameters and AdamW state, the anchors, the outer momentum --
     of DDP workers."""
-    settings = [
-        *MESH,
-        "parallel.local_sgd.method=edit",
-        "parallel.local_sgd.warmup_steps=2",
-        "parallel.local_sgd.sync_every=2",
-        "optim.grad_clip=0.5",  # clipped by the worker's norm, summed over the shards
-    ]
-    ddp_losses, _ = _train(long_text, tmp_path / "ddp", *settings)
-    losses, _ = _train(long_text, tmp_path / shard, *settings, f"parallel.shard={shard}")
+    ddp_losses, ddp_state = ddp_workers
+    losses, _ = _train(long_text, tmp_path / shard, *SHARDED_RUN, f"parallel.shard={shard}")
     assert max(abs(a - b) for a, b in zip(ddp_losses, losses, strict=True)) < 1e-5, (ddp_losses, losses)
-    ddp_state, state = (read_tensors(latest_checkpoint(tmp_path / d / "checkpoints"), "") for d in ("ddp", shard))
+    state = read_tensors(latest_checkpoint(tmp_path / shard / "checkpoints"), "")
     for part in ("model.", "optim.", "local_sgd.worker1.model.", "local_sgd.worker1.optim.", "local_sgd.anchor."):
         assert any(k.startswith(part) for k in state), part
     assert any(k.endswith("momentum_buffer") for k in state)
