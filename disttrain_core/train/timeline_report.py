@@ -5,7 +5,7 @@ first pipeline writes the actions it ran with their start and end times
 (relative to a barrier just before the step), rank 0 draws the measured timeline
 above the simulated one calibrated from those durations, writes
 ``timelines/step_<N>.png`` and ``timelines/step_<N>.json`` (measured and
-predicted pipeline time) and logs the picture to TensorBoard.
+predicted pipeline time, the measured actions) and logs the picture to TensorBoard.
 """
 
 from __future__ import annotations
@@ -86,6 +86,14 @@ class TimelineReporter:
             "simulated_bubble_fraction": simulated.bubble_fraction,
             "png": str(png),
             "report_seconds": time.perf_counter() - started,
+            # what a held-out prediction needs (tools/bench_pipeline.py): the schedule and the measured actions
+            "schedule": {
+                "name": self.schedule.name,
+                "pp": self.schedule.num_ranks,
+                "microbatches": self.schedule.num_microbatches,
+                "stages": self.schedule.num_stages,
+            },
+            "measured": [{"rank": t.rank, "action": str(t.action), "start": t.start, "end": t.end} for t in measured],
         }
         (self.dir / f"step_{step:08d}.json").write_text(json.dumps(self.last, indent=1))
         self.metrics.log_image("pipeline/timeline", png_to_array(png), step)
