@@ -115,6 +115,7 @@ BENCHMARKS = {
         "global_batch=8",
     ],
     "python tools/bench_reorder.py": ["measure=false", "groups=16,64", "trials=1"],
+    "python tools/regime.py": ["models=mllm9b", "gpus=256", "presets=laion_pairs,gen_512"],
     "sudo python tools/bench_overlap.py": ["network=loopback", "cycles=2", "block=2", "rounds=1"],
     "sudo python tools/bench_local_sgd.py": [
         "scenarios=straggler",

@@ -1,0 +1,126 @@
+"""Workload presets for predictions at scale (tools/regime.py): what a training sample holds, each number with
+its source, fixed before any sweep (nothing here is tuned to reach a figure).
+
+A preset becomes model overrides the planner reads (planner/workload.py): the encoder sees
+``images_per_sample x tiles`` images of ``encoder_px`` pixels per sample (``model.nominal_images_per_sample``,
+``model.encoder.image_size``; every preset's patches fit the 4,096-token sequences of mllm9b/15b/72b, checked in
+tests/unit/test_presets.py), the generator produces ``generated_per_sample`` images of ``generated_px``
+(0: no generator; the runtime generates at most one image per sample) and frozen modules keep no gradients or
+optimizer state. The planner uses the mean number of images; the distribution (``images_distribution``) is
+recorded for the straggler model of the rigid layout, which does not exist yet (issue 19).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkloadPreset:
+    name: str
+    images_per_sample: float  # mean images per training sample (before tiling)
+    images_distribution: str  # the shape the mean comes from
+    encoder_px: int  # what the encoder sees: the resolution, or the tile size with tiling
+    tiles: int  # encoder inputs per image (tiles plus a thumbnail; 1: no tiling)
+    generated_per_sample: int  # 0 or 1
+    generated_px: int
+    frozen: tuple[str, ...]  # modules without gradients (model.freeze.<name>)
+    source: str
+
+    def overrides(self) -> list[str]:
+        out = [
+            f"model.nominal_images_per_sample={self.images_per_sample * self.tiles:g}",
+            f"model.encoder.image_size={self.encoder_px}",
+        ]
+        out += [f"model.gen_image_size={self.generated_px}"] if self.generated_per_sample else ["model.generator=null"]
+        out += [f"model.freeze.{name}=true" for name in self.frozen]
+        return out
+
+
+PRESETS = {
+    p.name: p
+    for p in (
+        WorkloadPreset(
+            "laion_pairs",
+            1.0,
+            "one image per pair",
+            224,
+            1,
+            0,
+            0,
+            (),
+            "LAION-400M image-text pairs (Schuhmann et al. 2021), the dataset the DistTrain paper analyses in "
+            "its section 2.2; 224 px, CLIP ViT-H/14's pretraining resolution (OpenCLIP)",
+        ),
+        WorkloadPreset(
+            "mmc4_interleaved",
+            5.6,
+            "skewed count per document (the paper's figure 5(c))",
+            224,
+            1,
+            0,
+            0,
+            (),
+            "MMC4 (Zhu et al. 2023): 571M images in 101.2M documents, 5.6 per document, encoded at 224 px",
+        ),
+        WorkloadPreset(
+            "obelics_448",
+            2.5,
+            "skewed count per document",
+            448,
+            1,
+            0,
+            0,
+            ("encoder",),
+            "OBELICS (Laurençon et al. 2023): 353M images in 141M documents, 2.5 per document; 448 px and a "
+            "frozen vision encoder as in LLaVA-1.5-style training (Liu et al. 2023)",
+        ),
+        WorkloadPreset(
+            "highres_tiles",
+            1.0,
+            "one image of up to 672 px: 2 x 2 tiles + a downsized whole",
+            336,
+            5,
+            0,
+            0,
+            (),
+            "LLaVA-NeXT's AnyRes (Liu et al. 2024): 336 px tiles, up to 2 x 2 for a 672 px image, plus the whole "
+            "image at 336 px (InternVL 1.5's 448 px tiles need its pixel shuffle, not modelled here, to fit a "
+            "4,096-token sequence)",
+        ),
+        WorkloadPreset(
+            "gen_256",
+            1.0,
+            "one input image, one generated",
+            224,
+            1,
+            1,
+            256,
+            (),
+            "understanding plus generation with a Stable Diffusion 2.1-style U-Net (Rombach et al. 2022) at 256 "
+            "px, the low end of the generated resolutions",
+        ),
+        WorkloadPreset(
+            "gen_512",
+            1.0,
+            "one input image, one generated",
+            224,
+            1,
+            1,
+            512,
+            (),
+            "the same at 512 px, Stable Diffusion 2.1-base's resolution (the mllm presets' default)",
+        ),
+        WorkloadPreset(
+            "gen_768",
+            1.0,
+            "one input image, one generated",
+            224,
+            1,
+            1,
+            768,
+            (),
+            "the same with Stable Diffusion 2.1 (768-v) at 768 px",
+        ),
+    )
+}

@@ -1,0 +1,41 @@
+"""Workload presets (planner/presets.py) reach the planner's workload as they say: encoder inputs per sample,
+patches per input, the generator and its latent size, frozen modules; and each carries its source."""
+
+import pytest
+
+from disttrain_core.config import compose
+from disttrain_core.planner.presets import PRESETS
+from disttrain_core.planner.workload import workload_of
+from disttrain_core.validation import validate_config
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_preset_is_what_the_planner_counts(name):
+    preset = PRESETS[name]
+    assert len(preset.source) > 40 and preset.generated_per_sample in (0, 1)
+    cfg = compose(["model=mllm_tiny", "model.encoder.patch_size=16", "model.seq_len=4096", *preset.overrides()])
+    validate_config(cfg)
+    work = workload_of(cfg.model).units
+    encoder = work["encoder"]
+    assert encoder.items_per_sample == pytest.approx(preset.images_per_sample * preset.tiles)
+    assert encoder.tokens == (preset.encoder_px // 16) ** 2 + 1  # patches and the class token
+    if "encoder" in preset.frozen:  # the ViT frozen, its projector (counted with it) still trained
+        assert 0.0 < encoder.trainable_fraction < 0.5
+    else:
+        assert encoder.trainable_fraction == 1.0
+    if preset.generated_per_sample:
+        side = preset.generated_px // cfg.model.latent_downsample
+        assert work["generator"].tokens == side * side
+    else:
+        assert "generator" not in work
+
+
+@pytest.mark.parametrize("model", ["mllm9b", "mllm15b", "mllm72b"])
+def test_every_preset_fits_the_sequences_of_the_models_it_is_swept_with(model):
+    """The mean sample's image tokens (patches of every encoder input) and generation tokens fit seq_len: the
+    planner counts LLM work per sequence, so a preset that overflowed it would describe impossible samples."""
+    for preset in PRESETS.values():
+        cfg = compose([f"model={model}", *preset.overrides()])
+        patches = (preset.encoder_px // cfg.model.encoder.patch_size) ** 2
+        gen = cfg.model.gen_tokens if preset.generated_per_sample else 0
+        assert preset.images_per_sample * preset.tiles * patches + gen <= cfg.model.seq_len, preset.name
