@@ -1,0 +1,59 @@
+"""The rigid layout the planner compares with (planner/baselines.py ``megatron``), pinned to the DistTrain
+paper's section 2.1 description of Megatron-LM's multimodal training: the encoder and the generator are extra
+pipeline stages (or folded into the first / last LLM stage) with the LLM backbone's TP and the LLM's DP;
+a module too small to split is replicated inside its TP group; the projectors go with the encoder and the
+generator. (Where data-skew stragglers enter is not modelled yet: issue 19.)"""
+
+from disttrain_core.config import compose
+from disttrain_core.planner import CostModel, Hardware, LayoutModel, Orchestrator, UnitChoice, workload_of
+from disttrain_core.planner.baselines import megatron
+from disttrain_core.planner.costs import PlannerSettings
+
+
+def _solver(model="mllm9b", devices=64, batch=256):
+    cfg = compose([f"model={model}", "cluster=h100_80g"])
+    costs = CostModel(
+        workload_of(cfg.model),
+        Hardware.from_config(cfg.cluster, "bf16-mixed"),
+        PlannerSettings(precision="bf16-mixed", recompute="selective_op"),
+    )
+    return Orchestrator(LayoutModel(costs, batch, 1, devices))
+
+
+def test_every_rigid_candidate_shares_the_llm_dp_and_tp():
+    solver = _solver()
+    seen = []
+    evaluate = solver.m.evaluate
+
+    def spy(llm, enc, gen):
+        seen.append((llm, enc, gen))
+        return evaluate(llm, enc, gen)
+
+    solver.m.evaluate = spy
+    plan = megatron(solver)
+    assert plan is not None and seen
+    folded = separate = 0
+    for llm, enc, gen in seen:
+        for side in (enc, gen):
+            if side.colocated:  # folded into the first (encoder) or last (generator) LLM stage
+                folded += 1
+                continue
+            separate += 1
+            # one extra pipeline stage at the LLM's TP and the LLM's data-parallel width (x its CP ranks)
+            assert (side.tp, side.pp, side.dp) == (llm.tp, 1, llm.dp * llm.cp), (llm, side)
+        assert enc.colocated == gen.colocated  # both folded or both extra stages
+    assert folded and separate  # both forms are searched
+
+
+def test_a_module_too_small_to_split_is_replicated_inside_its_tp_group():
+    """The U-Net has no TP-split blocks: on a TP group of 8 every rank computes all of it (no speedup); the
+    encoder's blocks split, its projector (counted with it) is replicated."""
+    m = _solver().m
+    one, eight = UnitChoice(1, 4, 1), UnitChoice(8, 4, 1)
+    unet_1 = m.c.rank_compute("generator", 1, 4.0, 1, 1)
+    unet_8 = m.c.rank_compute("generator", 8, 4.0, 1, 1)
+    assert unet_8 >= unet_1 * 0.999  # replicated: TP does not shorten it
+    assert m.w.units["generator"].params_tp == 0
+    encoder = m.w.units["encoder"]
+    assert 0 < encoder.flops_not_tp < encoder.train_flops  # the projector, replicated in the TP group
+    assert m.stage_time("encoder", eight, 4.0, 1e11) < m.stage_time("encoder", one, 4.0, 1e11)
