@@ -111,6 +111,12 @@ def validate_local_sgd(cfg: Config) -> None:
     )
     if ls.offload:
         _require(
+            shard not in ("zero2", "zero3"),
+            f"parallel.local_sgd.offload with parallel.shard={shard}: host-memory anchors of FSDP2 shards are not "
+            "built (they would be checkpointed as CPU shards of device DTensors); use parallel.shard=none or zero1, "
+            "or unset offload",
+        )
+        _require(
             resolve_accelerator(cfg.trainer.accelerator) == "cuda",
             "parallel.local_sgd.offload moves anchors from device to host memory; on CPU they are in host memory "
             "already: unset it (or train on CUDA)",

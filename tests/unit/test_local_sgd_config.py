@@ -40,6 +40,10 @@ def _cfg(*overrides):
         (["trainer.straggler.factor=0.5"], "trainer.straggler.factor"),
         (["trainer.straggler.ranks=[1]"], "set trainer.threads_per_rank=1"),
         (["parallel.local_sgd.offload=true"], "on CPU they are in host memory already"),
+        (
+            ["parallel.local_sgd.offload=true", "parallel.local_sgd.shard_group=2", "parallel.shard=zero3"],
+            "host-memory anchors of FSDP2 shards are not built",
+        ),
         (["parallel.local_sgd.warmup_steps=-1"], "warmup_steps=-1"),
         (["parallel.local_sgd.outer_lr=0"], "outer_lr=0.0: use a positive rate"),
         (["parallel.local_sgd.outer_momentum=1.0"], "outer_momentum=1.0: use a value in [0, 1)"),
