@@ -40,7 +40,9 @@ log = logging.getLogger("disttrain")
 def prepare_data(cfg: Config) -> None:
     from .data.reader import resolve_shards
 
-    if cfg.data.packing.enabled or resolve_shards(cfg.data.path) or not cfg.data.generate_if_missing:
+    if cfg.data.format == "tokens" or cfg.data.packing.enabled:
+        return
+    if resolve_shards(cfg.data.path) or not cfg.data.generate_if_missing:
         return
     import fcntl
 

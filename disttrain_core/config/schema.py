@@ -87,6 +87,9 @@ class PackingConfig:
 class DataConfig:
     name: str = MISSING
     path: str = MISSING  # directory of .tar shards, or a brace pattern like dir/shard-{000..099}.tar
+    # webdataset: samples from .tar shards (images and text); tokens: a .npy file of pre-tokenized text
+    # (data/token_file.py; text-only models)
+    format: str = "webdataset"
     tokenizer: str = "byte"
     num_workers: int = 1  # decode workers per training process (0 = decode inline)
     prefetch_steps: int = 2  # optimizer steps of decoded samples kept ready ahead of the trainer

@@ -80,7 +80,8 @@ class Trainer(StepData, CheckpointIO):
         self.packing = cfg.data.packing.enabled
         self._packed_flops = 0.0  # model FLOPs of the packed steps since the last log
         self._flop_terms = llm_flop_terms(cfg.model) if self.packing else None  # counted once, not per step
-        self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing
+        self.token_file = cfg.data.format == "tokens"  # pre-tokenized windows, positioned by step like packing
+        self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing or self.token_file
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         timeout = timedelta(seconds=trainer.dist_timeout_s)
         self.engine, self.count_group, self.schedule, self.broker = build_engine(
@@ -89,9 +90,9 @@ class Trainer(StepData, CheckpointIO):
         self.optimizer = self.engine.build_optimizer()
         self.scheduler = build_scheduler(getattr(self.optimizer, "inner", self.optimizer), optim, trainer.max_steps)
 
-        shards = [] if self.packing else resolve_shards(cfg.data.path)
-        if self.packing:
-            self.stream = None  # packed text is built per step (data/packed_loader.py)
+        shards = [] if self.packing or self.token_file else resolve_shards(cfg.data.path)
+        if self.packing or self.token_file:
+            self.stream = None  # built per step (data/packed_loader.py, data/token_file.py)
         elif self.global_stream:  # every process reads the one canonical stream and keeps its own samples
             self.stream = ShardStream(shards, 0, 1, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
         else:  # one stream per data-parallel replica, shards split by replica
@@ -137,6 +138,13 @@ class Trainer(StepData, CheckpointIO):
             from ..data.packed_loader import packed_loader
 
             self.loader = packed_loader(cfg, data_state)
+        elif self.token_file:
+            from ..data.token_file import TokenFileLoader
+
+            m = cfg.model
+            self.loader = TokenFileLoader(
+                cfg.data.path, m.seq_len, self.slot_samples, self.accumulation, m.llm.vocab_size, trainer.seed, data_state
+            )
         else:
             self.loader = self._local_loader(data_state)
         self.metrics = MetricsLogger(

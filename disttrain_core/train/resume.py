@@ -53,8 +53,8 @@ class CheckpointIO:
             )
             saved_data = [read_json(checkpoint, name, meta) for name in names]
             step = int(read_json(checkpoint, "trainer.json", meta)["step"])
-            for position in saved_data:  # packed text stands at a step; a shard stream at (epoch, index)
-                int(position["step"]) if self.packing else (int(position["epoch"]), int(position["index"]))
+            for position in saved_data:  # packed text and token files stand at a step; a shard stream at (epoch, index)
+                int(position["step"]) if self.stream is None else (int(position["epoch"]), int(position["index"]))
         except CheckpointCorrupt as error:
             problem = str(error)
         except (KeyError, TypeError, ValueError, AttributeError) as error:  # well-formed JSON, wrong content

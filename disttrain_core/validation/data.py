@@ -67,3 +67,45 @@ def check_shards(cfg: Config) -> int:
             f"{len(found)} that exist (a warning counts the missing ones)"
         )
     return len(found)
+
+
+FORMATS = ("webdataset", "tokens")
+VOCAB_CHECKED_TOKENS = 1 << 20  # the head of a token file checked against the vocabulary before launch
+
+
+def check_token_file(cfg: Config) -> None:
+    """``data.format=tokens``: a text-only model and a readable 1-D integer .npy file with at least one window,
+    whose first tokens fit the model's vocabulary (later windows that do not are skipped and counted)."""
+    import numpy as np
+
+    from ..data.token_file import open_tokens, window_count
+
+    d, m = cfg.data, cfg.model
+    if m.encoder is not None or m.generator is not None:
+        raise ConfigError(
+            f"data.format=tokens is pre-tokenized text, but model={m.name} has an image "
+            f"{'encoder' if m.encoder is not None else 'generator'}: use a text-only model (model=llama_tiny) or "
+            "image-text shards (data=synthetic_laion or data=webdataset)"
+        )
+    if d.packing.enabled or d.producer.address is not None:
+        what = "data.packing.enabled=true" if d.packing.enabled else "data.producer.address"
+        raise ConfigError(f"data.format=tokens reads its windows in the trainer; {what} does not apply: drop it")
+    try:
+        tokens = open_tokens(d.path)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if window_count(tokens, m.seq_len) < 1:
+        raise ConfigError(
+            f"data.path={str(d.path)!r} has {len(tokens)} tokens, fewer than model.seq_len + 1 = {m.seq_len + 1}"
+        )
+    vocab = m.llm.vocab_size
+    if np.iinfo(tokens.dtype).max >= vocab:
+        head = np.asarray(tokens[:VOCAB_CHECKED_TOKENS])
+        top = int(head.max())
+        if top >= vocab or int(head.min()) < 0:
+            bad = top if top >= vocab else int(head.min())
+            raise ConfigError(
+                f"data.path={str(d.path)!r} holds token id {bad} outside model.llm.vocab_size={vocab}: the file was "
+                "written by another tokenizer; tokenize with the model's tokenizer (data.tokenizer) or pick the "
+                "model that matches it"
+            )

@@ -16,7 +16,7 @@ from .common import (
     resolve_accelerator,
     resolve_backend,
 )
-from .data import check_shards
+from .data import FORMATS, check_shards, check_token_file
 from .layout import layout_of, reads_global_stream
 from .numbers import check_bounds
 
@@ -282,6 +282,10 @@ def validate_data(cfg: Config) -> None:
             )
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
+    _require(d.format in FORMATS, f"data.format={d.format!r}: allowed values are {', '.join(FORMATS)}")
+    if d.format == "tokens":  # one pre-tokenized file: no shards are read
+        check_token_file(cfg)
+        return
     if d.packing.enabled:  # documents are built per step: no shards are read
         from .packing import validate_packing
 

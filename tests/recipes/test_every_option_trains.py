@@ -45,6 +45,7 @@ TRAINED_ELSEWHERE = {
         "hotspa",  # tests/distributed/test_hotspa.py: 5 steps against one process
     )
 }
+TRAINED_ELSEWHERE.add(("data", "tokens"))  # tests/distributed/test_token_file_training.py: 4 steps, 1 and 2 processes
 # Run as typed (reduced alike) by tests/recipes/test_cookbook.py: the README's commands.
 TRAINED_ELSEWHERE |= {
     ("parallel", "disagg2"),  # python train.py parallel=disagg2
