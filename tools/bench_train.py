@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +48,18 @@ OPTIONS = {
     "repeats": "7",
     "ddp": "true",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_train.json"),
+    # litgpt=true adds, litgpt=only runs just, the comparison with LitGPT (its own venv, .venv-litgpt, created on
+    # first use from tools/requirements-litgpt.txt) on the Llama shape below, alternating in one run
+    "litgpt": "false",
+    "litgpt_precision": "32",
+    "litgpt_repeats": "5",
+    "litgpt_out": str(REPO_ROOT / "docs" / "results" / "bench_train_litgpt.json"),
 }
+# The Llama shape of the LitGPT comparison (issue 19): 8 layers, width 512, GQA 8/4, SwiGLU 1,536, sequence 512,
+# micro-batch 8, one microbatch per step; the byte tokenizer's 384-token vocabulary.
+LITGPT_SHAPE = {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 1536, "seq_len": 512}
+LITGPT_MICRO, LITGPT_ACCUMULATION = 8, 1
+LITGPT_VENV = REPO_ROOT / ".venv-litgpt"
 
 
 LOG_EVERY = 5  # the framework logs (TensorBoard + jsonl) every 5 steps, as a real run would
@@ -70,9 +82,11 @@ def _overrides(model: str, precision: str, run_dir: Path, steps: int, devices: i
     ]
 
 
-def framework_run(model: str, precision: str, steps: int, warmup: int, devices: int = 1) -> dict:
+def framework_run(
+    model: str, precision: str, steps: int, warmup: int, devices: int = 1, extra: tuple[str, ...] = ()
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(_overrides(model, precision, Path(tmp), warmup + steps, devices))
+        cfg = compose(_overrides(model, precision, Path(tmp), warmup + steps, devices) + list(extra))
         launch(cfg)
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     # Records close windows of LOG_EVERY steps; time the windows after the warm-up, wall clock.
@@ -141,13 +155,121 @@ def minimal_run(model: str, precision: str, steps: int, warmup: int, predecoded:
     return {"tokens_per_s": sequences * cfg.model.seq_len / seconds, "flops_per_s": flops / seconds}
 
 
+def litgpt_python() -> Path:
+    """The LitGPT venv's interpreter, creating the venv on first use (about a minute with a local torch wheel)."""
+    python = LITGPT_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"creating {LITGPT_VENV} from tools/requirements-litgpt.txt", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(LITGPT_VENV)], check=True)
+        requirements = REPO_ROOT / "tools" / "requirements-litgpt.txt"
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(requirements)], check=True)
+    return python
+
+
+def litgpt_comparison(options: dict, steps: int, warmup: int, threads: int) -> dict:
+    """train.py and LitGPT on the same Llama shape, precision and token windows, alternating; the framework reads
+    the windows from a pre-tokenized file (data=tokens, memory-mapped), LitGPT from memory."""
+    import numpy as np
+
+    from disttrain_core.data.token_file import TokenFileLoader
+
+    precision, repeats = options["litgpt_precision"], int(options["litgpt_repeats"])
+    python = litgpt_python()
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens = Path(tmp) / "tokens.npy"
+        np.save(tokens, np.random.default_rng(0).integers(0, 384, 1 << 20).astype(np.uint16))
+        extra = (
+            *(f"model.llm.{k}={v}" for k, v in LITGPT_SHAPE.items() if k != "seq_len"),
+            f"model.seq_len={LITGPT_SHAPE['seq_len']}",
+            "data=tokens",
+            f"data.path={tokens}",
+            f"optim.micro_batch_size={LITGPT_MICRO}",
+            f"optim.global_batch_size={LITGPT_MICRO * LITGPT_ACCUMULATION}",
+        )
+        cfg = compose(_overrides("llama_tiny", precision, Path(tmp), warmup + steps) + list(extra))
+        loader = TokenFileLoader(
+            tokens, cfg.model.seq_len, LITGPT_MICRO, LITGPT_ACCUMULATION, cfg.model.llm.vocab_size, cfg.trainer.seed
+        )
+        windows = [  # the framework's own windows, step by step: [steps, accumulation, micro, seq_len + 1]
+            [torch.cat([mb.tokens, mb.labels[:, -1:]], dim=1).numpy() for mb in loader.next_step()]
+            for _ in range(warmup + steps)
+        ]
+        np.save(Path(tmp) / "windows.npy", np.asarray(windows, dtype=np.int64))
+        llm = cfg.model.llm
+        spec = {
+            "windows": str(Path(tmp) / "windows.npy"),
+            "warmup": warmup,
+            "log_every": LOG_EVERY,
+            "threads": threads,
+            "seed": cfg.trainer.seed,
+            "precision": {"32": "32-true", "bf16-mixed": "bf16-mixed"}[precision],
+            "lr": cfg.optim.lr,
+            "weight_decay": cfg.optim.weight_decay,
+            "betas": list(cfg.optim.betas),
+            "shape": {
+                "vocab_size": llm.vocab_size,
+                **{k: v for k, v in LITGPT_SHAPE.items() if k != "seq_len"},
+                "norm_eps": llm.norm_eps,
+                "rope_theta": llm.rope_theta,
+            },
+        }
+        runs: dict[str, list[float]] = {"framework": [], "litgpt": []}
+        for repeat in range(repeats):  # alternate which goes first
+            for kind in ("framework", "litgpt") if repeat % 2 == 0 else ("litgpt", "framework"):
+                if kind == "framework":
+                    value = framework_run("llama_tiny", precision, steps, warmup, extra=extra)["tokens_per_s"]
+                else:
+                    out = subprocess.run(
+                        [str(python), str(REPO_ROOT / "tools" / "litgpt_step_timer.py"), json.dumps(spec)],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    )
+                    value = json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+                runs[kind].append(value)
+                print(f"repeat {repeat + 1}/{repeats} {kind}: {value:,.0f} tokens/s", flush=True)
+    ratios = [f / g for f, g in zip(runs["framework"], runs["litgpt"], strict=True)]
+    return {
+        "shape": {**LITGPT_SHAPE, "micro_batch": LITGPT_MICRO, "accumulation": LITGPT_ACCUMULATION},
+        "precision": precision,
+        "steps": steps,
+        "warmup": warmup,
+        "litgpt": subprocess.run(
+            [str(python), "-c", "import litgpt, importlib.metadata as m; print(m.version('litgpt'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip(),
+        "framework_tokens_per_s": [round(v, 1) for v in runs["framework"]],
+        "litgpt_tokens_per_s": [round(v, 1) for v in runs["litgpt"]],
+        "paired_ratios": [round(r, 4) for r in ratios],
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+
+
 def main(argv: list[str]) -> int:
     options, _ = split_tool_args(argv, OPTIONS)
     steps, warmup, repeats = int(options["steps"]), int(options["warmup"]), int(options["repeats"])
     if steps % LOG_EVERY or warmup % LOG_EVERY or warmup < LOG_EVERY:
         raise SystemExit(f"error: steps={steps} and warmup={warmup} must be positive multiples of {LOG_EVERY}")
+    if options["litgpt"] not in ("true", "false", "only"):
+        raise SystemExit(f"error: litgpt={options['litgpt']!r}: use true, false or only")
     threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
     torch.set_num_threads(threads)
+    if options["litgpt"] != "false":
+        result = litgpt_comparison(options, steps, warmup, threads)
+        out = Path(options["litgpt_out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"threads": threads, "torch": torch.__version__, **result}, indent=1))
+        print(
+            f"train.py / LitGPT: median {result['ratio_median']:.3f} over {len(result['paired_ratios'])} "
+            f"alternations (spread {result['ratio_min']:.3f}-{result['ratio_max']:.3f}); wrote {out}",
+            flush=True,
+        )
+        if options["litgpt"] == "only":
+            return 0
     peaks = {
         "32": measure_matmul_peak(torch.float32, torch.device("cpu")),
         "bf16-mixed": measure_matmul_peak(torch.bfloat16, torch.device("cpu")),
