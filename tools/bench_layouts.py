@@ -1,22 +1,29 @@
-"""Disaggregated layouts against the rigid Megatron layout on 2 processes (issue 4).
+"""Disaggregated layouts against the rigid Megatron layout on 2 or 4 processes (issues 4 and 19).
 
 The workload is an encoder-heavy variant of ``mllm_tiny``: a wider, deeper ViT and shards
 with many images per sample (generated into a temporary directory), so the image encoder
 costs about as much as the LLM backbone and the generator together. Every layout trains
-the same model on the same global batches; the tool reports median throughput after the
-first logging window, the throughput ratio of the best disaggregated layout to the
-Megatron layout, and copies one measured pipeline timeline per pipelined layout.
+the same model on the same global batches. The layouts run ``repeats`` times in alternation
+(A B, B A, A B, ...: adjacent runs share the machine's state of the moment); the tool reports each
+layout's median throughput after the first logging window, the per-repeat ratio of each
+disaggregated layout to the Megatron layout (median and spread), the planner's predicted ratio from
+its profiled cost model and the measured ratio as a fraction of it, and copies one measured pipeline
+timeline per pipelined layout.
 
-    python tools/bench_layouts.py                  # ~5 minutes on 2 cores
-    python tools/bench_layouts.py steps=16 format=json
+    python tools/bench_layouts.py                  # 2 processes, 5 alternations, ~8 minutes on 2 cores
+    python tools/bench_layouts.py processes=4      # 4 processes, ~12 minutes
+    python tools/bench_layouts.py layouts=all repeats=1 format=json
 
-Layouts (all 2 processes):
+Layouts on 2 processes:
   disagg2              encoder unit | LLM unit with the generator colocated, 1F1B
   disagg2_gen          LLM unit with the encoder colocated | generator unit, 1F1B
   megatron_folded_pp2  Megatron-LM's multimodal layout: LLM split in 2 stages, the encoder folded
                        into the first stage and the generator into the last, 1F1B (the baseline)
   megatron_folded_tp2  the same model with tensor parallelism 2 instead (one stage)
   ddp                  data parallel over 2 ranks (the whole model on each), for reference
+On 4 processes:
+  disagg4_enc2               encoder unit of 2 replicas | LLM unit | generator unit, 1F1B
+  megatron_folded_pp2_dp2    the Megatron layout above with 2 data-parallel replicas (the baseline)
 """
 
 from __future__ import annotations
@@ -38,10 +45,13 @@ OPTIONS = {
     "micro_batch": "2",
     "format": "text",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_layouts.json"),
-    # all, or a comma-separated subset of LAYOUTS (the ratio needs megatron_folded_pp2 and a disaggregated one)
-    "layouts": "all",
+    # default (the baseline and the main disaggregated layout), all, or a comma-separated subset of the layouts
+    # (the ratio needs the baseline and a disaggregated one)
+    "layouts": "default",
     "predict": "true",  # the planner's profiled prediction per layout (profiles this CPU once)
     "samples_per_shard": "256",
+    "processes": "2",  # 2 or 4
+    "repeats": "5",  # alternations of the layouts
 }
 
 # The encoder-heavy model: ViT 256 wide, 16 layers, on shards averaging ~3.5 images per sample.
@@ -69,8 +79,13 @@ LAYOUTS = {
     "megatron_folded_tp2": ["parallel=pp2", "parallel.pp=1", "parallel.tp=2", "trainer.devices=2"],
     "ddp": ["parallel=dp", "trainer.devices=2"],
 }
-DISAGGREGATED = {"disagg2", "disagg2_gen"}
-BASELINE = "megatron_folded_pp2"
+LAYOUTS_4 = {
+    "disagg4_enc2": ["parallel=disagg4_enc2"],
+    "megatron_folded_pp2_dp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=4"],
+}
+DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2"}
+BASELINES = {2: "megatron_folded_pp2", 4: "megatron_folded_pp2_dp2"}
+DEFAULT_LAYOUTS = {2: "disagg2,megatron_folded_pp2", 4: "disagg4_enc2,megatron_folded_pp2_dp2"}
 
 
 def train(run_dir: Path, data_dir: Path, options: dict, layout: list[str]) -> list[dict]:
@@ -106,32 +121,62 @@ def predicted_step_s(data_dir: Path, options: dict, layout: list[str]) -> dict:
     overrides = [*MODEL, *DATA_SHAPE, f"data.path={data_dir}", f"optim.global_batch_size={options['global_batch']}"]
     overrides += [f"optim.micro_batch_size={options['micro_batch']}", *layout]
     cfg = compose(overrides)
-    model = build_layout_model(cfg, devices=2, progress=lambda *_: None)
+    model = build_layout_model(cfg, devices=int(options["processes"]), progress=lambda *_: None)
     evaluation = model.evaluate(*choices_of_config(cfg))
     stages = [round(t, 4) for _, t in evaluation.stage_times]
     return {"predicted_step_s": evaluation.iteration_s, "predicted_stage_s": stages}
 
 
+def measure(run_dir: Path, data_dir: Path, options: dict, layout: list[str], out: Path) -> dict:
+    metrics = train(run_dir, data_dir, options, layout)
+    timed = [m for m in metrics if "perf/samples_per_s" in m]
+    window = timed[1:] or timed  # after the first logging window, when there is more than one
+    entry = {
+        "samples_per_s": statistics.median(m["perf/samples_per_s"] for m in window),
+        "step_time_s": statistics.median(m["perf/step_time_s"] for m in window),
+        "losses": [round(m["loss"], 4) for m in metrics if "loss" in m],
+    }
+    reports = [json.loads(p.read_text()) for p in sorted((run_dir / "timelines").glob("step_*.json"))]
+    if reports:
+        picture = out.parent / f"layouts_{run_dir.name}.png"
+        shutil.copy(reports[-1]["png"], picture)
+        entry["picture"] = str(picture.relative_to(REPO_ROOT) if picture.is_relative_to(REPO_ROOT) else picture)
+        entry["simulated_bubble_fraction"] = statistics.median(
+            r["simulated_bubble_fraction"] for r in reports[1:] or reports
+        )
+    return entry
+
+
 def main(argv: list[str]) -> int:
     options, _ = split_tool_args(argv, OPTIONS)
-    names = list(LAYOUTS) if options["layouts"] == "all" else options["layouts"].split(",")
-    unknown = [n for n in names if n not in LAYOUTS]
-    if unknown or BASELINE not in names or not DISAGGREGATED & set(names):
+    processes, repeats = int(options["processes"]), int(options["repeats"])
+    if processes not in BASELINES or repeats < 1:
         raise SystemExit(
-            f"layouts={options['layouts']}: choose from {', '.join(LAYOUTS)}, including {BASELINE} and one of "
-            f"{', '.join(sorted(DISAGGREGATED))}"
+            f"processes={options['processes']} repeats={options['repeats']}: use processes=2 or 4, repeats>=1"
         )
-    chosen = {n: LAYOUTS[n] for n in names}
+    offered, baseline = (LAYOUTS if processes == 2 else LAYOUTS_4), BASELINES[processes]
+    requested = DEFAULT_LAYOUTS[processes] if options["layouts"] == "default" else options["layouts"]
+    names = list(offered) if requested == "all" else requested.split(",")
+    unknown = [n for n in names if n not in offered]
+    if unknown or baseline not in names or not DISAGGREGATED & set(names):
+        raise SystemExit(
+            f"layouts={requested}: choose from {', '.join(offered)} (processes={processes}), including {baseline} "
+            f"and one of {', '.join(sorted(DISAGGREGATED & offered.keys()))}"
+        )
+    chosen = {n: offered[n] for n in names}
     out = Path(options["out"]).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {
         "model_overrides": MODEL,
         "data_overrides": DATA_SHAPE,
+        "processes": processes,
         "global_batch": int(options["global_batch"]),
         "micro_batch": int(options["micro_batch"]),
         "steps": int(options["steps"]),
+        "repeats": repeats,
         "layouts": {},
     }
+    runs: dict[str, list[dict]] = {n: [] for n in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "shards"
         subprocess.run(
@@ -146,43 +191,57 @@ def main(argv: list[str]) -> int:
             capture_output=True,
             timeout=600,
         )
+        for repeat in range(repeats):  # alternate the order: each layout runs first as often as last
+            order = list(chosen) if repeat % 2 == 0 else list(reversed(chosen))
+            for name in order:
+                entry = measure(Path(tmp) / name, data_dir, options, chosen[name], out)
+                shutil.rmtree(Path(tmp) / name)
+                runs[name].append(entry)
+                if options["format"] != "json":
+                    rate, step = entry["samples_per_s"], entry["step_time_s"]
+                    print(
+                        f"repeat {repeat + 1}/{repeats} {name:24s} {rate:8.2f} samples/s  step {step:.3f}s", flush=True
+                    )
         for name, layout in chosen.items():
-            run_dir = Path(tmp) / name
-            metrics = train(run_dir, data_dir, options, layout)
-            timed = [m for m in metrics if "perf/samples_per_s" in m]
-            window = timed[1:] or timed  # after the first logging window, when there is more than one
+            entries = runs[name]
             entry = {
                 "overrides": layout,
-                "samples_per_s": statistics.median(m["perf/samples_per_s"] for m in window),
-                "step_time_s": statistics.median(m["perf/step_time_s"] for m in window),
-                "losses": [round(m["loss"], 4) for m in metrics if "loss" in m],
+                "samples_per_s": statistics.median(e["samples_per_s"] for e in entries),
+                "samples_per_s_runs": [round(e["samples_per_s"], 3) for e in entries],
+                "step_time_s": statistics.median(e["step_time_s"] for e in entries),
+                "losses": entries[0]["losses"],
+                **{k: entries[-1][k] for k in ("picture", "simulated_bubble_fraction") if k in entries[-1]},
             }
-            reports = [json.loads(p.read_text()) for p in sorted((run_dir / "timelines").glob("step_*.json"))]
-            if reports:
-                picture = out.parent / f"layouts_{name}.png"
-                shutil.copy(reports[-1]["png"], picture)
-                entry["picture"] = str(picture.relative_to(REPO_ROOT) if picture.is_relative_to(REPO_ROOT) else picture)
-                entry["simulated_bubble_fraction"] = statistics.median(
-                    r["simulated_bubble_fraction"] for r in reports[1:] or reports
-                )
+            if any(e["losses"] != entries[0]["losses"] for e in entries):
+                raise SystemExit(f"{name}: repeated runs gave different losses: {[e['losses'] for e in entries]}")
             if options["predict"] == "true":
                 entry.update(predicted_step_s(data_dir, options, layout))
                 entry["predicted_over_measured"] = entry["predicted_step_s"] / entry["step_time_s"]
             results["layouts"][name] = entry
-            if options["format"] != "json":
-                rate, step = entry["samples_per_s"], entry["step_time_s"]
-                guess = f"  predicted {entry['predicted_step_s']:.3f}s" if "predicted_step_s" in entry else ""
-                print(f"{name:14s} {rate:8.2f} samples/s  step {step:.3f}s{guess}", flush=True)
-    best = max(DISAGGREGATED & chosen.keys(), key=lambda n: results["layouts"][n]["samples_per_s"])
+    ratios = {
+        name: [d["samples_per_s"] / b["samples_per_s"] for d, b in zip(runs[name], runs[baseline], strict=True)]
+        for name in DISAGGREGATED & chosen.keys()
+    }
+    best = max(ratios, key=lambda n: statistics.median(ratios[n]))
     results["best_disaggregated"] = best
-    results["disaggregated_over_megatron"] = (
-        results["layouts"][best]["samples_per_s"] / results["layouts"][BASELINE]["samples_per_s"]
-    )
+    results["disaggregated_over_megatron"] = statistics.median(ratios[best])
+    results["ratio_runs"] = {n: [round(r, 4) for r in v] for n, v in ratios.items()}
+    results["ratio_spread"] = [min(ratios[best]), max(ratios[best])]
+    if options["predict"] == "true":
+        layouts = results["layouts"]
+        predicted = layouts[baseline]["predicted_step_s"] / layouts[best]["predicted_step_s"]
+        results["predicted_ratio"] = predicted
+        results["measured_over_predicted_ratio"] = results["disaggregated_over_megatron"] / predicted
     out.write_text(json.dumps(results, indent=1))
     if options["format"] == "json":
         print(json.dumps(results))
     else:
-        print(f"best disaggregated ({best}) / megatron throughput: {results['disaggregated_over_megatron']:.2f}")
+        low, high = results["ratio_spread"]
+        guess = f", predicted {results['predicted_ratio']:.2f}" if "predicted_ratio" in results else ""
+        print(
+            f"best disaggregated ({best}) / megatron throughput: median {results['disaggregated_over_megatron']:.2f} "
+            f"over {repeats} alternation(s) (spread {low:.2f}-{high:.2f}){guess}"
+        )
         print(f"wrote {out}")
     return 0
 

@@ -54,6 +54,9 @@ def cookbook() -> dict[str, list[str]]:
 # Commands another test of make test runs as typed (reduced alike), or -- for what this machine does not
 # have -- runs their emulation: command -> that test.
 ELSEWHERE = {
+    "python train.py model=llama_tiny data=tokens data.path=/data/tokens.npy": (
+        "tests/distributed/test_token_file_training.py::test_two_processes_and_a_resumed_run_equal_one_process"
+    ),
     "python train.py model=llama_tiny parallel=dp parallel.cp=2 trainer.devices=4": (
         "tests/distributed/test_context_parallel_training.py::test_llama_context_parallel_matches_one_process[dp2_cp2]"
     ),
@@ -109,6 +112,7 @@ RESUME_CHAIN = [
 BENCHMARKS = {
     "python tools/bench_layouts.py": [
         "steps=2",
+        "repeats=1",
         "layouts=disagg2,megatron_folded_pp2",
         "predict=false",
         "samples_per_shard=16",
