@@ -63,10 +63,9 @@ def p2p_delays(schedule: Schedule, measured: list[TimedAction]) -> list[float]:
 
 
 def calibrate(schedule: Schedule, measured: list[TimedAction]) -> tuple[Durations, float]:
-    means = stage_kind_means(measured)
-    table = {str(item.action): means[(item.action.stage, item.action.kind)] for item in measured}
-    delays = p2p_delays(schedule, measured)
-    return Durations(table=table), statistics.median(delays) if delays else 0.0
+    """In-sample durations (and p2p latency) of ``schedule`` from one of its own measured steps."""
+    calibration = fit(schedule, [measured])
+    return transferred(schedule, calibration), calibration.p2p
 
 
 def predict(schedule: Schedule, measured: list[TimedAction]) -> tuple[SimulationResult, float]:
