@@ -2,15 +2,18 @@
 rigid layout's predicted MFU, over a grid of models, cluster sizes and workload presets fixed before the sweep
 (disttrain_core/planner/presets.py, each number with its source). Report, do not fit: no preset is tuned.
 
-    python tools/regime.py                                  # 3 models x 5 sizes x 7 presets, ~5 minutes
+    python tools/regime.py                                  # 3 models x 5 sizes x 7 presets
     python tools/regime.py models=mllm72b gpus=1172 format=json
     python tools/regime.py presets=laion_pairs,gen_512 picture=none
 
 Analytic H100 costs (cluster=h100_80g), each model's reference batch, Algorithm 1 against the best rigid layout
-the planner finds (planner/baselines.py). The rigid layout here has no data-skew stragglers (its model does not
-exist yet): the speedups are what model heterogeneity alone gives. Writes docs/results/regime.json and one heat
-map per model (docs/results/regime_<model>.png); prints where the paper's figures (54.7% MFU for the plan, ~20%
-for Megatron-LM, 2.2x) fall in the grid.
+the planner finds (planner/baselines.py). Both are then run through the straggler model of data skew
+(planner/stragglers.py): seeded global batches of the preset's images-per-sample law through the schedule
+simulator, the rigid layout in arrival order (no reordering), the plan in arrival order and reordered by
+data/reorder.py. ``plan_mfu``, ``rigid_mfu`` and ``speedup`` are straggler-adjusted (the plan reordered); the
+mean-only numbers stay as ``*_mean`` fields, the plan without reordering as ``*_arrival``. Writes
+docs/results/regime.json and one heat map per model (docs/results/regime_<model>.png); prints where the paper's
+figures (54.7% MFU for the plan, ~20% for Megatron-LM, 2.2x) fall in the grid and the range of straggler factors.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ PAPER = {"plan_mfu": 0.547, "rigid_mfu": 0.20, "speedup": 2.2}  # DistTrain, 72B
 def cell(model: str, gpus: int, preset, overrides: list[str]) -> dict:
     from disttrain_core.planner import PlanningError, make_plan
     from disttrain_core.planner.report import mfu, unit_rows
+    from disttrain_core.planner.stragglers import law_of, pipeline_of, straggler_factor
     from disttrain_core.validation import ConfigError, validate_config
 
     cfg = compose([f"model={model}", "cluster=h100_80g", f"cluster.num_gpus={gpus}", *preset.overrides(), *overrides])
@@ -49,23 +53,61 @@ def cell(model: str, gpus: int, preset, overrides: list[str]) -> dict:
     except PlanningError as error:
         return {**row, "feasible": False, "reason": str(error)}
     plan, lm = result.plan.evaluation, result.model
+    law = law_of(preset, int(cfg.model.seq_len), int(cfg.model.encoder.patch_size))
+    pipeline = pipeline_of(lm, plan)
+    arrival, reordered = straggler_factor(pipeline, law, False), straggler_factor(pipeline, law, True)
+    plan_mfu = mfu(lm, plan)
+    row.update(
+        feasible=True,
+        images_law=law.name,
+        plan_mfu=plan_mfu / reordered.factor,
+        plan_mfu_arrival=plan_mfu / arrival.factor,
+        plan_mfu_mean=plan_mfu,
+        plan_iteration_s=plan.iteration_s * reordered.factor,
+        plan_iteration_s_arrival=plan.iteration_s * arrival.factor,
+        plan_iteration_s_mean=plan.iteration_s,
+        reordering_gain=arrival.factor / reordered.factor,
+        stragglers={"plan_arrival": arrival.as_dict(), "plan_reordered": reordered.as_dict()},
+        plan_units=unit_rows(plan),
+    )
     rigid = result.plan.baselines.get("megatron")
-    row.update(feasible=True, plan_mfu=mfu(lm, plan), plan_iteration_s=plan.iteration_s, plan_units=unit_rows(plan))
     if rigid is None or not rigid.evaluation.feasible:
         return {**row, "rigid_feasible": False}
     r = rigid.evaluation
+    skewed = straggler_factor(pipeline_of(lm, r), law, False)  # Megatron-LM does not reorder
+    row["stragglers"]["rigid"] = skewed.as_dict()
+    rigid_iteration = r.iteration_s * skewed.factor
     return {
         **row,
         "rigid_feasible": True,
-        "rigid_mfu": mfu(lm, r),
-        "rigid_iteration_s": r.iteration_s,
+        "rigid_mfu": mfu(lm, r) / skewed.factor,
+        "rigid_mfu_mean": mfu(lm, r),
+        "rigid_iteration_s": rigid_iteration,
+        "rigid_iteration_s_mean": r.iteration_s,
         "rigid_units": unit_rows(r),
-        "speedup": r.iteration_s / plan.iteration_s,
+        "speedup": rigid_iteration / row["plan_iteration_s"],
+        "speedup_arrival": rigid_iteration / row["plan_iteration_s_arrival"],
+        "speedup_mean": r.iteration_s / plan.iteration_s,
     }
 
 
+def straggler_ranges(rows: list[dict]) -> dict:
+    """Over the cells whose images per sample vary: the range of each straggler factor and of the gain."""
+    skewed = [r for r in rows if r.get("rigid_feasible") and not r["images_law"].startswith("fixed")]
+    if not skewed:
+        return {}
+    values = {
+        "rigid": [r["stragglers"]["rigid"]["factor"] for r in skewed],
+        "plan_arrival": [r["stragglers"]["plan_arrival"]["factor"] for r in skewed],
+        "plan_reordered": [r["stragglers"]["plan_reordered"]["factor"] for r in skewed],
+        "reordering_gain": [r["reordering_gain"] for r in skewed],
+        "speedup_over_mean_only": [r["speedup"] / r["speedup_mean"] for r in skewed],
+    }
+    return {"cells": len(skewed), **{k: {"min": min(v), "max": max(v)} for k, v in values.items()}}
+
+
 def where_the_paper_falls(rows: list[dict]) -> dict:
-    """The grid cell nearest to each of the paper's figures, and whether any cell reaches it."""
+    """The grid cell nearest to each of the paper's figures (straggler-adjusted), and whether any cell reaches it."""
     out = {}
     both = [r for r in rows if r.get("rigid_feasible")]
     for key, target in PAPER.items():
@@ -76,7 +118,7 @@ def where_the_paper_falls(rows: list[dict]) -> dict:
         reached = [r for r in pool if (r[key] <= target if key == "rigid_mfu" else r[key] >= target)]
         out[key] = {
             "paper": target,
-            "nearest": {k: nearest[k] for k in ("model", "gpus", "preset", key)},
+            "nearest": {k: nearest[k] for k in ("model", "gpus", "preset", key, f"{key}_mean")},
             "cells_reaching_it": len(reached),
         }
     return out
@@ -98,6 +140,8 @@ def draw(rows: list[dict], model: str, presets: list[str], sizes: list[int], pat
         if r.get("rigid_feasible"):
             grid[i, j] = r["speedup"]
             labels[i, j] = f"{r['speedup']:.2f}x\nrigid {r['rigid_mfu']:.0%}"
+            if abs(r["speedup"] - r["speedup_mean"]) >= 0.005:
+                labels[i, j] += f"\n(mean {r['speedup_mean']:.2f}x)"
         else:
             labels[i, j] = "plan only" if r.get("feasible") else "infeasible"
     top = max(1.5, float(np.nanmax(grid)) if np.isfinite(grid).any() else 1.5)
@@ -109,7 +153,11 @@ def draw(rows: list[dict], model: str, presets: list[str], sizes: list[int], pat
     ax.set_xticks(range(len(sizes)), [str(s) for s in sizes])
     ax.set_yticks(range(len(presets)), presets)
     ax.set_xlabel("GPUs (H100, analytic costs)")
-    ax.set_title(f"{model}: plan over rigid layout (predicted speedup; rigid MFU)", fontsize=9)
+    ax.set_title(
+        f"{model}: plan (reordered) over rigid layout, with data-skew stragglers\n"
+        "(predicted speedup; rigid MFU; mean-images speedup where it differs)",
+        fontsize=9,
+    )
     fig.colorbar(image, ax=ax, label="speedup")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -134,9 +182,14 @@ def main(argv: list[str]) -> int:
                 row = cell(model, gpus, PRESETS[name], overrides)
                 rows.append(row)
                 if options["format"] != "json":
-                    speed = (
-                        f"{row['speedup']:.2f}x, rigid MFU {row['rigid_mfu']:.1%}" if row.get("rigid_feasible") else ""
-                    )
+                    speed = ""
+                    if row.get("rigid_feasible"):
+                        speed = (
+                            f"{row['speedup']:.2f}x (mean-only {row['speedup_mean']:.2f}x), rigid MFU "
+                            f"{row['rigid_mfu']:.1%}, stragglers rigid {row['stragglers']['rigid']['factor']:.3f} "
+                            f"plan {row['stragglers']['plan_arrival']['factor']:.3f} -> reordered "
+                            f"{row['stragglers']['plan_reordered']['factor']:.3f}"
+                        )
                     plan = f"plan MFU {row['plan_mfu']:.1%}" if row.get("feasible") else "infeasible"
                     print(f"[{len(rows)}/{total}] {model} {name:17s} {gpus:5d} GPUs: {plan} {speed}", flush=True)
     out = Path(options["out"])
@@ -147,6 +200,7 @@ def main(argv: list[str]) -> int:
         "presets": {n: {**PRESETS[n].__dict__, "overrides": PRESETS[n].overrides()} for n in names},
         "rows": rows,
         "paper": where_the_paper_falls(rows),
+        "stragglers": straggler_ranges(rows),
     }
     if options["picture"] != "none":
         result["pictures"] = []
@@ -162,6 +216,12 @@ def main(argv: list[str]) -> int:
             print(
                 f"paper {key} {found['paper']}: nearest {found['nearest']}, "
                 f"{found['cells_reaching_it']} cell(s) reach it"
+            )
+        ranges = result["stragglers"]
+        if ranges:
+            print(
+                f"stragglers over {ranges['cells']} skewed cell(s): "
+                + ", ".join(f"{k} {v['min']:.3f}..{v['max']:.3f}" for k, v in ranges.items() if k != "cells")
             )
         print(f"wrote {out}")
     return 0

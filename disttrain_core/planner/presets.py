@@ -6,8 +6,9 @@ A preset becomes model overrides the planner reads (planner/workload.py): the en
 ``model.encoder.image_size``; every preset's patches fit the 4,096-token sequences of mllm9b/15b/72b, checked in
 tests/unit/test_presets.py), the generator produces ``generated_per_sample`` images of ``generated_px``
 (0: no generator; the runtime generates at most one image per sample) and frozen modules keep no gradients or
-optimizer state. The planner uses the mean number of images; the distribution (``images_distribution``) is
-recorded for the straggler model of the rigid layout, which does not exist yet (issue 19).
+optimizer state. The planner uses the mean number of images; the straggler model (planner/stragglers.py
+``law_of``) samples the count: a ``skewed`` preset draws it from a truncated geometric law with the preset's mean
+(the shape of the repository's LAION-like synthetic data), the others hold exactly ``images_per_sample``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class WorkloadPreset:
     generated_px: int
     frozen: tuple[str, ...]  # modules without gradients (model.freeze.<name>)
     source: str
+    skewed: bool = False  # images per sample vary (planner/stragglers.py law_of); False: always the mean
 
     def overrides(self) -> list[str]:
         out = [
@@ -55,18 +57,19 @@ PRESETS = {
         WorkloadPreset(
             "mmc4_interleaved",
             5.6,
-            "skewed count per document (the paper's figure 5(c))",
+            "skewed count per document (the paper's figure 5(c)): truncated geometric, mean 5.6",
             224,
             1,
             0,
             0,
             (),
             "MMC4 (Zhu et al. 2023): 571M images in 101.2M documents, 5.6 per document, encoded at 224 px",
+            skewed=True,
         ),
         WorkloadPreset(
             "obelics_448",
             2.5,
-            "skewed count per document",
+            "skewed count per document: truncated geometric, mean 2.5",
             448,
             1,
             0,
@@ -74,6 +77,7 @@ PRESETS = {
             ("encoder",),
             "OBELICS (Laurençon et al. 2023): 353M images in 141M documents, 2.5 per document; 448 px and a "
             "frozen vision encoder as in LLaVA-1.5-style training (Liu et al. 2023)",
+            skewed=True,
         ),
         WorkloadPreset(
             "highres_tiles",

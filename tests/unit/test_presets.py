@@ -39,3 +39,13 @@ def test_every_preset_fits_the_sequences_of_the_models_it_is_swept_with(model):
         patches = (preset.encoder_px // cfg.model.encoder.patch_size) ** 2
         gen = cfg.model.gen_tokens if preset.generated_per_sample else 0
         assert preset.images_per_sample * preset.tiles * patches + gen <= cfg.model.seq_len, preset.name
+
+
+def test_a_preset_says_whether_its_images_per_sample_vary():
+    """``skewed`` presets (the straggler model samples their count, planner/stragglers.py) say so in their
+    distribution; the others hold a whole number of images in every sample."""
+    for preset in PRESETS.values():
+        assert preset.skewed == ("skewed" in preset.images_distribution), preset.name
+        if not preset.skewed:
+            assert preset.images_per_sample == int(preset.images_per_sample), preset.name
+    assert {p.name for p in PRESETS.values() if p.skewed} == {"mmc4_interleaved", "obelics_448"}

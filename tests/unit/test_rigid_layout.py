@@ -2,12 +2,15 @@
 paper's section 2.1 description of Megatron-LM's multimodal training: the encoder and the generator are extra
 pipeline stages (or folded into the first / last LLM stage) with the LLM backbone's TP and the LLM's DP;
 a module too small to split is replicated inside its TP group; the projectors go with the encoder and the
-generator. (Where data-skew stragglers enter is not modelled yet: issue 19.)"""
+generator. Data-skew stragglers (planner/stragglers.py) enter where the images are encoded: the extra encoder
+stage, or the first LLM stage's encoder share when folded, of each LLM data-parallel rank, which only sees its
+own samples; nothing else in the pipeline varies with the images."""
 
 from disttrain_core.config import compose
 from disttrain_core.planner import CostModel, Hardware, LayoutModel, Orchestrator, UnitChoice, workload_of
 from disttrain_core.planner.baselines import megatron
 from disttrain_core.planner.costs import PlannerSettings
+from disttrain_core.planner.stragglers import pipeline_of
 
 
 def _solver(model="mllm9b", devices=64, batch=256):
@@ -57,3 +60,40 @@ def test_a_module_too_small_to_split_is_replicated_inside_its_tp_group():
     encoder = m.w.units["encoder"]
     assert 0 < encoder.flops_not_tp < encoder.train_flops  # the projector, replicated in the TP group
     assert m.stage_time("encoder", eight, 4.0, 1e11) < m.stage_time("encoder", one, 4.0, 1e11)
+
+
+def test_stragglers_enter_at_the_encoder_of_each_llm_data_parallel_rank():
+    """Every rigid candidate, folded or with extra stages, as the straggler model sees it: only the encoder's
+    work scales with a rank's images -- the whole extra encoder stage (the first), or the colocated encoder's
+    time inside the first LLM stage; the LLM stages' sequences and the generator's one image per sample are
+    fixed. The encoder's replicas are the LLM's DP (x CP) ranks, each holding its own rank's samples."""
+    solver = _solver()
+    evaluations = []
+    evaluate = solver.m.evaluate
+
+    def spy(llm, enc, gen):
+        result = evaluate(llm, enc, gen)
+        if result.feasible:
+            evaluations.append(result)
+        return result
+
+    solver.m.evaluate = spy
+    megatron(solver)
+    forms = set()
+    for evaluation in evaluations:
+        llm, enc = evaluation.choices["llm"], evaluation.choices["encoder"]
+        pipeline = pipeline_of(solver.m, evaluation)
+        names = [name for name, _ in evaluation.stage_times]
+        varying = [i for i, v in enumerate(pipeline.varying) if v > 0]
+        assert varying == [0], (names, pipeline.varying)  # the first stage, and only it
+        if enc.colocated:
+            forms.add("folded")
+            assert names[0] == "llm" and pipeline.encoder_dp == llm.dp
+            share = solver.m.colocated_time("encoder", llm.tp, solver.m.micro, evaluation.recompute["llm"])
+            assert pipeline.varying[0] == share < pipeline.stage_seconds[0]  # the LLM's own share stays fixed
+        else:
+            forms.add("extra stage")
+            assert names[0] == "encoder" and pipeline.varying[0] == pipeline.stage_seconds[0]
+            assert pipeline.encoder_dp == llm.dp * llm.cp
+        assert pipeline.llm_dp == llm.dp and pipeline.samples_per_slot == solver.m.micro * llm.dp
+    assert forms == {"folded", "extra stage"}
