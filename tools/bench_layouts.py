@@ -22,6 +22,8 @@ Layouts on 2 processes:
   megatron_folded_tp2  the same model with tensor parallelism 2 instead (one stage)
   ddp                  data parallel over 2 ranks (the whole model on each), for reference
 On 4 processes:
+  disagg4_enc2_llm2          encoder unit of 2 replicas | LLM unit of 2 replicas with the generator
+                             colocated, 1F1B (disagg2 doubled; the planner's fastest 4-process guess)
   disagg4_enc2               encoder unit of 2 replicas | LLM unit | generator unit, 1F1B
   megatron_folded_pp2_dp2    the Megatron layout above with 2 data-parallel replicas (the baseline)
 """
@@ -80,12 +82,18 @@ LAYOUTS = {
     "ddp": ["parallel=dp", "trainer.devices=2"],
 }
 LAYOUTS_4 = {
+    "disagg4_enc2_llm2": [
+        "parallel=disagg2",
+        "parallel.units.encoder.dp=2",
+        "parallel.units.llm.dp=2",
+        "trainer.devices=4",
+    ],
     "disagg4_enc2": ["parallel=disagg4_enc2"],
     "megatron_folded_pp2_dp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=4"],
 }
-DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2"}
+DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2_llm2", "disagg4_enc2"}
 BASELINES = {2: "megatron_folded_pp2", 4: "megatron_folded_pp2_dp2"}
-DEFAULT_LAYOUTS = {2: "disagg2,megatron_folded_pp2", 4: "disagg4_enc2,megatron_folded_pp2_dp2"}
+DEFAULT_LAYOUTS = {2: "disagg2,megatron_folded_pp2", 4: "disagg4_enc2_llm2,megatron_folded_pp2_dp2"}
 
 
 def train(run_dir: Path, data_dir: Path, options: dict, layout: list[str]) -> list[dict]:
