@@ -34,7 +34,10 @@ def open_tokens(path: str | Path) -> np.ndarray:
     if path.suffix != ".npy":
         raise ValueError(f"data.path={str(path)!r}: data.format=tokens reads a NumPy .npy file of token ids")
     if not path.is_file():
-        raise ValueError(f"data.path={str(path)!r}: no such file")
+        raise ValueError(
+            f"data.path={str(path)!r}: no such file; write one with np.save(path, np.asarray(ids, dtype=np.uint16)) "
+            "(docs/DATA.md)"
+        )
     try:
         tokens = np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError as error:
@@ -72,9 +75,7 @@ class TokenFileLoader:
     """``next_step()``: ``microbatches`` Batches of ``rows`` windows each (the global batch of one step, in
     microbatch slots; the trainer keeps its replica's block of every slot)."""
 
-    def __init__(
-        self, path: str | Path, seq_len: int, rows: int, microbatches: int, vocab: int, seed: int, state=None
-    ):
+    def __init__(self, path: str | Path, seq_len: int, rows: int, microbatches: int, vocab: int, seed: int, state=None):
         self.tokens = open_tokens(path)
         self.seq_len, self.rows, self.microbatches = seq_len, rows, microbatches
         self.vocab, self.seed = vocab, seed
@@ -123,3 +124,9 @@ class TokenFileLoader:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "cursor": self.cursor, "skipped": dict(self.skipped)}
+
+
+def token_loader(cfg, rows: int, microbatches: int, state: dict | None) -> TokenFileLoader:
+    """The loader ``data.format=tokens`` describes: ``microbatches`` slots of ``rows`` windows per step."""
+    m = cfg.model
+    return TokenFileLoader(cfg.data.path, m.seq_len, rows, microbatches, m.llm.vocab_size, cfg.trainer.seed, state)

@@ -139,12 +139,9 @@ class Trainer(StepData, CheckpointIO):
 
             self.loader = packed_loader(cfg, data_state)
         elif self.token_file:
-            from ..data.token_file import TokenFileLoader
+            from ..data.token_file import token_loader
 
-            m = cfg.model
-            self.loader = TokenFileLoader(
-                cfg.data.path, m.seq_len, self.slot_samples, self.accumulation, m.llm.vocab_size, trainer.seed, data_state
-            )
+            self.loader = token_loader(cfg, self.slot_samples, self.accumulation, data_state)
         else:
             self.loader = self._local_loader(data_state)
         self.metrics = MetricsLogger(

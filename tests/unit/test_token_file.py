@@ -22,7 +22,8 @@ def test_an_epoch_visits_every_window_once_with_next_token_labels(tmp_path):
     starts = sorted(int(r[0]) for r in rows)
     assert starts == [k * seq for k in range(6)]
     batch = TokenFileLoader(path, seq, 3, 1, 1000, 5).next_step()[0]
-    assert torch.equal(batch.labels[:, :-1], batch.tokens[:, 1:]) and torch.equal(batch.labels[:, -1], batch.tokens[:, -1] + 1)
+    assert torch.equal(batch.labels[:, :-1], batch.tokens[:, 1:])
+    assert torch.equal(batch.labels[:, -1], batch.tokens[:, -1] + 1)
     assert batch.tokens.is_contiguous() and batch.labels.is_contiguous() and batch.doc_ids is None
     # the next epoch visits them again, in another order
     third = TokenFileLoader(path, seq, 3, 1, 1000, 5)
@@ -65,7 +66,7 @@ def test_bad_token_files_are_refused_before_launch_in_one_line(compose_cfg, tmp_
         "suffix": (tmp_path / "tokens.bin", ".npy file"),
         "absent": (tmp_path / "absent.npy", "no such file"),
     }
-    for name, (path, says) in cases.items():
+    for path, says in cases.values():
         with pytest.raises(ConfigError, match=says):
             validate_config(compose_cfg("model=llama_tiny", "data=tokens", f"data.path={path}"))
     with pytest.raises(ConfigError, match="has an image encoder"):
