@@ -20,20 +20,13 @@ import numpy as np
 import torch
 
 
-def main(spec: dict) -> dict:
-    import lightning as L
+def litgpt_config(shape: dict, block_size: int):
+    """LitGPT's Config of a Llama with ``shape`` (this repository's LlamaConfig field names)."""
     from litgpt.config import Config
-    from litgpt.model import GPT
-    from litgpt.utils import chunked_cross_entropy
-    from torchmetrics.aggregation import RunningMean
 
-    torch.set_num_threads(int(spec["threads"]))
-    windows = torch.from_numpy(np.load(spec["windows"]).astype(np.int64))  # in memory before the clock
-    steps, accumulation, micro, width = windows.shape
-    shape = spec["shape"]
-    config = Config(
+    return Config(
         name="bench",
-        block_size=width - 1,
+        block_size=block_size,
         vocab_size=shape["vocab_size"],
         padded_vocab_size=shape["vocab_size"],
         n_layer=shape["n_layers"],
@@ -49,6 +42,18 @@ def main(spec: dict) -> dict:
         parallel_residual=False,
         rope_base=int(shape["rope_theta"]),
     )
+
+
+def main(spec: dict) -> dict:
+    import lightning as L
+    from litgpt.model import GPT
+    from litgpt.utils import chunked_cross_entropy
+    from torchmetrics.aggregation import RunningMean
+
+    torch.set_num_threads(int(spec["threads"]))
+    windows = torch.from_numpy(np.load(spec["windows"]).astype(np.int64))  # in memory before the clock
+    steps, accumulation, micro, width = windows.shape
+    config = litgpt_config(spec["shape"], width - 1)
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=spec["precision"])
     fabric.seed_everything(spec["seed"])
     with fabric.init_module(empty_init=False):

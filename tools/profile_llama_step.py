@@ -13,56 +13,38 @@ random token rows. Prints JSON: milliseconds per step in total and per operator 
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-SHAPE = {"vocab": 384, "dim": 512, "layers": 8, "heads": 8, "kv_heads": 4, "ffn": 1536, "seq": 512, "micro": 8}
+# tools/bench_train.py's LITGPT_SHAPE in LlamaConfig's field names, with the sequence and micro-batch
+SHAPE = {
+    "vocab_size": 384,
+    "dim": 512,
+    "n_layers": 8,
+    "n_heads": 8,
+    "n_kv_heads": 4,
+    "ffn_dim": 1536,
+    "norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+SEQ, MICRO = 512, 8
 
 
 def build(impl: str):
-    s = SHAPE
     if impl == "litgpt":
-        from litgpt.config import Config
         from litgpt.model import GPT
         from litgpt.utils import chunked_cross_entropy
+        from litgpt_step_timer import litgpt_config  # tools/, beside this file
 
-        net = GPT(
-            Config(
-                name="bench",
-                block_size=s["seq"],
-                vocab_size=s["vocab"],
-                padded_vocab_size=s["vocab"],
-                n_layer=s["layers"],
-                n_head=s["heads"],
-                n_query_groups=s["kv_heads"],
-                n_embd=s["dim"],
-                intermediate_size=s["ffn"],
-                bias=False,
-                norm_class_name="RMSNorm",
-                mlp_class_name="LLaMAMLP",
-                rotary_percentage=1.0,
-                parallel_residual=False,
-                rope_base=10000,
-            )
-        )
+        net = GPT(litgpt_config(SHAPE, SEQ))
         return net, lambda x, y: chunked_cross_entropy(net(x), y)
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from disttrain_core.config.model import LlamaConfig
     from disttrain_core.models.llama import Llama
 
-    net = Llama(
-        LlamaConfig(
-            vocab_size=s["vocab"],
-            dim=s["dim"],
-            n_layers=s["layers"],
-            n_heads=s["heads"],
-            n_kv_heads=s["kv_heads"],
-            ffn_dim=s["ffn"],
-            rope_theta=10000.0,
-        ),
-        s["seq"],
-    )
+    net = Llama(LlamaConfig(**SHAPE), SEQ)
     return net, lambda x, y: F.cross_entropy(net(x).float().flatten(0, 1), y.flatten(), reduction="sum") / y.numel()
 
 
@@ -76,8 +58,8 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(0)
     net, loss_of = build(options["impl"])
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=0.1)
-    x = torch.randint(0, SHAPE["vocab"], (SHAPE["micro"], SHAPE["seq"]))
-    y = torch.randint(0, SHAPE["vocab"], (SHAPE["micro"], SHAPE["seq"]))
+    x = torch.randint(0, SHAPE["vocab_size"], (MICRO, SEQ))
+    y = torch.randint(0, SHAPE["vocab_size"], (MICRO, SEQ))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=options["precision"] == "bf16-mixed")
 
     def step():

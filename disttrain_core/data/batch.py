@@ -64,6 +64,31 @@ class Batch:
         return float(self.gen_weight.sum())
 
 
+def text_rows(
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    key: str = "row",
+) -> Batch:
+    """A Batch of text rows for a text-only model: no images, no generation targets; document masks when
+    ``doc_ids`` / ``positions`` are given (packed documents), plain causal rows otherwise."""
+    b = tokens.shape[0]
+    return Batch(
+        tokens=tokens,
+        labels=labels,
+        images=torch.zeros((0, 3, 1, 1), dtype=torch.uint8),
+        image_counts=torch.zeros(b, dtype=torch.int64),
+        gen_images=torch.zeros((b, 3, 1, 1), dtype=torch.uint8),
+        gen_weight=torch.zeros(b, dtype=torch.float32),
+        gen_noise=torch.zeros((b, 1, 1, 1), dtype=torch.float32),
+        gen_timesteps=torch.zeros(b, dtype=torch.int64),
+        doc_ids=doc_ids,
+        positions=positions,
+        keys=[f"{key}{i}" for i in range(b)],
+    )
+
+
 def pad_rows(rows: Batch, slot: int) -> list[Batch]:
     """The bucket's rows cut into slots of ``slot`` rows, the last padded with empty rows (no loss)."""
     n = rows.size

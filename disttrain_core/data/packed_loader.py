@@ -17,7 +17,7 @@ from collections import Counter
 
 import torch
 
-from .batch import Batch, pad_rows
+from .batch import Batch, pad_rows, text_rows
 from .packing import bucket_and_pack, bucket_boundaries, pack_rows, sample_lengths
 
 SOURCES = ("commoncrawl", "github", "corpus", "dense")
@@ -35,20 +35,7 @@ def synthetic_document(length: int, vocab: int, generator: torch.Generator) -> t
 
 def text_batch(rows) -> Batch:
     """A Batch of packed rows for a text-only model (no images, no generation targets)."""
-    b = rows.tokens.shape[0]
-    return Batch(
-        tokens=rows.tokens,
-        labels=rows.labels,
-        images=torch.zeros((0, 3, 1, 1), dtype=torch.uint8),
-        image_counts=torch.zeros(b, dtype=torch.int64),
-        gen_images=torch.zeros((b, 3, 1, 1), dtype=torch.uint8),
-        gen_weight=torch.zeros(b, dtype=torch.float32),
-        gen_noise=torch.zeros((b, 1, 1, 1), dtype=torch.float32),
-        gen_timesteps=torch.zeros(b, dtype=torch.int64),
-        doc_ids=rows.doc_ids,
-        positions=rows.positions,
-        keys=[f"row{i}" for i in range(b)],
-    )
+    return text_rows(rows.tokens, rows.labels, rows.doc_ids, rows.positions)
 
 
 class PackedStepLoader:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batch import Batch
+from .batch import Batch, text_rows
 
 SKIP_REASON = "token_outside_vocabulary"
 
@@ -53,22 +53,6 @@ def open_tokens(path: str | Path) -> np.ndarray:
 def window_count(tokens: np.ndarray, seq_len: int) -> int:
     """Windows of ``seq_len + 1`` tokens starting at multiples of ``seq_len``."""
     return max(0, (len(tokens) - 1) // seq_len)
-
-
-def text_only_batch(tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
-    """A Batch of plain causal text rows (no images, no generation targets, no document masks)."""
-    rows = tokens.shape[0]
-    return Batch(
-        tokens=tokens,
-        labels=labels,
-        images=torch.zeros((0, 3, 1, 1), dtype=torch.uint8),
-        image_counts=torch.zeros(rows, dtype=torch.int64),
-        gen_images=torch.zeros((rows, 3, 1, 1), dtype=torch.uint8),
-        gen_weight=torch.zeros(rows, dtype=torch.float32),
-        gen_noise=torch.zeros((rows, 1, 1, 1), dtype=torch.float32),
-        gen_timesteps=torch.zeros(rows, dtype=torch.int64),
-        keys=[f"w{i}" for i in range(rows)],
-    )
 
 
 class TokenFileLoader:
@@ -118,7 +102,7 @@ class TokenFileLoader:
         out = []
         for _ in range(self.microbatches):
             block = torch.from_numpy(np.stack([self._next_row() for _ in range(self.rows)]))
-            out.append(text_only_batch(block[:, :-1].contiguous(), block[:, 1:].contiguous()))
+            out.append(text_rows(block[:, :-1].contiguous(), block[:, 1:].contiguous(), key="w"))
         self.step += 1
         return out
 
