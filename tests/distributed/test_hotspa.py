@@ -1,10 +1,11 @@
 """HotSPa end to end (train/hotspa.py): a bucketed step whose three buckets run under three strategies
 (dp4 for the short rows, dp2tp2, tp2pp2 for the longest; and with context parallelism: cp2dp2, dp4,
 cp2tp2), parameters and gradients hot-switched inside the step, gives the losses and parameters of one
-process training on the same packed documents, 5 steps, fp32: losses within 1e-5, parameters within 1e-5
-(1e-4 with context parallelism, see below)."""
+process training on the same packed documents, 5 steps, fp32: losses within 1e-5, parameters within 1e-4
+with all but 1 in 1,000 elements within 1e-6 (see below)."""
 
 import pytest
+import torch
 
 from disttrain_core.train.checkpoint import latest_checkpoint, read_tensors
 
@@ -41,27 +42,40 @@ def one(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("hotspa") / "one", "trainer.devices=1")
 
 
-# Ring attention sums in another order than the one-process SDPA: parameters whose gradient nearly cancels get
-# Adam steps of another size (as in tests/distributed/test_context_parallel_training.py, 1e-4); without context
-# parallelism every strategy runs the reference's kernels and the parameters agree to 1e-5.
+def parameters_agree(ours: dict, theirs: dict) -> None:
+    """Every parameter within 1e-4 of the reference, and all but 1 in 1,000 elements within 1e-6.
+
+    Sums in another order (ring attention; tensor-parallel partial sums; another CPU's kernels) change a
+    gradient in its last bits, and an element whose gradient nearly cancels then gets an Adam step of another
+    size (as in tests/distributed/test_context_parallel_training.py, 1e-4). On the AMD development machine the
+    strategies without context parallelism agreed to 1e-5 everywhere; on an Intel Xeon without AVX512-BF16
+    (2026-11-24) one element of 197 k (layers.2.attention.wo) ends 1.7e-5 off, 58 (0.03%) above 1e-6, the
+    median 1.1e-8. The second bound keeps the check on the bulk: a wrong switch or reshard moves whole
+    tensors, far more than 1 in 1,000 elements.
+    """
+    params = [k for k in theirs if k.startswith("llm.") and k in ours]
+    assert len(params) >= 4 * 9  # every weight of every block, at least
+    diffs = torch.cat([(ours[k] - theirs[k]).abs().flatten() for k in params])
+    assert diffs.max().item() < 1e-4, diffs.max().item()
+    outliers = int((diffs > 1e-6).sum())
+    assert outliers <= diffs.numel() // 1_000, (outliers, diffs.numel())
+
+
 # The first set also recomputes differently per bucket (none / selective_op / full): the same numbers.
 @pytest.mark.parametrize(
-    "strategies, tolerance, extra",
+    "strategies, extra",
     [
-        ("[dp4,dp2tp2,tp2pp2]", 1e-5, ["parallel.hotspa.recompute=[none,selective_op,full]"]),
-        ("[cp2dp2,dp4,cp2tp2]", 1e-4, []),
+        ("[dp4,dp2tp2,tp2pp2]", ["parallel.hotspa.recompute=[none,selective_op,full]"]),
+        ("[cp2dp2,dp4,cp2tp2]", []),
     ],
 )
-def test_three_strategies_in_one_step_match_one_process(one, strategies, tolerance, extra, tmp_path):
+def test_three_strategies_in_one_step_match_one_process(one, strategies, extra, tmp_path):
     hot = _train(tmp_path / "hot", "parallel=hotspa", f"parallel.hotspa.strategies={strategies}", *extra)
     losses, reference = [m["loss"] for m in read_metrics(hot)], [m["loss"] for m in read_metrics(one)]
     assert len(losses) == 5 and losses == pytest.approx(reference, abs=1e-5, rel=0)
     ours = read_tensors(latest_checkpoint(hot / "checkpoints"))
     theirs = read_tensors(latest_checkpoint(one / "checkpoints"))
-    params = [k for k in theirs if k.startswith("llm.") and k in ours]
-    assert len(params) >= 4 * 9  # every weight of every block, at least
-    worst = max((ours[k] - theirs[k]).abs().max().item() for k in params)
-    assert worst < tolerance, worst
+    parameters_agree(ours, theirs)
     assert losses[-1] < losses[0]  # and it learns
     assert all(0 < m["perf/switch_fraction"] < 1 for m in read_metrics(hot))  # switching is timed, and not all
 
@@ -81,6 +95,4 @@ def test_a_hotspa_run_resumes_under_another_home(one, tmp_path):
     assert [resumed[s] for s in (4, 5)] == pytest.approx([reference[s] for s in (4, 5)], abs=1e-5, rel=0)
     ours = read_tensors(latest_checkpoint(run / "checkpoints"))
     theirs = read_tensors(latest_checkpoint(one / "checkpoints"))
-    params = [k for k in theirs if k.startswith("llm.") and k in ours]
-    assert len(params) >= 4 * 9
-    assert max((ours[k] - theirs[k]).abs().max().item() for k in params) < 1e-5
+    parameters_agree(ours, theirs)
