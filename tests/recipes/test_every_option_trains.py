@@ -45,7 +45,9 @@ TRAINED_ELSEWHERE = {
         "hotspa",  # tests/distributed/test_hotspa.py: 5 steps against one process
     )
 }
-TRAINED_ELSEWHERE.add(("data", "tokens"))  # tests/distributed/test_token_file_training.py: 4 steps, 1 and 2 processes
+# Trained by a test of its own (the option -> the test file that trains it, with the option on its command line).
+TRAINED_BY_TEST = {("data", "tokens"): "tests/distributed/test_token_file_training.py"}  # 4 steps, 1 and 2 processes
+TRAINED_ELSEWHERE |= set(TRAINED_BY_TEST)
 # Run as typed (reduced alike) by tests/recipes/test_cookbook.py: the README's commands.
 TRAINED_ELSEWHERE |= {
     ("parallel", "disagg2"),  # python train.py parallel=disagg2
@@ -92,5 +94,8 @@ def test_what_is_trained_elsewhere_is_trained_there():
     units = (REPO / "tests/distributed/test_units.py").read_text()
     for group, option in TRAINED_ELSEWHERE:
         text = f"{group}={option}"
+        if (group, option) in TRAINED_BY_TEST:
+            assert f'"{text}"' in (REPO / TRAINED_BY_TEST[group, option]).read_text(), text
+            continue
         run_by_cookbook = any(text in argv and kind(c) == "train" for c, argv in COMMANDS.items())
         assert run_by_cookbook or f'"{option}"' in units.split("def test_four_process_layouts")[0], text
