@@ -85,18 +85,17 @@ class TokenFileLoader:
         return int(self._order[1][position]) * self.seq_len
 
     def _next_row(self) -> np.ndarray:
-        while True:
+        for _ in range(self.windows):  # a whole epoch's worth of windows in a row, none usable: a wrong file
             start = self._window(self.cursor)
             self.cursor += 1
             row = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
             if int(row.max()) < self.vocab and int(row.min()) >= 0:
                 return row
             self.skipped[SKIP_REASON] += 1
-            if self.skipped[SKIP_REASON] >= self.windows:
-                raise ValueError(
-                    f"every window of the token file holds ids outside model.llm.vocab_size={self.vocab}: the file "
-                    "was written by another tokenizer"
-                )
+        raise ValueError(
+            f"{self.windows} windows in a row hold ids outside model.llm.vocab_size={self.vocab}: the token file was "
+            "written by another tokenizer"
+        )
 
     def next_step(self) -> list[Batch]:
         out = []
