@@ -64,7 +64,7 @@ def test_a_warmup_over_the_whole_run_is_synchronous_data_parallelism(long_text, 
     assert dp_losses[-1] < dp_losses[0]
 
 
-@pytest.mark.parametrize("method", ["diloco", "post_local_sgd"])
+@pytest.mark.parametrize("method", ["diloco", pytest.param("post_local_sgd", marks=pytest.mark.slow)])
 def test_sgd_synced_every_step_with_outer_lr_one_is_synchronous_sgd(long_text, tmp_path, method):
     """optim=sgd, outer lr 1, no outer momentum, sync_every=1: the average of the workers' SGD steps is the SGD
     step on the averaged gradient (equal tokens per worker: each normalizes by its own)."""
@@ -172,7 +172,16 @@ def test_diloco_on_a_2x2_mesh_is_the_update_rule(long_text, tmp_path):
     assert _close(params, ref_params) < 1e-5
 
 
-@pytest.mark.parametrize("method,shard", [("diloco", "none"), ("edit", "none"), ("edit", "zero1"), ("edit", "zero3")])
+# make test keeps the case with the most state (edit, zero3); the others run in make test-slow.
+@pytest.mark.parametrize(
+    "method,shard",
+    [
+        pytest.param("diloco", "none", marks=pytest.mark.slow),
+        pytest.param("edit", "none", marks=pytest.mark.slow),
+        pytest.param("edit", "zero1", marks=pytest.mark.slow),
+        ("edit", "zero3"),
+    ],
+)
 def test_a_run_resumed_between_two_syncs_continues_identically(long_text, tmp_path, method, shard):
     """Step 3 lies between the syncs of steps 2 (the end of warm-up), 4 and 6: the checkpoint carries every
     worker's parameters and inner optimizer, the anchors, the outer momentum and the step (edit: with its
@@ -243,6 +252,7 @@ def _penalty_run(shards, run_dir, *extra):
     return [m["loss"] for m in read_metrics(run_dir)]
 
 
+@pytest.mark.slow  # 28 s; the penalty's rollback path stays in make test (every worker anomalous)
 def test_the_penalty_finds_the_spikes_and_keeps_the_loss_of_a_clean_run(long_text, tmp_path):
     import json
 
@@ -319,7 +329,7 @@ def ddp_workers(long_text, tmp_path_factory):
     return losses, read_tensors(latest_checkpoint(run_dir / "checkpoints"), "")
 
 
-@pytest.mark.parametrize("shard", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("shard", ["zero1", pytest.param("zero2", marks=pytest.mark.slow), "zero3"])
 def test_sharded_workers_equal_ddp_workers(long_text, tmp_path, ddp_workers, shard):
     """EDiT's 2-D mesh with sharded workers: each worker's 2 processes (the shard group) shard its state -- ZeRO-1
     its AdamW state, FSDP2 (zero2, zero3) everything -- and the sync group joins the processes that hold the same

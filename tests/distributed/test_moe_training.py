@@ -58,6 +58,7 @@ def test_capacity_drops_are_counted_and_match_per_process_capacity(shards, tmp_p
     assert min(dropped) > 0
 
 
+@pytest.mark.slow  # 28 s: a 40-step run; the balancing loss's gradient is checked in make test (test_expert_parallel)
 def test_balancing_brings_expert_load_under_1_3_on_the_embedded_data(shards, tmp_path):
     """200 steps of a 2-layer llama_moe_tiny on 64-token sequences: the aux loss (coefficient 0.01) and the
     aux-loss-free bias both bring the worst layer's max/mean expert load under 1.3 (mean of the last 30

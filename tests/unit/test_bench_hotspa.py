@@ -41,6 +41,7 @@ def test_every_strategy_the_runtime_accepts_is_a_static_candidate_by_default(ben
     assert {"pp4", "dp2tp2", "tp2pp2", "dp2cp2", "cp4", "dp4"} <= set(needs)
 
 
+@pytest.mark.slow  # 16 s: the benchmark end to end
 def test_one_alternation_writes_its_measurements(bench, tmp_path):
     out = tmp_path / "bench.json"
     args = [*TINY, "alternations=1", "steps=2", "skip=1", "predict=false", "format=json", f"out={out}"]

@@ -45,7 +45,7 @@ from disttrain_core.parallel.recompute import POLICIES
 from disttrain_core.validation import ConfigError, check_state_fits, validate_config
 from disttrain_core.validation.numbers import RULES
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 2000))  # default suite (< 60 s on 2 cores)
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 600))  # default suite (~15 s on 2 cores)
 SLOW_EXAMPLES = 12000
 EXAMPLE_TIMEOUT_S = 30  # one example taking longer is a hang
 # Reproducible (derandomize), no deadline, no example database, and no explain phase (its tracing is slow).

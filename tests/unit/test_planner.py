@@ -44,7 +44,10 @@ def layout_model(model: str, devices: int, batch: int, recompute: str = "none", 
     return LayoutModel(costs, batch, 1, devices)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+# make test: the smallest and the largest model; the two between in make test-slow.
+@pytest.mark.parametrize(
+    "model", [m if m in ("mllm_tiny", "mllm72b") else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
+)
 def test_algorithm1_matches_exhaustive_search_up_to_64_devices(model):
     checked = 0
     for devices in (4, 8, 12, 16, 24, 32, 48, 64):
