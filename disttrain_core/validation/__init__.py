@@ -6,13 +6,15 @@ by the schema, when Hydra composes the config.
 
 The checks live in ``common`` (errors, resolution helpers, ``${...}`` references), ``numbers`` (one
 table of bounds for every numeric setting, checked before anything divides by one), ``settings``
-(model, optimizer, trainer, device, cluster), ``data`` (shards, generation, the producer) and
-``layout`` (parallel layout and pipeline schedule).
+(model, optimizer, trainer, device, cluster), ``data`` (shards, generation, the producer), ``layout``
+(parallel layout and pipeline schedule) and ``cluster_fit`` (a run's GPUs and memory against the GPU cluster
+preset it names; whether this command starts ranks on this machine at all).
 """
 
 from __future__ import annotations
 
 from ..config import Config
+from .cluster_fit import launches_elsewhere, validate_cluster_fit
 from .common import (
     CPU_PROCESSES_PER_CORE,
     ConfigError,
@@ -38,11 +40,13 @@ __all__ = [
     "ConfigError",
     "check_pipeline",
     "externally_launched",
+    "launches_elsewhere",
     "layout_of",
     "reads_global_stream",
     "resolve_accelerator",
     "resolve_backend",
     "validate_cluster",
+    "validate_cluster_fit",
     "validate_config",
     "validate_data",
     "validate_device_contract",
@@ -111,3 +115,5 @@ def validate_config(cfg: Config) -> None:
         validate_optimizer(cfg)
     if not auto:
         validate_schedule_config(cfg)
+    # last: the memory model reads a layout and schedule the checks above accepted
+    validate_cluster_fit(cfg)

@@ -7,6 +7,7 @@ import functools
 import os
 
 from ..config import Config, cpu_count, determinism
+from .cluster_fit import launches_elsewhere
 from .common import (
     CPU_PROCESSES_PER_CORE,
     ConfigError,
@@ -184,16 +185,19 @@ def validate_trainer(cfg: Config) -> None:
         f"torch thread (trainer.threads_per_rank={t.threads_per_rank}): set trainer.threads_per_rank=1",
     )
     accelerator = resolve_accelerator(t.accelerator)
+    # a dry run or a submission to a scheduler starts no rank here: this machine's devices do not matter
+    elsewhere = externally_launched() or launches_elsewhere(cfg)
     if accelerator == "cuda":
         import torch
 
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         _require(
-            available > 0 or externally_launched(),
-            "trainer.accelerator=cuda but this machine has no CUDA device; use trainer.accelerator=cpu",
+            available > 0 or elsewhere,
+            "trainer.accelerator=cuda but this machine has no CUDA device; use trainer.accelerator=cpu (or "
+            "trainer.dry_run=true to plan a GPU run here)",
         )
         _require(
-            t.devices <= available or externally_launched(),
+            t.devices <= available or elsewhere,
             f"trainer.devices={t.devices} but this node has {available} CUDA device(s); lower trainer.devices",
         )
     else:
@@ -204,7 +208,7 @@ def validate_trainer(cfg: Config) -> None:
             f"trainer.devices={t.devices} CPU processes exceeds {limit} ({CPU_PROCESSES_PER_CORE} per core x "
             f"{cpu_count()} cores); lower trainer.devices",
         )
-    if t.num_nodes > 1 and not externally_launched():
+    if t.num_nodes > 1 and not elsewhere:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if v not in os.environ]
         _require(
             not missing,

@@ -1,0 +1,135 @@
+"""A run's needs against the GPU cluster preset it names (``cluster=h100_80g`` ...), and whether this command
+starts the ranks here at all.
+
+A GPU recipe is written for a cluster: its layout needs ``trainer.devices`` GPUs on each of
+``trainer.num_nodes`` nodes, and each rank role needs the bytes the planner's memory model adds up for it
+(planner/breakdown.py: model state, activations in flight, transients, runtime overhead). When the cluster
+preset says otherwise -- fewer GPUs, fewer per node, less memory -- the run is refused before launch in one
+line naming both numbers, instead of failing to schedule or running out of memory on the cluster. On CPU
+clusters (``cluster.device=cpu``) the preset describes this machine and the ranks are processes: nothing is
+checked here.
+
+``parallel=auto`` plans within the preset by construction (an infeasible plan names the binding memory);
+only the node shape is checked for it. ``parallel=hotspa`` checks each strategy's memory itself
+(validation/packing.py).
+
+Local-machine facts (CUDA devices here, a rendezvous in the environment) are not this process's business when
+it only plans (``trainer.dry_run=true``) or hands the job to a scheduler through Hydra's SLURM launcher
+(``-m hydra/launcher=slurm``): ``launches_elsewhere``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from ..config import CONF_DIR, Config
+from .common import ConfigError, world_size
+
+GB = 1e9
+SLURM_LAUNCHER = "submitit_slurm"  # the hydra-submitit-launcher plugin's SLURM launcher
+
+
+def scheduler_launcher(argv: Sequence[str] | None = None) -> str | None:
+    """The SLURM launcher a ``train.py -m ... hydra/launcher=<name>`` command submits its jobs with: the
+    plugin's ``submitit_slurm`` or a preset of conf/hydra/launcher/ built on it. None otherwise (no ``-m``:
+    Hydra runs the job here whatever the launcher)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    multirun = "-m" in args or "--multirun" in args or "hydra.mode=MULTIRUN" in args
+    choice = None
+    for arg in args:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if sep and key == "hydra/launcher":
+            choice = value
+    if not multirun or choice is None:
+        return None
+    return choice if _builds_on_slurm(choice) else None
+
+
+def _builds_on_slurm(choice: str, depth: int = 0) -> bool:
+    """``choice`` is the plugin's SLURM launcher or a preset whose defaults lead to it."""
+    from omegaconf import OmegaConf
+
+    if choice == SLURM_LAUNCHER:
+        return True
+    preset = CONF_DIR / "hydra" / "launcher" / f"{choice}.yaml"
+    if depth > 8 or not preset.is_file():
+        return False
+    defaults = OmegaConf.load(preset).get("defaults") or []
+    return any(isinstance(entry, str) and _builds_on_slurm(entry.strip(), depth + 1) for entry in defaults)
+
+
+def launches_elsewhere(cfg: Config) -> bool:
+    """This process starts no rank on this machine: a dry run, or a submission to a scheduler."""
+    return bool(cfg.trainer.dry_run) or scheduler_launcher() is not None
+
+
+def _cluster(cfg: Config) -> str:
+    return f"cluster={cfg.cluster.name}"
+
+
+def check_node_shape(cfg: Config) -> None:
+    """The job's GPUs (``trainer.devices`` per node x ``trainer.num_nodes``) against the preset's."""
+    c, t = cfg.cluster, cfg.trainer
+    world = world_size(cfg)
+    if t.devices > c.gpus_per_node:
+        raise ConfigError(
+            f"the run needs {t.devices} GPUs per node (trainer.devices={t.devices}) but {_cluster(cfg)} has "
+            f"cluster.gpus_per_node={c.gpus_per_node}; lower trainer.devices (and raise trainer.num_nodes) or pick "
+            "a cluster preset with larger nodes"
+        )
+    if world > c.num_gpus:
+        raise ConfigError(
+            f"the run needs {world} GPUs (trainer.devices={t.devices} x trainer.num_nodes={t.num_nodes}) but "
+            f"{_cluster(cfg)} has cluster.num_gpus={c.num_gpus}; use a cluster with at least {world} GPUs "
+            f"(cluster.num_gpus={world}) or a smaller layout"
+        )
+
+
+def fullest_role(cfg: Config):
+    """The rank role (planner/breakdown.py ``RoleMemory``) with the most bytes at its fullest moment, and the
+    usable bytes per device (``planner.memory_margin`` of ``cluster.memory_per_device_gb``)."""
+    from ..planner.breakdown import config_roles
+
+    roles, _ = config_roles(cfg)
+    usable = float(cfg.cluster.memory_per_device_gb) * GB * float(cfg.planner.memory_margin)
+    return max(roles, key=lambda role: role.total), usable
+
+
+def check_memory(cfg: Config) -> None:
+    """Every rank role's bytes by the planner's memory model within the preset's usable device memory."""
+    try:
+        role, usable = fullest_role(cfg)
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError):
+        return  # a layout the memory model cannot describe: the layout checks have named what is wrong
+    if role.total <= usable:
+        return
+    c = cfg.cluster
+    raise ConfigError(
+        f"the {role.unit} pp{role.pp} ranks need {role.total / GB:.1f} GB per GPU (memory model: shard={role.shard}, "
+        f"recompute={role.recompute}, {role.in_flight} microbatch(es) in flight) but {_cluster(cfg)} has "
+        f"cluster.memory_per_device_gb={c.memory_per_device_gb:g} ({usable / GB:.1f} GB usable at "
+        f"planner.memory_margin={cfg.planner.memory_margin:g}); use GPUs with more memory, more recompute or "
+        "sharding, or more pipeline / tensor parallelism (python tools/memory.py ... prints every role)"
+    )
+
+
+def validate_cluster_fit(cfg: Config) -> None:
+    """A GPU cluster preset that contradicts the run's needs fails here (called by validate_config)."""
+    if cfg.cluster.device != "cuda":
+        return
+    check_node_shape(cfg)
+    if cfg.parallel.mode in ("auto", "hotspa"):
+        return
+    check_memory(cfg)
+
+
+def check_signal_window(stop_grace_s: float, signal_lead_s: float, where: str) -> None:
+    """SLURM's SIGTERM must come before the time limit by more than the ranks may take to stop after it
+    (trainer.stop_grace_s, train/stop.py), so a stop's checkpoint is written before SLURM kills the job."""
+    if signal_lead_s <= stop_grace_s:
+        raise ConfigError(
+            f"{where}: SLURM signals {signal_lead_s:g} s before the time limit but trainer.stop_grace_s="
+            f"{stop_grace_s:g} lets a stopping rank take longer; raise the signal's lead above {stop_grace_s:g} s "
+            "or lower trainer.stop_grace_s"
+        )
