@@ -26,6 +26,11 @@ is the median over all its timed steps, and the hidden fraction of every round i
 version of this benchmark did. One more traced run per mode on the emulated network gives the
 picture (compute and communication lanes of rank 0 over two steps).
 
+The CPU a ring step costs (tools/ring_cost.py: one reduce-scatter and one all-gather of a ``bucket_mb``
+bucket on the same network, nothing computing beside them) is measured once per network and scaled to a
+training step by the model's gradient bytes: on two cores that CPU is taken from the computation and
+cannot be hidden.
+
     sudo python tools/bench_overlap.py                  # ~6 minutes on 2 cores
     python tools/bench_overlap.py network=loopback format=json
 """
@@ -136,6 +141,27 @@ def train(network: str, mode: str, run_dir: Path, options: dict, trace: bool = F
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def ring_cost(network: str, options: dict) -> dict:
+    """tools/ring_cost.py on ``network`` at the bucket size, and its CPU scaled to one training step."""
+    tool = [sys.executable, str(REPO_ROOT / "tools" / "ring_cost.py"), f"bucket_mb={options['bucket_mb']}"]
+    if network == "emulated":
+        tool = [sys.executable, str(REPO_ROOT / "tools" / "netem_cluster.py"), "nodes=2", f"rate={options['rate']}",
+                f"delay={options['delay']}", "timeout=300", "--", *tool]  # fmt: skip
+    done = subprocess.run(tool, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"ring_cost on {network} failed:\n{done.stderr[-3000:]}")
+    cost = json.loads(done.stdout.strip().splitlines()[-1])
+    from disttrain_core.config import compose
+    from disttrain_core.models.info import model_info
+
+    params = model_info(compose(MODEL).model)["total_params"]
+    buckets = 4 * params / (float(options["bucket_mb"]) * 2**20)  # fp32 gradients and parameters
+    per_bucket = cost["reduce_scatter"]["cpu_ms"] + cost["all_gather"]["cpu_ms"]
+    cost["buckets_per_step"] = buckets
+    cost["cpu_ms_per_step"] = per_bucket * buckets  # one reduce-scatter and one all-gather per bucket
+    return cost
+
+
 def interleaved_times(metrics: list[dict], options: dict) -> dict[str, list[float]]:
     """Step times of an interleaved run by mode, without the first cycle and each turn's first step
     (whose forward used parameters gathered the previous mode's way)."""
@@ -236,6 +262,7 @@ def main(argv: list[str]) -> int:
                     print(f"{network:9s} round {round_}: {medians}  hidden {hidden}", flush=True)
             entry = summarize(times)
             entry["hidden_fraction_per_round"] = per_round
+            entry["ring_cost"] = ring_cost(network, options)
             if network == "emulated":
                 entry["rate"], entry["delay"] = options["rate"], options["delay"]
             if network == "emulated" and options["picture"] != "none":
@@ -262,6 +289,13 @@ def main(argv: list[str]) -> int:
                 f"{network:9s} overlap {s['overlap']:.3f}s  no overlap {s['no_overlap']:.3f}s  compute only "
                 f"{s['compute_only']:.3f}s  communication {100 * entry['communication_share_of_no_overlap']:.0f}% of "
                 f"the step, hidden {'n/a' if hidden is None else f'{100 * hidden:.0f}%'}"
+            )
+            rounds_ = [f"{100 * h:.0f}%" for h in entry["hidden_fraction_per_round"] if h is not None]
+            cost = entry["ring_cost"]
+            rs, ag = cost["reduce_scatter"]["cpu_ms"], cost["all_gather"]["cpu_ms"]
+            print(
+                f"{'':9s} hidden per round {', '.join(rounds_)}; CPU per ring step ({cost['bucket_mb']:g} MB bucket) "
+                f"reduce-scatter {rs:.2f} ms, all-gather {ag:.2f} ms: {cost['cpu_ms_per_step']:.0f} ms a training step"
             )
         print(f"wrote {out}")
     return 0

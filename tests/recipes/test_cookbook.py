@@ -293,6 +293,12 @@ def test_benchmark_command(command, tmp_path):
     if "network=emulated" in args and "skipped" in result["networks"]["emulated"]:
         pytest.skip(result["networks"]["emulated"]["skipped"])
     assert result
+    for entry in result.get("networks", {}).values() if "bench_overlap" in command else ():
+        cost = entry["ring_cost"]  # tools/ring_cost.py on the same network: CPU per ring step, measured
+        assert cost["reduce_scatter"]["cpu_ms"] > 0 and cost["all_gather"]["cpu_ms"] > 0
+        assert cost["cpu_ms_per_step"] == pytest.approx(
+            (cost["reduce_scatter"]["cpu_ms"] + cost["all_gather"]["cpu_ms"]) * cost["buckets_per_step"]
+        )
 
 
 def test_quick_start_learns_and_tensorboard_reads_it(shards, tmp_path):
