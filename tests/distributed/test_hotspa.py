@@ -82,6 +82,7 @@ def test_three_strategies_in_one_step_match_one_process(one, strategies, bulk, e
     assert all(0 < m["perf/switch_fraction"] < 1 for m in read_metrics(hot))  # switching is timed, and not all
 
 
+@pytest.mark.slow  # 22 s; resuming across layouts stays in make test (test_reshard.py, test_resume.py)
 def test_a_hotspa_run_resumes_under_another_home(one, tmp_path):
     """Stopped after step 3 with home tp2pp2 (the most sharded of dp4 / dp2tp2 / tp2pp2), resumed with
     strategies dp2tp2 / dp4 / dp2tp2 (home dp2tp2): the checkpoint (the home's state, saved by name) is

@@ -257,6 +257,7 @@ def test_tool_command(command, tmp_path):
         assert len(list((tmp_path / "shards").glob("*.tar"))) == 2
 
 
+@pytest.mark.slow  # 30 s: three runs and the checkpoint tool; resume=auto and resharded resumes stay in make test
 def test_resume_chain(shards, tmp_path):
     """A fixed run directory, resume=auto there, resume in another layout, then the checkpoint tool."""
     run_dir = tmp_path / "outputs" / "exp1"

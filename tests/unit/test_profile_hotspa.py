@@ -18,6 +18,7 @@ RUN = [
 ]
 
 
+@pytest.mark.slow  # 23 s; parallel.hotspa.strategies=auto from predictions stays in make test (test_hotspa_auto.py)
 def test_two_strategies_are_measured_and_auto_reads_them(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(REPO / "tools"))
     import profile_hotspa
