@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from .config import CONFIG_GROUPS, compose, group_options
+from .config import CONFIG_GROUPS, compose, group_options, override_key
 from .validation import ConfigError, check_state_fits, validate_config
 
 # Hydra flags that do not train (help, config printing, completion): no preflight.
@@ -67,11 +67,11 @@ def _full_key(error: BaseException) -> str | None:
 def describe_compose_error(error: BaseException, overrides: list[str]) -> str:
     text = one_line(error)
     key = _full_key(error)
-    override = next((o for o in overrides if key and o.lstrip("+~").split("=", 1)[0] == key), None)
+    override = next((o for o in overrides if key and override_key(o) == key), None)
     where = override or key or "config"
     if "NoneType" in text and ("Unexpected type for root" in text or "has no attribute" in text):
         # OmegaConf cannot merge into an optional block whose value is null (omry/omegaconf#1035)
-        keys = [o.lstrip("+~").split("=", 1)[0] for o in overrides if "=" in o]
+        keys = [override_key(o) for o in overrides if "=" in o]
         dotted = [k for k in keys if k.count(".") >= 2 and not k.startswith("hydra.")]
         target = key or (dotted[0] if len(dotted) == 1 else "one of " + ", ".join(dotted) if dotted else "a key")
         return (

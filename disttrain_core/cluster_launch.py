@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .config import RECIPES_DIR, REPO_ROOT, compose, group_options, typed_config
+from .config import RECIPES_DIR, REPO_ROOT, compose, group_options, override_key, typed_config
 from .validation import ConfigError, validate_config
 from .validation.cluster_fit import check_signal_window
 
@@ -77,17 +77,13 @@ def read_header(recipe: str) -> RecipeHeader:
     return RecipeHeader(recipe, shlex.split(launch.group("args")), assumptions)
 
 
-def _key(arg: str) -> str:
-    return arg.lstrip("+~").split("=", 1)[0]
-
-
 def merged_overrides(*groups: list[str]) -> list[str]:
     """Overrides in order, a later ``key=value`` replacing an earlier one of the same key in place."""
     out: dict[str, str] = {}
     for group in groups:
         for arg in group:
-            out.pop(_key(arg), None)
-            out[_key(arg)] = arg
+            out.pop(override_key(arg), None)
+            out[override_key(arg)] = arg
     return list(out.values())
 
 
@@ -108,7 +104,7 @@ def compose_job(recipe: str, overrides: Sequence[str] = (), nodes: int | None = 
     """The job of ``recipe`` (its header's arguments, then ``overrides``; ``nodes``: the nodes to run on),
     validated as the cluster will validate it, with ``hydra/launcher=<launcher>``'s parameters."""
     header = read_header(recipe)
-    launcher_args = [arg for arg in overrides if _key(arg).startswith("hydra.")]  # sbatch's, not the ranks'
+    launcher_args = [arg for arg in overrides if override_key(arg).startswith("hydra.")]  # sbatch's, not the ranks'
     user = [arg for arg in overrides if arg not in launcher_args]
     if nodes is not None:
         user.append(f"trainer.num_nodes={nodes}")

@@ -88,6 +88,11 @@ def determinism(choice: Any, device_type: str) -> bool | str:
     return choice
 
 
+def override_key(arg: str) -> str:
+    """The key a Hydra command-line override sets: ``+a.b=1``, ``~a.b`` and ``a.b=1`` all name ``a.b``."""
+    return arg.lstrip("+~").split("=", 1)[0]
+
+
 def group_options(group: str) -> list[str]:
     """Option names available for a config group (yaml files or recipes)."""
     directory = RECIPES_DIR if group == "recipe" else CONF_DIR / group

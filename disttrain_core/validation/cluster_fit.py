@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ..config import CONF_DIR, Config
+from ..config import CONF_DIR, Config, override_key
 from .common import ConfigError, world_size
 
 GB = 1e9
@@ -38,9 +38,8 @@ def scheduler_launcher(argv: Sequence[str] | None = None) -> str | None:
     multirun = "-m" in args or "--multirun" in args or "hydra.mode=MULTIRUN" in args
     choice = None
     for arg in args:
-        key, sep, value = arg.lstrip("+").partition("=")
-        if sep and key == "hydra/launcher":
-            choice = value
+        if "=" in arg and override_key(arg) == "hydra/launcher":
+            choice = arg.split("=", 1)[1]
     if not multirun or choice is None:
         return None
     return choice if _builds_on_slurm(choice) else None
