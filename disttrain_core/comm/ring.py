@@ -195,7 +195,9 @@ class RingCollectives:
 
         def job() -> None:
             op.started()
-            output[ring.rank * size : (ring.rank + 1) * size].copy_(shard)
+            own = output[ring.rank * size : (ring.rank + 1) * size]
+            if own.data_ptr() != shard.data_ptr():  # ZeRO-1 gathers in place: the shard is already there
+                own.copy_(shard)
             ring_gather(ring, shard, lambda *_: None, lambda owner: output[owner * size : (owner + 1) * size])
             op.completed()
 

@@ -1,5 +1,6 @@
 """The ring reduce-scatter and all-gather that ZeRO-1 runs on gloo (comm/ring.py) give exactly the
-native collectives' results on 3 ranks, writing into slices of larger buffers as the engine does."""
+native collectives' results on 3 ranks, writing into slices of larger buffers as the engine does, and
+gathering in place (the shard a slice of the output, which the all-gather does not copy onto itself)."""
 
 import os
 from datetime import timedelta
@@ -31,6 +32,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     shard = torch.arange(size, dtype=torch.float32) + 10 * rank
     gathered = torch.full((WORLD * size + 2,), -1.0)
     handles.append(ring.all_gather(gathered[1 : 1 + WORLD * size], shard))
+    in_place = torch.full((WORLD * size,), -1.0)  # ZeRO-1's way: the shard is this rank's slice of the output
+    in_place[rank * size : (rank + 1) * size] = shard
+    handles.append(ring.all_gather(in_place, in_place[rank * size : (rank + 1) * size]))
     for handle in handles:
         handle.wait()
     native = torch.empty(WORLD * size)
@@ -41,6 +45,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         "untouched": bool((shards[:size] == 0).all() and (shards[2 * size :] == 0).all()),
         "all_gather": torch.equal(gathered[1:-1], native),
         "edges": gathered[0].item() == -1 and gathered[-1].item() == -1,
+        "all_gather_in_place": torch.equal(in_place, native),
     }
     torch.save(result, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
