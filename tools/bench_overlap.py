@@ -12,7 +12,10 @@ hidden fraction = (T_no_overlap - T_overlap) / (T_no_overlap - T_compute_only), 
 communication share of the non-overlapped step = (T_no_overlap - T_compute_only) / T_no_overlap.
 
 Networks: ``emulated`` runs one rank per emulated node (tools/netem_cluster.py: network
-namespaces, veth, tbf at ``rate``; needs root and iproute2, skipped with a note otherwise);
+namespaces, veth, tbf at ``rate``; needs root and iproute2, skipped with a note otherwise),
+each node on a core of its own (``pin=true``, the default): a real node's communication takes
+its own CPU, never the other node's. With ``pin=false`` the kernel may run either node's
+threads on either core, so one rank's communication can slow the other rank's computation;
 ``loopback`` runs both ranks in one launcher over 127.0.0.1. Each rank gets one CPU thread
 (``trainer.threads_per_rank=1``), so the two ranks own the two cores.
 
@@ -60,6 +63,7 @@ OPTIONS = {
     "rounds": "3",
     "rate": "1gbit",
     "delay": "0.1ms",
+    "pin": "true",  # emulated: node k's processes run on core k only (netem_cluster pin=true)
     "bucket_mb": "2",
     "micro_batch": "3",  # per rank; one microbatch per step (global batch = 2 x micro_batch)
     "network": "both",  # both | emulated | loopback
@@ -129,6 +133,7 @@ def train(network: str, mode: str, run_dir: Path, options: dict, trace: bool = F
             "nodes=2",
             f"rate={options['rate']}",
             f"delay={options['delay']}",
+            f"pin={options['pin']}",
             "timeout=900",
             "--",
         ]
@@ -146,7 +151,7 @@ def ring_cost(network: str, options: dict) -> dict:
     tool = [sys.executable, str(REPO_ROOT / "tools" / "ring_cost.py"), f"bucket_mb={options['bucket_mb']}"]
     if network == "emulated":
         tool = [sys.executable, str(REPO_ROOT / "tools" / "netem_cluster.py"), "nodes=2", f"rate={options['rate']}",
-                f"delay={options['delay']}", "timeout=300", "--", *tool]  # fmt: skip
+                f"delay={options['delay']}", f"pin={options['pin']}", "timeout=300", "--", *tool]  # fmt: skip
     done = subprocess.run(tool, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     if done.returncode != 0:
         raise SystemExit(f"ring_cost on {network} failed:\n{done.stderr[-3000:]}")
@@ -217,6 +222,8 @@ def main(argv: list[str]) -> int:
     options, _ = split_tool_args(argv, OPTIONS)
     if options["method"] not in ("interleaved", "separate"):
         raise SystemExit(f"method={options['method']!r}: use interleaved or separate")
+    if options["pin"].lower() not in ("true", "false"):
+        raise SystemExit(f"pin={options['pin']!r}: use true or false")
     warmup, rounds = int(options["warmup"]), int(options["rounds"])
     networks = ["emulated", "loopback"] if options["network"] == "both" else [options["network"]]
     why_not = emulation_available()
@@ -265,6 +272,7 @@ def main(argv: list[str]) -> int:
             entry["ring_cost"] = ring_cost(network, options)
             if network == "emulated":
                 entry["rate"], entry["delay"] = options["rate"], options["delay"]
+                entry["pinned"] = options["pin"].lower() in ("1", "true", "yes")
             if network == "emulated" and options["picture"] != "none":
                 traces = {}
                 for mode in ("no_overlap", "overlap"):

@@ -232,7 +232,7 @@ class PlannerConfig:
     # Model-state sharding the plan assumes and runs per unit (parallel/fsdp.py): zero1 | zero2 | zero3 |
     # auto (per unit, the least sharding that fits: zero1, zero2, zero3, before any recompute)
     shard: str = "auto"
-    dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (issue 7 raises it)
+    dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (0: charged in full; docs/PLANNER.md)
     memory_margin: float = 0.9  # plan to this share of device memory
     baselines: bool = True  # also evaluate the Megatron and FLOPs-proportional layouts
     profile_cache: str = "${oc.env:DISTTRAIN_CACHE,${oc.env:HOME,/tmp}/.cache/disttrain}/profiles"
