@@ -272,7 +272,7 @@ def main(argv: list[str]) -> int:
             entry["ring_cost"] = ring_cost(network, options)
             if network == "emulated":
                 entry["rate"], entry["delay"] = options["rate"], options["delay"]
-                entry["pinned"] = options["pin"].lower() in ("1", "true", "yes")
+                entry["pinned"] = options["pin"].lower() == "true"
             if network == "emulated" and options["picture"] != "none":
                 traces = {}
                 for mode in ("no_overlap", "overlap"):
