@@ -317,6 +317,12 @@ def validate_planner(cfg: Config) -> None:
         f"planner.shard={p.shard!r}: allowed values are {', '.join(shards)} (plans run as units, which shard at "
         "least zero1)",
     )
+    comm = cfg.parallel.comm  # the share the plan hides is hidden by the runtime's overlap, or not at all
+    _require(
+        p.dp_overlap == 0 or comm.overlap_grad_reduce or comm.overlap_param_gather,
+        f"planner.dp_overlap={p.dp_overlap} assumes overlapped ZeRO traffic, but parallel.comm.overlap_grad_reduce "
+        "and parallel.comm.overlap_param_gather are both false: set planner.dp_overlap=0 or switch overlap on",
+    )
 
 
 def validate_cluster(cfg: Config) -> None:

@@ -173,6 +173,14 @@ CASES = [
     (["planner.tp_options=[]"], "planner.tp_options=[]: give one or more tensor-parallel sizes"),
     (["planner.vpp_options=[0]"], "planner.vpp_options=[0]: give one or more virtual stage counts"),
     (["planner.dp_overlap=2"], "planner.dp_overlap=2.0: use a value in [0, 1]"),
+    (
+        [
+            "planner.dp_overlap=0.5",
+            "parallel.comm.overlap_grad_reduce=false",
+            "parallel.comm.overlap_param_gather=false",
+        ],
+        "planner.dp_overlap=0.5 assumes overlapped ZeRO traffic",
+    ),
     (["planner.memory_margin=0"], "planner.memory_margin=0.0: use a value in (0, 1]"),
     (["planner.profile_repeats=0"], "planner.profile_repeats=0: use 1 or more"),
     # ${...} references that do not resolve, or resolve to the wrong shape
