@@ -120,9 +120,14 @@ class Engine:
         """Make gradients global (sum over data-parallel replicas) if the engine has not already."""
 
     def count_group(self, step: int, default):
-        """The group step ``step``'s loss counts are summed over (``default``: the trainer's for this layout;
-        local SGD: one worker's after its warm-up)."""
+        """The group step ``step``'s loss counts are summed over when each replica reads its own samples
+        (``default``: the trainer's for this layout; local SGD: one worker's after its warm-up)."""
         return default
+
+    def loss_replicas(self, step: int) -> range | None:
+        """The data-parallel replicas whose samples normalize step ``step``'s loss when every process reads the
+        whole step (None: all of them, the global batch; local SGD: one worker's after its warm-up)."""
+        return None
 
     def synchronize(self) -> None:
         """Finish communication still in flight that writes parameters (overlapped gathers)."""

@@ -28,6 +28,7 @@ def build_engine(
     that read different samples (None: every process already sees the whole step, or there is one process);
     schedule and broker are None outside the unit engine."""
     world = fabric.world_size
+    group = dist.group.WORLD if world > 1 and not global_stream else None  # every process is a replica
     if cfg.parallel.mode == "hotspa":  # a strategy per length bucket (train/hotspa.py)
         from .hotspa import HotSpaEngine
 
@@ -36,9 +37,8 @@ def build_engine(
         from .local_sgd import LocalSgdEngine
 
         engine = LocalSgdEngine(cfg, fabric, tokenizer, timeout=timeout)
-        return engine, dist.group.WORLD if world > 1 else None, None, None
+        return engine, group, None, None
     if layout.trains_with_ddp():
-        group = dist.group.WORLD if world > 1 and not global_stream else None
         return DataParallelEngine(cfg, fabric, tokenizer), group, None, None
     schedule, broker, rows_of_units = build_pipeline(cfg, layout, accumulation)
     engine = UnitEngine(cfg, fabric, tokenizer, layout, schedule, broker, rows_of_units, timeout=timeout)

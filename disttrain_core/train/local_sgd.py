@@ -151,6 +151,11 @@ class LocalSgdEngine(DataParallelEngine):
             return default
         return self.worker_group if self.shard > 1 else None
 
+    def loss_replicas(self, step: int) -> range | None:
+        if self.synchronous(step):
+            return None
+        return range(self.worker * self.shard, (self.worker + 1) * self.shard)  # the worker's processes
+
     def spiked(self, step: int, worker: int) -> bool:
         """parallel.local_sgd.spikes: does ``worker`` scale its loss on local step ``step``?"""
         s = self.spikes

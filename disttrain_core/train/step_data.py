@@ -13,6 +13,16 @@ class StepData:
     """Mixed into the Trainer (train/loop.py), whose attributes it reads."""
 
     def _global_counts(self, microbatches: list[Batch], trace=None) -> GlobalCounts:
+        """The loss normalizers of this step: the tokens, generation samples, sequences and images of the samples
+        the loss is normalized over -- the global batch, or (local SGD after its warm-up) one worker's share."""
+        step = self.step + 1
+        group = None
+        if self.global_stream:  # every process holds the whole step: count the normalizing replicas' samples here
+            replicas = self.engine.loss_replicas(step)
+            if replicas is not None:
+                microbatches = [mb for replica in replicas for mb in self._replica_share(microbatches, replica)]
+        else:  # each replica read its own samples: sum over the processes whose samples normalize the loss
+            group = self.engine.count_group(step, self.count_group)
         counts = to_device(  # host-side batch tensors: reading them synchronizes nothing
             torch.tensor(
                 [
@@ -26,7 +36,6 @@ class StepData:
             self.fabric.device,
         )
         work = None
-        group = self.engine.count_group(self.step + 1, self.count_group)
         if group is not None:  # one copy per data-parallel replica
             work = dist.all_reduce(counts, group=group, async_op=True)
         return GlobalCounts(counts, work, trace)
@@ -35,15 +44,20 @@ class StepData:
         """The samples this process works on: its unit replica's block of every global microbatch."""
         if not self.global_stream:
             return microbatches
-        if self.packing:  # one Batch per bucket: HotSPa splits them per strategy, DDP per replica here
-            if self.cfg.parallel.mode == "hotspa":
-                return microbatches
+        if self.packing and self.cfg.parallel.mode == "hotspa":  # HotSPa splits the buckets per strategy
+            return microbatches
+        if self.broker is not None:
+            self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
+        return self._replica_share(microbatches, self.dp_rank)
+
+    def _replica_share(self, microbatches: list[Batch], replica: int) -> list[Batch]:
+        """Data-parallel replica ``replica``'s share of a step read whole: its rows of every packed bucket, or
+        its unit's block of every microbatch slot."""
+        if self.packing:  # one Batch per bucket
             from ..data.packed_loader import replica_rows
             from ..data.packing import bucket_boundaries, microbatch_rows
 
             rows = [microbatch_rows(self.cfg.data.packing, c) for c in bucket_boundaries(self.cfg)]
-            return replica_rows(microbatches, rows, self.layout.llm.dp, self.dp_rank)
-        if self.broker is not None:
-            self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
-        block = self.unit.block(self.dp_rank, self.slot_samples)
+            return replica_rows(microbatches, rows, self.layout.llm.dp, replica)
+        block = self.unit.block(replica, self.slot_samples)
         return [mb.select(block) for mb in microbatches]

@@ -86,8 +86,9 @@ def validate_local_sgd(cfg: Config) -> None:
         "(parallel.local_sgd.shard_group processes each); unset parallel.hsdp_replicas",
     )
     _require(
-        not cfg.data.packing.enabled and cfg.data.producer.address is None,
-        "parallel.mode=local_sgd reads its own shards in each worker: unset data.packing and data.producer.address",
+        cfg.data.producer.address is None,
+        "parallel.mode=local_sgd reads its data in each worker (its workers step at their own pace, a producer "
+        "serves synchronous steps): unset data.producer.address",
     )
     _require(cfg.model.llm.moe is None, "parallel.mode=local_sgd: MoE models are not supported yet; use a dense LLM")
     pen, spikes = ls.penalty, ls.spikes

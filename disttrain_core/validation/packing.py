@@ -58,8 +58,9 @@ def validate_packing(cfg: Config) -> None:
     )
     mode = cfg.parallel.mode
     _require(
-        mode in ("ddp", "hotspa"),
-        f"data.packing runs with parallel.mode=ddp or hotspa (packed rows of several lengths); parallel.mode={mode}: "
+        mode in ("ddp", "hotspa", "local_sgd"),
+        f"data.packing runs with parallel.mode=ddp, hotspa or local_sgd (packed rows of several lengths); "
+        f"parallel.mode={mode}: "
         "express a static tp/pp/cp layout as parallel=hotspa with one strategy per bucket",
     )
     _require(

@@ -58,7 +58,7 @@ def _cfg(*overrides):
             ["parallel.shard=zero3", "parallel.local_sgd.shard_group=2", "parallel.hsdp_replicas=2"],
             "under local_sgd the workers are the replicas",
         ),
-        (["model=llama_tiny", "data=longtail_text"], "unset data.packing"),
+        (["data.producer.address=127.0.0.1:5555"], "unset data.producer.address"),
         (["parallel.local_sgd.layerwise=true", "trainer.compile=true"], "layerwise syncs in forward hooks"),
         (["parallel.local_sgd.method=edit", "trainer.compile=true"], "layerwise syncs in forward hooks"),
         (["parallel.local_sgd.penalty.ewma_alpha=0"], "penalty.ewma_alpha=0.0: use a value in (0, 1]"),
