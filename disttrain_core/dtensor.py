@@ -19,7 +19,7 @@ def local_block(param):
     """``(local tensor, its offset in the full tensor)``: a DTensor's local shard, else the whole tensor."""
     if not isinstance(param, DTensor):
         return param, (0,) * param.ndim
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from .torch_compat import local_shape_and_offset
 
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    _, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
     return param.to_local(), tuple(offset)

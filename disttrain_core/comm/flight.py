@@ -218,11 +218,11 @@ def _world_size() -> int:
 def _torch_entries(directory: Path, rank: int) -> dict:
     """torch's recorder: its entries (compact), and its raw dump written for ``fr_trace``."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace
+        from ..torch_compat import dump_flight_trace
     except ImportError:
         return {"available": False, "error": "this torch has no flight recorder", "entries": []}
     # Per-entry stack traces are left out: symbolizing 2000 of them took ~3 s here, too long for a signal handler.
-    data = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+    data = pickle.loads(dump_flight_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
     config = {k: v for k, v in (data.get("pg_config") or {}).items() if k}
     for name, group in _groups.items():  # gloo leaves pg_config empty: fr_trace needs the members
         config.setdefault(name, {"name": name, "desc": group["desc"], "ranks": str(list(group["ranks"]))})

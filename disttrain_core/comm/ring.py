@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..torch_compat import all_gather_tensor, reduce_scatter_tensor
 from . import flight
 from .p2p import post
 
@@ -222,10 +223,10 @@ class NativeCollectives:
         self.group = group
 
     def reduce_scatter(self, output, source, async_op: bool = True):
-        return dist.reduce_scatter_single(output, source, group=self.group, async_op=async_op)
+        return reduce_scatter_tensor(output, source, group=self.group, async_op=async_op)
 
     def all_gather(self, output, shard, async_op: bool = True):
-        return dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op)
+        return all_gather_tensor(output, shard, group=self.group, async_op=async_op)
 
     def close(self) -> None:
         pass

@@ -16,9 +16,9 @@ from functools import lru_cache
 
 import torch
 from omegaconf import OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ModelConfig
+from ..torch_compat import TorchDispatchMode
 
 aten = torch.ops.aten
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.model import MoeConfig
+from ..torch_compat import current_graph_task_id
 from .llama import SwiGLU
 
 ROUTERS = ("aux_loss", "aux_free")
@@ -205,7 +206,7 @@ class MoeFeedForward(nn.Module):
         self.aux_loss = self._aux_loss(probs, counts, total)
         self.last_stats = MoeStats(counts, dropped, self.aux_loss.detach())
         # Activation recompute runs this forward again inside backward: count each forward once.
-        first_pass = self.training and torch._C._current_graph_task_id() == -1
+        first_pass = self.training and current_graph_task_id() == -1
         if self.pending_load is not None and first_pass:
             self.pending_load += counts
         if tokens.is_meta:  # FLOP counting on the meta device (models/flops.py): no routing outcome exists

@@ -33,9 +33,9 @@ def counted_kept_bytes(make_module, inputs, policy: str) -> float:
     wrappers (parallel/recompute.py): what autograd saves outside recomputed blocks, plus each recomputed
     block's inputs (its checkpoint holds them), plus under selective_op the outputs the policy keeps."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from ..parallel.recompute import _SAVED, BLOCKS, apply_recompute
+    from ..torch_compat import TorchDispatchMode
 
     module = make_module()
     apply_recompute(module, policy, every=1)

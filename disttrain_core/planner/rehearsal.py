@@ -26,9 +26,9 @@ GB = 1e9
 
 
 def _fake_group(world: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from ..torch_compat import fake_store
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=fake_store()(), rank=0, world_size=world)
 
 
 def _meshes(unit):

@@ -43,13 +43,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from ..clock import DeviceClock
 from ..comm.p2p import Channels, wait_all
+from ..torch_compat import split_backward
 from .actions import Action, Kind, Schedule
 from .simulator import TimedAction
 from .transfers import ACT, GRAD, Routing, Step, plan_rank
+
+stage_backward_input, stage_backward_weight = split_backward()
 
 # A microbatch is opaque here: each stage module receives its own (data.batch.Batch in training).
 Microbatch = Any

@@ -31,7 +31,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..torch_compat import TorchDispatchMode
 
 log = logging.getLogger(__name__)
 

@@ -90,11 +90,13 @@ def _worst_reduced_error(zero, reference: torch.nn.Module, world: int) -> float:
         total = param.grad.clone()
         dist.all_reduce(total)
         expected[name] = total
+    from disttrain_core.torch_compat import all_gather_tensor
+
     worst = 0.0
     for flat in zero.flats.values():
         gathered = torch.empty(world * flat.shard_numel)
         shard = torch.cat([master.grad for master in flat.masters])
-        dist.all_gather_into_tensor(gathered, shard)
+        all_gather_tensor(gathered, shard)
         full = flat.unshard(gathered)
         for index, (name, _) in enumerate(flat.params):
             worst = max(worst, (flat.parameter_slice(full, index) - expected[name]).abs().max().item())
@@ -221,3 +223,31 @@ def test_lean_zero1_holds_8_plus_12_over_dp_bytes_per_parameter(tmp_path):
         bound = (8 + 12 / world) * (r["params"] + r["padding"]) + 64  # + the step counters
         assert r["bytes"] <= bound, (r, bound)
         assert r["bytes"] >= (8 + 12 / world) * r["params"]  # everything counted: nothing left out
+
+
+def test_zero1_on_the_process_groups_own_collectives_matches_one_process(tmp_path):
+    """parallel.comm.collectives=native: the reduce-scatter and all-gather NCCL runs (gloo implements both),
+    through torch_compat's names (reduce_scatter_single from torch 2.13, reduce_scatter_tensor before)."""
+    from ..conftest import read_metrics, run_train
+
+    common = [
+        "model=llama_tiny",
+        "model.llm.n_layers=2",
+        "model.seq_len=64",
+        "trainer.max_steps=5",
+        "trainer.precision=32",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        "trainer.checkpoint.save_last=false",
+        "data.num_workers=0",
+    ]
+    losses = {}
+    for name, extra in (
+        ("one", ["trainer.devices=1"]),
+        ("native", ["parallel=zero1", "trainer.devices=2", "parallel.comm.collectives=native"]),
+    ):
+        result = run_train([*common, *extra, f"hydra.run.dir={tmp_path / name}"], timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = [m["loss"] for m in read_metrics(tmp_path / name)]
+    assert len(losses["one"]) == 5
+    assert losses["native"] == pytest.approx(losses["one"], abs=1e-4, rel=0)
