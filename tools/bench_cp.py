@@ -6,7 +6,7 @@ For each length in ``lengths`` and CP size in ``cps``, cp spawned processes (glo
   queries: ``ring_attention`` for cp > 1 (each of ``layouts``), causal SDPA for cp = 1. Per rank, medians
   after ``warmup``: wall time, the CPU time of the rank's thread (its own computation: a rank blocked on a
   transfer uses none), the wall time blocked in ring_attention's waits and the CPU time of its block
-  computations by kind (these processes wrap ring_attention's ``_block_forward``, ``_block_backward``
+  computations by kind (these processes wrap ring_attention's ``block_forward``, ``block_backward``
   and ``_wait``; the module itself is unchanged).
 * activations: bytes of the distinct non-parameter tensors autograd saves in the forward and loss of a
   small Llama (MEMORY_MODEL) through ``apply_context_parallel``, over those of one process.
@@ -94,14 +94,15 @@ def imbalance(values: list[float]) -> float:
 
 
 class BlockTimer:
-    """Wraps ring_attention's block computations and waits (in the benchmark's processes only) to split a
-    rank's time into its own block work (CPU time, by kind) and time blocked on transfers."""
+    """Wraps ring_attention's block kernels and waits (in the benchmark's processes only) to split a rank's
+    time into its own block work (CPU time, by kind) and time blocked on transfers."""
 
     def __init__(self) -> None:
         self.local_len = 0
         self.reset()
-        for name, phase in (("_block_forward", "forward"), ("_block_backward", "backward")):
-            setattr(ring_module, name, self._timed(getattr(ring_module, name), phase))
+        # block_forward(q, k, v, causal, ...), block_backward(grad_out, q, k, v, out, lse, causal, ...)
+        ring_module.block_forward = self._timed(ring_module.block_forward, "forward", 0, 3)
+        ring_module.block_backward = self._timed(ring_module.block_backward, "backward", 1, 6)
         original_wait = ring_module._wait
 
         def wait(works: list) -> None:
@@ -115,13 +116,13 @@ class BlockTimer:
         self.wait_s = 0.0
         self.cpu: dict[str, list[float]] = {}  # "forward own" -> CPU seconds of each such block
 
-    def _timed(self, function, phase: str):
-        def timed(q, k, *args):
-            causal = args[-1]
+    def _timed(self, function, phase: str, first: int, causal_at: int):
+        def timed(*args):
+            q, k, causal = args[first], args[first + 1], args[causal_at]
             kind = "own" if causal else "tail" if q.shape[-2] < self.local_len else "head"
             kind = "full" if kind == "head" and k.shape[-2] == self.local_len else kind
             started = time.thread_time()
-            result = function(q, k, *args)
+            result = function(*args)
             self.cpu.setdefault(f"{phase} {kind}", []).append(time.thread_time() - started)
             return result
 

@@ -38,9 +38,9 @@ def planned_blocks(layout: str, world: int, rank: int, local_len: int) -> list[t
 
 
 def block_cpu_times(length: int, world: int, settings: dict) -> dict[str, float]:
-    """CPU seconds of one forward block (+ its merge) of each kind at cp = ``world``, on one thread here.
-    The kinds take turns, as in a ring: one shape repeated back to back ran up to 1.8x faster here (the
-    allocator keeps its pages), shapes in turn pay for fresh pages of their fp32 score matrices."""
+    """CPU seconds of one forward block of each kind at cp = ``world`` (its kernel; the merge into the fp32
+    accumulator is a few elementwise passes over the output), on one thread here. The kinds take turns, as in
+    a ring."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     heads, kv_heads, dim = settings["heads"], settings["kv_heads"], settings["head_dim"]
@@ -50,11 +50,10 @@ def block_cpu_times(length: int, world: int, settings: dict) -> dict[str, float]
     samples: dict[str, list[float]] = {kind: [] for kind in shapes}
     for _ in range(settings["warmup"] + 2 + settings["repeats"]):
         for kind, (rows, cols, causal) in shapes.items():
-            q = torch.randn(1, kv_heads, heads // kv_heads, rows, dim)
-            k, v = (torch.randn(1, kv_heads, 1, cols, dim) for _ in range(2))
-            out, lse = torch.zeros(q.shape), torch.full(q.shape[:-1], float("-inf"))
+            q = torch.randn(1, heads, rows, dim)
+            k, v = (torch.randn(1, kv_heads, cols, dim) for _ in range(2))
             started = time.thread_time()
-            ring_module._merge(out, lse, *ring_module._block_forward(q, k, v, dim**-0.5, causal))
+            ring_module.block_forward(q, k, v, causal, None, dim**-0.5)
             samples[kind].append(time.thread_time() - started)
     torch.set_num_threads(threads)
     return {kind: statistics.median(times[-settings["repeats"] :]) for kind, times in samples.items()}

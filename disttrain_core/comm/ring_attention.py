@@ -26,16 +26,23 @@ query's document has no key contributes nothing to it (log-sum-exp -inf, merged 
 Grouped-query attention: keys and values travel with their own (fewer) heads; query head h attends with
 key/value head h // (query heads / key heads), as in ``F.scaled_dot_product_attention(enable_gqa=True)``.
 
+Each block runs on a fused attention kernel that returns its log-sum-exp (comm/attention_blocks.py: the
+CPU flash kernel; FlashAttention-2 or the memory-efficient kernel on CUDA), so no S_local x S_local score
+matrix exists (packed documents: one additive mask per block). The merged output and log-sum-exp are fp32,
+with autocast off inside (the kernels take the inputs' dtype and accumulate in fp32).
+
 Backward is a second ring (the FlashAttention-2 recurrences per block, from the saved output and
-log-sum-exp): key/value blocks travel again, and with them the accumulators of their gradients, which
-arrive back at their owner after W hops. Scores, probabilities and accumulators are fp32 whatever the
-input dtype; only the local queries, keys, values, output and log-sum-exp are saved for backward.
+log-sum-exp: each block's kernel backward given the *whole* attention's output and log-sum-exp yields that
+block's share of the gradients): key/value blocks travel again, and with them the fp32 accumulators of
+their gradients, which arrive back at their owner after W hops. Only the local queries, keys, values,
+output and log-sum-exp are saved for backward.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .attention_blocks import NEG_INF, block_backward, block_forward, document_mask
 from .ring import Ring, _wait
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -75,45 +82,6 @@ class WorkCounter:
         self.entries += pairs * heads
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, same_doc=None) -> torch.Tensor:
-    """fp32 scores [B, Hk, g, Sq, Sk] of grouped queries [B, Hk, g, Sq, D] against keys [B, Hk, 1, Sk, D];
-    ``same_doc`` [B, Sq, Sk]: False where query and key belong to different packed documents."""
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if causal:  # local order follows position order inside a rank's own block (both layouts)
-        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(mask, float("-inf"))
-    if same_doc is not None:
-        s = s.masked_fill(~same_doc[:, None, None], float("-inf"))
-    return s
-
-
-def _block_forward(q, k, v, scale, causal, same_doc=None):
-    s = _scores(q, k, scale, causal, same_doc)
-    lse = torch.logsumexp(s, dim=-1)
-    # A query whose document has no key in this block: lse = -inf, its output 0 (merging ignores it).
-    safe = lse.masked_fill(lse == float("-inf"), 0.0)
-    out = torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.float())
-    return out, lse
-
-
-def _merge(out, lse, block_out, block_lse):
-    """Online softmax: combine two partial attentions (each normalized over its own keys)."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    out = torch.exp(lse - new_lse).unsqueeze(-1) * out + torch.exp(block_lse - new_lse).unsqueeze(-1) * block_out
-    return out, new_lse
-
-
-def _block_backward(q, k, v, out_grad, delta, lse, scale, causal, same_doc=None):
-    """Gradients of one block from the global log-sum-exp: (dq, dk, dv), fp32, dk/dv summed over the group."""
-    p = torch.exp(_scores(q, k, scale, causal, same_doc) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), out_grad).sum(2, keepdim=True)
-    dp = torch.matmul(out_grad, v.float().transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k.float()) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q.float()).sum(2, keepdim=True) * scale
-    return dq, dk, dv
-
-
 class _Plan:
     """What rank ``r`` computes at ring step ``s`` (holding the block of rank ``(r - s) mod W``).
 
@@ -136,21 +104,118 @@ class _Plan:
         return slice(self.half, None), self.all, False  # only my tail chunk comes after it, and after all of it
 
 
+_POSITIONS: dict[tuple, torch.Tensor] = {}  # (padded length, world, owner, layout, device) -> positions there
+
+
+def owner_positions(seq_len: int, world: int, owner: int, layout: str, device: torch.device) -> torch.Tensor:
+    """:func:`local_positions` on ``device``, built once per shape: a per-call host->device copy would block
+    the host on CUDA (pageable memory)."""
+    key = (seq_len, world, owner, layout, str(device))
+    if key not in _POSITIONS:
+        _POSITIONS[key] = local_positions(seq_len, world, owner, layout).to(device)
+    return _POSITIONS[key]
+
+
 class _Documents:
     """Packed-document masks of the blocks a rank computes: its queries' document ids and the whole padded
     row's, from which the ids of any rank's keys follow (every CP rank holds the whole row's ids)."""
 
-    def __init__(self, q_ids: torch.Tensor, row_ids: torch.Tensor, ring: Ring, layout: str):
+    def __init__(self, q_ids: torch.Tensor, row_ids: torch.Tensor, world: int, rank: int, layout: str):
         self.q_ids = q_ids
         self.k_ids = [
-            row_ids[:, local_positions(row_ids.shape[1], ring.size, owner, layout).to(row_ids.device)]
-            for owner in range(ring.size)
+            row_ids.index_select(1, owner_positions(row_ids.shape[1], world, owner, layout, row_ids.device))
+            for owner in range(world)
         ]
-        self.rank, self.size = ring.rank, ring.size
+        self.rank, self.world = rank, world
 
-    def same(self, step: int, rows: slice, cols: slice) -> torch.Tensor:
-        keys = self.k_ids[(self.rank - step) % self.size]
-        return self.q_ids[:, rows, None] == keys[:, None, cols]
+    def mask(self, step: int, rows: slice, cols: slice, causal: bool, dtype: torch.dtype):
+        """(additive mask [B, 1, S_q, S_k], queries with no key in the block [B, S_q]) of step ``step``'s
+        block; causality folded in on a rank's own block."""
+        keys = self.k_ids[(self.rank - step) % self.world][:, cols]
+        same = self.q_ids[:, rows, None] == keys[:, None, :]
+        if causal:
+            same &= torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
+        return document_mask(same, dtype), ~same.any(-1)
+
+
+class _RankForward:
+    """One rank's queries attending to the ring's blocks one at a time; output and log-sum-exp merged in
+    fp32 (the first block, the rank's own, starts them; every other block merges in place)."""
+
+    def __init__(self, q, plan: _Plan, documents: _Documents | None, counter: WorkCounter | None):
+        self.q, self.plan, self.documents, self.counter = q, plan, documents, counter
+        self.scale = q.shape[-1] ** -0.5
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+        self.kernel = None
+
+    def add(self, step: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        todo = self.plan.step(step)
+        if todo is None:
+            return
+        rows, cols, causal = todo
+        mask = empty = None
+        if self.documents is not None:
+            mask, empty = self.documents.mask(step, rows, cols, causal, self.q.dtype)
+            causal = False
+        q, k, v = self.q[:, :, rows], k[:, :, cols], v[:, :, cols]
+        out, lse, kernel = block_forward(q, k, v, causal, mask, self.scale)
+        del mask
+        if empty is not None:  # the kernels give such rows log-sum-exp 0; they hold no key here
+            lse = lse.masked_fill(empty[:, None], NEG_INF)
+        if self.counter is not None:
+            self.counter.add(q.shape[2], k.shape[2], causal or step == 0, q.shape[1] * q.shape[0])
+        if self.out is None:  # step 0: the rank's own block, every query row (each sees itself)
+            self.out, self.lse, self.kernel = out.float(), lse, kernel
+            return
+        merged = torch.logaddexp(self.lse[..., rows], lse)
+        acc = self.out[:, :, rows]
+        acc.mul_(torch.exp(self.lse[..., rows] - merged).unsqueeze(-1))
+        acc.addcmul_(out, torch.exp(lse - merged).unsqueeze(-1))
+        self.lse[..., rows] = merged
+
+
+class _RankBackward:
+    """One rank's share of the backward: each block's gradients from the whole attention's output and
+    log-sum-exp; dq accumulated here in fp32, each block's dk/dv returned for its owner."""
+
+    def __init__(self, q, out, lse, grad_out, plan: _Plan, documents: _Documents | None, kernel):
+        self.q, self.out, self.lse, self.grad_out = q, out, lse, grad_out
+        self.plan, self.documents, self.kernel = plan, documents, kernel
+        self.scale = q.shape[-1] ** -0.5
+        self.dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+    def block(self, step: int, k: torch.Tensor, v: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add this rank's gradients of step ``step``'s block to ``dk``/``dv`` (fp32, the block's shape)."""
+        todo = self.plan.step(step)
+        if todo is None:
+            return
+        rows, cols, causal = todo
+        mask = None
+        if self.documents is not None:
+            mask, _ = self.documents.mask(step, rows, cols, causal, self.q.dtype)
+            causal = False
+        dq, dk_block, dv_block = block_backward(
+            self.grad_out[:, :, rows],
+            self.q[:, :, rows],
+            k[:, :, cols],
+            v[:, :, cols],
+            self.out[:, :, rows],
+            self.lse[..., rows],
+            causal,
+            mask,
+            self.scale,
+            self.kernel,
+        )
+        self.dq[:, :, rows] += dq
+        dk[:, :, cols] += dk_block
+        dv[:, :, cols] += dv_block
+
+
+def _no_autocast(device: torch.device):
+    """Autocast off: the kernels take the inputs' dtype, the accumulators stay fp32 (autocast would run the
+    merge's products in bf16)."""
+    return torch.autocast(device_type=device.type, enabled=False)
 
 
 class RingAttention(torch.autograd.Function):
@@ -160,94 +225,56 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, layout: str, counter: WorkCounter | None, docs=None):
-        batch, heads, local_len, dim = q.shape
-        kv_heads = k.shape[1]
-        scale = dim**-0.5
-        grouped = q.view(batch, kv_heads, heads // kv_heads, local_len, dim)
-        plan = _Plan(layout, ring.size, ring.rank, local_len)
-        documents = None if docs is None else _Documents(docs[0], docs[1], ring, layout)
-        out = torch.zeros(grouped.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(grouped.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        k_cur, v_cur = k.contiguous(), v.contiguous()
-        for step in range(ring.size):
-            if step < ring.size - 1:
-                k_next, k_works = ring.exchange(k_cur)
-                v_next, v_works = ring.exchange(v_cur)
-            todo = plan.step(step)
-            if todo is not None:
-                rows, cols, causal = todo
-                same_doc = None if documents is None else documents.same(step, rows, cols)
-                block_out, block_lse = _block_forward(
-                    grouped[..., rows, :], k_cur[:, :, None, cols], v_cur[:, :, None, cols], scale, causal, same_doc
-                )
-                if counter is not None:
-                    counter.add(block_out.shape[-2], k_cur[:, :, cols].shape[-2], causal, heads * batch)
-                out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
-            if step < ring.size - 1:
-                _wait(k_works + v_works)
-                k_cur, v_cur = k_next, v_next
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.layout, ctx.documents = ring, layout, documents
-        return out.view(batch, heads, local_len, dim).to(q.dtype)
+        with _no_autocast(q.device):
+            plan = _Plan(layout, ring.size, ring.rank, q.shape[2])
+            documents = None if docs is None else _Documents(docs[0], docs[1], ring.size, ring.rank, layout)
+            rank = _RankForward(q, plan, documents, counter)
+            k_cur, v_cur = k.contiguous(), v.contiguous()
+            for step in range(ring.size):
+                if step < ring.size - 1:
+                    k_next, k_works = ring.exchange(k_cur)
+                    v_next, v_works = ring.exchange(v_cur)
+                rank.add(step, k_cur, v_cur)
+                if step < ring.size - 1:
+                    _wait(k_works + v_works)
+                    k_cur, v_cur = k_next, v_next
+            out = rank.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, rank.lse)
+        ctx.ring, ctx.layout, ctx.documents, ctx.kernel = ring, layout, documents, rank.kernel
+        return out
 
     @staticmethod
     def backward(ctx, out_grad):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, layout, documents = ctx.ring, ctx.layout, ctx.documents
-        batch, heads, local_len, dim = q.shape
-        kv_heads = k.shape[1]
-        scale = dim**-0.5
-        grouped = q.view(batch, kv_heads, heads // kv_heads, local_len, dim)
-        out_grad = out_grad.float().reshape(out.shape)
-        delta = (out_grad * out).sum(-1)  # rowsum(dO * O), once per query row
-        plan = _Plan(layout, ring.size, ring.rank, local_len)
-        dq = torch.zeros(out.shape, dtype=torch.float32, device=q.device)
-        k_cur, v_cur = k.contiguous(), v.contiguous()
-        kv_shape = (batch, kv_heads, 1, local_len, dim)
-        travelling = None  # (dk, dv) of the block held now, received from the previous holder
-        for step in range(ring.size):
-            if step < ring.size - 1:
-                k_next, k_works = ring.exchange(k_cur)
-                v_next, v_works = ring.exchange(v_cur)
-            dk = torch.zeros(kv_shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros(kv_shape, dtype=torch.float32, device=q.device)
-            todo = plan.step(step)
-            if todo is not None:
-                rows, cols, causal = todo
-                block = _block_backward(
-                    grouped[..., rows, :],
-                    k_cur[:, :, None, cols],
-                    v_cur[:, :, None, cols],
-                    out_grad[..., rows, :],
-                    delta[..., rows],
-                    lse[..., rows],
-                    scale,
-                    causal,
-                    None if documents is None else documents.same(step, rows, cols),
-                )
-                dq[..., rows, :] += block[0]
-                dk[..., cols, :] += block[1]
-                dv[..., cols, :] += block[2]
-            if (
-                travelling is not None and ring.size > 1
-            ):  # the accumulators of this block from the ranks that held it before
-                (dk_in, dv_in), works = travelling
-                _wait(works)
-                dk += dk_in
-                dv += dv_in
-            if ring.size == 1:
-                travelling = (dk, dv), []
-            else:  # pass them on with the block: the next rank holds it next step; after W hops it is home
-                dk_in, dk_works = ring.exchange(dk)
-                dv_in, dv_works = ring.exchange(dv)
-                travelling = (dk_in, dv_in), dk_works + dv_works
-            if step < ring.size - 1:
-                _wait(k_works + v_works)
-                k_cur, v_cur = k_next, v_next
-        (dk, dv), works = travelling
-        _wait(works)
-        dq = dq.view(batch, heads, local_len, dim).to(q.dtype)
-        return dq, dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype), None, None, None, None
+        ring = ctx.ring
+        with _no_autocast(q.device):
+            plan = _Plan(ctx.layout, ring.size, ring.rank, q.shape[2])
+            rank = _RankBackward(q, out, lse, out_grad.to(q.dtype).contiguous(), plan, ctx.documents, ctx.kernel)
+            k_cur, v_cur = k.contiguous(), v.contiguous()
+            travelling = None  # (dk, dv) of the block held now, received from the previous holder
+            for step in range(ring.size):
+                if step < ring.size - 1:
+                    k_next, k_works = ring.exchange(k_cur)
+                    v_next, v_works = ring.exchange(v_cur)
+                if travelling is None:
+                    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+                    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+                else:  # the accumulators of this block from the ranks that held it before
+                    (dk, dv), works = travelling
+                    _wait(works)
+                rank.block(step, k_cur, v_cur, dk, dv)
+                if ring.size == 1:
+                    travelling = (dk, dv), []
+                else:  # pass them on with the block: the next rank holds it next step; after W hops it is home
+                    dk_in, dk_works = ring.exchange(dk)
+                    dv_in, dv_works = ring.exchange(dv)
+                    travelling = (dk_in, dv_in), dk_works + dv_works
+                if step < ring.size - 1:
+                    _wait(k_works + v_works)
+                    k_cur, v_cur = k_next, v_next
+            (dk, dv), works = travelling
+            _wait(works)
+        return rank.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q, k, v, ring: Ring, layout: str = "zigzag", counter: WorkCounter | None = None, docs=None):
@@ -255,3 +282,61 @@ def ring_attention(q, k, v, ring: Ring, layout: str = "zigzag", counter: WorkCou
     ``docs`` = (local document ids [B, S], whole padded row's [B, S_padded]) keeps it inside documents."""
     chunk_count(layout, ring.size)
     return RingAttention.apply(q, k, v, ring, layout, counter, docs)
+
+
+class _EmulatedRing(torch.autograd.Function):
+    """Every rank of a ring of ``world`` in this process, one after another: the same per-rank forward and
+    backward as :class:`RingAttention`, the blocks taken from their owners instead of travelling."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, world: int, layout: str, docs=None):
+        with _no_autocast(q.device):
+            ranks, outs = [], []
+            for rank in range(world):
+                plan = _Plan(layout, world, rank, q[rank].shape[2])
+                documents = None if docs is None else _Documents(docs[0][rank], docs[1], world, rank, layout)
+                state = _RankForward(q[rank], plan, documents, None)
+                for step in range(world):
+                    owner = (rank - step) % world
+                    state.add(step, k[owner], v[owner])
+                outs.append(state.out.to(q.dtype))
+                ranks.append((plan, documents, state.lse, state.kernel))
+        ctx.save_for_backward(q, k, v, torch.stack(outs))
+        ctx.ranks, ctx.world = ranks, world
+        return torch.stack(outs)
+
+    @staticmethod
+    def backward(ctx, out_grad):
+        q, k, v, out = ctx.saved_tensors
+        world = ctx.world
+        with _no_autocast(q.device):
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            dq = []
+            for rank, (plan, documents, lse, kernel) in enumerate(ctx.ranks):
+                state = _RankBackward(q[rank], out[rank], lse, out_grad[rank].to(q.dtype), plan, documents, kernel)
+                for step in range(world):
+                    owner = (rank - step) % world
+                    state.block(step, k[owner], v[owner], dk[owner], dv[owner])
+                dq.append(state.dq)
+        return torch.stack(dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def emulated_ring_attention(q, k, v, world: int, layout: str = "zigzag", doc_ids=None) -> torch.Tensor:
+    """Context parallelism of ``world`` ranks inside one process (tools/gpu_check.py runs it on CUDA, where a
+    process has one GPU): whole sequences q [B, H, S, D], k/v [B, Hk, S, D], S a multiple of the layout's
+    chunks, ``doc_ids`` [B, S] or None; returns the attention of the whole sequence in position order, with
+    gradients, computed rank by rank through the ring's own per-block kernels, merge and backward."""
+    seq = q.shape[2]
+    positions = [owner_positions(seq, world, r, layout, q.device) for r in range(world)]
+
+    def split(t):
+        return torch.stack([t.index_select(2, p) for p in positions])
+
+    docs = None
+    if doc_ids is not None:
+        docs = (torch.stack([doc_ids.index_select(1, p) for p in positions]), doc_ids)
+    local = _EmulatedRing.apply(split(q), split(k), split(v), world, layout, docs)  # [W, B, H, S_local, D]
+    out = torch.empty_like(q)
+    order = torch.cat(positions)
+    return out.index_copy(2, order, torch.cat(list(local.unbind(0)), dim=2))

@@ -226,8 +226,9 @@ class PlannerConfig:
     vpp_options: list[int] = field(default_factory=lambda: [1])
     colocation: bool = True  # may the encoder / generator run inside the LLM's first / last stage
     # Activation recompute the plan assumes and the runtime then applies (parallel/recompute.py): none | full |
-    # selective_op | every_k for every unit, or auto: per unit the least recomputation that fits
-    recompute: str = "none"
+    # selective_op | every_k for every unit, or auto (the default, as shard): per unit the least recomputation
+    # that fits
+    recompute: str = "auto"
     recompute_every: int = 2
     # Model-state sharding the plan assumes and runs per unit (parallel/fsdp.py): zero1 | zero2 | zero3 |
     # auto (per unit, the least sharding that fits: zero1, zero2, zero3, before any recompute)

@@ -125,21 +125,25 @@ class ShardedOptimizer:
         copies: int,
         partial_grads=(),
         tp_group=None,
+        device=None,
     ):
-        """``copies``: the ranks of this unit stage (dp x tp); each element of a parameter lives on
+        """``device``: the engine's (a rank whose parameters are all frozen still reduces a norm there).
+        ``copies``: the ranks of this unit stage (dp x tp); each element of a parameter lives on
         copies / (its distinct shards) of them, and counts that many times less in the gradient norm (a
         norm weight is split over the FSDP mesh and replicated over TP; HSDP replicates everything R
         times). ``partial_grads``: sequence-parallel parameters whose gradients are partial sums over TP."""
         self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
         self.partial = [p for p in partial_grads if p.requires_grad]
         self.tp_group = tp_group
+        self.device = device if device is not None else (self.named_params[0][1].device if self.named_params else None)
         decay = [p for _, p in self.named_params if p.ndim >= 2]
         no_decay = [p for _, p in self.named_params if p.ndim < 2]
         groups = [
             {"params": decay, "weight_decay": cfg.weight_decay, "name": "decay"},
             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
         ]
-        self.inner = adamw([g for g in groups if g["params"]], cfg)
+        # a rank whose parameters are all frozen keeps one empty group: the scheduler and the loop still step it
+        self.inner = adamw([g for g in groups if g["params"]] or groups[:1], cfg)
         self.weights = {id(p): _distinct_shards(p) / copies for _, p in self.named_params}
 
     @property
@@ -158,8 +162,7 @@ class ShardedOptimizer:
 
     def grad_norm_squared(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (replicated elements weighted)."""
-        device = self.named_params[0][1].device if self.named_params else torch.device("cpu")
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device or torch.device("cpu"))
         for _, param in self.named_params:
             if param.grad is not None:
                 grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad

@@ -74,13 +74,17 @@ class ZeroOneOptimizer:
         trace: CommTrace | None = None,
         comm_group=None,
         gather_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
     ):
+        """``device``: where this rank's buffers live (the engine's device). A rank whose parameters are all
+        frozen holds none to take it from, and its empty buffers still join collectives (NCCL: on the GPU)."""
         comm = comm or CommConfig(overlap_grad_reduce=False, overlap_param_gather=False)
         self.group, self.dp, self.dp_rank = dp_group, dp, dp_rank
         self.trace = trace
         decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim >= 2]
         no_decay = [(n, p) for n, p in named_params if p.requires_grad and p.ndim < 2]
-        device = named_params[0][1].device if named_params else torch.device("cpu")
+        if device is None:
+            device = named_params[0][1].device if named_params else torch.device("cpu")
         size, graded = bucket_numel(comm.bucket_mb), comm.graded_buckets
         self.flats = {
             "decay": FlatBuckets(decay, dp, dp_rank, tp, size, device, graded),

@@ -78,6 +78,22 @@ def _uses_profile(cfg) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= 1
 
 
+def with_measured_links(hw: Hardware, profile, device: str, devices: int) -> Hardware:
+    """The preset's links, or those the profile measured where they are the cluster's: on a CPU cluster (this
+    machine, gloo over loopback) all of them; on GPUs only the intra-node figures, and only when the profile
+    timed GPU tensors over NCCL (a CPU-tensor gloo figure says nothing of NVLink, and one node's profile
+    nothing of InfiniBand)."""
+    if profile is None or not profile.allreduce_bw:
+        return hw
+    measured = {"intra_bw": profile.allreduce_bw, "latency_s": profile.latency_s, "p2p_bw": profile.p2p_bw}
+    if device == "cpu":
+        inter = min(hw.inter_bw, profile.allreduce_bw) if hw.per_node < devices else profile.allreduce_bw
+        return Hardware(**{**hw.__dict__, **measured, "inter_bw": inter})
+    if getattr(profile, "link_backend", "gloo") != "nccl":
+        return hw
+    return Hardware(**{**hw.__dict__, "intra_bw": profile.allreduce_bw})
+
+
 def build_layout_model(cfg, devices: int | None = None, progress=print) -> LayoutModel:
     """The planner's cost model for ``cfg`` (profiling this machine when the cost source says so)."""
     devices = devices or planned_devices(cfg)
@@ -122,17 +138,7 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
                 )
             finally:
                 torch.set_num_threads(before)
-    hw = Hardware.from_config(cfg.cluster, precision, peak)
-    if profile is not None and profile.allreduce_bw:
-        hw = Hardware(
-            **{
-                **hw.__dict__,
-                "intra_bw": profile.allreduce_bw,
-                "inter_bw": min(hw.inter_bw, profile.allreduce_bw) if hw.per_node < devices else profile.allreduce_bw,
-                "latency_s": profile.latency_s,
-                "p2p_bw": profile.p2p_bw,
-            }
-        )
+    hw = with_measured_links(Hardware.from_config(cfg.cluster, precision, peak), profile, cfg.cluster.device, devices)
     costs = CostModel(work, hw, settings, profile)
     model = LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), devices)
     if data_s_per_sample:

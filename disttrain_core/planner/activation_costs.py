@@ -18,65 +18,86 @@ class MemoryCosts:
         policy = policy or self.settings.recompute
         return "full" if policy == "auto" else policy
 
-    def _block_units(self, unit: str, tp: int) -> tuple[float, float]:
-        """[s, h] tensors one block keeps for backward without recompute, and with selective_op.
+    def _element_bytes(self) -> tuple[float, float]:
+        """(a, r): bytes of an activation element and of a residual-stream / norm element. Under bf16-mixed
+        autocast the matmuls' and attention's outputs are bf16 (a = 2) while the residual stream and the norms
+        stay fp32 (r = 4); in fp32 both are 4."""
+        a = float(self.settings.act_bytes)
+        return a, 4.0
 
-        Without recompute (Korthikanti et al.'s accounting, redone for these blocks and checked against
-        what autograd saves in tests/unit/test_planner.py): the input, both norm outputs and the residual
-        (TP does not split these), then q, k, v (k and v scaled by kv_heads / heads), the RoPE'd q and k,
-        the attention output, and the MLP's hidden activations (2 for GELU, 4 for SwiGLU: gate, up, SiLU,
-        product). Flash attention (CUDA and CPU SDPA) keeps no s x s scores.
-        selective_op keeps the block input and the outputs of the matmuls and of attention (q, k, v,
-        the attention output, the two projections back to h, the MLP's first matmul(s)).
+    def _block_bytes(self, unit: str, tp: int) -> tuple[float, float]:
+        """Bytes per token and model dimension one block keeps for backward without recompute, and with
+        selective_op (checked against what autograd saves in fp32 and under CPU bf16 autocast in
+        tests/unit/test_memory_precision.py).
 
-        A MoE feed-forward (models/moe.py; checked against autograd in tests/unit/test_planner_cp_ep.py)
-        keeps per token and routed expert the expert's sorted input row, its SwiGLU hidden activations
-        (4 x expert width) and its output twice (reordered, and saved by the gate product), the shared
-        experts' hidden activations, and index and router tensors too small to count. TP does not split
-        it (the runtime's TP plan does not reach the experts). selective_op keeps the input rows, the first
-        matmuls and the outputs.
+        Without recompute, replicated over TP: each norm's input (and RMSNorm its normalized input: the
+        Llama blocks), and the linear layers' input -- one shared fp32 tensor in fp32, one bf16 copy per
+        linear layer under autocast (autocast casts the input at every call: q, k, v and the MLP's first
+        matmul(s)). Split by TP: q, k, v (k and v scaled by kv_heads / heads), the attention output, and the
+        MLP's hidden activations (2 per hidden element for GELU: its input and output; 4 for SwiGLU: gate, up,
+        SiLU, product). Flash attention (CUDA and CPU SDPA) and ring attention keep no s x s scores; RoPE
+        keeps nothing per token (its table is constant).
+        selective_op keeps the block input, the outputs of the matmuls and of attention (q, k, v, the
+        attention output, the two projections back to h, the MLP's first matmul(s)).
+
+        A MoE feed-forward (models/moe.py; checked against autograd in tests/unit/test_planner_cp_ep.py and
+        tests/unit/test_memory_precision.py) keeps, per token and routed expert, the expert's sorted input row
+        (residual precision), its two first matmuls' inputs (bf16 copies under autocast), its SwiGLU hidden
+        activations (4 x expert width) and its output (twice in fp32: reordered, and saved by the gate
+        product); the shared experts' hidden activations; index and router tensors too small to count. TP does
+        not split it (the runtime's TP plan does not reach the experts).
         """
         w = self.work.units[unit]
+        a, r = self._element_bytes()
+        mixed = r != a
         kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
-        rope = (1.0 + kv) if w.kv_heads else 0.0
+        llama = w.gated_mlp or bool(w.num_experts)  # RMSNorm + SwiGLU blocks; else LayerNorm + GELU (ViT)
+        per_norm = 2.0 * r if llama else r
+        attention_inputs = 3.0 * a if mixed else r  # q, k, v linear layers
+        attention = (2.0 + 2.0 * kv) * a / tp  # q, k, v, output
         if w.num_experts:
             width = w.expert_dim / w.dim
-            none = 4.0 + (1.0 + 2.0 * kv + rope + 1.0) / tp
-            none += w.top_k * (3.0 + 4.0 * width) + 4.0 * width * w.shared_experts
-            selective = 3.0 + (1.0 + 2.0 * kv + 1.0) / tp
-            selective += w.top_k * (2.0 + 2.0 * width) + 2.0 * width * w.shared_experts
+            routed = r + (2.0 * a if mixed else 0.0) + 4.0 * width * a + (a if mixed else 2.0 * a)
+            shared = (4.0 * width * a + (2.0 * a if mixed else 0.0)) * w.shared_experts
+            none = 2.0 * per_norm + attention_inputs + (a if mixed else r) + attention + w.top_k * routed + shared
+            selective = (
+                r + 2.0 * a + attention + w.top_k * (r + 2.0 * width * a + a) + 2.0 * width * a * w.shared_experts
+            )
             return none, selective
-        hidden = (4.0 if w.gated_mlp else 2.0) * w.mlp_ratio
-        none = 4.0 + (1.0 + 2.0 * kv + rope + 1.0 + hidden) / tp
-        first_matmuls = (2.0 if w.gated_mlp else 1.0) * w.mlp_ratio
-        selective = 3.0 + (1.0 + 2.0 * kv + 1.0 + first_matmuls) / tp
+        first_matmuls = 2.0 if w.gated_mlp else 1.0
+        mlp_inputs = first_matmuls * a if mixed else r
+        hidden = (4.0 if w.gated_mlp else 2.0) * w.mlp_ratio * a / tp
+        none = 2.0 * per_norm + attention_inputs + mlp_inputs + attention + hidden
+        selective = r + 2.0 * a + attention + first_matmuls * w.mlp_ratio * a / tp
         return none, selective
 
     def activation_bytes(self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1) -> float:
         """Bytes saved for backward by the whole unit for ``items`` items (one microbatch), under the
         recompute policy (parallel/recompute.py): none, full (a block keeps its input), selective_op, or
         every_k (every k-th block full, the rest none). A context-parallel rank holds 1/cp of every
-        sequence and so 1/cp of every tensor (ring attention saves what SDPA does: its q, k, v, output)."""
+        sequence and so 1/cp of every tensor (ring attention saves what flash attention does: its q, k, v,
+        output and log-sum-exp)."""
         w = self.work.units[unit]
-        scale = self.settings.act_bytes / 2  # the units below are 16-bit elements
         policy = self._policy(policy)
-        if w.counted_activation_bytes:  # U-Net: counted on meta in fp32 with the runtime's wrappers
-            counted = {"none": w.counted_activation_bytes, **w.counted_recompute_bytes}
+        if w.counted_activation_bytes:  # U-Net: counted on fake CPU tensors with the runtime's wrappers
+            mixed = self.settings.act_bytes == 2  # bf16-mixed: counted under autocast
+            none = w.counted_activation_bytes_mixed if mixed else w.counted_activation_bytes
+            counted = {"none": none, **(w.counted_recompute_bytes_mixed if mixed else w.counted_recompute_bytes)}
             if policy == "every_k":  # between none and full, by the share of blocks recomputed
                 k = self.settings.recompute_every
                 kept = counted["none"] - (counted["none"] - counted["full"]) / k
             else:
                 kept = counted[policy]
-            return items * kept * self.settings.act_bytes / 4
-        none, selective = self._block_units(unit, tp)
+            return items * kept
+        none, selective = self._block_bytes(unit, tp)
+        _, r = self._element_bytes()
         per_layer = {
             "none": none,
-            "full": 1.0,
+            "full": r,  # the block input: the residual stream
             "selective_op": selective,
-            "every_k": (1.0 + (self.settings.recompute_every - 1) * none) / self.settings.recompute_every,
+            "every_k": (r + (self.settings.recompute_every - 1) * none) / self.settings.recompute_every,
         }[policy]
-        tokens = w.tokens / cp
-        return items * 2.0 * tokens * w.dim * per_layer * w.layers * scale  # logits: the LLM's last stage
+        return items * (w.tokens / cp) * w.dim * per_layer * w.layers
 
     def recompute_transient_bytes(
         self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1
@@ -87,11 +108,27 @@ class MemoryCosts:
         policy = self._policy(policy)
         if policy == "none":
             return 0.0
-        if w.counted_activation_bytes:  # U-Net: its largest block, counted on meta
-            return items * w.counted_recompute_bytes.get("largest_block", 0.0) * self.settings.act_bytes / 4
-        none, selective = self._block_units(unit, tp)
-        dropped = none - (selective if policy == "selective_op" else 1.0)
-        return items * 2.0 * (w.tokens / cp) * w.dim * dropped * self.settings.act_bytes / 2
+        if w.counted_activation_bytes:  # U-Net: its largest block, counted
+            counted = w.counted_recompute_bytes_mixed if self.settings.act_bytes == 2 else w.counted_recompute_bytes
+            return items * counted.get("largest_block", 0.0)
+        none, selective = self._block_bytes(unit, tp)
+        _, r = self._element_bytes()
+        dropped = none - (selective if policy == "selective_op" else r)
+        return items * (w.tokens / cp) * w.dim * dropped
+
+    def attention_transient_bytes(self, unit: str, tp: int, items: float, cp: int = 1) -> float:
+        """Extra bytes while one block's ring attention runs its backward (context parallelism; comm/
+        ring_attention.py), beyond what the block saved: the fp32 dq accumulator, the fp32 dk/dv accumulators
+        of the block held and of the one arriving, the next key/value block, and the kernel's block gradients
+        (dq, dk, dv in the activation dtype). The forward holds less (an fp32 output accumulator, the next
+        key/value block, one block output). No s x s term: the blocks run on a fused kernel."""
+        if cp <= 1:
+            return 0.0
+        w = self.work.units[unit]
+        a, _ = self._element_bytes()
+        kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
+        per_token_dim = (4.0 + 2.0 * 2.0 * 4.0 * kv + 2.0 * a * kv + a * (1.0 + 2.0 * kv)) / tp
+        return items * (w.tokens / cp) * w.dim * per_token_dim
 
     def recompute_factor(self, unit: str, policy: str | None = None) -> float:
         """Compute time with recompute over without: full runs each block's forward again (a third of its

@@ -6,6 +6,16 @@ them into the generator's ``UnitWork``)."""
 from __future__ import annotations
 
 
+def _storage_key(tensor, base) -> int:
+    """What identifies a tensor's memory: its storage's address, or (meta and fake tensors, which have none)
+    the Python object of its base."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if tensor.device.type == "meta" or isinstance(tensor, FakeTensor):
+        return id(base)
+    return tensor.untyped_storage().data_ptr()
+
+
 def counted_saved_bytes(module, inputs) -> float:
     """Bytes of activations autograd saves for backward in one forward.
 
@@ -19,7 +29,7 @@ def counted_saved_bytes(module, inputs) -> float:
         if isinstance(tensor, torch.Tensor):
             base = tensor._base if tensor._base is not None else tensor
             if not isinstance(base, torch.nn.Parameter):
-                key = id(base) if tensor.device.type == "meta" else tensor.untyped_storage().data_ptr()
+                key = _storage_key(tensor, base)
                 seen.setdefault(key, base)
         return tensor
 
@@ -116,3 +126,105 @@ def largest_block_bytes(module, inputs) -> float:
     for handle in handles:
         handle.remove()
     return max((sum(t.numel() * t.element_size() for t in saved.values()) for saved in per_block.values()), default=0.0)
+
+
+def saved_bytes_per_item(make_module, make_inputs, mixed: bool = False, policy: str | None = None) -> float:
+    """Bytes autograd saves per item (batch of 2 minus batch of 1: weight copies and per-call constants drop
+    out) for a module built by ``make_module()`` on inputs ``make_inputs(batch)``, on fake CPU tensors (no
+    memory is allocated; the CPU kernels are chosen as for real ones: flash attention saves no scores, where
+    the meta device's math attention would). ``mixed``: under CPU bf16 autocast (it applies to fake tensors
+    as to real ones). ``policy``: what that recompute policy keeps (:func:`counted_kept_bytes`), or
+    ``largest_block`` (:func:`largest_block_bytes`)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def count(batch: int) -> float:
+        if policy == "largest_block":
+            return largest_block_bytes(make_module(), make_inputs(batch))
+        if policy is not None:
+            return counted_kept_bytes(make_module, make_inputs(batch), policy)
+        return counted_saved_bytes(make_module(), make_inputs(batch))
+
+    with FakeTensorMode(), torch.device("cpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+        return count(2) - count(1)
+
+
+def unet_activation_counts(cfg, side: int, mixed: bool) -> tuple[float, dict[str, float]]:
+    """The generator's U-Net (model config ``cfg``, latents ``side`` x ``side``): bytes saved per item without
+    recompute, and (full, selective_op, largest_block) what recompute keeps and reruns (planner/workload.py)."""
+    import torch
+
+    from ..models.unet import UNet
+
+    g = cfg.generator
+
+    def make():
+        return UNet(g).requires_grad_(True)
+
+    def inputs(batch: int):
+        latents = torch.empty(batch, g.in_channels, side, side)
+        context = torch.empty(batch, cfg.gen_tokens, g.cross_attention_dim, requires_grad=True)
+        return latents, torch.zeros(batch, dtype=torch.long), context
+
+    saved = saved_bytes_per_item(make, inputs, mixed)
+    kept = {p: saved_bytes_per_item(make, inputs, mixed, p) for p in ("full", "selective_op", "largest_block")}
+    return saved, kept
+
+
+class LiveTensorBytes:
+    """``with LiveTensorBytes(baseline) as live: ...`` -- the peak bytes of tensors alive inside the block:
+    ``baseline`` (what the caller holds on entry, e.g. the inputs) plus every storage an operator creates
+    there, counted from its creation until the storage is freed (whoever held it: a Python name, a view, the
+    autograd graph). Kernels' private scratch is not visible to it; op outputs, temporaries and receive
+    buffers are. Runs in this thread only (dispatch modes are thread-local)."""
+
+    def __init__(self, baseline: float = 0.0):
+        self.live = self.peak = float(baseline)
+        self._mode = None
+
+    def _created(self, storage) -> None:
+        import weakref
+
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._freed, storage.nbytes())
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __enter__(self) -> LiveTensorBytes:
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_leaves
+
+        from ..torch_compat import TorchDispatchMode
+
+        counter = self
+        known: set[int] = set()  # storages counted and still alive (the allocator may reuse a freed address)
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                inputs = {
+                    t.untyped_storage().data_ptr()
+                    for t in tree_leaves((args, kwargs or {}))
+                    if isinstance(t, torch.Tensor)
+                }
+                out = func(*args, **(kwargs or {}))
+                for tensor in tree_leaves(out):
+                    if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                        continue
+                    storage = tensor.untyped_storage()
+                    pointer = storage.data_ptr()
+                    if pointer and pointer not in inputs and pointer not in known and storage.nbytes():
+                        known.add(pointer)
+                        counter._created(storage)
+                        weakref.finalize(storage, known.discard, pointer)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)

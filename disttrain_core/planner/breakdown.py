@@ -105,7 +105,9 @@ def role_memory(
         first, last = pp == 0, pp == llm.pp - 1
         state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp, hsdp_replicas, llm.cp, llm.ep)
         act = c.activation_bytes("llm", llm.tp, micro, policy, llm.cp) / llm.pp * flight
-        recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy, llm.cp)  # one block at a time
+        # one block at a time: what recompute reruns, and ring attention's buffers in its backward
+        recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy, llm.cp)
+        recompute += c.attention_transient_bytes("llm", llm.tp, micro, llm.cp)
         step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp, llm.ep)
         if last:
             logits = model.logits(micro, llm.cp)

@@ -9,7 +9,10 @@ The median of ``repeats`` timed runs after a warm-up is kept, and the planner in
 piecewise-linearly between input sizes (costs.interp).
 
 The same processes also measure point-to-point and all-reduce bandwidth and latency (for
-pipeline transfers and ZeRO-1 traffic) and the AdamW step time per parameter.
+pipeline transfers and ZeRO-1 traffic) and the AdamW step time per parameter. On GPUs every trial is
+timed with CUDA events after a synchronization (a host clock would time the launches) and the links
+are measured on device tensors over NCCL, the backend training uses; they are this node's links, so
+the planner takes them for the intra-node figures only and keeps the preset's inter-node ones.
 
 Results are cached as JSON under ``planner.profile_cache``, keyed by CPU/GPU model, process
 count, threads, precision, torch version and a hash of the model config: a second
@@ -33,7 +36,7 @@ from ..net import free_port
 from .costs import interp
 from .solver import PlanningError
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: device timings from CUDA events, links over the device's backend
 SIZES = {"encoder": (2, 4, 8, 16, 32), "llm": (1, 2, 4, 8), "generator": (1, 2, 4, 8)}
 
 
@@ -50,6 +53,7 @@ class Profile:
     optimizer_s_per_param: float = 0.0
     copy_s_per_param: float = 0.0
     seconds: float = 0.0  # how long profiling took
+    link_backend: str = "gloo"  # what carried the link trials: gloo (CPU tensors) or nccl (GPU tensors)
 
     def has(self, unit: str, tp: int) -> bool:
         return f"{unit}/{tp}" in self.trials
@@ -203,8 +207,13 @@ def _worker(rank, world, port, threads, payload, tp_sizes, device, queue):  # pr
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        backend = "gloo"
+        if device == "cuda":  # the links training uses: NCCL between this node's GPUs
+            torch.cuda.set_device(rank % max(torch.cuda.device_count(), 1))
+            backend = "nccl"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
         result = _trials(rank, world, payload, tp_sizes, device)
+        result["link_backend"] = backend
         if rank == 0:
             queue.put(result)
         dist.barrier()
@@ -239,16 +248,24 @@ def _trial_loss(cfg, modules, unit: str, items: int, dev):
     return modules["generator"].unet(latents, steps, context).float().square().mean()
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int, device=None) -> float:
+    """Median seconds of ``fn`` after a warm-up. On a GPU: between CUDA events, the device idle at the start
+    (synchronized: profiling is not the hot path) and waited for at the end."""
+    import torch
     import torch.distributed as dist
 
+    from ..clock import DeviceClock
+
+    clock = DeviceClock(device if device is not None else torch.device("cpu"))
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        if clock.cuda:
+            torch.cuda.synchronize(clock.device)
         dist.barrier()
-        start = time.perf_counter()
+        start = clock.stamp()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock.elapsed(start, clock.stamp()))
     return statistics.median(times)
 
 
@@ -291,7 +308,7 @@ def _trials(rank, world, payload, tp_sizes, device):
                         loss = _trial_loss(cfg, modules, unit, items, dev)
                     loss.backward()
 
-                seconds = _timed(step, repeats)
+                seconds = _timed(step, repeats, dev)
                 points.append([float(items), seconds])
             gathered = [None] * world
             dist.all_gather_object(gathered, points)
@@ -302,8 +319,8 @@ def _trials(rank, world, payload, tp_sizes, device):
     # communication and optimizer step
     p2p_bw = allreduce_bw = latency = 0.0
     if world > 1:
-        small = torch.zeros(1)
-        big = torch.zeros(8 * 2**20 // 4)
+        small = torch.zeros(1, device=dev)
+        big = torch.zeros(8 * 2**20 // 4, device=dev)
 
         def pingpong(t):
             if rank == 0:
@@ -313,17 +330,17 @@ def _trials(rank, world, payload, tp_sizes, device):
                 dist.recv(t, 0)
                 dist.send(t, 0)
 
-        latency = _timed(lambda: pingpong(small), 10) / 2
-        p2p_bw = big.numel() * 4 / max(_timed(lambda: pingpong(big), repeats) / 2 - latency, 1e-9)
-        ar = _timed(lambda: dist.all_reduce(big), repeats)
+        latency = _timed(lambda: pingpong(small), 10, dev) / 2
+        p2p_bw = big.numel() * 4 / max(_timed(lambda: pingpong(big), repeats, dev) / 2 - latency, 1e-9)
+        ar = _timed(lambda: dist.all_reduce(big), repeats, dev)
         allreduce_bw = 2 * (world - 1) / world * big.numel() * 4 / max(ar - 2 * (world - 1) * latency, 1e-9)
     n = 2**22
-    param = torch.zeros(n, requires_grad=True)
-    param.grad = torch.randn(n)
+    param = torch.zeros(n, requires_grad=True, device=dev)
+    param.grad = torch.randn(n, device=dev)
     opt = torch.optim.AdamW([param], lr=1e-4, foreach=True)
-    optimizer_s = _timed(opt.step, repeats) / n
-    flat = torch.zeros(n)
-    copy_s = _timed(lambda: param.data.copy_(flat), repeats) / n
+    optimizer_s = _timed(opt.step, repeats, dev) / n
+    flat = torch.zeros(n, device=dev)
+    copy_s = _timed(lambda: param.data.copy_(flat), repeats, dev) / n
     return {
         "trials": trials,
         "p2p_bw": p2p_bw,

@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..config import ModelConfig
-from .activation_count import counted_kept_bytes, counted_saved_bytes, largest_block_bytes
+from .activation_count import unet_activation_counts
 
 UNIT_NAMES = ("encoder", "llm", "generator")
 
@@ -42,8 +42,12 @@ class UnitWork:
     mlp_ratio: float  # MLP hidden / dim
     gated_mlp: bool  # SwiGLU (three matrices) or GELU (two)
     boundary_floats: int  # floats per item sent to the next unit (0 for the last)
-    counted_activation_bytes: float = 0.0  # U-Net: bytes saved for backward per item (fp32), counted on meta
-    counted_recompute_bytes: dict = field(default_factory=dict)  # U-Net: the same under full / selective_op
+    # U-Net: bytes saved for backward per item in fp32, and under bf16 autocast (counted on fake CPU tensors,
+    # planner/activation_count.py); the same under full / selective_op and its largest block
+    counted_activation_bytes: float = 0.0
+    counted_recompute_bytes: dict = field(default_factory=dict)
+    counted_activation_bytes_mixed: float = 0.0
+    counted_recompute_bytes_mixed: dict = field(default_factory=dict)
     kv_heads: int = 0  # grouped-query attention (LLM)
     # Of params_rep, what the first pipeline stage holds (embeddings) and the last (final norm, head,
     # projector); the blocks split evenly. params_rep = params_first + params_last.
@@ -129,12 +133,10 @@ def _moe_work(cfg: ModelConfig, llm, count) -> dict:
 
 
 def _build(cfg: ModelConfig) -> Workload:
-    import torch
 
     from ..data.tokenizer import ByteTokenizer
     from ..models import build_model
     from ..models.flops import module_flops
-    from ..models.unet import UNet
     from ..models.vit import vit_block_count
 
     model = build_model(cfg, ByteTokenizer(), device="meta")
@@ -198,14 +200,7 @@ def _build(cfg: ModelConfig) -> Workload:
     if cfg.generator is not None:
         unet, proj = model.generator, model.generator_projector
         side = cfg.gen_image_size // cfg.latent_downsample
-        with torch.device("meta"):
-            latents = torch.empty(1, cfg.generator.in_channels, side, side)
-            context = torch.empty(1, cfg.gen_tokens, cfg.generator.cross_attention_dim, requires_grad=True)
-            timesteps = torch.zeros(1, dtype=torch.long)
-            saved = counted_saved_bytes(unet.unet.requires_grad_(True), (latents, timesteps, context))
-            make = lambda: UNet(cfg.generator).requires_grad_(True)  # noqa: E731  a fresh one per policy
-            kept = {p: counted_kept_bytes(make, (latents, timesteps, context), p) for p in ("full", "selective_op")}
-            kept["largest_block"] = largest_block_bytes(make(), (latents, timesteps, context))
+        counted = {mixed: unet_activation_counts(cfg, side, mixed) for mixed in (False, True)}
         units["generator"] = UnitWork(
             name="generator",
             train_flops=flops["generator"].train + flops["generator_projector"].train,
@@ -221,15 +216,17 @@ def _build(cfg: ModelConfig) -> Workload:
             mlp_ratio=0.0,
             gated_mlp=False,
             boundary_floats=0,
-            counted_activation_bytes=saved,
-            counted_recompute_bytes=kept,
+            counted_activation_bytes=counted[False][0],
+            counted_recompute_bytes=counted[False][1],
+            counted_activation_bytes_mixed=counted[True][0],
+            counted_recompute_bytes_mixed=counted[True][1],
             params_first=count(unet) + count(proj),
         )
     return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units)
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 6
+WORKLOAD_VERSION = 7
 
 
 def _cache_file(cfg_yaml: str) -> Path:

@@ -185,7 +185,13 @@ class PipelineExecutor:
         if sent is not None and stage < self.last_stage:
             outputs.append(sent)
             grads.append(state.take(GRAD, stage, k).to(sent.dtype))
-        if not split or not getattr(self.stages[stage], "splittable_backward", False):
+        # A stage whose parameters are all frozen (and whose input needs none) has nothing to differentiate:
+        # its gradient was received above, as the schedule pairs it, and is dropped.
+        live = [(out, grad) for out, grad in zip(outputs, grads, strict=True) if out.requires_grad]
+        outputs, grads = [out for out, _ in live], [grad for _, grad in live]
+        if not outputs:
+            pass
+        elif not split or not getattr(self.stages[stage], "splittable_backward", False):
             torch.autograd.backward(outputs, grad_tensors=grads)
         else:
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]

@@ -72,6 +72,7 @@ class WorkerShards:
             1,
             comm=self.cfg.parallel.comm,
             gather_dtype=wire_dtype(self.cfg, self.device.type),
+            device=self.device,
         )
         optimizer.sync.install_forward_hooks([model], atomic=BLOCKS)  # each block waits for its gathers
         return optimizer

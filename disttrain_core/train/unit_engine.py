@@ -258,6 +258,7 @@ class UnitEngine(Engine):
                 copies=self.unit.dp * self.unit.tp,
                 partial_grads=self.partial_grads,
                 tp_group=self.groups.tensor_parallel,
+                device=self.fabric.device,
             )
             return self.optimizer
         stage_of = {id(p): stage for stage, module in self.stages.items() for p in module.parameters()}
@@ -279,6 +280,7 @@ class UnitEngine(Engine):
             trace=self.trace,
             comm_group=self.groups.gradient_comm,
             gather_dtype=self.wire_dtype,
+            device=self.fabric.device,
         )
         if experts:  # expert parallelism: the experts this rank holds have an optimizer of their own
             from .expert_optim import ExpertOptimizer

@@ -81,7 +81,7 @@ def test_the_default_preset_validates_and_its_home_is_the_most_sharded():
 
 
 def test_packing_with_a_static_layout_is_ddp_only():
-    with pytest.raises(ConfigError, match="parallel.mode=ddp or hotspa"):
+    with pytest.raises(ConfigError, match="parallel.mode=ddp, hotspa or local_sgd"):
         validate_config(
             _cfg("model=llama_tiny", "data=longtail_text", "parallel=pp2", "schedule=1f1b", "trainer.devices=2")
         )

@@ -148,7 +148,7 @@ def test_scheduler_submissions_are_told_apart_from_local_runs():
 
 CONTRADICTIONS = [
     (["cluster=a800_80g"], r"needs 128 GPUs \(trainer.devices=8 x trainer.num_nodes=16\) .*cluster.num_gpus=32"),
-    (["cluster.memory_per_device_gb=40"], r"need 54.7 GB per GPU .*cluster.memory_per_device_gb=40 "),
+    (["cluster.memory_per_device_gb=40"], r"need 65.4 GB per GPU .*cluster.memory_per_device_gb=40 "),
     (["cluster.gpus_per_node=4"], r"needs 8 GPUs per node .*cluster.gpus_per_node=4;"),
 ]
 
@@ -189,7 +189,7 @@ def test_torchrun_commands_for_one_node_and_for_every_node(tmp_path):
     assert command[4:] == [str(REPO / "train.py"), "recipe=llama3_8b_fsdp2", f"data.path={tokens}"]
     status, printed, err = run_tool(["recipe=llama3_8b_128k_cp", f"data.path={tokens}", "format=torchrun"])
     assert status == 0, err
-    assert "--nnodes=4" in printed and "--rdzv-id=llama3_8b_128k_cp-$JOB_ID" in printed and "every node" in printed
+    assert "--nnodes=8" in printed and "--rdzv-id=llama3_8b_128k_cp-$JOB_ID" in printed and "every node" in printed
     status, _, err = run_tool(["recipe=llama3_8b_fsdp2", "data.path=/nonexistent/tokens.npy"])
     assert status == 2 and "/nonexistent/tokens.npy" in err  # the data is checked as on the cluster
 
@@ -210,9 +210,9 @@ def test_a_signal_lead_shorter_than_the_stop_grace_is_refused(shards):
     assert status == 0 and sbatch_lines(printed)["signal"] == "TERM@1200", err
 
 
-def test_an_auto_recipe_gets_the_nodes_its_plan_uses_and_the_papers_1172_gpus_are_refused():
+def test_an_auto_recipe_gets_the_nodes_its_plan_uses_and_a_plan_of_part_nodes_is_refused():
     status, printed, err = run_tool(["recipe=mllm15b_auto_a100"])
     assert status == 0, err
     assert sbatch_lines(printed)["nodes"] == "32" and "Plan (parallel=auto" in printed and "256 of 256 GPUs" in printed
-    status, _, err = run_tool(["recipe=mllm72b_auto_h100", "cluster.num_gpus=1172"])
+    status, _, err = run_tool(["recipe=mllm72b_auto_h100", "cluster.num_gpus=1296"])  # the plan uses 1293
     assert status == 2 and "not a whole number of 8-GPU nodes" in err, err

@@ -67,7 +67,7 @@ def test_algorithm1_matches_exhaustive_search_up_to_64_devices(model):
 
 
 def test_plan_uses_the_budget_and_respects_memory_and_nodes():
-    model = layout_model("mllm72b", 1172, 1920)
+    model = layout_model("mllm72b", 1172, 1920, recompute="auto")  # none: 180 GB per device at tp=8, pp=80
     plan = Orchestrator(model).solve().evaluation
     assert plan.gpus <= 1172
     assert all(used <= model.limit for used in plan.memory.values())
@@ -238,6 +238,7 @@ def test_recompute_auto_picks_per_unit_the_least_recomputation_that_fits():
     from disttrain_core.planner.auto import layout_container
 
     cfg = compose(["model=mllm72b", "cluster=h100_80g", "cluster.num_gpus=32", "planner.cost=analytic"])
+    cfg.planner.recompute = "none"
     with pytest.raises(PlanningError, match="memory"):
         make_plan(cfg, progress=lambda *_: None)  # no recompute: 72B fits no layout of 32 H100s, even zero3
     cfg.planner.recompute = "auto"

@@ -144,7 +144,7 @@ def test_cp_is_tried_only_for_long_sequences():
 
 
 def test_solver_picks_cp_when_a_long_sequence_fits_no_other_way():
-    model = layout_model(LONG_LLAMA, 32, 32)  # 64k tokens: the logits alone are 84 GB without CP
+    model = layout_model(LONG_LLAMA, 32, 32, recompute="full")  # 64k tokens: the logits alone are 84 GB without CP
     with pytest.raises(PlanningError, match="memory"):
         Orchestrator(model, cp_options=(1,)).solve()
     plan = Orchestrator(model).solve().evaluation
@@ -163,7 +163,7 @@ def test_ep_is_tried_only_where_it_divides_the_experts_and_dp():
     assert any(o.dp % 4 == 0 and o.ep == 4 for o in options)
     assert {o.ep for o in Orchestrator(solver.m, allow_ep=False).llm_options()} == {1}
     assert {o.ep for o in Orchestrator(layout_model(["model=llama_tiny"], 16, 48)).llm_options()} == {1}
-    model = layout_model(MIXTRAL + ["model.seq_len=4096"], 64, 480)
+    model = layout_model(MIXTRAL + ["model.seq_len=4096"], 64, 480, recompute="auto")
     plan = Orchestrator(model).solve().evaluation
     llm = plan.choices["llm"]
     assert 8 % llm.ep == 0 and llm.dp % llm.ep == 0 and plan.memory["llm"] <= model.limit
