@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DATA := data/synthetic_laion
 
-.PHONY: train test test-slow lint data bench clean-outputs help
+.PHONY: train test test-slow lint data bench gpu-check clean-outputs help
 
 help:
 	@echo "make train      create .venv, install, generate the embedded data, train mllm_tiny on CPU"
@@ -13,6 +13,7 @@ help:
 	@echo "make test-slow  the long tests (marked slow)"
 	@echo "make lint       ruff"
 	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"
+	@echo "make gpu-check  tools/gpu_check.py: every CUDA path one GPU reaches (docs/GPU.md)"
 
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +51,9 @@ bench: $(STAMP) $(DATA)
 	$(BIN)/python tools/bench_layouts.py processes=4 out=docs/results/bench_layouts_4.json
 	$(BIN)/python tools/bench_train.py litgpt=only steps=10 warmup=5 litgpt_repeats=6
 	$(BIN)/python tools/bench_planner.py
+
+gpu-check: $(STAMP)
+	$(BIN)/python tools/gpu_check.py
 
 clean-outputs:
 	rm -rf outputs

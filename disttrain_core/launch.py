@@ -32,7 +32,7 @@ from .validation import (
     validate_config,
     world_size,
 )
-from .worker import SUMMARY_FILE, elastic_worker, fabric_worker, run_worker
+from .worker import SUMMARY_FILE, cuda_environment, elastic_worker, fabric_worker, run_worker
 
 log = logging.getLogger("disttrain")
 
@@ -77,6 +77,24 @@ def with_device_defaults(container: dict) -> dict:
     return {**container, "trainer": trainer}
 
 
+def prepare_cuda(cfg: Config, rank: int) -> None:
+    """On CUDA, before this process or any rank it starts creates a CUDA context: the variables the runtime
+    reads then (ranks inherit them), and one line when MFU has no datasheet peak for this GPU."""
+    accelerator = resolve_accelerator(cfg.trainer.accelerator)
+    for name, value in cuda_environment(cfg, accelerator).items():
+        os.environ.setdefault(name, value)
+    if accelerator != "cuda" or rank != 0:
+        return
+    import torch
+
+    from .train.perf import peak_source, step_math
+
+    math = step_math(cfg.trainer.precision, "cuda", cfg.trainer.tf32)
+    line = peak_source(math, torch.cuda.get_device_name(0), cfg.cluster)
+    if line:
+        log.warning(line)
+
+
 def launch(cfg: DictConfig) -> float | None:
     """Validate, prepare and run one training job; returns the optimized metric."""
     container = OmegaConf.to_container(cfg, resolve=True)
@@ -88,6 +106,7 @@ def launch(cfg: DictConfig) -> float | None:
         validate_config(cfg)
         container = with_device_defaults(container)
         cfg = typed_config(container)
+        prepare_cuda(cfg, environment.rank)
         if cfg.parallel.mode == "auto":
             from .planner.auto import resolve_auto
 

@@ -56,23 +56,37 @@ def configure_threads(cfg: Config) -> int:
     return threads
 
 
+def cuda_environment(cfg: Config, accelerator: str) -> dict[str, str]:
+    """Variables the CUDA runtime reads when a process creates its context: set in the launcher before it
+    starts the ranks (Fabric's spawn launcher creates each rank's context before ``run_worker`` runs), and
+    again in ``configure_device`` for ranks torchrun or srun start."""
+    out = {}
+    if accelerator != "cuda":
+        return out
+    if determinism(cfg.trainer.deterministic, accelerator):
+        out["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if cfg.parallel.comm.tp_overlap:
+        # The chunked TP overlap relies on kernels running in the order they are queued across the compute
+        # and communication streams (Megatron's requirement for sequence-parallel overlap).
+        out["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return out
+
+
 def configure_device(cfg: Config, accelerator: str) -> None:
     """Determinism, TF32 and CUDA launch settings; before the first CUDA call of this process."""
     import torch
 
+    for name, value in cuda_environment(cfg, accelerator).items():
+        if accelerator == "cuda" and torch.cuda.is_initialized() and os.environ.get(name) != value:
+            log.warning("%s=%s is set after this process's CUDA context exists: it has no effect here", name, value)
+        os.environ.setdefault(name, value)
     strict = determinism(cfg.trainer.deterministic, accelerator)
     if strict:
-        if accelerator == "cuda":
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=strict == "warn")
     if accelerator != "cuda":
         return
     torch.backends.cuda.matmul.allow_tf32 = cfg.trainer.tf32
     torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
-    if cfg.parallel.comm.tp_overlap:
-        # The chunked TP overlap relies on kernels running in the order they are queued across the compute
-        # and communication streams (Megatron's requirement for sequence-parallel overlap).
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
 def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:

@@ -46,10 +46,14 @@ def operations(dump: dict) -> list[dict]:
     for entry in dump.get("torch", {}).get("entries", []):
         if entry.get("p2p") or not entry.get("n"):
             continue  # torch's point-to-point entries (NCCL) carry no peer: not compared
-        done = entry.get("state") == "completed" or bool(entry.get("retired"))
+        done = entry.get("state") in ("completed", "stream-waited") or bool(entry.get("retired"))
         out.append({**entry, "stream": ("torch", entry["group"]), "done": done, "thread": None})
     for record in dump.get("records", []):
-        entry = {**record, "done": record["state"] == "completed", "failed": record["state"] == "failed"}
+        entry = {
+            **record,
+            "done": record["state"] in ("completed", "stream-waited"),
+            "failed": record["state"] == "failed",
+        }
         if record["kind"] in P2P_KINDS:
             peer = record["peers"][0] if record["peers"] else None
             source, target = (rank, peer) if record["kind"] == "send" else (peer, rank)

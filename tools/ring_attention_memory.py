@@ -72,9 +72,14 @@ def _worker(rank: int, world: int, store: str, out_dir: str, settings: dict) -> 
         q = torch.randn(1, settings["heads"], length, settings["head_dim"], generator=g)
         k, v = (torch.randn(1, settings["kv_heads"], length, settings["head_dim"], generator=g) for _ in range(2))
         upstream = torch.randn(q.shape, generator=g)
-        gqa = settings["heads"] != settings["kv_heads"]
         sdpa = _peaks(
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), q, k, v, upstream
+            lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            ),
+            q,
+            k,
+            v,
+            upstream,
         )
         dist.barrier()
         ring_peaks = _peaks(lambda q, k, v: ring_attention(q, k, v, ring), q, k, v, upstream)
@@ -122,7 +127,8 @@ def main(argv: list[str]) -> int:
     for row in rows:
         f, b = row["forward"], row["forward_backward"]
         print(
-            f"{row['positions_per_rank']:>6} positions/rank cp={row['cp']}: forward ring {f['ring_bytes'] / 2**20:7.1f} "
+            f"{row['positions_per_rank']:>6} positions/rank cp={row['cp']}: forward ring "
+            f"{f['ring_bytes'] / 2**20:7.1f} "
             f"MiB vs SDPA {f['sdpa_bytes'] / 2**20:7.1f} MiB ({f['ratio']:.2f}x); forward+backward "
             f"{b['ring_bytes'] / 2**20:7.1f} vs {b['sdpa_bytes'] / 2**20:7.1f} MiB ({b['ratio']:.2f}x)"
         )

@@ -92,6 +92,11 @@ class Op:
         self.state, self.end = "completed", time.time_ns()
         return self
 
+    def waited_on_stream(self) -> Op:
+        """NCCL: ``wait()`` made the current CUDA stream wait for it; the host does not know it has finished."""
+        self.state, self.end = "stream-waited", time.time_ns()
+        return self
+
     def failed(self, error: BaseException) -> Op:
         self.state, self.end, self.error = "failed", time.time_ns(), f"{type(error).__name__}: {error}"[:300]
         return self

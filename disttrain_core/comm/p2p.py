@@ -71,7 +71,7 @@ class RecordedWork:
         self.call[0] -= 1
         if self.call[0] == 0:
             for op in self.call[1]:
-                op.completed()
+                op.waited_on_stream() if self.call[2] else op.completed()
         return done
 
     def is_completed(self) -> bool:
@@ -93,8 +93,9 @@ def _record(ops: list[dist.P2POp]) -> list:
     ]
 
 
-def _tracked(works: list, records: list) -> list:
-    call = [len(works), records]
+def _tracked(works: list, records: list, on_device: bool = False) -> list:
+    """``on_device``: CUDA tensors, whose ``wait()`` only orders the stream (the record then says so)."""
+    call = [len(works), records, on_device]
     return [RecordedWork(work, call) for work in works]
 
 
@@ -104,7 +105,7 @@ def post(ops: list[dist.P2POp]) -> list:
         return []
     records = _record(ops)
     if not strict():
-        return _tracked(dist.batch_isend_irecv(ops), records)
+        return _tracked(dist.batch_isend_irecv(ops), records, ops[0].tensor.device.type == "cuda")
     staged, landings = [], []
     for op in ops:
         if op.op is dist.irecv:

@@ -201,7 +201,8 @@ class ClusterConfig:
     memory_per_device_gb: float = 80.0
     # Dense peak FLOP/s per device; null = measure a matmul on this machine at startup.
     peak_flops_bf16: Optional[float] = None
-    peak_flops_fp32: Optional[float] = None
+    peak_flops_fp32: Optional[float] = None  # plain fp32 (no tensor cores)
+    peak_flops_tf32: Optional[float] = None  # CUDA fp32 matmuls on tensor cores (trainer.tf32=true)
     intra_node_bandwidth_gbps: float = 900.0  # GB/s per device inside a node
     inter_node_bandwidth_gbps: float = 50.0  # GB/s per device across nodes
     latency_us: float = 10.0  # per message

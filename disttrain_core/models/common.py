@@ -34,13 +34,51 @@ def _seeded_normal(shape: torch.Size, std: float, seed: int) -> torch.Tensor:
 BLOCK = 16
 
 
-def _seeded_normal_into(
+DEVICE_BLOCK_VALUES = 1 << 22  # CUDA: values per independently seeded block of rows (16 MB in fp32)
+
+
+def _device_normal_into(
     target: torch.Tensor, shape: torch.Size, offset: tuple[int, ...], std: float, seed: int
+) -> None:
+    """The device path of :func:`_seeded_normal_into` (CUDA): the tensor is cut into blocks of whole dim-0 rows
+    fixed by its shape alone, block ``b`` drawn on the device from a generator seeded by ``(seed, b)``. A rank
+    draws only the blocks its shard overlaps -- the CPU path draws every row before its shard on one host
+    generator, minutes for a 70B model -- and the values are the same for every layout on that device type
+    (not the CPU path's: another generator)."""
+    numel = math.prod(shape)
+    rows, row = (shape[0], numel // shape[0]) if len(shape) else (1, 1)
+    per_block = max(1, DEVICE_BLOCK_VALUES // max(row, 1))
+    first, last = (offset[0], offset[0] + target.shape[0]) if target.ndim else (0, 1)
+    inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], target.shape[1:], strict=True))
+    generator = torch.Generator(device=target.device)
+    for block in range(first // per_block, (last - 1) // per_block + 1):
+        start = block * per_block
+        count = min(per_block, rows - start)
+        generator.manual_seed((seed * 1_000_003 + block) % (2**63 - 1))
+        chunk = torch.randn(count * row, generator=generator, device=target.device, dtype=torch.float32)
+        chunk = chunk.view(count, *shape[1:]) if len(shape) else chunk.view(())
+        lo, hi = max(start, first), min(start + count, last)
+        if target.ndim == 0:
+            target.copy_(chunk * std)
+        else:
+            target[lo - first : hi - first].copy_(chunk[lo - start : hi - start][(slice(None), *inner)] * std)
+
+
+def _seeded_normal_into(
+    target: torch.Tensor,
+    shape: torch.Size,
+    offset: tuple[int, ...],
+    std: float,
+    seed: int,
+    on_device: bool | None = None,
 ) -> None:
     """Write the block ``target`` of the tensor ``_seeded_normal(shape, std, seed)``, starting at ``offset``,
     without ever holding the whole tensor: it is drawn in chunks of whole dim-0 slices and only the
     chunk being drawn exists besides ``target`` (a tensor-parallel shard, or a whole replicated weight).
+    ``on_device`` (default: ``target`` is on CUDA): :func:`_device_normal_into` instead.
     """
+    if on_device if on_device is not None else target.device.type == "cuda":
+        return _device_normal_into(target, shape, offset, std, seed)
     numel = math.prod(shape)
     if numel < BLOCK or target.ndim == 0:  # tiny tensors are drawn elementwise by torch: draw them whole
         full = _seeded_normal(shape, std, seed)

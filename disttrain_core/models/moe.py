@@ -247,7 +247,8 @@ class MoeFeedForward(nn.Module):
     @torch.no_grad()
     def _balance_counts(self, counts: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(assignment counts, token count), summed over ``balance_group`` when set (one all-reduce)."""
-        packed = torch.cat([counts, counts.new_tensor([num_tokens])])
+        # torch.full fills on the device; new_tensor would copy a host list there (a host sync on CUDA)
+        packed = torch.cat([counts, torch.full((1,), num_tokens, dtype=counts.dtype, device=counts.device)])
         if self.balance_group is not None and not packed.is_meta:
             dist.all_reduce(packed, group=self.balance_group)
         return packed[:-1], packed[-1]

@@ -51,13 +51,22 @@ class SequenceSlices:
         self.local_len = self.positions.numel()
         # Every rank's positions in rank order: where an all-gather's concatenated slices belong.
         self.gathered = torch.cat([local_positions(self.padded, self.size, r, layout) for r in range(self.size)])
+        self._on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, gathered) on ``device``, copied there once: a copy per call from pageable host memory
+        would block the host on CUDA (trainer.sync_debug checks that no step does)."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = (self.positions.to(device), self.gathered.to(device))
+        return self._on_device[key]
 
     def slice(self, x: torch.Tensor, fill=0) -> torch.Tensor:
         """This rank's positions of ``x`` [B, S, ...] (padded with ``fill``)."""
         pad = self.padded - x.shape[1]
         if pad:
             x = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1)
-        return x.index_select(1, self.positions.to(x.device))
+        return x.index_select(1, self.indices(x.device)[0])
 
     def documents(self, documents: Documents) -> Documents:
         """This rank's share of packed-document ids and positions; the whole padded row's ids ride along for
@@ -78,7 +87,7 @@ class _GatherSequence(torch.autograd.Function):
         parts = [torch.empty_like(x) for _ in range(slices.size)]
         dist.all_gather(parts, x.contiguous(), group=slices.group)
         whole = x.new_empty(x.shape[0], slices.padded, *x.shape[2:])
-        whole[:, slices.gathered.to(x.device)] = torch.cat(parts, dim=1)
+        whole[:, slices.indices(x.device)[1]] = torch.cat(parts, dim=1)
         return whole[:, : slices.seq_len]
 
     @staticmethod
@@ -86,7 +95,7 @@ class _GatherSequence(torch.autograd.Function):
         slices = ctx.slices
         grad = F.pad(grad, (0, 0, 0, slices.padded - grad.shape[1])).contiguous()
         dist.all_reduce(grad, group=slices.group)  # each rank's loss reached every position: sum them
-        return grad[:, slices.positions.to(grad.device)], None
+        return grad[:, slices.indices(grad.device)[0]], None
 
 
 class _SumGradient(torch.autograd.Function):

@@ -60,7 +60,9 @@ class Hardware:
     @classmethod
     def from_config(cls, cluster, precision: str, peak_flops: float | None = None) -> Hardware:
         bf16 = precision.startswith("bf16")
-        peak = peak_flops or (cluster.peak_flops_bf16 if bf16 else cluster.peak_flops_fp32)
+        # fp32 on CUDA runs its matmuls on TF32 tensor cores (trainer.tf32, on by default): that peak when set
+        fp32 = (cluster.device == "cuda" and getattr(cluster, "peak_flops_tf32", None)) or cluster.peak_flops_fp32
+        peak = peak_flops or (cluster.peak_flops_bf16 if bf16 else fp32)
         if not peak:
             raise ValueError(
                 f"cluster {cluster.name}: cluster.peak_flops_{'bf16' if bf16 else 'fp32'} is not set; "

@@ -61,6 +61,15 @@ class GlobalCounts:
         self.values, self.work, self.trace = values, work, trace
         self.normalizers: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def reduced(self) -> torch.Tensor:
+        """All four counts once their reduction is done (what the loop logs). Ranks that compute no loss (a
+        pipeline's first stages) never call the normalizers, so they wait here, at the end of the step: on
+        NCCL a stream dependency, not a host wait."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.values
+
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.normalizers is None:
             started = self.trace.now() if self.trace is not None else None
@@ -241,7 +250,7 @@ class DataParallelEngine(Engine):
         import_pretrained(cfg, tokenizer, [self.raw_model])
         unit = resolve_units(cfg).llm  # the one unit: every module on every process
         apply_recompute(self.raw_model, unit.recompute, unit.recompute_every)
-        module = torch.compile(self.raw_model) if cfg.trainer.compile else self.raw_model
+        module = self.raw_model
         self.model = module
         comm = cfg.parallel.comm
         # DDP overlaps its bucketed all-reduces with backward. Without overlap (or skipping communication
@@ -262,6 +271,10 @@ class DataParallelEngine(Engine):
                 broadcast_buffers=False,
                 process_group=group,
             )
+        if cfg.trainer.compile:
+            # compile the DDP module, not DDP around a compiled one: TorchDynamo's DDP optimizer then splits the
+            # graph at the gradient buckets, so their all-reduces still overlap the backward
+            self.model = torch.compile(self.model)
         mixed = training_precision(cfg.trainer.precision, fabric.device.type) != "32"
         self.autocast = fabric.autocast if mixed else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]

@@ -14,6 +14,10 @@ device and reads them at logging steps only; this switch checks that.
   mode flags the operations above (and the Python-level ``.tolist()``,
   ``.cpu()``, ``.numpy()`` and ``torch.cuda.synchronize``) while a checked step
   runs. ``warn`` logs each distinct call site once; ``error`` raises at the first.
+* Both: an operator given a host tensor (more than a 0-d scalar) beside device
+  tensors -- an index kept on the host, copied to the device at every call --
+  is flagged too (on CPU it shows wherever parameters sit on another device,
+  as in tests/unit/test_gpu_paths.py with the meta device).
 
 Checked: the engine's part of every step that is not a logging or checkpoint
 step (timelines are recorded at logging steps), from the second step on (the
@@ -78,22 +82,40 @@ def _call_site() -> str:
 MASKABLE_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 
 
+def _host_operand(args, kwargs) -> str | None:
+    """The device of the non-host operands when an operator also takes a host tensor (not a 0-d scalar): on
+    CUDA an index or mask kept on the host is copied to the device at every call, from pageable memory (a
+    host synchronization). None when the operands share a device."""
+    from torch.utils._pytree import tree_leaves
+
+    devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if "cpu" in devices and len(devices) > 1:
+        return sorted(devices - {"cpu"})[0]
+    return None
+
+
 def _boolean_mask(args) -> bool:
     indices = args[1] if len(args) > 1 else ()
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
 
 
 class _Detector(TorchDispatchMode):
-    def __init__(self, report):
+    def __init__(self, report, host_operands_only: bool = False):
         super().__init__()
         self.report = report
+        self.host_operands_only = host_operands_only  # CUDA: torch's sync debug mode sees the rest
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         packet = getattr(func, "overloadpacket", None)
-        if packet in SYNCING_OPS and not (packet is aten.repeat_interleave and (kwargs or {}).get("output_size")):
+        if self.host_operands_only:
+            if (device := _host_operand(args, kwargs or {})) is not None:
+                self.report(f"{packet} takes a host tensor with {device} tensors (copied at every call)")
+        elif packet in SYNCING_OPS and not (packet is aten.repeat_interleave and (kwargs or {}).get("output_size")):
             self.report(str(packet))
         elif packet in MASKABLE_OPS and _boolean_mask(args):
             self.report(f"{packet} with a boolean mask")
+        elif (device := _host_operand(args, kwargs or {})) is not None:
+            self.report(f"{packet} takes a host tensor with {device} tensors (copied at every call)")
         return func(*args, **(kwargs or {}))
 
 
@@ -125,10 +147,11 @@ class HostSyncGuard:
             yield
             return
         self.checked_steps += 1
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # torch's own checker, and ours for host operands
             torch.cuda.set_sync_debug_mode(self.mode)
             try:
-                yield
+                with _Detector(self._report, host_operands_only=True):
+                    yield
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             return

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
+from ..clock import DeviceClock
 from ..comm.engine import allreduce_gradients
 from ..config import Config
 from ..data.batch import Batch, pad_rows
@@ -123,7 +124,10 @@ class HotSpaEngine(Engine):
         self.named_parameters = self.home.engine.named_parameters
         for member in self.members:  # the live tensors must be the boxes the plans assume
             local_box_tensors(member.engine.named_parameters, layouts[member.name], self.rank, check=True)
-        self.switch_seconds = 0.0  # host time spent switching, since the last log
+        # switching's device time since the last log: (start, end) stamps, read at logging steps (DeviceClock: CUDA
+        # events on a GPU, where a host clock would time the launches)
+        self.clock = DeviceClock(fabric.device)
+        self.switches: list = []
         # parallel.hotspa.time_buckets: each bucket's rows timed (the device synchronized after them), since the
         # last log -- what tools/profile_hotspa.py fits t(row) from
         self.time_buckets = bool(cfg.parallel.hotspa.time_buckets)
@@ -188,10 +192,11 @@ class HotSpaEngine(Engine):
         return _combined(results)
 
     def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
-        """``perf/switch_fraction``: host time spent switching as a share of the steps; with time_buckets,
+        """``perf/switch_fraction``: device time spent switching as a share of the steps; with time_buckets,
         ``perf/bucket_s/<capacity>``: each bucket's seconds per step."""
-        metrics = {"perf/switch_fraction": self.switch_seconds / seconds}
-        self.switch_seconds = 0.0
+        switched = sum(self.clock.elapsed(start, end) for start, end in self.switches)
+        metrics = {"perf/switch_fraction": switched / seconds}
+        self.switches = []
         if self.time_buckets:
             for member, spent in zip(self.members, self.bucket_seconds, strict=True):
                 metrics[f"perf/bucket_s/{member.capacity}"] = spent / steps
@@ -232,17 +237,17 @@ class HotSpaEngine(Engine):
         return executor
 
     def _switch_in(self, member: _Member, home_params: dict[str, torch.Tensor]) -> None:
-        started = time.perf_counter()
+        started = self.clock.stamp()
         params = member.engine.named_parameters
         _restore(params)
         into = local_box_tensors(params, self.layouts[member.name], self.rank)
         plan = self.plans.get(self.home.name, member.name)
         with torch.no_grad():
             run_switch(plan, home_params, self.layouts[self.home.name], self.layouts[member.name], into=into)
-        self.switch_seconds += time.perf_counter() - started
+        self.switches.append((started, self.clock.stamp()))
 
     def _gradients_home(self, member: _Member) -> None:
-        started = time.perf_counter()
+        started = self.clock.stamp()
         engine = member.engine
         local = [_LocalGrad(p) for _, p in engine.named_parameters]
         group = engine.groups.gradient
@@ -262,7 +267,7 @@ class HotSpaEngine(Engine):
         for _, p in engine.named_parameters:
             p.grad = None
         _release(engine.named_parameters)
-        self.switch_seconds += time.perf_counter() - started
+        self.switches.append((started, self.clock.stamp()))
 
 
 _GRAD = "home:grad"

@@ -165,6 +165,8 @@ class Trainer(StepData, CheckpointIO):
             fabric.device,
             cfg.cluster.peak_flops_bf16,
             cfg.cluster.peak_flops_fp32,
+            cfg.cluster.peak_flops_tf32,
+            cfg.trainer.tf32,
         )
 
     # --------------------------------------------------------------- checkpoints
@@ -211,7 +213,7 @@ class Trainer(StepData, CheckpointIO):
             report.start_of_step(self.engine, self.optimizer)
         with (
             self.sync_guard.check(self._checks_host_syncs(step)),
-            allocation_peak(peak) if report is not None else nullcontext(),
+            allocation_peak(peak, self.fabric.device) if report is not None else nullcontext(),
         ):
             result = self.engine.forward_backward(microbatches, counts, record=record)
             self.engine.after_backward()
@@ -240,7 +242,7 @@ class Trainer(StepData, CheckpointIO):
             self.timelines.report(self.step, result.timeline)
         return StepResult(
             sums=result.sums,
-            counts=counts.values,
+            counts=counts.reduced(),
             grad_norm=grad_norm,
             lr=lr,
             data_wait_s=data_wait,

@@ -87,25 +87,33 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def running_peak(events, device_type: str) -> tuple[int, int]:
+    """(largest running sum, final sum) of allocator events ``(start_ns, nbytes, device type name)`` of one
+    device type: the training device's allocator only (host allocations on a GPU run are another memory)."""
+    running = peak = 0
+    for _, delta, kind in sorted(events):
+        if kind == device_type:
+            running += delta
+            peak = max(peak, running)
+    return peak, running
+
+
 @contextmanager
-def allocation_peak(result: dict):
-    """Record the largest running sum of allocator events inside the block into ``result['peak_delta']``."""
+def allocation_peak(result: dict, device: torch.device | None = None):
+    """Record the largest running sum of ``device``'s allocator events inside the block into
+    ``result['peak_delta']`` (default: the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    kind = (device or torch.device("cpu")).type
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == "cuda" else [])
     with profile(activities=activities, profile_memory=True) as prof:
         yield
-    events = sorted(
-        (event.start_ns(), event.nbytes())
+    events = [
+        (event.start_ns(), event.nbytes(), str(event.device_type()).split(".")[-1].lower())
         for event in prof.profiler.kineto_results.events()
         if event.name() == "[memory]"
-    )
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    result["peak_delta"] = peak
-    result["end_delta"] = running
+    ]
+    result["peak_delta"], result["end_delta"] = running_peak(events, kind)
 
 
 class MemoryReport:

@@ -4,7 +4,14 @@ On CPUs there is no datasheet number that means anything for PyTorch, so the
 peak is *measured*: the best of square matmuls (up to 2048, while one takes under 2 s) in the training
 dtype, with the thread count the rank actually uses. The result is cached in
 ``~/.cache/disttrain/peak_flops.json`` keyed by CPU model, threads, dtype and
-torch version. On GPUs the cluster preset's datasheet value is used when set.
+torch version.
+
+On GPUs MFU is against the datasheet's dense peak of the math the step runs: bf16 under bf16-mixed, TF32
+for fp32 with ``trainer.tf32`` on (the default: fp32 matmuls then run on tensor cores, 7x the plain fp32
+peak of an H100, against which MFU could pass 100%), plain fp32 otherwise. The cluster preset's
+``peak_flops_*`` when set, else the card's own row below (a GPU run with the default ``cluster=local_cpu``);
+a card not listed falls back to a measured matmul peak, said in one line before launch
+(:func:`peak_source`), with the setting that fixes it.
 """
 
 from __future__ import annotations
@@ -83,13 +90,66 @@ def _measured(dtype: torch.dtype, device: torch.device) -> float:
     return float(cache[key])
 
 
+# Dense peak FLOP/s (no sparsity) from the vendors' datasheets: (bf16, tf32, fp32). Matched in order on the
+# name torch reports ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB", ...).
+DATASHEET = (
+    ("H100 PCIe", (756.5e12, 378.0e12, 51.2e12)),
+    ("H100 NVL", (835.5e12, 417.5e12, 60.0e12)),
+    ("H100", (989.4e12, 494.7e12, 66.9e12)),  # SXM5
+    ("H200", (989.4e12, 494.7e12, 66.9e12)),
+    ("GH200", (989.4e12, 494.7e12, 66.9e12)),
+    ("A100", (312.0e12, 156.0e12, 19.5e12)),
+    ("A800", (312.0e12, 156.0e12, 19.5e12)),
+)
+MATH = ("bf16", "tf32", "fp32")
+
+
+def step_math(precision: str, device_type: str, tf32: bool = True) -> str:
+    """What the step's matmuls run in: bf16, tf32 (CUDA fp32 with TF32 allowed) or fp32."""
+    if precision.startswith("bf16"):
+        return "bf16"
+    return "tf32" if device_type == "cuda" and tf32 else "fp32"
+
+
+def datasheet_peak(device_name: str, math: str) -> float | None:
+    for pattern, peaks in DATASHEET:
+        if pattern in device_name:
+            return peaks[MATH.index(math)]
+    return None
+
+
+def peak_source(math: str, device_name: str, cluster) -> str | None:
+    """None when MFU has a datasheet peak for ``device_name`` (preset or table), else the one line saying
+    that MFU falls back to a measured matmul peak and how to set one."""
+    configured = {"bf16": cluster.peak_flops_bf16, "tf32": getattr(cluster, "peak_flops_tf32", None)}
+    configured["fp32"] = cluster.peak_flops_fp32
+    if configured[math] or datasheet_peak(device_name, math):
+        return None
+    return (
+        f"MFU: no datasheet peak for {device_name!r} ({math}); MFU is reported against a matmul peak measured at "
+        f"start, below the datasheet's: set cluster.peak_flops_{math}=<dense FLOP/s of the card> "
+        "(e.g. cluster.peak_flops_bf16=989e12 for an H100 SXM)"
+    )
+
+
 def peak_flops_per_device(
-    precision: str, device: torch.device, cluster_bf16: float | None, cluster_fp32: float | None
+    precision: str,
+    device: torch.device,
+    cluster_bf16: float | None,
+    cluster_fp32: float | None,
+    cluster_tf32: float | None = None,
+    tf32: bool = True,
 ) -> float:
-    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
-    configured = cluster_bf16 if dtype == torch.bfloat16 else cluster_fp32
+    """Peak FLOP/s of one device for the step's math (see the module doc)."""
+    math = step_math(precision, device.type, tf32)
+    configured = {"bf16": cluster_bf16, "tf32": cluster_tf32, "fp32": cluster_fp32}[math]
     if configured:
         return float(configured)
+    if device.type == "cuda":
+        listed = datasheet_peak(torch.cuda.get_device_name(device), math)
+        if listed:
+            return listed
+    dtype = torch.bfloat16 if math == "bf16" else torch.float32
     peak = _measured(dtype, device)
     if dtype == torch.bfloat16 and device.type == "cpu":
         # A CPU without native bf16 emulates bf16 matmuls slowly, while autocast's kernels for other
@@ -99,8 +159,13 @@ def peak_flops_per_device(
     return peak
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    """Peak allocated device memory (CUDA) or peak resident set size (CPU), GiB."""
+def peak_memory_gib(device: torch.device, reset: bool = True) -> float:
+    """Peak allocated device memory since the last call (CUDA: the allocator's peak, then reset, so each
+    logging window reports its own), or the peak resident set size since the process started (CPU: the
+    kernel keeps only that), GiB."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        if reset:
+            torch.cuda.reset_peak_memory_stats(device)
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -5,6 +5,11 @@ from __future__ import annotations
 from ..config import Config
 from .common import ConfigError, _require, world_size
 
+# trainer.compile where the engine would not use it: one line instead of an eager run that looks compiled
+_NO_COMPILE = (
+    "trainer.compile=true compiles the data-parallel engine only (parallel=dp, ddp layouts, local_sgd); {engine} "
+    "runs eager: unset trainer.compile"
+)
 MAX_PARALLEL_SIZE = 65_536  # dp, tp or pp beyond this (and the world size) is a typo
 
 
@@ -210,6 +215,7 @@ def validate_layout(cfg: Config) -> None:
     if p.mode == "hotspa":  # every strategy is checked as the megatron layout it runs as
         from .packing import validate_hotspa
 
+        _require(not cfg.trainer.compile, _NO_COMPILE.format(engine="parallel=hotspa's strategies (units engine)"))
         validate_hotspa(cfg)
         return
     if p.mode == "local_sgd":
@@ -265,6 +271,10 @@ def validate_layout(cfg: Config) -> None:
     )
     layout = resolve_units(cfg)
     world = world_size(cfg)
+    _require(
+        not cfg.trainer.compile or p.mode == "local_sgd" or layout.trains_with_ddp(),
+        _NO_COMPILE.format(engine=f"this layout ({_unit_formula(layout.units)}; units engine)"),
+    )
     if p.comm.interleave_modes:
         from ..comm.engine import MODES
 

@@ -185,6 +185,11 @@ def validate_trainer(cfg: Config) -> None:
         f"torch thread (trainer.threads_per_rank={t.threads_per_rank}): set trainer.threads_per_rank=1",
     )
     accelerator = resolve_accelerator(t.accelerator)
+    _require(
+        not (t.straggler.ranks and accelerator == "cuda"),
+        "trainer.straggler emulates a slow process with busy work on its host thread, timed by the host's CPU "
+        "clock: on CUDA it would delay the launches, not the device; unset trainer.straggler.ranks",
+    )
     # a dry run or a submission to a scheduler starts no rank here: this machine's devices do not matter
     elsewhere = externally_launched() or launches_elsewhere(cfg)
     if accelerator == "cuda":

@@ -34,3 +34,34 @@ def test_steps_read_nothing_back_from_the_device(layout, shards, tmp_path):
     assert last["step"] == 4
     assert last["debug/sync_checked_steps"] == 2.0  # steps 2 and 3
     assert last["debug/host_syncs"] == 0.0
+
+
+# Issue 36: context parallelism (ring attention's positions and the sequence slices on the device, built once),
+# FSDP2, bf16 autocast, and MoE, whose remaining host reads are its routing's (issue 39 removes them).
+MORE = {
+    "cp2": ["model=llama_tiny", "parallel=pp2", "parallel.pp=1", "parallel.cp=2", "trainer.devices=2"],
+    "fsdp2_zero3": ["model=llama_tiny", "parallel=dp", "parallel.shard=zero3", "trainer.devices=2"],
+    "bf16": ["trainer.precision=bf16-mixed"],
+}
+MORE_COMMON = ["optim.global_batch_size=8", "optim.micro_batch_size=2"]
+
+
+@pytest.mark.parametrize("layout", list(MORE))
+def test_more_layouts_read_nothing_back_from_the_device(layout, shards, tmp_path):
+    run = tmp_path / layout
+    common = [o for o in COMMON if not o.startswith("trainer.precision")] if layout == "bf16" else COMMON
+    result = run_train(cli_overrides(shards, run) + common + MORE_COMMON + MORE[layout], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = read_metrics(run)[-1]
+    assert last["debug/sync_checked_steps"] == 2.0 and last["debug/host_syncs"] == 0.0
+
+
+def test_moe_reads_back_only_its_routing(shards, tmp_path):
+    """Under sync_debug=warn every host read is logged once per call site: all are the router's block sizes
+    and kept-assignment indices in models/moe.py."""
+    run = tmp_path / "moe"
+    overrides = cli_overrides(shards, run) + [o.replace("error", "warn") for o in COMMON] + MORE_COMMON
+    result = run_train(overrides + ["model=llama_moe_tiny", "model.seq_len=64"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sites = [line for line in (run / "train.log").read_text().splitlines() if "host synchronization" in line]
+    assert sites and all("models/moe.py" in line for line in sites), sites

@@ -1,0 +1,45 @@
+"""tools/gpu_check.py device=cpu: every phase of the one-GPU check runs with tiny shapes here, so the check the
+first GPU runs cannot rot (issue 36)."""
+
+import json
+import subprocess
+import sys
+
+from ..conftest import REPO
+
+
+def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gpu_check.py"), "device=cpu", f"out={out}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    phases = report["phases"]
+    assert set(phases) == {
+        "api",
+        "host_syncs",
+        "ring_attention",
+        "throughput_and_compile",
+        "recompute_memory",
+        "fsdp2_async_dcp",
+        "weight_materialization",
+    }
+    assert all(phase["ok"] for phase in phases.values()) and report["passed"]
+    assert phases["ring_attention"]["memory_at_recipe_block"]["ratio"] <= 2.0
+    assert phases["fsdp2_async_dcp"]["max_abs_difference"] == 0.0
+
+
+def test_without_a_gpu_the_default_device_says_what_to_type_instead():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gpu_check.py")], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    assert result.returncode == 2 and "device=cpu" in result.stderr and len(result.stderr.strip().splitlines()) == 1

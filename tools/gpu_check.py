@@ -1,0 +1,128 @@
+"""Every CUDA path one GPU can reach, in one command: a PASS/FAIL table and a JSON of the numbers.
+
+    python tools/gpu_check.py                    # on a CUDA machine (about 5 minutes on one H100)
+    python tools/gpu_check.py device=cpu         # every phase with tiny shapes on the CPU (make test runs it)
+    python tools/gpu_check.py phases=api,ring_attention out=/tmp/gpu_check.json
+
+Phases (tools/gpu_check_phases.py): the torch APIs the project relies on; host-sync checking
+(trainer.sync_debug=error) through the DDP engine, the units engine and the multimodal model in bf16; ring
+attention's numerics against SDPA (context parallelism emulated inside one process) and its memory at the 128K
+recipe's block size; throughput and MFU of a ~1B Llama in bf16 against a plain PyTorch loop of the same model,
+and trainer.compile=true against eager; peak memory of no / full / selective recompute against the memory model;
+FSDP2 and asynchronous DCP save/load on a one-rank NCCL group; weight materialization time. On a machine with
+torch but no package index, see docs/GPU.md (tools/prepare_wheels.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_phases import PHASES, Check  # noqa: E402
+
+from disttrain_core.cli import split_tool_args, tool_main  # noqa: E402
+from disttrain_core.config import REPO_ROOT  # noqa: E402
+
+OPTIONS = {"device": "cuda", "phases": "all", "out": "", "format": "table"}
+
+# ~1B Llama-shaped model on a GPU (Llama-3.2-1B's width and depth, a 32K vocabulary), tiny on the CPU
+SHAPES = {
+    "cuda": {
+        "llama": {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8, "ffn_dim": 8192, "vocab_size": 32000},
+        "seq_len": 2048,
+        "micro_batch": 4,
+        "steps": 20,
+        "window": 10,
+        "ring": {"heads": 8, "kv_heads": 2, "head_dim": 128, "seq": 1024, "block": 8192},
+    },
+    "cpu": {
+        "llama": {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 384},
+        "seq_len": 64,
+        "micro_batch": 2,
+        "steps": 4,
+        "window": 2,
+        "ring": {"heads": 4, "kv_heads": 2, "head_dim": 16, "seq": 48, "block": 256},
+    },
+}
+
+
+def recipe_block() -> int:
+    """Positions per rank of recipes/llama3_8b_128k_cp.yaml (its sequence over its context-parallel ranks)."""
+    from disttrain_core.config import compose
+
+    cfg = compose(["recipe=llama3_8b_128k_cp", "data.path=unused.npy"])
+    return int(cfg.model.seq_len) // int(cfg.parallel.cp)
+
+
+def run(device: str, names: list[str], scratch: Path) -> dict:
+    shapes = dict(SHAPES[device])
+    if device == "cuda":
+        shapes["ring"] = {**shapes["ring"], "block": recipe_block()}
+    check = Check(device=device, scratch=scratch, **shapes)
+    results = {}
+    for name in names:
+        started = time.perf_counter()
+        try:
+            result = PHASES[name](check)
+        except Exception as error:  # a failing phase is reported; the others still run
+            result = {"ok": False, "error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-3000:]}
+        result["seconds"] = round(time.perf_counter() - started, 2)
+        results[name] = result
+        print(f"{'PASS' if result['ok'] else 'FAIL'}  {name:24s} {result['seconds']:7.1f} s", flush=True)
+    return results
+
+
+def machine(device: str) -> dict:
+    info = {"torch": torch.__version__, "device": device, "python": sys.version.split()[0]}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+        info["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return info
+
+
+def main(argv: list[str]) -> int:
+    options, rest = split_tool_args(argv, OPTIONS)
+    if rest:
+        print(f"error: unknown option(s) {' '.join(rest)}: use {', '.join(f'{k}=' for k in OPTIONS)}", file=sys.stderr)
+        return 2
+    device = options["device"]
+    if device not in SHAPES:
+        print(f"error: device={device!r}: use cuda or cpu", file=sys.stderr)
+        return 2
+    if device == "cuda" and not torch.cuda.is_available():
+        print(
+            "error: no CUDA device here; python tools/gpu_check.py device=cpu runs every phase with tiny shapes on "
+            "the CPU",
+            file=sys.stderr,
+        )
+        return 2
+    names = list(PHASES) if options["phases"] == "all" else options["phases"].split(",")
+    unknown = [n for n in names if n not in PHASES]
+    if unknown:
+        print(f"error: phases={options['phases']}: unknown {unknown}; allowed: {', '.join(PHASES)}", file=sys.stderr)
+        return 2
+    logging.getLogger("disttrain").setLevel(logging.WARNING)  # the table is the output
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        results = run(device, names, Path(tmp))
+    report = {"machine": machine(device), "phases": results, "passed": all(r["ok"] for r in results.values())}
+    out = Path(options["out"] or REPO_ROOT / "outputs" / f"gpu_check_{device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    if options["format"] == "json":
+        print(json.dumps(report, indent=1, default=str))
+    passed = sum(r["ok"] for r in results.values())
+    print(f"{'PASS' if report['passed'] else 'FAIL'}: {passed}/{len(results)} phases; {out}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(tool_main(main, sys.argv[1:]))
