@@ -264,7 +264,8 @@ def phase_recompute_memory(check: Check) -> dict:
     for the same run (the memory report: measured from the device allocator, predicted per role)."""
     out, ok = {}, True
     for policy in ("none", "full", "selective_op"):
-        overrides = [*tokens_runs(check), f"parallel.recompute={policy}", f"trainer.memory_report_step={2}"]
+        overrides = [*tokens_runs(check), f"parallel.recompute={policy}", "trainer.memory_report_step=2"]
+        overrides.append("trainer.max_steps=2")
         train(check, f"memory_{policy}", overrides)
         report = json.loads((check.scratch / f"memory_{policy}" / "memory" / "rank00000.json").read_text())
         measured, predicted = report["measured"]["peak"], report["predicted"]["peak"]

@@ -42,7 +42,18 @@ def cell(model: str, gpus: int, preset, overrides: list[str]) -> dict:
     from disttrain_core.planner.stragglers import law_of, pipeline_of, straggler_factor
     from disttrain_core.validation import ConfigError, validate_config
 
-    cfg = compose([f"model={model}", "cluster=h100_80g", f"cluster.num_gpus={gpus}", *preset.overrides(), *overrides])
+    # parallel=auto: the plan is the layout (the default ddp layout of a 9-72B model fits no GPU, and validation
+    # would refuse it as a layout to run)
+    cfg = compose(
+        [
+            f"model={model}",
+            "parallel=auto",
+            "cluster=h100_80g",
+            f"cluster.num_gpus={gpus}",
+            *preset.overrides(),
+            *overrides,
+        ]
+    )
     row = {"model": model, "gpus": gpus, "preset": preset.name}
     try:
         validate_config(cfg)

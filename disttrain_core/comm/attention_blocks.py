@@ -65,6 +65,11 @@ def _ungrouped(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
+def _per_head(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+    """The mask as the CUDA kernels take it, [B, H, S_q, S_k]: a broadcast view (no copy)."""
+    return None if mask is None else mask.expand(q.shape[0], q.shape[1], -1, -1)
+
+
 def document_mask(same: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask [B, 1, S_q, S_k] of a block from ``same`` [B, S_q, S_k] (True: same document)."""
     b, sq, sk = same.shape
@@ -84,6 +89,7 @@ def block_forward(
         return out, lse, BlockKernel(kind)
     heads = q.shape[1]
     k, v = _grouped(k, heads), _grouped(v, heads)
+    mask = _per_head(mask, q)
     if kind == "flash":
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = _op("_scaled_dot_product_flash_attention")(
             q, k, v, 0.0, causal, False, scale=scale
@@ -116,6 +122,7 @@ def block_backward(
         )
     kv_heads, heads = k.shape[1], q.shape[1]
     k, v = _grouped(k, heads), _grouped(v, heads)
+    mask = _per_head(mask, q)
     if kernel.kind == "flash":
         cum_q, cum_k, seed, offset = kernel.aux
         dq, dk, dv = _op("_scaled_dot_product_flash_attention_backward")(

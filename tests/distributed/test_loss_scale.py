@@ -53,22 +53,25 @@ ACCEPTS = {
     "packed": PACKED_ENGINES,
     "corpus": PACKED_ENGINES,
 }
-# make test runs every source read whole by every process (where the fault of issue 35 was) and local SGD on
-# every source; the pairs of shards read per replica with the other engines are also proven against one
-# process over whole runs by their own tests (test_ddp_parity, test_pipeline_training, test_units, test_fsdp)
-# and run in make test-slow.
-COVERED_ELSEWHERE = {
-    ("shards", "dp"),
-    ("shards", "pipeline"),
-    ("shards", "units_tp"),
-    ("shards", "fsdp2"),
-    ("image_shards", "dp"),
-    ("image_shards", "pipeline"),
-    ("image_shards", "fsdp2"),
-    ("image_shards", "local_sgd_warmup"),
+# make test runs each engine once on a stream read whole by every process (where issue 35's fault was) and local
+# SGD's two normalizations on the token file, the packed corpus and shards read per replica; the other pairs
+# run in make test-slow (those on shards are also proven against one process over whole runs by their own
+# tests: test_ddp_parity, test_pipeline_training, test_units, test_fsdp).
+IN_MAKE_TEST = {
+    ("tokens", "dp"),
+    ("tokens", "pipeline"),
+    ("tokens", "units_tp"),
+    ("tokens", "fsdp2"),
+    ("tokens", "local_sgd_worker"),
+    ("tokens", "local_sgd_warmup"),
+    ("packed", "hotspa"),
+    ("corpus", "local_sgd_worker"),
+    ("corpus", "local_sgd_warmup"),
+    ("image_shards", "units_disaggregated"),
+    ("shards", "local_sgd_worker"),
 }
 CASES = [
-    pytest.param(source, engine, marks=[pytest.mark.slow] if (source, engine) in COVERED_ELSEWHERE else [])
+    pytest.param(source, engine, marks=[] if (source, engine) in IN_MAKE_TEST else [pytest.mark.slow])
     for source, engines in ACCEPTS.items()
     for engine in engines
 ]
