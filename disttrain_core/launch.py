@@ -83,10 +83,10 @@ def prepare_cuda(cfg: Config, rank: int) -> None:
     accelerator = resolve_accelerator(cfg.trainer.accelerator)
     for name, value in cuda_environment(cfg, accelerator).items():
         os.environ.setdefault(name, value)
-    if accelerator != "cuda" or rank != 0:
-        return
     import torch
 
+    if accelerator != "cuda" or rank != 0 or not torch.cuda.is_available():  # a dry run plans GPUs it lacks
+        return
     from .train.perf import peak_source, step_math
 
     math = step_math(cfg.trainer.precision, "cuda", cfg.trainer.tf32)

@@ -72,7 +72,7 @@ def run(device: str, names: list[str], scratch: Path) -> dict:
         started = time.perf_counter()
         try:
             result = PHASES[name](check)
-        except Exception as error:  # a failing phase is reported; the others still run
+        except (Exception, SystemExit) as error:  # a failing phase (launch exits on a bad run) is reported
             result = {"ok": False, "error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()[-3000:]}
         result["seconds"] = round(time.perf_counter() - started, 2)
         results[name] = result

@@ -190,8 +190,9 @@ def _ring_memory(check: Check) -> dict:
         forward = _RankForward(q, plan, None, None)
         forward.add(0, k, v)
         forward.add(1, other_k, other_v)
-        out = forward.out.to(dtype)
-        backward = _RankBackward(q, out, forward.lse, upstream, plan, None, forward.kernel)
+        out, lse, kernel = forward.out.to(dtype), forward.lse, forward.kernel
+        del forward  # RingAttention.forward returns without its fp32 accumulator (the output is cast from it)
+        backward = _RankBackward(q, out, lse, upstream, plan, None, kernel)
         dk, dv = torch.zeros(k.shape, device=check.device), torch.zeros(v.shape, device=check.device)
         backward.block(0, k, v, dk, dv)
         backward.block(1, other_k, other_v, dk, dv)
@@ -287,7 +288,7 @@ def phase_fsdp_dcp(check: Check) -> dict:
     from disttrain_core.models.llama import Llama
     from disttrain_core.parallel.fsdp import apply_fsdp
 
-    backend = "nccl" if check.cuda else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if check.cuda else "gloo"  # async_save's staging needs a CPU backend
     store = dist.FileStore(str(check.scratch / "fsdp_store"), 1)
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
     try:

@@ -9,8 +9,9 @@ accepts it back, without the S_q x S_k score matrix of a written-out softmax:
   additive mask in the input dtype;
 * CUDA: FlashAttention-2 (``_scaled_dot_product_flash_attention``) for fp16/bf16 without a mask; the
   memory-efficient kernel (``_scaled_dot_product_efficient_attention``) for fp32 or with a mask (its
-  log-sum-exp comes padded to 32 rows and goes back padded). Both take as many key heads as query heads:
-  grouped keys are expanded per block and their gradients summed back.
+  log-sum-exp comes padded to 32 rows and goes back padded). FlashAttention-2 takes grouped keys as they
+  are; the memory-efficient kernel wants as many key heads as query heads: grouped keys are expanded per
+  block there and their gradients summed back.
 
 Packed documents travel as an additive mask of the block (0 where query and key share a document, -inf
 elsewhere) in the input dtype: B x S_q x S_k elements, a quarter of the fp32 scores' bytes and one tensor where
@@ -87,8 +88,8 @@ def block_forward(
     if kind == "cpu":
         out, lse = _op("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         return out, lse, BlockKernel(kind)
-    heads = q.shape[1]
-    k, v = _grouped(k, heads), _grouped(v, heads)
+    if kind == "efficient":  # FlashAttention-2 takes fewer key heads; the memory-efficient kernel does not
+        k, v = _grouped(k, q.shape[1]), _grouped(v, q.shape[1])
     mask = _per_head(mask, q)
     if kind == "flash":
         out, lse, cum_q, cum_k, _, _, seed, offset, _ = _op("_scaled_dot_product_flash_attention")(
@@ -120,8 +121,9 @@ def block_backward(
         return _op("_scaled_dot_product_flash_attention_for_cpu_backward")(
             grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
         )
-    kv_heads, heads = k.shape[1], q.shape[1]
-    k, v = _grouped(k, heads), _grouped(v, heads)
+    kv_heads = k.shape[1]
+    if kernel.kind == "efficient":
+        k, v = _grouped(k, q.shape[1]), _grouped(v, q.shape[1])
     mask = _per_head(mask, q)
     if kernel.kind == "flash":
         cum_q, cum_k, seed, offset = kernel.aux

@@ -115,7 +115,7 @@ def post(ops: list[dist.P2POp]) -> list:
                 op.tensor.fill_(float("nan"))  # what a reader that skipped the wait would see
             op = dist.P2POp(dist.irecv, staging, op.peer, op.group, op.tag)
         staged.append(op)
-    return _tracked([CoalescedWork(dist.batch_isend_irecv(staged), landings)], records)
+    return _tracked([CoalescedWork(dist.batch_isend_irecv(staged), landings)], records, ops[0].tensor.is_cuda)
 
 
 def wait_all(works: list) -> None:

@@ -138,7 +138,8 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
                 )
             finally:
                 torch.set_num_threads(before)
-    hw = with_measured_links(Hardware.from_config(cfg.cluster, precision, peak), profile, cfg.cluster.device, devices)
+    hw = Hardware.from_config(cfg.cluster, precision, peak, tf32=bool(cfg.trainer.tf32))
+    hw = with_measured_links(hw, profile, cfg.cluster.device, devices)
     costs = CostModel(work, hw, settings, profile)
     model = LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), devices)
     if data_s_per_sample:

@@ -25,6 +25,13 @@ class MemoryCosts:
         a = float(self.settings.act_bytes)
         return a, 4.0
 
+    def _unet_counts(self, w) -> dict[str, float]:
+        """The U-Net's counted bytes per item by policy: fp32, or under bf16-mixed with the autocast policy of the
+        cluster's device (CUDA keeps norms and softmax in fp32 where the CPU keeps its input's bf16)."""
+        if self.settings.act_bytes == 2:
+            return w.counted_mixed["cpu" if self.hw.device == "cpu" else "cuda"]
+        return {"none": w.counted_activation_bytes, **w.counted_recompute_bytes}
+
     def _block_bytes(self, unit: str, tp: int) -> tuple[float, float]:
         """Bytes per token and model dimension one block keeps for backward without recompute, and with
         selective_op (checked against what autograd saves in fp32 and under CPU bf16 autocast in
@@ -80,9 +87,7 @@ class MemoryCosts:
         w = self.work.units[unit]
         policy = self._policy(policy)
         if w.counted_activation_bytes:  # U-Net: counted on fake CPU tensors with the runtime's wrappers
-            mixed = self.settings.act_bytes == 2  # bf16-mixed: counted under autocast
-            none = w.counted_activation_bytes_mixed if mixed else w.counted_activation_bytes
-            counted = {"none": none, **(w.counted_recompute_bytes_mixed if mixed else w.counted_recompute_bytes)}
+            counted = self._unet_counts(w)
             if policy == "every_k":  # between none and full, by the share of blocks recomputed
                 k = self.settings.recompute_every
                 kept = counted["none"] - (counted["none"] - counted["full"]) / k
@@ -109,8 +114,7 @@ class MemoryCosts:
         if policy == "none":
             return 0.0
         if w.counted_activation_bytes:  # U-Net: its largest block, counted
-            counted = w.counted_recompute_bytes_mixed if self.settings.act_bytes == 2 else w.counted_recompute_bytes
-            return items * counted.get("largest_block", 0.0)
+            return items * self._unet_counts(w).get("largest_block", 0.0)
         none, selective = self._block_bytes(unit, tp)
         _, r = self._element_bytes()
         dropped = none - (selective if policy == "selective_op" else r)
@@ -121,13 +125,19 @@ class MemoryCosts:
         ring_attention.py), beyond what the block saved: the fp32 dq accumulator, the fp32 dk/dv accumulators
         of the block held and of the one arriving, the next key/value block, and the kernel's block gradients
         (dq, dk, dv in the activation dtype). The forward holds less (an fp32 output accumulator, the next
-        key/value block, one block output). No s x s term: the blocks run on a fused kernel."""
+        key/value block, one block output). No s x s term: the blocks run on a fused kernel. On CUDA in fp32 (the
+        memory-efficient kernel) grouped keys and values are expanded to the query heads per block, and their
+        block gradients come back full-headed before they are summed. Not counted: packed documents' per-block
+        mask, B x S_q x S_k in the activation dtype plus two boolean temporaries (HotSPa strategies with cp)."""
         if cp <= 1:
             return 0.0
         w = self.work.units[unit]
         a, _ = self._element_bytes()
         kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
-        per_token_dim = (4.0 + 2.0 * 2.0 * 4.0 * kv + 2.0 * a * kv + a * (1.0 + 2.0 * kv)) / tp
+        per_token_dim = 4.0 + 2.0 * 2.0 * 4.0 * kv + 2.0 * a * kv + a * (1.0 + 2.0 * kv)
+        if self.hw.device == "cuda" and a == 4.0:
+            per_token_dim += 4.0 * a * (1.0 - kv)
+        per_token_dim /= tp
         return items * (w.tokens / cp) * w.dim * per_token_dim
 
     def recompute_factor(self, unit: str, policy: str | None = None) -> float:

@@ -5,6 +5,8 @@ them into the generator's ``UnitWork``)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 
 def _storage_key(tensor, base) -> int:
     """What identifies a tensor's memory: its storage's address, or (meta and fake tensors, which have none)
@@ -128,13 +130,51 @@ def largest_block_bytes(module, inputs) -> float:
     return max((sum(t.numel() * t.element_size() for t in saved.values()) for saved in per_block.values()), default=0.0)
 
 
-def saved_bytes_per_item(make_module, make_inputs, mixed: bool = False, policy: str | None = None) -> float:
+# CUDA autocast runs these in fp32 whatever their input; CPU autocast runs them in their input's dtype. Under
+# bf16 autocast an input already in bf16 (a convolution's output in the U-Net) therefore makes CUDA save an fp32
+# copy of it and an fp32 output where the CPU keeps bf16.
+CUDA_FP32_FUNCTIONS = ("group_norm", "layer_norm", "softmax", "log_softmax")
+
+
+@contextmanager
+def cuda_autocast_policy():
+    """Inside CPU autocast, run the functions CUDA autocast keeps in fp32 in fp32 too (torch.nn.functional's, which
+    the modules call), so that a count on the CPU is what a CUDA step saves."""
+    import torch
+    import torch.nn.functional as F
+
+    originals = {name: getattr(F, name) for name in CUDA_FP32_FUNCTIONS}
+
+    def upcast(original):
+        def call(input, *args, **kwargs):
+            if torch.is_autocast_enabled("cpu") and input.dtype in (torch.bfloat16, torch.float16):
+                input = input.float()
+                with torch.autocast("cpu", enabled=False):
+                    args = tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+                    return original(input, *args, **kwargs)
+            return original(input, *args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(F, name, upcast(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(F, name, original)
+
+
+def saved_bytes_per_item(
+    make_module, make_inputs, mixed: bool = False, policy: str | None = None, device: str = "cuda"
+) -> float:
     """Bytes autograd saves per item (batch of 2 minus batch of 1: weight copies and per-call constants drop
     out) for a module built by ``make_module()`` on inputs ``make_inputs(batch)``, on fake CPU tensors (no
     memory is allocated; the CPU kernels are chosen as for real ones: flash attention saves no scores, where
     the meta device's math attention would). ``mixed``: under CPU bf16 autocast (it applies to fake tensors
-    as to real ones). ``policy``: what that recompute policy keeps (:func:`counted_kept_bytes`), or
-    ``largest_block`` (:func:`largest_block_bytes`)."""
+    as to real ones) with ``device``'s autocast policy (cuda: :func:`cuda_autocast_policy`; cpu: CPU autocast's
+    own). ``policy``: what that recompute policy keeps (:func:`counted_kept_bytes`), or ``largest_block``
+    (:func:`largest_block_bytes`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -145,13 +185,15 @@ def saved_bytes_per_item(make_module, make_inputs, mixed: bool = False, policy: 
             return counted_kept_bytes(make_module, make_inputs(batch), policy)
         return counted_saved_bytes(make_module(), make_inputs(batch))
 
-    with FakeTensorMode(), torch.device("cpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+    rules = cuda_autocast_policy() if mixed and device == "cuda" else nullcontext()
+    with FakeTensorMode(), torch.device("cpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed), rules:
         return count(2) - count(1)
 
 
-def unet_activation_counts(cfg, side: int, mixed: bool) -> tuple[float, dict[str, float]]:
+def unet_activation_counts(cfg, side: int, mixed: bool, device: str = "cuda") -> tuple[float, dict[str, float]]:
     """The generator's U-Net (model config ``cfg``, latents ``side`` x ``side``): bytes saved per item without
-    recompute, and (full, selective_op, largest_block) what recompute keeps and reruns (planner/workload.py)."""
+    recompute, and (full, selective_op, largest_block) what recompute keeps and reruns (planner/workload.py);
+    ``mixed``: under bf16 autocast with ``device``'s policy."""
     import torch
 
     from ..models.unet import UNet
@@ -166,8 +208,8 @@ def unet_activation_counts(cfg, side: int, mixed: bool) -> tuple[float, dict[str
         context = torch.empty(batch, cfg.gen_tokens, g.cross_attention_dim, requires_grad=True)
         return latents, torch.zeros(batch, dtype=torch.long), context
 
-    saved = saved_bytes_per_item(make, inputs, mixed)
-    kept = {p: saved_bytes_per_item(make, inputs, mixed, p) for p in ("full", "selective_op", "largest_block")}
+    saved = saved_bytes_per_item(make, inputs, mixed, device=device)
+    kept = {p: saved_bytes_per_item(make, inputs, mixed, p, device) for p in ("full", "selective_op", "largest_block")}
     return saved, kept
 
 

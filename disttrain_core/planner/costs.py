@@ -58,10 +58,11 @@ class Hardware:
     p2p_bw: float | None = None  # measured point-to-point bandwidth (profiled machines)
 
     @classmethod
-    def from_config(cls, cluster, precision: str, peak_flops: float | None = None) -> Hardware:
+    def from_config(cls, cluster, precision: str, peak_flops: float | None = None, tf32: bool = True) -> Hardware:
         bf16 = precision.startswith("bf16")
-        # fp32 on CUDA runs its matmuls on TF32 tensor cores (trainer.tf32, on by default): that peak when set
-        fp32 = (cluster.device == "cuda" and getattr(cluster, "peak_flops_tf32", None)) or cluster.peak_flops_fp32
+        # fp32 on CUDA runs its matmuls on TF32 tensor cores with trainer.tf32 (the default): that peak when set
+        tensor_cores = cluster.device == "cuda" and tf32
+        fp32 = (tensor_cores and getattr(cluster, "peak_flops_tf32", None)) or cluster.peak_flops_fp32
         peak = peak_flops or (cluster.peak_flops_bf16 if bf16 else fp32)
         if not peak:
             raise ValueError(

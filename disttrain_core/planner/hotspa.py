@@ -170,7 +170,7 @@ def predict(
             raise ValueError(f"strategy {s.name} cannot hold rows of {edge} tokens in memory")
     static = [s.name for s in candidates if costs[s.name].fits[longest]]
     precision = planned_precision(cfg)
-    hw = Hardware.from_config(cfg.cluster, precision, None)
+    hw = Hardware.from_config(cfg.cluster, precision, None, tf32=bool(cfg.trainer.tf32))
     param_bytes = 2 if precision == "bf16-mixed" else 4
     per_node = int(cfg.cluster.gpus_per_node)
     specs = llm_param_specs(cfg)

@@ -42,12 +42,13 @@ class UnitWork:
     mlp_ratio: float  # MLP hidden / dim
     gated_mlp: bool  # SwiGLU (three matrices) or GELU (two)
     boundary_floats: int  # floats per item sent to the next unit (0 for the last)
-    # U-Net: bytes saved for backward per item in fp32, and under bf16 autocast (counted on fake CPU tensors,
-    # planner/activation_count.py); the same under full / selective_op and its largest block
+    # U-Net: bytes saved for backward per item in fp32 (counted on fake CPU tensors, planner/activation_count.py);
+    # the same under full / selective_op and its largest block
     counted_activation_bytes: float = 0.0
     counted_recompute_bytes: dict = field(default_factory=dict)
-    counted_activation_bytes_mixed: float = 0.0
-    counted_recompute_bytes_mixed: dict = field(default_factory=dict)
+    # ... and under bf16 autocast, per device kind ("cuda", "cpu": their autocast policies differ): {"none", "full",
+    # "selective_op", "largest_block"}
+    counted_mixed: dict = field(default_factory=dict)
     kv_heads: int = 0  # grouped-query attention (LLM)
     # Of params_rep, what the first pipeline stage holds (embeddings) and the last (final norm, head,
     # projector); the blocks split evenly. params_rep = params_first + params_last.
@@ -200,7 +201,11 @@ def _build(cfg: ModelConfig) -> Workload:
     if cfg.generator is not None:
         unet, proj = model.generator, model.generator_projector
         side = cfg.gen_image_size // cfg.latent_downsample
-        counted = {mixed: unet_activation_counts(cfg, side, mixed) for mixed in (False, True)}
+        fp32 = unet_activation_counts(cfg, side, False)
+        counted_mixed = {}
+        for device in ("cuda", "cpu"):
+            saved, kept = unet_activation_counts(cfg, side, True, device)
+            counted_mixed[device] = {"none": saved, **kept}
         units["generator"] = UnitWork(
             name="generator",
             train_flops=flops["generator"].train + flops["generator_projector"].train,
@@ -216,17 +221,16 @@ def _build(cfg: ModelConfig) -> Workload:
             mlp_ratio=0.0,
             gated_mlp=False,
             boundary_floats=0,
-            counted_activation_bytes=counted[False][0],
-            counted_recompute_bytes=counted[False][1],
-            counted_activation_bytes_mixed=counted[True][0],
-            counted_recompute_bytes_mixed=counted[True][1],
+            counted_activation_bytes=fp32[0],
+            counted_recompute_bytes=fp32[1],
+            counted_mixed=counted_mixed,
             params_first=count(unet) + count(proj),
         )
     return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units)
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 7
+WORKLOAD_VERSION = 8
 
 
 def _cache_file(cfg_yaml: str) -> Path:

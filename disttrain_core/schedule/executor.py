@@ -189,11 +189,10 @@ class PipelineExecutor:
         # its gradient was received above, as the schedule pairs it, and is dropped.
         live = [(out, grad) for out, grad in zip(outputs, grads, strict=True) if out.requires_grad]
         outputs, grads = [out for out, _ in live], [grad for _, grad in live]
-        if not outputs:
-            pass
-        elif not split or not getattr(self.stages[stage], "splittable_backward", False):
+        splittable = split and getattr(self.stages[stage], "splittable_backward", False)
+        if outputs and not splittable:
             torch.autograd.backward(outputs, grad_tensors=grads)
-        else:
+        elif outputs:
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]
             _, groups = stage_backward_input(outputs, grads, [inbound], iter(params))
             state.weight_work[(stage, k)] = (params, groups)

@@ -46,7 +46,8 @@ MORE = {
 MORE_COMMON = ["optim.global_batch_size=8", "optim.micro_batch_size=2"]
 
 
-@pytest.mark.parametrize("layout", list(MORE))
+# bf16 in make test-slow: tools/gpu_check.py device=cpu (tests/unit/test_gpu_check.py) checks mllm_tiny in bf16
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=[pytest.mark.slow] if n == "bf16" else []) for n in MORE])
 def test_more_layouts_read_nothing_back_from_the_device(layout, shards, tmp_path):
     run = tmp_path / layout
     common = [o for o in COMMON if not o.startswith("trainer.precision")] if layout == "bf16" else COMMON

@@ -68,9 +68,10 @@ def _distance(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-# make test: the token file and the packed corpus (streams read whole, issue 35's fault); shards read per
-# replica and synthetic packed text in make test-slow (test_local_sgd.py covers shards on a 2 x 2 mesh)
-SLOW = {"shards", "packed"}
+# make test: the token file (a stream read whole, issue 35's fault); shards read per replica and both packed
+# sources in make test-slow (test_local_sgd.py covers shards on a 2 x 2 mesh; test_loss_scale.py runs local SGD
+# on the packed corpus in make test)
+SLOW = {"shards", "packed", "corpus"}
 
 
 @pytest.mark.parametrize(

@@ -53,22 +53,19 @@ ACCEPTS = {
     "packed": PACKED_ENGINES,
     "corpus": PACKED_ENGINES,
 }
-# make test runs each engine once on a stream read whole by every process (where issue 35's fault was) and local
-# SGD's two normalizations on the token file, the packed corpus and shards read per replica; the other pairs
-# run in make test-slow (those on shards are also proven against one process over whole runs by their own
-# tests: test_ddp_parity, test_pipeline_training, test_units, test_fsdp).
+# make test runs each engine once on a stream read whole by every process (where issue 35's fault was), local SGD's
+# two normalizations on the token file and the warm-up's on the packed corpus; every other pair runs in make
+# test-slow (those on shards are also proven against one process over whole runs by their own tests:
+# test_ddp_parity, test_pipeline_training, test_units, test_fsdp; the DDP engine on the token file by
+# test_token_file_training).
 IN_MAKE_TEST = {
-    ("tokens", "dp"),
     ("tokens", "pipeline"),
-    ("tokens", "units_tp"),
     ("tokens", "fsdp2"),
     ("tokens", "local_sgd_worker"),
     ("tokens", "local_sgd_warmup"),
     ("packed", "hotspa"),
-    ("corpus", "local_sgd_worker"),
     ("corpus", "local_sgd_warmup"),
     ("image_shards", "units_disaggregated"),
-    ("shards", "local_sgd_worker"),
 }
 CASES = [
     pytest.param(source, engine, marks=[] if (source, engine) in IN_MAKE_TEST else [pytest.mark.slow])
