@@ -21,7 +21,6 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..config import ModelConfig
-from .activation_count import unet_activation_counts
 
 UNIT_NAMES = ("encoder", "llm", "generator")
 
@@ -201,11 +200,8 @@ def _build(cfg: ModelConfig) -> Workload:
     if cfg.generator is not None:
         unet, proj = model.generator, model.generator_projector
         side = cfg.gen_image_size // cfg.latent_downsample
-        fp32 = unet_activation_counts(cfg, side, False)
-        counted_mixed = {}
-        for device in ("cuda", "cpu"):
-            saved, kept = unet_activation_counts(cfg, side, True, device)
-            counted_mixed[device] = {"none": saved, **kept}
+        counts = unet_counts(cfg, side)
+        fp32, counted_mixed = counts["fp32"], {device: counts[device] for device in ("cuda", "cpu")}
         units["generator"] = UnitWork(
             name="generator",
             train_flops=flops["generator"].train + flops["generator_projector"].train,
@@ -221,8 +217,8 @@ def _build(cfg: ModelConfig) -> Workload:
             mlp_ratio=0.0,
             gated_mlp=False,
             boundary_floats=0,
-            counted_activation_bytes=fp32[0],
-            counted_recompute_bytes=fp32[1],
+            counted_activation_bytes=fp32["none"],
+            counted_recompute_bytes={k: v for k, v in fp32.items() if k != "none"},
             counted_mixed=counted_mixed,
             params_first=count(unet) + count(proj),
         )
@@ -233,12 +229,42 @@ def _build(cfg: ModelConfig) -> Workload:
 WORKLOAD_VERSION = 8
 
 
-def _cache_file(cfg_yaml: str) -> Path:
+def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:
     import torch
 
     root = Path(os.environ.get("DISTTRAIN_CACHE", Path.home() / ".cache" / "disttrain"))
     key = hashlib.sha256(f"{WORKLOAD_VERSION}|{torch.__version__}|{cfg_yaml}".encode()).hexdigest()[:24]
-    return root / "workloads" / f"{key}.json"
+    return root / kind / f"{key}.json"
+
+
+def _write_json(path: Path, value) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def unet_counts(cfg: ModelConfig, side: int) -> dict[str, dict[str, float]]:
+    """The U-Net's activation counts per item (planner/activation_count.py): "fp32", and under bf16 autocast
+    "cuda" and "cpu", each {"none", "full", "selective_op", "largest_block"}. About 15 s of fake forwards for
+    SD 2.1's U-Net, and the same U-Net serves many model presets: kept on disk by the U-Net's own config."""
+    from .activation_count import unet_activation_counts
+
+    key = OmegaConf.to_yaml(OmegaConf.create({"generator": asdict(cfg.generator), "gen_tokens": cfg.gen_tokens}))
+    path = _cache_file(f"{key}|side={side}", "unet_counts")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    out = {}
+    for name, mixed, device in (("fp32", False, "cuda"), ("cuda", True, "cuda"), ("cpu", True, "cpu")):
+        saved, kept = unet_activation_counts(cfg, side, mixed, device)
+        out[name] = {"none": saved, **kept}
+    _write_json(path, out)
+    return out
 
 
 @lru_cache(maxsize=16)
@@ -252,13 +278,7 @@ def _cached(cfg_yaml: str) -> Workload:
         pass
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(cfg_yaml)))
     workload = _build(cfg)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(workload)))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    _write_json(path, asdict(workload))
     return workload
 
 

@@ -56,6 +56,9 @@ def _close(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+# The identities with synchronous DP also run on every data source on 2 processes in make test
+# (test_local_sgd_sources.py, test_loss_scale.py); on this 2 x 2 mesh in make test-slow.
+@pytest.mark.slow
 def test_a_warmup_over_the_whole_run_is_synchronous_data_parallelism(long_text, tmp_path):
     dp_losses, dp_params = _train(long_text, tmp_path / "dp", "parallel=dp")
     ls_losses, ls_params = _train(long_text, tmp_path / "ls", *MESH, f"parallel.local_sgd.warmup_steps={STEPS}")
@@ -64,7 +67,8 @@ def test_a_warmup_over_the_whole_run_is_synchronous_data_parallelism(long_text, 
     assert dp_losses[-1] < dp_losses[0]
 
 
-@pytest.mark.parametrize("method", ["diloco", pytest.param("post_local_sgd", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["diloco", "post_local_sgd"])
 def test_sgd_synced_every_step_with_outer_lr_one_is_synchronous_sgd(long_text, tmp_path, method):
     """optim=sgd, outer lr 1, no outer momentum, sync_every=1: the average of the workers' SGD steps is the SGD
     step on the averaged gradient (equal tokens per worker: each normalizes by its own)."""
