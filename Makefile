@@ -11,7 +11,7 @@ help:
 	@echo "make train      create .venv, install, generate the embedded data, train mllm_tiny on CPU"
 	@echo "make test       the test suite (about 28 minutes on 2 cores)"
 	@echo "make test-slow  the long tests (marked slow)"
-	@echo "make lint       ruff"
+	@echo "make lint       ruff and import-linter (.importlinter: the layers of docs/ARCHITECTURE.md)"
 	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"
 	@echo "make gpu-check  tools/gpu_check.py: every CUDA path one GPU reaches (docs/GPU.md)"
 
@@ -34,7 +34,8 @@ train: $(STAMP) $(DATA)
 # pytest exits 5 when nothing was collected: an empty default suite is a failure,
 # an empty slow selection is not.
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" -q
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python -m pytest -m "not slow" -q --durations=40
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow -q; status=$$?; [ $$status -eq 5 ] && exit 0; exit $$status
@@ -42,6 +43,7 @@ test-slow: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check disttrain_core tools tests train.py
 	$(BIN)/ruff format --check disttrain_core tools tests train.py
+	$(BIN)/lint-imports --no-cache
 
 bench: $(STAMP) $(DATA)
 	$(BIN)/python tools/bench_train.py

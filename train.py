@@ -12,8 +12,8 @@ import sys
 
 import hydra
 
-from disttrain_core.cli import exit_now, preflight
 from disttrain_core.config import register_configs
+from disttrain_core.launch.cli import exit_now, preflight
 
 register_configs()
 

@@ -40,10 +40,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.comm import ring_attention as ring_module
 from disttrain_core.comm.ring import Ring
 from disttrain_core.config import REPO_ROOT, LlamaConfig
+from disttrain_core.launch.cli import split_tool_args, tool_main
 from disttrain_core.models.common import init_weights
 from disttrain_core.models.llama import Llama
 from disttrain_core.parallel.context_parallel import SequenceSlices, apply_context_parallel

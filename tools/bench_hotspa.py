@@ -13,7 +13,7 @@ Networks: ``nodes=1`` runs the ``devices`` processes on this host over loopback;
 two emulated nodes (tools/netem_cluster.py: network namespaces joined by a ``rate``-shaped link; needs root
 and iproute2), so switches and data-parallel reductions cross the slow link where the plans put them.
 
-Memory limit. The planner's memory model (validation/packing.py ``strategy_memory``, runtime overhead 0)
+Memory limit. The planner's memory model (planner/fit.py ``strategy_memory``, runtime overhead 0)
 gives the bytes pure data parallelism (dp over every process) needs at ``max_len`` with zero3 and full
 recompute -- the least any pure-DP strategy needs -- and what each static candidate needs (ZeRO-1, full
 recompute: every run here recomputes every block). The limit is set just below the former, so no pure-DP
@@ -45,8 +45,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disttrain_core.cli import split_tool_args, tool_main  # noqa: E402
 from disttrain_core.config import REPO_ROOT  # noqa: E402
+from disttrain_core.launch.cli import split_tool_args, tool_main  # noqa: E402
 
 OPTIONS = {
     "devices": "4",
@@ -172,7 +172,7 @@ def memory_limit(options: dict[str, str]) -> tuple[float, float, dict[str, float
     when it needs at most limit x margin; the limit sits just below what pure DP needs at least."""
     from disttrain_core.config import compose, typed_config
     from disttrain_core.parallel.switch_plan import Strategy
-    from disttrain_core.validation.packing import strategy_memory
+    from disttrain_core.planner.fit import strategy_memory
 
     devices, max_len = int(options["devices"]), int(options["max_len"])
     cfg = typed_config(

@@ -43,8 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disttrain_core.cli import split_tool_args, tool_main  # noqa: E402
 from disttrain_core.config import REPO_ROOT  # noqa: E402
+from disttrain_core.launch.cli import split_tool_args, tool_main  # noqa: E402
 
 OPTIONS = {
     "scenarios": "straggler,slow_link",

@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args
 from disttrain_core.config import REPO_ROOT
+from disttrain_core.launch.cli import split_tool_args
 
 OPTIONS = {
     "steps": "2",

@@ -49,10 +49,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args
 from disttrain_core.comm.engine import MODES as COMM_MODES
 from disttrain_core.comm.engine import interleaved_mode
 from disttrain_core.config import REPO_ROOT
+from disttrain_core.launch.cli import split_tool_args
 
 OPTIONS = {
     "method": "interleaved",  # interleaved (modes take turns in one run) | separate (a run per mode)

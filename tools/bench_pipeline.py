@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args
 from disttrain_core.config import REPO_ROOT
+from disttrain_core.launch.cli import split_tool_args
 
 OPTIONS = {
     "schedules": "gpipe,1f1b,interleaved_1f1b,zb_h1,zbv",

@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import REPO_ROOT, compose
+from disttrain_core.launch.cli import split_tool_args, tool_main
 
 OPTIONS = {
     "models": "mllm9b,mllm15b,mllm72b",

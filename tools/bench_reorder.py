@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import REPO_ROOT
+from disttrain_core.launch.cli import split_tool_args, tool_main
 
 OPTIONS = {
     "groups": "16,32,64,128,256,512,1024",

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import REPO_ROOT, compose
-from disttrain_core.launch import launch
+from disttrain_core.launch.cli import split_tool_args, tool_main
+from disttrain_core.launch.entry import launch
 from disttrain_core.models.flops import batch_flops
 from disttrain_core.train.perf import measure_matmul_peak
 

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args, tool_main
+from disttrain_core.launch.cli import split_tool_args, tool_main
 from disttrain_core.validation import ConfigError
 
 OPTIONS = {"path": "", "to": "safetensors", "out": "", "dtype": "float32"}

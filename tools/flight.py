@@ -19,8 +19,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.comm.flight import FLIGHT_DIR, P2P_KINDS, read_dumps
+from disttrain_core.launch.cli import split_tool_args, tool_main
 from disttrain_core.validation import ConfigError
 
 OPTIONS = {"path": "", "max": "5"}

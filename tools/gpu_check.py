@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_phases import PHASES, Check  # noqa: E402
 
-from disttrain_core.cli import split_tool_args, tool_main  # noqa: E402
 from disttrain_core.config import REPO_ROOT  # noqa: E402
+from disttrain_core.launch.cli import split_tool_args, tool_main  # noqa: E402
 
 OPTIONS = {"device": "cuda", "phases": "all", "out": "", "format": "table"}
 

@@ -54,7 +54,7 @@ def token_file(check: Check) -> Path:
 def train(check: Check, name: str, overrides: list[str]) -> list[dict]:
     """``train.py`` in this process (one rank) with ``overrides``; its metrics lines."""
     from disttrain_core.config import compose
-    from disttrain_core.launch import launch
+    from disttrain_core.launch.entry import launch
 
     run_dir = check.scratch / name
     base = [
@@ -80,7 +80,7 @@ def tokens_runs(check: Check) -> list[str]:
 # ---------------------------------------------------------------------------------------------- phases
 def phase_api(check: Check) -> dict:
     """Every renamed or private torch API the project uses resolves on the installed torch."""
-    from disttrain_core.torch_compat import SUPPORTED, api_report, torch_release
+    from disttrain_core.base.torch_compat import SUPPORTED, api_report, torch_release
 
     report = api_report()
     missing = {name: why for name, why in report.items() if why != "ok"}

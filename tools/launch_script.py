@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import sys
 
-from disttrain_core.cli import split_tool_args, tool_main
+from disttrain_core.launch.cli import split_tool_args, tool_main
 from disttrain_core.validation import ConfigError
 
 
 def main(argv: list[str]) -> int:
-    from disttrain_core.cluster_launch import compose_job, launch_text
+    from disttrain_core.launch.cluster import compose_job, launch_text
 
     options, overrides = split_tool_args(argv, {"recipe": "", "nodes": "", "format": "auto", "launcher": "slurm"})
     if not options["recipe"]:

@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import compose
 from disttrain_core.data.synthetic import generate_shards
+from disttrain_core.launch.cli import split_tool_args, tool_main
 
 
 def main(argv: list[str]) -> int:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import sys
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import compose
+from disttrain_core.launch.cli import split_tool_args, tool_main
 from disttrain_core.validation import ConfigError
 
 GB = 1e9
@@ -47,7 +47,7 @@ def standard(cfg, options: dict) -> dict:
 
 
 def runtime(cfg) -> dict:
-    from disttrain_core.planner.breakdown import config_roles
+    from disttrain_core.planner import config_roles
 
     if cfg.parallel.mode == "auto":
         raise ConfigError(

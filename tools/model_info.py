@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import sys
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import compose
+from disttrain_core.launch.cli import split_tool_args, tool_main
 from disttrain_core.models.info import model_info, model_table
 
 

@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import REPO_ROOT, compose
+from disttrain_core.launch.cli import split_tool_args, tool_main
 
 
 def main(argv: list[str]) -> int:

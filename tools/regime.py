@@ -22,8 +22,8 @@ import json
 import sys
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import REPO_ROOT, compose
+from disttrain_core.launch.cli import split_tool_args, tool_main
 
 OPTIONS = {
     "models": "mllm9b,mllm15b,mllm72b",
@@ -38,9 +38,10 @@ PAPER = {"plan_mfu": 0.547, "rigid_mfu": 0.20, "speedup": 2.2}  # DistTrain, 72B
 
 def cell(model: str, gpus: int, preset, overrides: list[str]) -> dict:
     from disttrain_core.planner import PlanningError, make_plan
+    from disttrain_core.planner.fit import validate_run
     from disttrain_core.planner.report import mfu, unit_rows
     from disttrain_core.planner.stragglers import law_of, pipeline_of, straggler_factor
-    from disttrain_core.validation import ConfigError, validate_config
+    from disttrain_core.validation import ConfigError
 
     # parallel=auto: the plan is the layout (the default ddp layout of a 9-72B model fits no GPU, and validation
     # would refuse it as a layout to run)
@@ -56,7 +57,7 @@ def cell(model: str, gpus: int, preset, overrides: list[str]) -> dict:
     )
     row = {"model": model, "gpus": gpus, "preset": preset.name}
     try:
-        validate_config(cfg)
+        validate_run(cfg)
     except ConfigError as error:
         return {**row, "feasible": False, "reason": str(error)}
     try:

@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import REPO_ROOT
+from disttrain_core.launch.cli import split_tool_args, tool_main
 
 OPTIONS = {
     "lengths": "2048,4096,8192",  # positions per rank

@@ -32,7 +32,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disttrain_core.cli import split_tool_args
+from disttrain_core.launch.cli import split_tool_args
 
 OPTIONS = {"bucket_mb": "2", "reps": "100"}  # at 20 the median moved by up to 60% between runs
 
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
     elif "DISTTRAIN_RING_COST_RANK" in os.environ:  # a rank started below
         result = measure(int(os.environ["DISTTRAIN_RING_COST_RANK"]), options)
     else:  # loopback: start both ranks here
-        from disttrain_core.net import free_port
+        from disttrain_core.base.net import free_port
 
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         peer = subprocess.Popen(

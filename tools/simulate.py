@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args
+from disttrain_core.launch.cli import split_tool_args
 from disttrain_core.schedule.actions import Schedule
 from disttrain_core.schedule.generators import build_schedule
 from disttrain_core.schedule.simulator import Durations, ScheduleError, simulate

@@ -18,10 +18,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from disttrain_core.cli import split_tool_args, tool_main
 from disttrain_core.config import compose
 from disttrain_core.data.reader import RawSample, ShardStream, resolve_shards
 from disttrain_core.data.samples import BadSample, parse_segments
+from disttrain_core.launch.cli import split_tool_args, tool_main
 from disttrain_core.validation import ConfigError
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<image>", "<gen>"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..torch_compat import PRIVATE
+from ..base.torch_compat import PRIVATE
 
 NEG_INF = float("-inf")
 EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel pads its log-sum-exp to a multiple of this

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dtensor import is_sharded, local
+from ..base.dtensor import is_sharded, local
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dtensor import local
+from ..base.dtensor import local
 from .buckets import FlatBuckets
 from .trace import CommTrace
 

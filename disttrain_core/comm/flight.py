@@ -223,7 +223,7 @@ def _world_size() -> int:
 def _torch_entries(directory: Path, rank: int) -> dict:
     """torch's recorder: its entries (compact), and its raw dump written for ``fr_trace``."""
     try:
-        from ..torch_compat import dump_flight_trace
+        from ..base.torch_compat import dump_flight_trace
     except ImportError:
         return {"available": False, "error": "this torch has no flight recorder", "entries": []}
     # Per-entry stack traces are left out: symbolizing 2000 of them took ~3 s here, too long for a signal handler.

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..torch_compat import all_gather_tensor, reduce_scatter_tensor
+from ..base.torch_compat import all_gather_tensor, reduce_scatter_tensor
 from . import flight
 from .p2p import post
 

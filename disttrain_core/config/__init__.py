@@ -107,7 +107,7 @@ _registered = False
 def run_stamp(default: str) -> str:
     """The run directory's name: ``default`` (a timestamp), or ``job-<id>`` when a scheduler or torchrun created
     this job's processes, so every process of the job -- each running Hydra -- writes to one directory."""
-    from ..launch_env import detect
+    from ..base.launch_env import detect
 
     environment = detect()
     if environment.job_scoped and environment.job_id:

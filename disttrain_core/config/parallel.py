@@ -93,7 +93,7 @@ class HotSpaConfig:
 
 @dataclass
 class LocalSgdPenaltyConfig:
-    """EDiT's pseudo-gradient penalty (train/local_sgd_penalty.py), per sync unit; each piece switchable."""
+    """EDiT's pseudo-gradient penalty (train/local_sgd/penalty.py), per sync unit; each piece switchable."""
 
     # drop a worker whose pseudo-gradient norm is anomalous (EWMA z-test); rollback if all are. null: on for the
     # methods edit and a_edit, off for diloco and post_local_sgd
@@ -122,7 +122,7 @@ class LocalSgdSpikesConfig:
 
 @dataclass
 class LocalSgdConfig:
-    """parallel.mode=local_sgd (train/local_sgd.py, docs/LOCAL_SGD.md): workers train alone between syncs."""
+    """parallel.mode=local_sgd (train/local_sgd/engine.py, docs/LOCAL_SGD.md): workers train alone between syncs."""
 
     # diloco: an outer Nesterov-SGD step on the averaged pseudo-gradient every sync_every steps (Douillard et
     # al. 2023); post_local_sgd: plain parameter averaging every sync_every steps (Lin et al. 2020); edit: DiLoCo's

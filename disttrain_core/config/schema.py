@@ -45,7 +45,7 @@ class ProducerConfig:
     """Disaggregated preprocessing (docs/DATA.md): decode, tokenize and reorder off the trainers."""
 
     workers: int = 0  # decode processes of the producer train.py starts (0: decode in the trainers)
-    address: Optional[str] = None  # HOST:PORT of a standalone producer instead (python -m disttrain_core.data.producer)
+    address: Optional[str] = None  # HOST:PORT of a standalone producer (python -m disttrain_core.launch.producer)
     listen: str = "127.0.0.1:0"  # where the producer train.py starts listens (port 0: any free port)
     # Shared key; null: train.py makes one for the producer it starts (never written to disk).
     # Standalone: hex:<64 hex digits>, file:<path>, or the environment variable DISTTRAIN_PRODUCER_KEY.

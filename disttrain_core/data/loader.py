@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ..processes import helper_process_init
+from ..base.processes import helper_process_init
 from .batch import Batch
 from .reader import Position, RawSample, ShardError, ShardStream, StreamElement
 from .samples import BadSample, EncodedSample, SampleEncoder

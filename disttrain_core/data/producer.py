@@ -14,7 +14,7 @@ save that with their checkpoints and tell a (re)started producer where to begin,
 run sees exactly the next global batches, and so does a run whose producer was restarted.
 
     train.py data.producer.workers=2                 # train.py starts a producer on 127.0.0.1
-    python -m disttrain_core.data.producer --listen 10.0.0.5:7070 --key file:/secrets/key [overrides]
+    python -m disttrain_core.launch.producer --listen 10.0.0.5:7070 --key file:/secrets/key [overrides]
     train.py data.producer.address=10.0.0.5:7070 data.producer.key=file:/secrets/key
 
 The pieces: producer_protocol.py (layout, identity, batch frames), producer_server.py (the
@@ -23,7 +23,6 @@ service), producer_client.py (the trainers' ``ProducerLoader``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -34,8 +33,7 @@ import time
 
 import torch
 
-from ..net import split_address
-from ..processes import die_with_parent, watch_parent
+from ..base.processes import die_with_parent, watch_parent
 from .producer_client import ProducerLoader, resolve_key, trainer_layout  # noqa: F401  (the trainers' API)
 from .producer_protocol import FIELDS, Layout, decode_batch, encode_batch, job_identity  # noqa: F401
 from .producer_server import BatchAssembler, ProducerServer, sample_costs  # noqa: F401
@@ -61,7 +59,7 @@ def _spawned(container: dict, key: str, listen: str, ready, parent: int, from_ma
     # SIGUSR2 stops the producer cleanly (its decode workers die with it); the kernel sends it when the
     # process that started this one dies, however it dies. SIGTERM and SIGINT are for the trainers: a
     # scheduler's preemption notice reaches every process of the job, and the ranks still fetch the
-    # batch of the step they stop at (processes.py).
+    # batch of the step they stop at (base/processes.py).
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(0))
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -108,52 +106,3 @@ def start_local_producer(cfg, container: dict, key: str):
             raise RuntimeError("the data producer did not start (see its log above)")
         time.sleep(0.05)
     return process, ready.get()
-
-
-def _checked_config(overrides: list[str]):
-    """The composed, typed and validated config; raises ConfigError with one line."""
-    from ..cli import describe_compose_error
-    from ..config import compose, typed_config
-    from ..validation import ConfigError, validate_config
-
-    try:
-        cfg = typed_config(compose(overrides))
-    except Exception as error:  # Hydra/OmegaConf: an unknown key, a bad value type, a missing option
-        raise ConfigError(describe_compose_error(error, overrides)) from None
-    validate_config(cfg)
-    return cfg
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT to bind (default 127.0.0.1:7070)")
-    parser.add_argument("--key", default=None, help="hex:<hex>, file:<path>; default $DISTTRAIN_PRODUCER_KEY")
-    parser.add_argument("overrides", nargs="*", help="config overrides, as for train.py (model, data, ...)")
-    args = parser.parse_args(argv)
-    from ..validation import ConfigError
-
-    try:
-        split_address(args.listen)
-    except ValueError:
-        print(f"error: --listen {args.listen!r}: use HOST:PORT, e.g. 127.0.0.1:7070", file=sys.stderr)
-        return 2
-    try:
-        cfg = _checked_config(args.overrides)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    key = args.key or os.environ.get("DISTTRAIN_PRODUCER_KEY")
-    if not key:
-        print("error: give --key (hex:... or file:...) or set DISTTRAIN_PRODUCER_KEY", file=sys.stderr)
-        return 2
-    try:
-        secret = load_key(key)
-    except (OSError, ValueError) as error:
-        print(f"error: the producer key: {error}", file=sys.stderr)
-        return 2
-    run_server(cfg, secret, args.listen)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

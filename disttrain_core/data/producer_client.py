@@ -13,7 +13,7 @@ import os
 import socket
 import time
 
-from ..net import split_address
+from ..base.net import split_address
 from .batch import Batch
 from .producer_protocol import Layout, decode_batch, job_identity
 from .reorder import canonical_groups

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 
-from ..net import split_address
+from ..base.net import split_address
 from .loader import MicrobatchLoader, collate
 from .producer_protocol import Layout, encode_batch, job_identity, job_mismatch, parse_hello
 from .reader import ShardStream, resolve_shards

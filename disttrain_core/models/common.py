@@ -12,9 +12,10 @@ import math
 import zlib
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..dtensor import local_block
+from ..base.dtensor import local_block
 
 
 def parameter_seed(base_seed: int, name: str) -> int:
@@ -163,3 +164,16 @@ class FeedForwardGELU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(ACTIVATIONS[self.activation](self.fc1(x)))
+
+
+class SwiGLU(nn.Module):
+    """The gated feed-forward of Llama-style blocks (and of each routed expert, models/moe.py)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

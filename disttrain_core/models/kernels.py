@@ -17,8 +17,8 @@ from functools import lru_cache
 import torch
 from omegaconf import OmegaConf
 
+from ..base.torch_compat import TorchDispatchMode
 from ..config import ModelConfig
-from ..torch_compat import TorchDispatchMode
 
 aten = torch.ops.aten
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LlamaConfig
+from .common import SwiGLU
+from .moe import MoeFeedForward
 
 
 @dataclass
@@ -125,17 +127,6 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class DecoderBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -143,8 +134,6 @@ class DecoderBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         if getattr(cfg, "moe", None) is not None:
-            from .moe import MoeFeedForward  # local: moe.py imports SwiGLU from this module
-
             self.feed_forward = MoeFeedForward(cfg.dim, cfg.moe, cfg.ffn_dim)
         else:
             self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)

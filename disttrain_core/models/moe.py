@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..base.torch_compat import current_graph_task_id
 from ..config.model import MoeConfig
-from ..torch_compat import current_graph_task_id
-from .llama import SwiGLU
+from .common import SwiGLU
 
 ROUTERS = ("aux_loss", "aux_free")
 

@@ -10,7 +10,7 @@ trainer, the tools).
 * ``hotspa``: a (dp, tp, pp, cp) strategy per length bucket of packed text (train/hotspa.py); the layout
   is the home strategy's, the one that holds the model state.
 * ``local_sgd``: the whole model on every process, as ``ddp``; workers of ``parallel.local_sgd.shard_group``
-  processes step alone between syncs (train/local_sgd.py).
+  processes step alone between syncs (train/local_sgd/engine.py).
 * ``manual``: ``parallel.units.{encoder,llm,generator}`` each with its own
   dp/tp/pp, or ``colocate: true`` for the encoder or generator to fold it into the
   LLM unit.
@@ -63,7 +63,7 @@ def resolve_units(cfg: Config) -> UnitLayout:
     p, model = cfg.parallel, cfg.model
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
     same = {name: (p.recompute, p.recompute_every) for name in ("encoder", "llm", "generator")}
-    if p.mode == "local_sgd":  # the whole model in every worker: DDP or FSDP2 inside it (train/local_sgd.py)
+    if p.mode == "local_sgd":  # the whole model in every worker: DDP or FSDP2 inside it (train/local_sgd/engine.py)
         world = world_size_of(cfg)
         sizes = {"llm": (world, 1, 1)}
         shard = layout_shard(p, "none")

@@ -37,11 +37,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..base.dtensor import is_sharded, local_block
 from ..comm.buckets import FlatBuckets, bucket_numel
 from ..comm.engine import BucketedSync, make_collectives
 from ..comm.trace import CommTrace
 from ..config import CommConfig, OptimConfig
-from ..dtensor import is_sharded, local_block
 from .flat_chunks import range_boxes, sharded_chunks
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -9,11 +9,18 @@ See docs/PLANNER.md for the model, its assumptions and how it is checked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ..config import training_precision
-from .baselines import exhaustive, flops_proportional, megatron
-from .costs import CostModel, Hardware, PlannerSettings
+from .api import (
+    PlanResult,
+    build_layout_model,
+    check_model_fits,
+    choices_of_config,
+    config_roles,
+    make_plan,
+    runtime_has_ep,
+    smallest_gpu_cluster,
+    with_measured_links,
+)
+from .costs import CostModel, Hardware, PlannerSettings, planned_devices, planned_precision
 from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
 from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption
 from .solver import Orchestrator, Plan, PlanningError
@@ -32,247 +39,17 @@ __all__ = [
     "PlanningError",
     "UnitChoice",
     "build_layout_model",
+    "check_model_fits",
+    "config_roles",
+    "smallest_gpu_cluster",
+    "with_measured_links",
+    "PlannerSettings",
+    "CP_MIN_TOKENS",
+    "CP_OPTIONS",
+    "workload_of",
     "choices_of_config",
     "make_plan",
     "planned_devices",
     "planned_precision",
     "runtime_has_ep",
 ]
-
-
-@dataclass
-class PlanResult:
-    plan: Plan
-    model: LayoutModel
-    cfg_summary: dict
-
-
-def planned_devices(cfg) -> int:
-    """Devices to plan for: the processes requested on a CPU cluster, the cluster size on GPUs."""
-    if cfg.cluster.device == "cpu":
-        return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-    return int(cfg.cluster.num_gpus)
-
-
-def planned_precision(cfg) -> str:
-    choice = cfg.planner.precision
-    if choice == "auto":
-        return "bf16-mixed" if cfg.cluster.device == "cuda" else training_precision(cfg.trainer.precision, "cpu")
-    if choice not in ("32", "bf16-mixed"):
-        raise PlanningError(f"planner.precision={choice!r}: allowed values are auto, 32 and bf16-mixed")
-    return choice
-
-
-def _uses_profile(cfg) -> bool:
-    choice = cfg.planner.cost
-    if choice not in ("auto", "profiled", "analytic"):
-        raise PlanningError(f"planner.cost={choice!r}: allowed values are auto, profiled and analytic")
-    if choice == "analytic":
-        return False
-    if choice == "profiled":
-        return True
-    if cfg.cluster.device == "cpu":
-        return True
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 1
-
-
-def with_measured_links(hw: Hardware, profile, device: str, devices: int) -> Hardware:
-    """The preset's links, or those the profile measured where they are the cluster's: on a CPU cluster (this
-    machine, gloo over loopback) all of them; on GPUs only the intra-node figures, and only when the profile
-    timed GPU tensors over NCCL (a CPU-tensor gloo figure says nothing of NVLink, and one node's profile
-    nothing of InfiniBand)."""
-    if profile is None or not profile.allreduce_bw:
-        return hw
-    measured = {"intra_bw": profile.allreduce_bw, "latency_s": profile.latency_s, "p2p_bw": profile.p2p_bw}
-    if device == "cpu":
-        inter = min(hw.inter_bw, profile.allreduce_bw) if hw.per_node < devices else profile.allreduce_bw
-        return Hardware(**{**hw.__dict__, **measured, "inter_bw": inter})
-    if getattr(profile, "link_backend", "gloo") != "nccl":
-        return hw
-    return Hardware(**{**hw.__dict__, "intra_bw": profile.allreduce_bw})
-
-
-def build_layout_model(cfg, devices: int | None = None, progress=print) -> LayoutModel:
-    """The planner's cost model for ``cfg`` (profiling this machine when the cost source says so)."""
-    devices = devices or planned_devices(cfg)
-    work = workload_of(cfg.model)
-    precision = planned_precision(cfg)
-    settings = PlannerSettings(
-        precision=precision,
-        recompute=cfg.planner.recompute,
-        recompute_every=int(cfg.planner.recompute_every),
-        shard=cfg.planner.shard,
-        dp_overlap=float(cfg.planner.dp_overlap),
-        memory_margin=float(cfg.planner.memory_margin),
-    )
-    profile = None
-    peak = None
-    data_s_per_sample = 0.0
-    if _uses_profile(cfg):
-        # On this machine the data is here too: plan for its real images per sample, and on a
-        # CPU for the preprocessing that shares the cores with training (until issue 6's producers).
-        from .workload import measured_data, with_images_per_sample
-
-        measured = measured_data(cfg) if cfg.data.get("path") else None
-        if measured is not None:
-            work = with_images_per_sample(work, measured[0])
-            if cfg.cluster.device == "cpu":
-                data_s_per_sample = measured[1]
-        from .profiler import _threads, load_or_profile, profiling_processes
-
-        world = profiling_processes(cfg, devices, work, progress)
-        if world:
-            profile = load_or_profile(cfg, world, list(cfg.planner.tp_options), progress=progress)
-        if cfg.cluster.device == "cpu":
-            import torch
-
-            from ..train.perf import peak_flops_per_device
-
-            before = torch.get_num_threads()
-            torch.set_num_threads(_threads(cfg, devices))
-            try:
-                peak = peak_flops_per_device(
-                    precision, torch.device("cpu"), cfg.cluster.peak_flops_bf16, cfg.cluster.peak_flops_fp32
-                )
-            finally:
-                torch.set_num_threads(before)
-    hw = Hardware.from_config(cfg.cluster, precision, peak, tf32=bool(cfg.trainer.tf32))
-    hw = with_measured_links(hw, profile, cfg.cluster.device, devices)
-    costs = CostModel(work, hw, settings, profile)
-    model = LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), devices)
-    if data_s_per_sample:
-        from ..config import cpu_count
-
-        model.data_s_per_sample, model.data_cores = data_s_per_sample, cpu_count()
-    return model
-
-
-GB = 1e9
-
-
-def check_model_fits(cfg, devices: int) -> None:
-    """Refuse, before any profiling, a model whose training state cannot fit the planned devices however
-    it is split: the weights, gradients and Adam moments in fp32 (16 bytes per trainable parameter, 4 per
-    frozen one) spread evenly over every device is the least any layout needs."""
-    work = workload_of(cfg.model)
-    params = sum(u.params for u in work.units.values())
-    state = sum(u.params * (4 + 12 * u.trainable_fraction) for u in work.units.values())
-    capacity = devices * float(cfg.cluster.memory_per_device_gb) * GB * float(cfg.planner.memory_margin)
-    if state <= capacity:
-        return
-    gpus = smallest_gpu_cluster(cfg)
-    where = (
-        f"cluster=h100_80g cluster.num_gpus={gpus}" if gpus else "cluster=h100_80g cluster.num_gpus=<more than 8192>"
-    )
-    raise PlanningError(
-        f"model={cfg.model.name} has {params / 1e9:.1f} B parameters; its training state alone (fp32 weights, "
-        f"gradients and Adam moments) is {state / GB:,.0f} GB, more than the {devices} device(s) x "
-        f"{cfg.cluster.memory_per_device_gb:g} GB of cluster={cfg.cluster.name} can hold under any layout. "
-        f"Plan it for a GPU cluster instead (the smallest power-of-two H100 cluster it fits): "
-        f"python train.py model={cfg.model.name} parallel=auto {where} trainer.dry_run=true"
-    )
-
-
-def smallest_gpu_cluster(cfg, preset: str = "h100_80g", largest: int = 8192) -> int | None:
-    """The fewest GPUs (a power of two) of a cluster preset for which the analytic planner finds a layout."""
-    from omegaconf import OmegaConf
-
-    from ..config import CONF_DIR
-
-    trial = OmegaConf.merge(cfg, {"planner": {"cost": "analytic", "baselines": False}})
-    trial.cluster = OmegaConf.merge(trial.cluster, OmegaConf.load(CONF_DIR / "cluster" / f"{preset}.yaml"))
-    gpus = 8
-    while gpus <= largest:
-        trial.cluster.num_gpus = gpus
-        try:
-            make_plan(trial, progress=lambda *_: None, check_fit=False)
-            return gpus
-        except PlanningError:
-            gpus *= 2
-    return None
-
-
-def runtime_has_ep(cfg) -> bool:
-    """Can the configured runtime run expert parallelism (``parallel.units.llm.ep`` exists)? Until it does, a
-    plan that trains must keep every expert on every rank."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, "parallel.units.llm.ep", default=None) is not None
-
-
-def make_plan(
-    cfg, devices: int | None = None, progress=print, check_fit: bool = True, allow_ep: bool | None = None
-) -> PlanResult:
-    """Plan ``cfg``. ``allow_ep``: may the LLM use expert parallelism (None: when the runtime can run it,
-    ``runtime_has_ep``; tools/plan.py, which only plans, allows it)."""
-    from omegaconf import OmegaConf
-
-    if cfg.optim.global_batch_size % cfg.optim.micro_batch_size:
-        raise PlanningError(
-            f"optim.global_batch_size={cfg.optim.global_batch_size} is not a multiple of "
-            f"optim.micro_batch_size={cfg.optim.micro_batch_size}: no data-parallel size can divide the batch"
-        )
-    if check_fit:  # before profiling anything
-        check_model_fits(cfg, devices or planned_devices(cfg))
-    model = build_layout_model(cfg, devices, progress)
-    solver = Orchestrator(
-        model,
-        tp_options=tuple(cfg.planner.tp_options),
-        vpp_options=tuple(cfg.planner.vpp_options),
-        allow_colocation=bool(cfg.planner.colocation),
-        # not config fields (yet): the solver's defaults unless a config carries them
-        cp_options=tuple(OmegaConf.select(cfg, "planner.cp_options", default=CP_OPTIONS)),
-        min_cp_tokens=int(OmegaConf.select(cfg, "planner.cp_min_tokens", default=CP_MIN_TOKENS)),
-        allow_ep=runtime_has_ep(cfg) if allow_ep is None else allow_ep,
-    )
-    if cfg.planner.solver not in ("algorithm1", "exhaustive"):
-        raise PlanningError(f"planner.solver={cfg.planner.solver!r}: allowed values are algorithm1 and exhaustive")
-    plan = solver.solve() if cfg.planner.solver == "algorithm1" else exhaustive(solver)
-    if cfg.planner.baselines:
-        for baseline in (megatron(solver), flops_proportional(solver)):
-            if baseline is not None:
-                plan.baselines[baseline.name] = baseline
-    summary = {
-        "model": cfg.model.name,
-        "cluster": cfg.cluster.name,
-        "devices": model.devices,
-        "global_batch": model.batch,
-        "micro_batch": model.micro,
-        "precision": model.c.settings.precision,
-        "cost_model": model.c.source,
-        "profiled": model.c.profiled(),  # unit -> TP sizes timed here; the rest is analytic
-        "solver": cfg.planner.solver,
-    }
-    return PlanResult(plan, model, summary)
-
-
-def choices_of_config(cfg) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | None]:
-    """The planner's view of a configured (non-auto) layout: (llm, encoder, generator)."""
-    from ..parallel.plan import resolve_units
-
-    layout = resolve_units(cfg)
-    by_module = {}
-    for unit in layout.units:
-        for module in unit.modules:
-            by_module[module] = unit
-    llm_unit = by_module["llm"]
-    llm = UnitChoice(
-        llm_unit.tp,
-        llm_unit.dp,
-        llm_unit.pp,
-        getattr(llm_unit, "vpp", 1),
-        cp=getattr(llm_unit, "cp", 1),
-        ep=getattr(llm_unit, "ep", 1),
-    )
-
-    def side(module: str):
-        if cfg.model[module] is None:
-            return None
-        unit = by_module.get(module)
-        if unit is None or unit is llm_unit:
-            return COLOCATED
-        return UnitChoice(unit.tp, unit.dp, unit.pp)
-
-    return llm, side("encoder"), side("generator")

@@ -46,8 +46,8 @@ def counted_kept_bytes(make_module, inputs, policy: str) -> float:
     block's inputs (its checkpoint holds them), plus under selective_op the outputs the policy keeps."""
     import torch
 
+    from ..base.torch_compat import TorchDispatchMode
     from ..parallel.recompute import _SAVED, BLOCKS, apply_recompute
-    from ..torch_compat import TorchDispatchMode
 
     module = make_module()
     apply_recompute(module, policy, every=1)
@@ -240,7 +240,7 @@ class LiveTensorBytes:
         import torch
         from torch.utils._pytree import tree_leaves
 
-        from ..torch_compat import TorchDispatchMode
+        from ..base.torch_compat import TorchDispatchMode
 
         counter = self
         known: set[int] = set()  # storages counted and still alive (the allocator may reuse a freed address)

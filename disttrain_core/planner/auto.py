@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 from ..validation import ConfigError
-from . import PlanningError, make_plan, runtime_has_ep
+from .api import make_plan, runtime_has_ep
 from .report import plan_dict, plan_table, predicted_timelines
+from .solver import PlanningError
 
 
 def available_devices(cfg) -> tuple[str, int]:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import training_precision
 from .activation_costs import MemoryCosts
 from .memory import FSDP
 from .parallel_costs import all_to_all_s, ring_attention_exposed_s
@@ -270,3 +271,23 @@ def interp(points: list[tuple[float, float]], x: float) -> float:
 
 
 __all__ = ["CostModel", "Hardware", "PlannerSettings", "UnitWork", "interp"]
+
+
+class PlanningError(ValueError):
+    """No layout satisfies the constraints; the message names the binding one."""
+
+
+def planned_devices(cfg) -> int:
+    """Devices to plan for: the processes requested on a CPU cluster, the cluster size on GPUs."""
+    if cfg.cluster.device == "cpu":
+        return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    return int(cfg.cluster.num_gpus)
+
+
+def planned_precision(cfg) -> str:
+    choice = cfg.planner.precision
+    if choice == "auto":
+        return "bf16-mixed" if cfg.cluster.device == "cuda" else training_precision(cfg.trainer.precision, "cpu")
+    if choice not in ("32", "bf16-mixed"):
+        raise PlanningError(f"planner.precision={choice!r}: allowed values are auto, 32 and bf16-mixed")
+    return choice

@@ -178,7 +178,6 @@ class LayoutModel:
 
     # -------------------------------------------------------------------- evaluation
     def evaluate(self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None) -> Evaluation:
-        c = self.c
         B = self.micro * llm.dp
         m = self.batch // B
         choices = {"llm": llm}
@@ -189,24 +188,65 @@ class LayoutModel:
         gpus = sum(ch.gpus for ch in choices.values())
         bw = self.pp_bw(gpus)
 
-        def infeasible(reason: str) -> Evaluation:
-            return Evaluation(float("inf"), False, gpus, m, [], {}, 0.0, reason, choices)
+        problem = self._placement_problem(choices, gpus)
+        if problem is not None:
+            return Evaluation(float("inf"), False, gpus, m, [], {}, 0.0, problem, choices)
 
+        S = (enc.pp if enc is not None and not enc.colocated else 0) + llm.pp
+        S += 1 if gen is not None and not gen.colocated else 0
+        policies, memory, shards = self.recompute_policies(choices, S, m)
+        stages = self._pipeline_stages(llm, enc, gen, B, bw, policies)
+
+        warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
+        steady = (m - 1) * max(t for _, t in stages)
+        sync = self._sync_time(llm, enc, gen, m, shards)
+        iteration = warmup + steady + sync
+        if self.data_s_per_sample:
+            iteration += self._data_time(choices, gpus)
+
+        for name, used in memory.items():
+            if used > self.limit:
+                return Evaluation(
+                    float("inf"),
+                    False,
+                    gpus,
+                    m,
+                    stages,
+                    memory,
+                    sync,
+                    self._memory_reason(name, used),
+                    choices,
+                    policies,
+                    shards,
+                )
+        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies, shards)
+
+    def _placement_problem(self, choices: dict[str, UnitChoice], gpus: int) -> str | None:
+        """Why the units cannot be placed (too many devices, or a TP group straddling nodes); None if they can."""
         if gpus > self.devices:
-            return infeasible(f"needs {gpus} devices, {self.devices} available")
-        per_node = c.hw.per_node
+            return f"needs {gpus} devices, {self.devices} available"
+        per_node = self.c.hw.per_node
         offset = 0
         for name in ("encoder", "llm", "generator"):
             ch = choices.get(name)
             if ch is None or ch.colocated:
                 continue
             if ch.tp > per_node or (per_node % ch.tp == 0 and offset % ch.tp):
-                return infeasible(f"{name} TP groups of {ch.tp} would straddle nodes of {per_node}")
+                return f"{name} TP groups of {ch.tp} would straddle nodes of {per_node}"
             offset += ch.gpus
+        return None
 
-        S = (enc.pp if enc is not None and not enc.colocated else 0) + llm.pp
-        S += 1 if gen is not None and not gen.colocated else 0
-        policies, memory, shards = self.recompute_policies(choices, S, m)
+    def _pipeline_stages(
+        self,
+        llm: UnitChoice,
+        enc: UnitChoice | None,
+        gen: UnitChoice | None,
+        B: int,
+        bw: float,
+        policies: dict[str, str],
+    ) -> list[tuple[str, float]]:
+        """(unit, forward+backward seconds per microbatch) of every pipeline stage, in pipeline order."""
+        c = self.c
         p_llm = policies["llm"]  # colocated modules recompute as the LLM unit does
 
         t_llm = self.stage_time("llm", llm, self.micro, bw, p_llm)
@@ -228,52 +268,47 @@ class LayoutModel:
         stages += [("llm", t) for t in llm_times]
         if gen is not None and not gen.colocated:
             stages.append(("generator", self.stage_time("generator", gen, B / gen.dp, bw, policies["generator"])))
+        return stages
 
-        warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
-        steady = (m - 1) * max(t for _, t in stages)
+    def _unit_tail(self, name: str, ch: UnitChoice, dp: int, shard: str, m: int) -> float:
+        """Data-parallel traffic and the optimizer step of one unit."""
+        c = self.c
+        sync = c.sync_s(name, ch.tp, dp, ch.pp, shard, m, ch.cp, ch.ep)
+        return sync + c.optimizer_s(name, ch.tp, dp, ch.pp, ch.cp, ch.ep)
 
-        # Data-parallel traffic and the optimizer step, per unit (colocated modules ride with the LLM's stages
-        # and reduce over its dp x cp ranks)
-        def tail(name: str, ch: UnitChoice, dp: int, shard: str) -> float:
-            sync = c.sync_s(name, ch.tp, dp, ch.pp, shard, m, ch.cp, ch.ep)
-            return sync + c.optimizer_s(name, ch.tp, dp, ch.pp, ch.cp, ch.ep)
-
-        llm_tail = tail("llm", llm, llm.dp, shards["llm"])
+    def _sync_time(
+        self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None, m: int, shards: dict[str, str]
+    ) -> float:
+        """The slowest unit's data-parallel traffic and optimizer step (colocated modules ride with the LLM's
+        stages and reduce over its dp x cp ranks)."""
+        llm_tail = self._unit_tail("llm", llm, llm.dp, shards["llm"], m)
         extra = 0.0
         tails = []
         for name, ch in (("encoder", enc), ("generator", gen)):
             if ch is None:
                 continue
             if ch.colocated:
-                extra = max(extra, tail(name, UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp), llm.dp, shards["llm"]))
+                colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp)
+                extra = max(extra, self._unit_tail(name, colocated, llm.dp, shards["llm"], m))
             else:
-                tails.append(tail(name, ch, ch.dp, shards[name]))
-        sync = max([llm_tail + extra, *tails])
-        iteration = warmup + steady + sync
-        if self.data_s_per_sample:
-            # every rank of a multi-unit layout reads the whole global stream; a single unit's
-            # ranks read their replica's share (each pipeline stage and TP rank decodes it)
-            single = all(ch.colocated for name, ch in choices.items() if name != "llm")
-            decoded = self.batch * (llm.tp * llm.cp * llm.pp if single else gpus)
-            iteration += self.data_s_per_sample * decoded / self.data_cores
+                tails.append(self._unit_tail(name, ch, ch.dp, shards[name], m))
+        return max([llm_tail + extra, *tails])
 
-        for name, used in memory.items():
-            if used > self.limit:
-                return Evaluation(
-                    float("inf"),
-                    False,
-                    gpus,
-                    m,
-                    stages,
-                    memory,
-                    sync,
-                    f"{name} needs {used / 1e9:.1f} GB per device, over {self.limit / 1e9:.1f} GB "
-                    f"({c.settings.memory_margin:.0%} of {c.hw.memory_bytes / 1e9:.0f} GB)",
-                    choices,
-                    policies,
-                    shards,
-                )
-        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies, shards)
+    def _data_time(self, choices: dict[str, UnitChoice], gpus: int) -> float:
+        """CPU preprocessing seconds per step: every rank of a multi-unit layout reads the whole global
+        stream; a single unit's ranks read their replica's share (each pipeline stage and TP rank decodes it)."""
+        llm = choices["llm"]
+        single = all(ch.colocated for name, ch in choices.items() if name != "llm")
+        decoded = self.batch * (llm.tp * llm.cp * llm.pp if single else gpus)
+        return self.data_s_per_sample * decoded / self.data_cores
+
+    def _memory_reason(self, name: str, used: float) -> str:
+        """Why a unit needing ``used`` bytes per device does not fit."""
+        c = self.c
+        return (
+            f"{name} needs {used / 1e9:.1f} GB per device, over {self.limit / 1e9:.1f} GB "
+            f"({c.settings.memory_margin:.0%} of {c.hw.memory_bytes / 1e9:.0f} GB)"
+        )
 
     def logits(self, samples: float, cp: int = 1) -> float:
         """Logits and loss temporaries of the last LLM stage: its 1/cp of each sequence's positions."""

@@ -54,7 +54,7 @@ class StrategyCost:
 
 def _evaluate(cfg, strategy: Strategy, seq_len: int, memory: bool):
     from ..parallel.hotspa_layout import strategy_config
-    from . import build_layout_model, choices_of_config
+    from .api import build_layout_model, choices_of_config
 
     scfg = strategy_config(cfg, strategy, seq_len)
     scfg = OmegaConf.merge(
@@ -140,10 +140,6 @@ def predict(
     strategy used statically, averaged over ``steps`` sampled global batches of ``documents`` documents
     (lengths of ``source`` x ``scale``; ``batches``: given document lengths instead). ``costs``: fitted
     already (every strategy named, fits at every bucket)."""
-    from ..parallel.hotspa_layout import least_state, llm_param_specs
-    from . import planned_precision
-    from .costs import Hardware
-
     longest = buckets[-1]
     if costs is None:
         every = {s.name: s for s in [*(strategies or []), *candidates]}
@@ -152,23 +148,41 @@ def predict(
         batches = sampled_batches(source, documents, longest, seed, steps, scale)
     samples = [(lengths, bucket_and_pack(lengths, buckets)) for lengths in batches]
     if strategies is None:  # per bucket, the candidate that holds it and runs its rows fastest (switches aside)
-        strategies = []
-        for k, edge in enumerate(buckets):
-            fitting = [s for s in candidates if costs[s.name].fits[edge]]
-            if not fitting:
-                raise ValueError(f"no candidate strategy holds rows of {edge} tokens in memory")
-
-            def mean_time(s, k=k):
-                return statistics.mean(
-                    costs[s.name].group([[lengths[i] for i in row] for row in groups[k].rows])
-                    for lengths, groups in samples
-                )
-
-            strategies.append(min(fitting, key=mean_time))
+        strategies = _fastest_strategies(buckets, candidates, costs, samples)
     for s, edge in zip(strategies, buckets, strict=True):
         if not costs[s.name].fits.get(edge, False):
             raise ValueError(f"strategy {s.name} cannot hold rows of {edge} tokens in memory")
     static = [s.name for s in candidates if costs[s.name].fits[longest]]
+    home, switches = _switch_costs(cfg, strategies)
+    switch = sum(out + back for out, back in switches.values())
+    hot_steps, static_steps, bucket_s = _step_times(samples, strategies, buckets, costs, static, home, switch, longest)
+    return _summary(strategies, buckets, costs, home, switch, switches, hot_steps, static_steps, bucket_s)
+
+
+def _fastest_strategies(buckets: list[int], candidates: list[Strategy], costs: dict, samples: list) -> list[Strategy]:
+    """Per bucket, the candidate that holds it and runs its rows fastest (switches aside)."""
+    strategies = []
+    for k, edge in enumerate(buckets):
+        fitting = [s for s in candidates if costs[s.name].fits[edge]]
+        if not fitting:
+            raise ValueError(f"no candidate strategy holds rows of {edge} tokens in memory")
+
+        def mean_time(s, k=k):
+            return statistics.mean(
+                costs[s.name].group([[lengths[i] for i in row] for row in groups[k].rows])
+                for lengths, groups in samples
+            )
+
+        strategies.append(min(fitting, key=mean_time))
+    return strategies
+
+
+def _switch_costs(cfg, strategies: list[Strategy]) -> tuple[str, dict[str, tuple[float, float]]]:
+    """The home strategy and, per non-home strategy, its switch seconds (parameters out in the compute
+    precision, gradients back in fp32)."""
+    from ..parallel.hotspa_layout import least_state, llm_param_specs
+    from .costs import Hardware, planned_precision
+
     precision = planned_precision(cfg)
     hw = Hardware.from_config(cfg.cluster, precision, None, tf32=bool(cfg.trainer.tf32))
     param_bytes = 2 if precision == "bf16-mixed" else 4
@@ -186,7 +200,11 @@ def predict(
         for s in strategies
         if s.name != home
     }
-    switch = sum(out + back for out, back in switches.values())
+    return home, switches
+
+
+def _step_times(samples, strategies, buckets, costs, static, home, switch, longest):
+    """Per sampled batch: HotSPa's step time, each static candidate's, and (per bucket) its compute time."""
     hot_steps, static_steps, bucket_s = [], {name: [] for name in static}, [[] for _ in buckets]
     for lengths, groups in samples:
         for k, (s, g) in enumerate(zip(strategies, groups, strict=True)):
@@ -196,6 +214,11 @@ def predict(
         rows = [[lengths[i] for i in row] for row in pack(list(range(len(lengths))), lengths, longest)]
         for name in static:
             static_steps[name].append(costs[name].group(rows) + costs[name].sync_s)
+    return hot_steps, static_steps, bucket_s
+
+
+def _summary(strategies, buckets, costs, home, switch, switches, hot_steps, static_steps, bucket_s) -> dict:
+    """The prediction's means and speedups, as ``predict`` returns them."""
     hot = statistics.mean(hot_steps)
     static_mean = {name: statistics.mean(v) for name, v in static_steps.items()}
     best = min(static_mean, key=static_mean.get) if static_mean else None

@@ -85,7 +85,7 @@ def _with_peak(cfg):
     import torch
 
     from ..train.perf import peak_flops_per_device
-    from . import planned_precision
+    from .costs import planned_precision
 
     peak = peak_flops_per_device(
         planned_precision(cfg), torch.device("cpu"), cfg.cluster.peak_flops_bf16, cfg.cluster.peak_flops_fp32

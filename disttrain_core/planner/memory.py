@@ -14,7 +14,7 @@ zero2/3    4 / S     4 / S       --           8 / S       --
 =========  ========  ==========  ===========  ==========  ============================================
 
 The Adam column is the optimizer's state: 8 bytes for AdamW; ``optim=sgd`` holds 4 (its momentum buffer) or
-none without momentum (``moment_bytes``). Local SGD (``parallel.mode=local_sgd``, train/local_sgd_sync.py)
+none without momentum (``moment_bytes``). Local SGD (``parallel.mode=local_sgd``, train/local_sgd/sync.py)
 adds, per process, its 1/shard_group share of the fp32 anchors (4 bytes per trainable parameter / shard_group,
 counted as master) and of the outer momentum (4 / shard_group when the outer step has momentum, counted as
 moments): split by bytes under DDP and ZeRO-1, each process's shard under FSDP2. Sharded workers (zero1, zero2,
@@ -108,7 +108,7 @@ def model_state(
 
 def optimizer_state_bytes(cfg) -> tuple[float, tuple[float, float]]:
     """(moment bytes per trainable parameter, local SGD's (anchor, outer momentum) bytes) of a config: what
-    train/optim.py and train/local_sgd_sync.py allocate."""
+    train/optim.py and train/local_sgd/sync.py allocate."""
     o = cfg.optim
     moments = 8.0 if o.name != "sgd" else (4.0 if o.momentum > 0 else 0.0)
     if cfg.parallel.mode != "local_sgd":
@@ -116,7 +116,7 @@ def optimizer_state_bytes(cfg) -> tuple[float, tuple[float, float]]:
     from ..parallel.plan import local_sgd_shard_group
 
     ls, shard = cfg.parallel.local_sgd, local_sgd_shard_group(cfg)
-    if ls.offload:  # in host memory (train/local_sgd_sync.py): no device bytes
+    if ls.offload:  # in host memory (train/local_sgd/sync.py): no device bytes
         return moments, (0.0, 0.0)
     outer_momentum = ls.method != "post_local_sgd" and ls.outer_momentum > 0
     return moments, (4.0 / shard, (4.0 if outer_momentum else 0.0) / shard)

@@ -29,10 +29,19 @@ those of a span of ``tp x cp x ep`` devices. Neither is overlapped with compute 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .costs import CostModel
+
+class CostModel(Protocol):
+    """What these functions read of the planner's cost model (costs.py ``CostModel``, which calls them)."""
+
+    hw: Any
+    work: Any
+    settings: Any
+
+    def link_bw(self, group_span: int) -> float: ...
+
+    def seconds_per_flop(self, unit: str, tp: int, items: float = 1.0) -> float: ...
 
 
 def ring_bw(costs: CostModel, span: int) -> float:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..net import free_port
+from ..base.net import free_port
 from .costs import interp
 from .solver import PlanningError
 
@@ -133,7 +133,7 @@ def load_or_profile(cfg, world: int, tp_options: list[int], progress=print) -> P
     """The cached profile for this machine, model and process count, or a fresh one."""
     device = "cuda" if cfg.cluster.device == "cuda" else "cpu"
     threads = _threads(cfg, world)
-    from . import planned_precision
+    from .costs import planned_precision
 
     precision = planned_precision(cfg)
     key = profile_key(cfg.model, world, threads, precision, device)
@@ -254,7 +254,7 @@ def _timed(fn, repeats: int, device=None) -> float:
     import torch
     import torch.distributed as dist
 
-    from ..clock import DeviceClock
+    from ..base.clock import DeviceClock
 
     clock = DeviceClock(device if device is not None else torch.device("cpu"))
     fn()  # warm-up

@@ -26,7 +26,7 @@ GB = 1e9
 
 
 def _fake_group(world: int) -> None:
-    from ..torch_compat import fake_store
+    from ..base.torch_compat import fake_store
 
     dist.init_process_group("fake", store=fake_store()(), rank=0, world_size=world)
 
@@ -108,7 +108,7 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
         else:  # none (DDP: gradients are bucket views) and FSDP2 (the local shards)
             learn = sum(_numel(p) for _, p in trainable)
             # optim=sgd's moments (4 bytes or none); local SGD's anchors and outer momentum, split by bytes over
-            # the worker's processes (train/local_sgd_sync.py): the same per-parameter bytes as the planner's
+            # the worker's processes (train/local_sgd/sync.py): the same per-parameter bytes as the planner's
             moments, (anchor, outer) = optimizer_state_bytes(cfg)
             if fsdp_mesh is not None:  # per element of the local shard: the anchors are shards too, not a share
                 shards = unit.dp // unit.hsdp_replicas
@@ -128,7 +128,7 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
 def rehearse(cfg, run_dir: Path | None = None, progress=print) -> dict:
     """Count every role of ``cfg``'s (non-auto) layout and compare with the planner's model state."""
     from ..parallel.plan import resolve_units
-    from .breakdown import config_roles
+    from .api import config_roles
 
     started = time.perf_counter()
     layout = resolve_units(cfg)
@@ -164,7 +164,7 @@ def rehearse(cfg, run_dir: Path | None = None, progress=print) -> dict:
 def _planned_wire(cfg) -> torch.dtype:
     """The wire dtype of the precision the plan assumes (``parallel.comm.wire_dtype=auto``: bf16 under
     bf16-mixed), as the runtime then resolves it."""
-    from . import planned_precision
+    from .costs import planned_precision
 
     choice = cfg.parallel.comm.wire_dtype
     if choice == "auto":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import PlanResult
+from .api import PlanResult
 from .evaluate import Evaluation, LayoutModel
 from .solver import Plan
 

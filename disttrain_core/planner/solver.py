@@ -39,14 +39,11 @@ from dataclasses import dataclass, field
 
 from scipy.optimize import brentq, minimize_scalar
 
+from .costs import PlanningError
 from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
 from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption, cp_candidates, divisors, ep_candidates
 
 TP_OPTIONS = (1, 2, 4, 8)
-
-
-class PlanningError(ValueError):
-    """No layout satisfies the constraints; the message names the binding one."""
 
 
 @dataclass

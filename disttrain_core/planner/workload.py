@@ -132,36 +132,48 @@ def _moe_work(cfg: ModelConfig, llm, count) -> dict:
     }
 
 
+def _count(module) -> int:
+    """Parameters of ``module`` (0 for None)."""
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+
+def _trainable(*pairs) -> float:
+    """Share of the parameters of ``(module, frozen)`` pairs that are not frozen."""
+    total = sum(_count(m) for m, _ in pairs)
+    kept = sum(_count(m) for m, frozen in pairs if not frozen)
+    return kept / total if total else 0.0
+
+
 def _build(cfg: ModelConfig) -> Workload:
 
     from ..data.tokenizer import ByteTokenizer
     from ..models import build_model
     from ..models.flops import module_flops
-    from ..models.vit import vit_block_count
 
     model = build_model(cfg, ByteTokenizer(), device="meta")
     flops = module_flops(cfg)
-    freeze = cfg.freeze
-
-    def count(module) -> int:
-        return sum(p.numel() for p in module.parameters()) if module is not None else 0
-
-    def trainable(*pairs) -> float:
-        total = sum(count(m) for m, _ in pairs)
-        kept = sum(count(m) for m, frozen in pairs if not frozen)
-        return kept / total if total else 0.0
 
     units: dict[str, UnitWork] = {}
+    units["llm"] = _llm_work(cfg, model, flops)
+    if cfg.encoder is not None:
+        units["encoder"] = _encoder_work(cfg, model, flops)
+    if cfg.generator is not None:
+        units["generator"] = _generator_work(cfg, model, flops)
+    return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units)
+
+
+def _llm_work(cfg: ModelConfig, model, flops) -> UnitWork:
+    """The LLM's UnitWork."""
     llm = model.llm
     head_flops = 6.0 * cfg.seq_len * cfg.llm.dim * cfg.llm.vocab_size
-    blocks = count(llm.layers)
-    units["llm"] = UnitWork(
+    blocks = _count(llm.layers)
+    return UnitWork(
         name="llm",
         train_flops=flops["llm"].train,
         flops_not_tp=min(head_flops, flops["llm"].train),
         params_tp=blocks,
-        params_rep=count(llm) - blocks,
-        trainable_fraction=trainable((llm, freeze.llm)),
+        params_rep=_count(llm) - blocks,
+        trainable_fraction=_trainable((llm, cfg.freeze.llm)),
         items_per_sample=1.0,
         layers=cfg.llm.n_layers,
         tokens=cfg.seq_len,
@@ -171,58 +183,67 @@ def _build(cfg: ModelConfig) -> Workload:
         gated_mlp=True,
         boundary_floats=cfg.gen_tokens * cfg.llm.dim if cfg.generator is not None else 0,
         kv_heads=cfg.llm.n_kv_heads,
-        params_first=count(llm.tok_embeddings),
-        params_last=count(llm) - blocks - count(llm.tok_embeddings),
-        **_moe_work(cfg, llm, count),
+        params_first=_count(llm.tok_embeddings),
+        params_last=_count(llm) - blocks - _count(llm.tok_embeddings),
+        **_moe_work(cfg, llm, _count),
     )
-    if cfg.encoder is not None:
-        vit, proj = model.encoder, model.encoder_projector
-        blocks = count(vit.blocks)
-        proj_flops = flops["encoder_projector"].train
-        units["encoder"] = UnitWork(
-            name="encoder",
-            train_flops=flops["encoder"].train + proj_flops,
-            flops_not_tp=proj_flops,
-            params_tp=blocks,
-            params_rep=count(vit) - blocks + count(proj),
-            trainable_fraction=trainable((vit, freeze.encoder), (proj, freeze.encoder_projector)),
-            items_per_sample=float(cfg.nominal_images_per_sample),
-            layers=vit_block_count(cfg.encoder),
-            tokens=vit.num_patches + int(cfg.encoder.class_token),
-            dim=cfg.encoder.dim,
-            heads=cfg.encoder.n_heads,
-            mlp_ratio=cfg.encoder.mlp_dim / cfg.encoder.dim,
-            gated_mlp=False,
-            boundary_floats=vit.num_patches * cfg.llm.dim,
-            params_first=count(vit) - blocks - count(vit.norm_post) - count(vit.proj),
-            params_last=count(vit.norm_post) + count(vit.proj) + count(proj),
-        )
-    if cfg.generator is not None:
-        unet, proj = model.generator, model.generator_projector
-        side = cfg.gen_image_size // cfg.latent_downsample
-        counts = unet_counts(cfg, side)
-        fp32, counted_mixed = counts["fp32"], {device: counts[device] for device in ("cuda", "cpu")}
-        units["generator"] = UnitWork(
-            name="generator",
-            train_flops=flops["generator"].train + flops["generator_projector"].train,
-            flops_not_tp=flops["generator"].train + flops["generator_projector"].train,
-            params_tp=0,
-            params_rep=count(unet) + count(proj),
-            trainable_fraction=trainable((unet, freeze.generator), (proj, freeze.generator_projector)),
-            items_per_sample=1.0,
-            layers=1,
-            tokens=side * side,
-            dim=cfg.generator.block_out_channels[0],
-            heads=1,
-            mlp_ratio=0.0,
-            gated_mlp=False,
-            boundary_floats=0,
-            counted_activation_bytes=fp32["none"],
-            counted_recompute_bytes={k: v for k, v in fp32.items() if k != "none"},
-            counted_mixed=counted_mixed,
-            params_first=count(unet) + count(proj),
-        )
-    return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units)
+
+
+def _encoder_work(cfg: ModelConfig, model, flops) -> UnitWork:
+    """The vision encoder's UnitWork (its projector included)."""
+    from ..models.vit import vit_block_count
+
+    freeze = cfg.freeze
+    vit, proj = model.encoder, model.encoder_projector
+    blocks = _count(vit.blocks)
+    proj_flops = flops["encoder_projector"].train
+    return UnitWork(
+        name="encoder",
+        train_flops=flops["encoder"].train + proj_flops,
+        flops_not_tp=proj_flops,
+        params_tp=blocks,
+        params_rep=_count(vit) - blocks + _count(proj),
+        trainable_fraction=_trainable((vit, freeze.encoder), (proj, freeze.encoder_projector)),
+        items_per_sample=float(cfg.nominal_images_per_sample),
+        layers=vit_block_count(cfg.encoder),
+        tokens=vit.num_patches + int(cfg.encoder.class_token),
+        dim=cfg.encoder.dim,
+        heads=cfg.encoder.n_heads,
+        mlp_ratio=cfg.encoder.mlp_dim / cfg.encoder.dim,
+        gated_mlp=False,
+        boundary_floats=vit.num_patches * cfg.llm.dim,
+        params_first=_count(vit) - blocks - _count(vit.norm_post) - _count(vit.proj),
+        params_last=_count(vit.norm_post) + _count(vit.proj) + _count(proj),
+    )
+
+
+def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
+    """The U-Net generator's UnitWork (its projector included; activations counted, planner/activation_count.py)."""
+    freeze = cfg.freeze
+    unet, proj = model.generator, model.generator_projector
+    side = cfg.gen_image_size // cfg.latent_downsample
+    counts = unet_counts(cfg, side)
+    fp32, counted_mixed = counts["fp32"], {device: counts[device] for device in ("cuda", "cpu")}
+    return UnitWork(
+        name="generator",
+        train_flops=flops["generator"].train + flops["generator_projector"].train,
+        flops_not_tp=flops["generator"].train + flops["generator_projector"].train,
+        params_tp=0,
+        params_rep=_count(unet) + _count(proj),
+        trainable_fraction=_trainable((unet, freeze.generator), (proj, freeze.generator_projector)),
+        items_per_sample=1.0,
+        layers=1,
+        tokens=side * side,
+        dim=cfg.generator.block_out_channels[0],
+        heads=1,
+        mlp_ratio=0.0,
+        gated_mlp=False,
+        boundary_floats=0,
+        counted_activation_bytes=fp32["none"],
+        counted_recompute_bytes={k: v for k, v in fp32.items() if k != "none"},
+        counted_mixed=counted_mixed,
+        params_first=_count(unet) + _count(proj),
+    )
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).

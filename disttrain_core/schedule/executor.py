@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
-from ..clock import DeviceClock
+from ..base.clock import DeviceClock
+from ..base.torch_compat import split_backward
 from ..comm.p2p import Channels, wait_all
-from ..torch_compat import split_backward
 from .actions import Action, Kind, Schedule
 from .simulator import TimedAction
 from .transfers import ACT, GRAD, Routing, Step, plan_rank

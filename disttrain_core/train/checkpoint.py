@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..faults import inject
+from ..base.faults import inject
 from .dcp_io import CheckpointCorrupt, ChecksumWriter, VerifyingReader, check_file
 
 log = logging.getLogger(__name__)

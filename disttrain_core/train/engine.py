@@ -162,7 +162,7 @@ class Engine:
         return metrics
 
     # Where the loop's agreements come from. Every rank takes the same steps, so the step decides; A-EDiT's
-    # workers take different numbers of steps and agree only at their syncs (train/local_sgd.py).
+    # workers take different numbers of steps and agree only at their syncs (train/local_sgd/engine.py).
     def keep_going(self, step: int, stop_at: int) -> bool:
         """Whether the loop takes another step."""
         return step < stop_at
@@ -282,7 +282,7 @@ class DataParallelEngine(Engine):
     def shard_model(self, model: torch.nn.Module) -> bool:
         """Whether ``model`` (on the meta device) is sharded over ``group`` (FSDP2, which it then applies) or
         its gradients reduced by a sharded optimizer (ZeRO-1): either sums gradients and replaces DDP. Plain
-        data parallelism replicates (DDP); local SGD's workers may shard (train/local_sgd.py)."""
+        data parallelism replicates (DDP); local SGD's workers may shard (train/local_sgd/engine.py)."""
         return False
 
     def last_backward(self) -> None:

@@ -33,8 +33,8 @@ def build_engine(
         from .hotspa import HotSpaEngine
 
         return HotSpaEngine(cfg, fabric, tokenizer, timeout=timeout), None, None, None
-    if cfg.parallel.mode == "local_sgd":  # workers step alone between syncs (train/local_sgd.py)
-        from .local_sgd import LocalSgdEngine
+    if cfg.parallel.mode == "local_sgd":  # workers step alone between syncs (train/local_sgd/engine.py)
+        from .local_sgd.engine import LocalSgdEngine
 
         engine = LocalSgdEngine(cfg, fabric, tokenizer, timeout=timeout)
         return engine, group, None, None

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..torch_compat import TorchDispatchMode
+from ..base.torch_compat import TorchDispatchMode
 
 log = logging.getLogger(__name__)
 

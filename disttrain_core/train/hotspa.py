@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
-from ..clock import DeviceClock
+from ..base.clock import DeviceClock
 from ..comm.engine import allreduce_gradients
 from ..config import Config
 from ..data.batch import Batch, pad_rows
@@ -118,7 +118,7 @@ class HotSpaEngine(Engine):
             for name, boxes in layouts[home_name].items()
         }
         self.layouts = layouts
-        per_node = int(cfg.trainer.devices)  # ranks are placed node by node (launch.py)
+        per_node = int(cfg.trainer.devices)  # ranks are placed node by node (launch/entry.py)
         self.plans = PlanCache({n: s.shape for n, s in specs.items()}, layouts, lambda r: r // per_node)
         self.order = bucket_order(self.plans, self.names, self.home_index, cfg.parallel.hotspa.order)
         self.named_parameters = self.home.engine.named_parameters

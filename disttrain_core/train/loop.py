@@ -8,7 +8,7 @@ summed losses by those totals. The accumulated gradient is then exactly the
 gradient of the global-batch mean loss, whatever the number of processes,
 pipeline stages and microbatches -- which is what makes parallel layouts
 reproduce a single process. (Local SGD after its warm-up is the exception: each
-worker normalizes by its own tokens, train/local_sgd.py.)
+worker normalizes by its own tokens, train/local_sgd/engine.py.)
 """
 
 from __future__ import annotations
@@ -23,20 +23,18 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 from tqdm import tqdm
 
-from ..clock import DeviceClock
+from ..base.clock import DeviceClock
+from ..base.faults import inject
 from ..comm.engine import interleaved_mode
 from ..config import Config, training_precision
-from ..data.loader import MicrobatchLoader
-from ..data.reader import ShardStream, resolve_shards
-from ..data.samples import SampleEncoder
 from ..data.tokenizer import build_tokenizer
-from ..faults import inject
 from ..models import build_model
 from ..models.flops import batch_flops, document_flops, llm_flop_terms
 from ..parallel.plan import resolve_units
 from .checkpoint import CheckpointManager
 from .engines import build_engine
 from .host_sync import HostSyncGuard
+from .inputs import build_loader, build_stream, describe_run
 from .memory_report import MemoryReport, allocation_peak
 from .metrics import MetricsLogger
 from .optim import build_scheduler
@@ -90,16 +88,7 @@ class Trainer(StepData, CheckpointIO):
         self.optimizer = self.engine.build_optimizer()
         self.scheduler = build_scheduler(getattr(self.optimizer, "inner", self.optimizer), optim, trainer.max_steps)
 
-        shards = [] if self.packing or self.token_file else resolve_shards(cfg.data.path)
-        if self.packing or self.token_file:
-            self.stream = None  # built per step (data/packed_loader.py, data/token_file.py)
-        elif self.global_stream:  # every process reads the one canonical stream and keeps its own samples
-            self.stream = ShardStream(shards, 0, 1, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
-        else:  # one stream per data-parallel replica, shards split by replica
-            self.stream = ShardStream(shards, self.dp_rank, llm.dp, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
-        self.encoder = SampleEncoder(
-            cfg.model, self.tokenizer, seed=trainer.seed, max_image_pixels=cfg.data.max_image_pixels
-        )
+        self.stream, self.encoder = build_stream(cfg, self.dp_rank, llm.dp, self.global_stream, self.tokenizer)
         self.fingerprint = model_fingerprint(build_model(cfg.model, self.tokenizer, device="meta"))
         # Checkpoint collectives (DCP planning, in a background thread when saving asynchronously) run on a
         # group of their own, on the host (docs/COMM.md): never queued behind or between training's.
@@ -121,29 +110,12 @@ class Trainer(StepData, CheckpointIO):
         )
         self.step = 0
         data_state = self._resume()
-        if self.producer:
-            from ..data.producer import ProducerLoader, resolve_key, trainer_layout
-            from ..models.flops import flops_per_item
+        self.loader = build_loader(self, data_state)
+        self._build_reporting()
 
-            rows = sum(u.pp for u in self.layout.units)
-            self.loader = ProducerLoader(
-                cfg.data.producer.address,
-                resolve_key(cfg),
-                trainer_layout(cfg, self.layout, self.accumulation, self.slot_samples, rows, flops_per_item(cfg.model)),
-                {**(data_state or {}), "step": self.step},
-                float(cfg.data.producer.timeout_s),
-                int(cfg.data.producer.max_frame_mb) << 20,
-            )
-        elif self.packing:
-            from ..data.packed_loader import packed_loader
-
-            self.loader = packed_loader(cfg, data_state)
-        elif self.token_file:
-            from ..data.token_file import token_loader
-
-            self.loader = token_loader(cfg, self.slot_samples, self.accumulation, data_state)
-        else:
-            self.loader = self._local_loader(data_state)
+    def _build_reporting(self) -> None:
+        """Metrics, pipeline timelines, the device clock and host-sync guard, the memory report, MFU's peak."""
+        cfg, trainer, fabric = self.cfg, self.cfg.trainer, self.fabric
         self.metrics = MetricsLogger(
             self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logger.tensorboard, jsonl=cfg.logger.jsonl
         )
@@ -169,24 +141,10 @@ class Trainer(StepData, CheckpointIO):
             cfg.trainer.tf32,
         )
 
-    # --------------------------------------------------------------- checkpoints
-    def _local_loader(self, data_state: dict | None) -> MicrobatchLoader:
-        """Decoding inside this process's data workers (no producer)."""
-        return MicrobatchLoader(
-            self.stream,
-            self.encoder,
-            self.slot_samples if self.global_stream else self.cfg.optim.micro_batch_size,
-            self.accumulation,
-            num_workers=self.cfg.data.num_workers,
-            prefetch_steps=self.cfg.data.prefetch_steps,
-            worker_nice=self.cfg.data.worker_nice,
-            state=data_state,
-        )
-
     # --------------------------------------------------------------------- step
     def train_step(self) -> StepResult:
         """One optimizer step. Nothing is read back from the device here (see train/host_sync.py)."""
-        inject("step", self.rank, self.step + 1)  # fault drills (disttrain_core/faults.py); off by default
+        inject("step", self.rank, self.step + 1)  # fault drills (disttrain_core/base/faults.py); off by default
         started = self.clock.stamp()
         host_started = time.perf_counter()
         self.straggler.start()
@@ -313,25 +271,7 @@ class Trainer(StepData, CheckpointIO):
                 "parallel.comm: collectives are skipped (compute only): gradients are not reduced; for timing only"
             )
         if self.rank == 0:
-            layout = self.layout.describe()
-            if self.cfg.parallel.mode == "hotspa":
-                layout = self.engine.describe()
-            if self.schedule is not None:
-                layout += f" schedule={self.schedule.name} stages={self.schedule.num_stages}"
-            if self.packing:
-                from ..data.packed_loader import describe
-
-                batch = describe(self.cfg)
-            else:
-                batch = f"{self.accumulation} microbatch(es) of {self.cfg.optim.micro_batch_size} per step per replica"
-            log.info(
-                "training %s for %d steps: %d process(es) (%s), %s",
-                self.cfg.model.name,
-                stop_at,
-                self.world_size,
-                layout,
-                batch,
-            )
+            log.info("training %s for %d steps: %s", self.cfg.model.name, stop_at, describe_run(self))
         progress = tqdm(
             total=stop_at,
             initial=self.step,

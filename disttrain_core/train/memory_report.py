@@ -11,7 +11,7 @@
   during the step (``torch.profiler`` with ``profile_memory``: an allocator-hook counter, so temporaries
   inside kernels are seen too), and for scale the process's resident set size (RSS) now and its
   high-water mark;
-* ``predicted`` (added by launch.py after training): the role's breakdown from the planner's model
+* ``predicted`` (added by launch/entry.py after training): the role's breakdown from the planner's model
   (planner/breakdown.py ``RoleMemory.as_dict``).
 """
 
@@ -117,8 +117,8 @@ def allocation_peak(result: dict, device: torch.device | None = None):
 
 
 class MemoryReport:
-    """Counts and measures this rank; ``launch.py`` adds the planner's prediction for its role afterwards
-    (planner/breakdown.py ``annotate_memory_report``: the planner sits above train/)."""
+    """Counts and measures this rank; ``launch/entry.py`` adds the planner's prediction for its role afterwards
+    (planner/api.py ``annotate_memory_report``: the planner sits above train/)."""
 
     def __init__(self, cfg, run_dir: Path, rank: int, unit, pp_rank: int):
         self.path = Path(run_dir) / "memory" / f"rank{rank:05d}.json"

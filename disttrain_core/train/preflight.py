@@ -5,7 +5,7 @@
 * ``trainer.resume``: the newest checkpoint with a readable meta.json records this model's
   fingerprint (train/state.py). Damaged checkpoints are left to the run, which skips them and says why.
 
-Each problem is one line (the exceptions below); launch.py prints it and exits with status 2.
+Each problem is one line (the exceptions below); launch/entry.py prints it and exits with status 2.
 """
 
 from __future__ import annotations

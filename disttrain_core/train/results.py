@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..clock import DeviceClock, Stamp
+from ..base.clock import DeviceClock, Stamp
 
 
 @dataclass

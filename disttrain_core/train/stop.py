@@ -7,7 +7,7 @@ collectives or synchronizes a device; asynchronously, read one step later); when
 signalled, every rank learns it after the same step, saves a checkpoint there and returns from
 the loop normally: the job exits 0 and ``trainer.resume=auto`` continues exactly. Repeated SIGTERMs are
 one request; a second SIGINT (Ctrl-C twice) exits at once. (A-EDiT's workers take different numbers of
-steps and agree only at their syncs: it reduces the flags there instead, train/local_sgd_clock.py.)
+steps and agree only at their syncs: it reduces the flags there instead, train/local_sgd/clock.py.)
 
 The flag is not a deadline. ``trainer.stop_grace_s`` after the handler ran, a process that has
 not ended records its flight recorder and exits with status 143. The handler runs when the main

@@ -176,37 +176,7 @@ class UnitEngine(Engine):
         # The schedule row this process runs and the (possibly several, virtual) stages on it.
         self.row = rows_of_units[self.unit.name][self.pp_rank]
         self.wire_dtype = wire_dtype(cfg, fabric.device.type)
-        mesh = shard = None
-        if self.unit.fsdp:  # one root mesh: FSDP2 over the replicas, TP inside (parallel/fsdp.py)
-            fsdp_mesh, mesh = unit_meshes(self.unit, self.pp_rank, self.groups, fabric.device.type)
-
-            def shard(module: torch.nn.Module) -> None:
-                apply_fsdp(module, fsdp_mesh, self.unit.shard, self.wire_dtype)
-
-        elif self.unit.tp > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            mesh = DeviceMesh.from_group(self.groups.tensor_parallel, fabric.device.type)
-        context = None
-        if self.unit.cp > 1:
-            from ..parallel.context_parallel import SequenceSlices
-
-            context = SequenceSlices(self.groups.context_parallel, cfg.model.seq_len)
-        self.stages = build_rank_stages(
-            cfg.model,
-            tokenizer,
-            self.unit,
-            schedule,
-            rows_of_units[self.unit.name],
-            self.row,
-            fabric.device,
-            cfg.trainer.seed,
-            tp_mesh=mesh,
-            sequence_overlap=comm.tp_overlap,
-            shard=shard,
-            context=context,
-            experts=self.groups.expert_parallel,
-        )
+        mesh = self._build_stages(tokenizer, rows_of_units)
         import_pretrained(cfg, tokenizer, [stage.model for stage in self.stages.values()])
         # MoE aux terms: balanced over the ranks that share a global microbatch's tokens (data x context),
         # averaged over the step's microbatches (gradients are summed over those ranks).
@@ -245,6 +215,43 @@ class UnitEngine(Engine):
             autocast=autocast,
         )
         self.optimizer: ZeroOneOptimizer | ShardedOptimizer | None = None
+
+    def _build_stages(self, tokenizer: Tokenizer, rows_of_units: dict[str, list[int]]):
+        """This process's (virtual) stages of its unit, tensor-parallel, sharded and context-parallel as the unit
+        says; returns the tensor-parallel mesh (None without TP)."""
+        cfg, fabric, schedule, comm = self.cfg, self.fabric, self.schedule, self.cfg.parallel.comm
+        mesh = shard = None
+        if self.unit.fsdp:  # one root mesh: FSDP2 over the replicas, TP inside (parallel/fsdp.py)
+            fsdp_mesh, mesh = unit_meshes(self.unit, self.pp_rank, self.groups, fabric.device.type)
+
+            def shard(module: torch.nn.Module) -> None:
+                apply_fsdp(module, fsdp_mesh, self.unit.shard, self.wire_dtype)
+
+        elif self.unit.tp > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(self.groups.tensor_parallel, fabric.device.type)
+        context = None
+        if self.unit.cp > 1:
+            from ..parallel.context_parallel import SequenceSlices
+
+            context = SequenceSlices(self.groups.context_parallel, cfg.model.seq_len)
+        self.stages = build_rank_stages(
+            cfg.model,
+            tokenizer,
+            self.unit,
+            schedule,
+            rows_of_units[self.unit.name],
+            self.row,
+            fabric.device,
+            cfg.trainer.seed,
+            tp_mesh=mesh,
+            sequence_overlap=comm.tp_overlap,
+            shard=shard,
+            context=context,
+            experts=self.groups.expert_parallel,
+        )
+        return mesh
 
     def models(self) -> list[torch.nn.Module]:
         return [stage.model for stage in self.stages.values()]

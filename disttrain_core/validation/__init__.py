@@ -7,8 +7,9 @@ by the schema, when Hydra composes the config.
 The checks live in ``common`` (errors, resolution helpers, ``${...}`` references), ``numbers`` (one
 table of bounds for every numeric setting, checked before anything divides by one), ``settings``
 (model, optimizer, trainer, device, cluster), ``data`` (shards, generation, the producer), ``layout``
-(parallel layout and pipeline schedule) and ``cluster_fit`` (a run's GPUs and memory against the GPU cluster
-preset it names; whether this command starts ranks on this machine at all).
+(parallel layout and pipeline schedule), ``hotspa`` (HotSPa's strategies) and ``cluster_fit`` (a run's GPUs
+against the GPU cluster preset it names; whether this command starts ranks on this machine at all). Whether
+a run fits its devices' memory is the planner's check (planner/fit.py ``validate_run``: this, then that).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .common import (
     resolve_backend,
     world_size,
 )
+from .hotspa import validate_hotspa
 from .layout import layout_of, reads_global_stream, validate_layout
 from .schedule import check_pipeline, validate_schedule_config
 from .settings import (
@@ -50,6 +52,7 @@ __all__ = [
     "validate_config",
     "validate_data",
     "validate_device_contract",
+    "validate_hotspa",
     "validate_layout",
     "validate_model",
     "validate_optim",
@@ -57,7 +60,6 @@ __all__ = [
     "validate_schedule_config",
     "validate_trainer",
     "world_size",
-    "check_state_fits",
 ]
 
 
@@ -77,22 +79,6 @@ def missing_keys(node, prefix: str = "") -> list[str]:
     return out
 
 
-def check_state_fits(cfg: Config) -> None:
-    """A model whose training state cannot fit the processes' memory (cluster.memory_per_device_gb each) in any
-    layout fails before launch in one line, not minutes later when a process is killed for memory. Builds the
-    model on the meta device: train.py calls it after validate_config (parallel=auto: the planner checks)."""
-    if cfg.parallel.mode == "auto":
-        return
-    from ..planner import PlanningError, check_model_fits
-
-    try:
-        check_model_fits(cfg, world_size(cfg))
-    except PlanningError as error:
-        raise ConfigError(str(error)) from None
-    except (ValueError, TypeError, OverflowError, RuntimeError):
-        return  # a model the meta-device count cannot build: the later checks name what is wrong with it
-
-
 def validate_config(cfg: Config) -> None:
     """Raise ConfigError on the first problem found."""
     missing = [key for key in missing_keys(cfg) if not key.startswith("paths.")]
@@ -100,13 +86,16 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")
     validate_model(cfg)
     validate_device_contract(cfg)
-    # the cluster and planner settings first: the layout checks of parallel=hotspa run the planner's memory model
+    # the cluster and planner settings first: later checks read them
     validate_cluster(cfg)
     validate_planner(cfg)
     auto = cfg.parallel.mode == "auto"  # the layout is checked once the planner has chosen it
     if not auto:
         validate_trainer(cfg)
-        validate_layout(cfg)
+        if cfg.parallel.mode == "hotspa":  # every strategy is checked as the megatron layout it runs as
+            validate_hotspa(cfg)
+        else:
+            validate_layout(cfg)
     validate_data(cfg)
     validate_optim(cfg)
     if auto:  # the planner's memory model and the sharded optimizers it chooses from are AdamW's
@@ -115,5 +104,5 @@ def validate_config(cfg: Config) -> None:
         validate_optimizer(cfg)
     if not auto:
         validate_schedule_config(cfg)
-    # last: the memory model reads a layout and schedule the checks above accepted
+    # last: the node shape of a GPU cluster preset (its memory is the planner's check: planner/fit.py)
     validate_cluster_fit(cfg)

@@ -2,16 +2,11 @@
 starts the ranks here at all.
 
 A GPU recipe is written for a cluster: its layout needs ``trainer.devices`` GPUs on each of
-``trainer.num_nodes`` nodes, and each rank role needs the bytes the planner's memory model adds up for it
-(planner/breakdown.py: model state, activations in flight, transients, runtime overhead). When the cluster
-preset says otherwise -- fewer GPUs, fewer per node, less memory -- the run is refused before launch in one
-line naming both numbers, instead of failing to schedule or running out of memory on the cluster. On CPU
+``trainer.num_nodes`` nodes. When the cluster preset says otherwise -- fewer GPUs, fewer per node -- the run is
+refused before launch in one line naming both numbers, instead of failing to schedule on the cluster. Whether
+each rank role fits the preset's memory is the planner's check (planner/fit.py), run after this one. On CPU
 clusters (``cluster.device=cpu``) the preset describes this machine and the ranks are processes: nothing is
 checked here.
-
-``parallel=auto`` plans within the preset by construction (an infeasible plan names the binding memory);
-only the node shape is checked for it. ``parallel=hotspa`` checks each strategy's memory itself
-(validation/packing.py).
 
 Local-machine facts (CUDA devices here, a rendezvous in the environment) are not this process's business when
 it only plans (``trainer.dry_run=true``) or hands the job to a scheduler through Hydra's SLURM launcher
@@ -26,7 +21,6 @@ from collections.abc import Sequence
 from ..config import CONF_DIR, Config, override_key
 from .common import ConfigError, world_size
 
-GB = 1e9
 SLURM_LAUNCHER = "submitit_slurm"  # the hydra-submitit-launcher plugin's SLURM launcher
 
 
@@ -85,42 +79,11 @@ def check_node_shape(cfg: Config) -> None:
         )
 
 
-def fullest_role(cfg: Config):
-    """The rank role (planner/breakdown.py ``RoleMemory``) with the most bytes at its fullest moment, and the
-    usable bytes per device (``planner.memory_margin`` of ``cluster.memory_per_device_gb``)."""
-    from ..planner.breakdown import config_roles
-
-    roles, _ = config_roles(cfg)
-    usable = float(cfg.cluster.memory_per_device_gb) * GB * float(cfg.planner.memory_margin)
-    return max(roles, key=lambda role: role.total), usable
-
-
-def check_memory(cfg: Config) -> None:
-    """Every rank role's bytes by the planner's memory model within the preset's usable device memory."""
-    try:
-        role, usable = fullest_role(cfg)
-    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError):
-        return  # a layout the memory model cannot describe: the layout checks have named what is wrong
-    if role.total <= usable:
-        return
-    c = cfg.cluster
-    raise ConfigError(
-        f"the {role.unit} pp{role.pp} ranks need {role.total / GB:.1f} GB per GPU (memory model: shard={role.shard}, "
-        f"recompute={role.recompute}, {role.in_flight} microbatch(es) in flight) but {_cluster(cfg)} has "
-        f"cluster.memory_per_device_gb={c.memory_per_device_gb:g} ({usable / GB:.1f} GB usable at "
-        f"planner.memory_margin={cfg.planner.memory_margin:g}); use GPUs with more memory, more recompute or "
-        "sharding, or more pipeline / tensor parallelism (python tools/memory.py ... prints every role)"
-    )
-
-
 def validate_cluster_fit(cfg: Config) -> None:
     """A GPU cluster preset that contradicts the run's needs fails here (called by validate_config)."""
     if cfg.cluster.device != "cuda":
         return
     check_node_shape(cfg)
-    if cfg.parallel.mode in ("auto", "hotspa"):
-        return
-    check_memory(cfg)
 
 
 def check_signal_window(stop_grace_s: float, signal_lead_s: float, where: str) -> None:

@@ -20,8 +20,8 @@ def _require(condition: bool, message: str) -> None:
 def externally_launched() -> bool:
     """True when torchrun, srun or train.py itself created this process, or a scheduler gives the node's
     rendezvous (srun with one task per node): the local machine's devices and a rendezvous in the
-    environment are not this process's business (launch_env.py)."""
-    from ..launch_env import LaunchError, detect
+    environment are not this process's business (base/launch_env.py)."""
+    from ..base.launch_env import LaunchError, detect
 
     try:
         return detect().kind in ("torchrun", "slurm", "node", "spawned")

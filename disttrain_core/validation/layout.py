@@ -205,19 +205,15 @@ def _validate_unit_shard(unit, schedule_name: str) -> None:
         )
 
 
-def validate_layout(cfg: Config) -> None:
-    from ..parallel.plan import MODES, resolve_units
+def _validate_mode_and_units(cfg: Config) -> None:
+    """The mode (and its own validator), the optimizer, and the basic sizes of the units."""
+    from ..parallel.plan import MODES
     from .local_sgd import validate_local_sgd, validate_optimizer
 
-    p, m = cfg.parallel, cfg.model
+    p = cfg.parallel
     _require(p.mode in MODES, f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")
     validate_optimizer(cfg)
-    if p.mode == "hotspa":  # every strategy is checked as the megatron layout it runs as
-        from .packing import validate_hotspa
-
-        _require(not cfg.trainer.compile, _NO_COMPILE.format(engine="parallel=hotspa's strategies (units engine)"))
-        validate_hotspa(cfg)
-        return
+    _require(p.mode != "hotspa", "parallel.mode=hotspa: its strategies are checked by validation/hotspa.py")
     if p.mode == "local_sgd":
         validate_local_sgd(cfg)
     _require(
@@ -232,6 +228,10 @@ def validate_layout(cfg: Config) -> None:
         not p.units.llm.colocate,
         "parallel.units.llm.colocate: only the encoder or the generator can be colocated (with the LLM)",
     )
+
+
+def _validate_recompute_settings(p) -> None:
+    """Names and values of the recompute settings, and where a layout with units sets them."""
     from ..parallel.recompute import POLICIES
 
     settings = [("parallel", p)] + [
@@ -256,10 +256,10 @@ def validate_layout(cfg: Config) -> None:
                 f"parallel.units.{name}.recompute={unit.recompute}: the {name} is colocated with the LLM and "
                 "recomputes as the LLM unit does; set parallel.units.llm.recompute",
             )
-    _validate_shard_settings(p)
-    _validate_context_settings(cfg)
-    _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
-    _check_sizes_fit(cfg)
+
+
+def _validate_comm_settings(p) -> None:
+    """The gradient bucket size and the collectives' implementation."""
     _require(
         p.comm.bucket_mb >= 0,
         f"parallel.comm.bucket_mb={p.comm.bucket_mb}: use a positive size in MB (25 is DDP's default) or 0 for one "
@@ -269,6 +269,85 @@ def validate_layout(cfg: Config) -> None:
         p.comm.collectives in ("auto", "ring", "native"),
         f"parallel.comm.collectives={p.comm.collectives!r}: allowed values are auto, ring and native",
     )
+
+
+def _validate_interleave_modes(p, layout) -> None:
+    """parallel.comm.interleave_modes: known modes, a block size, and a layout that trains with ZeRO-1."""
+    from ..comm.engine import MODES
+
+    unknown = [mode for mode in p.comm.interleave_modes if mode not in MODES]
+    _require(
+        not unknown,
+        f"parallel.comm.interleave_modes: unknown mode(s) {unknown}; allowed: {', '.join(MODES)}",
+    )
+    _require(
+        p.comm.interleave_block >= 1,
+        f"parallel.comm.interleave_block={p.comm.interleave_block}: use a positive number of steps",
+    )
+    _require(
+        not layout.trains_with_ddp() and not any(u.fsdp for u in layout.units),
+        "parallel.comm.interleave_modes switches ZeRO-1's collectives; this layout trains with DDP or FSDP2. "
+        "Use parallel=zero1 (or shard=zero1 on every unit)",
+    )
+
+
+def _validate_unit_tp(cfg: Config, unit, where: str) -> None:
+    """A unit's tensor-parallel size divides the heads and hidden sizes of the models it holds."""
+    p, m = cfg.parallel, cfg.model
+    if "llm" in unit.modules:
+        llm = m.llm
+        for what, value in (("n_heads", llm.n_heads), ("n_kv_heads", llm.n_kv_heads), ("ffn_dim", llm.ffn_dim)):
+            _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.llm.{what}={value}")
+        _require(
+            not p.comm.tp_overlap or m.seq_len % unit.tp == 0,
+            f"parallel.comm.tp_overlap=true splits the sequence over the TP group, but tp={unit.tp} does "
+            f"not divide model.seq_len={m.seq_len}; change one of them or set tp_overlap=false",
+        )
+    if "encoder" in unit.modules:
+        vit = m.encoder
+        for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
+            _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}")
+
+
+def _validate_unit_pp(cfg: Config, unit, where: str) -> None:
+    """The encoder's blocks split evenly into its pipeline stages; the generator is not pipelined."""
+    m = cfg.model
+    if unit.name == "encoder":
+        from ..models.vit import vit_block_count
+
+        blocks, layer = vit_block_count(m.encoder), m.encoder.feature_layer
+        what = f"model.encoder.n_layers={blocks}"
+        if layer is not None:
+            what = f"the {blocks} encoder block(s) built for model.encoder.feature_layer={layer} "
+            what += f"(n_layers={m.encoder.n_layers})"
+        _require(blocks % unit.pp == 0, f"{where}: pp={unit.pp} does not divide {what}")
+    if unit.name == "generator":
+        _require(
+            unit.pp == 1,
+            f"{where}: pp={unit.pp}; the U-Net's skip connections cross every level, so it "
+            "is not split into pipeline stages: use pp=1 (more dp instead)",
+        )
+
+
+def _validate_unit(cfg: Config, unit) -> None:
+    """One resolved unit against the model and the other settings."""
+    if unit.cp > 1:
+        _validate_context_unit(cfg, unit)
+    if cfg.parallel.mode != "local_sgd":  # its workers' sharding is checked by validate_local_sgd
+        _validate_unit_shard(unit, cfg.schedule.name)
+    where = f"parallel {unit.name} unit"
+    if "llm" in unit.modules and cfg.model.llm.moe is not None:
+        _validate_moe(cfg, unit)
+    if unit.tp > 1:
+        _validate_unit_tp(cfg, unit, where)
+    _validate_unit_pp(cfg, unit, where)
+
+
+def _validate_resolved_layout(cfg: Config) -> None:
+    """The resolved layout: compile, interleaved collectives, process count, then each unit."""
+    from ..parallel.plan import resolve_units
+
+    p = cfg.parallel
     layout = resolve_units(cfg)
     world = world_size(cfg)
     _require(
@@ -276,66 +355,27 @@ def validate_layout(cfg: Config) -> None:
         _NO_COMPILE.format(engine=f"this layout ({_unit_formula(layout.units)}; units engine)"),
     )
     if p.comm.interleave_modes:
-        from ..comm.engine import MODES
-
-        unknown = [mode for mode in p.comm.interleave_modes if mode not in MODES]
-        _require(
-            not unknown,
-            f"parallel.comm.interleave_modes: unknown mode(s) {unknown}; allowed: {', '.join(MODES)}",
-        )
-        _require(
-            p.comm.interleave_block >= 1,
-            f"parallel.comm.interleave_block={p.comm.interleave_block}: use a positive number of steps",
-        )
-        _require(
-            not layout.trains_with_ddp() and not any(u.fsdp for u in layout.units),
-            "parallel.comm.interleave_modes switches ZeRO-1's collectives; this layout trains with DDP or FSDP2. "
-            "Use parallel=zero1 (or shard=zero1 on every unit)",
-        )
+        _validate_interleave_modes(p, layout)
     _require(
         layout.world_size == world,
         f"the layout needs {_unit_formula(layout.units)} = {layout.world_size} processes but trainer.devices"
         f"({cfg.trainer.devices}) x trainer.num_nodes({cfg.trainer.num_nodes}) = {world}; make them equal",
     )
     for unit in layout.units:
-        if unit.cp > 1:
-            _validate_context_unit(cfg, unit)
-        if p.mode != "local_sgd":  # its workers' sharding is checked by validate_local_sgd
-            _validate_unit_shard(unit, cfg.schedule.name)
-        where = f"parallel {unit.name} unit"
-        if "llm" in unit.modules and m.llm.moe is not None:
-            _validate_moe(cfg, unit)
-        if unit.tp > 1:
-            if "llm" in unit.modules:
-                llm = m.llm
-                for what, value in (("n_heads", llm.n_heads), ("n_kv_heads", llm.n_kv_heads), ("ffn_dim", llm.ffn_dim)):
-                    _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.llm.{what}={value}")
-                _require(
-                    not p.comm.tp_overlap or m.seq_len % unit.tp == 0,
-                    f"parallel.comm.tp_overlap=true splits the sequence over the TP group, but tp={unit.tp} does "
-                    f"not divide model.seq_len={m.seq_len}; change one of them or set tp_overlap=false",
-                )
-            if "encoder" in unit.modules:
-                vit = m.encoder
-                for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
-                    _require(
-                        value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}"
-                    )
-        if unit.name == "encoder":
-            from ..models.vit import vit_block_count
+        _validate_unit(cfg, unit)
 
-            blocks, layer = vit_block_count(m.encoder), m.encoder.feature_layer
-            what = f"model.encoder.n_layers={blocks}"
-            if layer is not None:
-                what = f"the {blocks} encoder block(s) built for model.encoder.feature_layer={layer} "
-                what += f"(n_layers={m.encoder.n_layers})"
-            _require(blocks % unit.pp == 0, f"{where}: pp={unit.pp} does not divide {what}")
-        if unit.name == "generator":
-            _require(
-                unit.pp == 1,
-                f"{where}: pp={unit.pp}; the U-Net's skip connections cross every level, so it "
-                "is not split into pipeline stages: use pp=1 (more dp instead)",
-            )
+
+def validate_layout(cfg: Config) -> None:
+    """The parallel layout, in order: mode and units, per-setting checks, then the resolved layout."""
+    p = cfg.parallel
+    _validate_mode_and_units(cfg)
+    _validate_recompute_settings(p)
+    _validate_shard_settings(p)
+    _validate_context_settings(cfg)
+    _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
+    _check_sizes_fit(cfg)
+    _validate_comm_settings(p)
+    _validate_resolved_layout(cfg)
     _require(
         p.units.llm.vpp == 1 or p.mode != "manual",
         f"parallel.units.llm.vpp={p.units.llm.vpp}: virtual stages inside one unit of a multi-unit pipeline are "

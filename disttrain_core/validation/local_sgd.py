@@ -1,4 +1,4 @@
-"""Checks of ``parallel.mode=local_sgd`` (train/local_sgd.py) and of ``optim=sgd``: one line each, before
+"""Checks of ``parallel.mode=local_sgd`` (train/local_sgd/engine.py) and of ``optim=sgd``: one line each, before
 any process starts."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from .common import _require, resolve_accelerator
 METHODS = ("diloco", "post_local_sgd", "edit", "a_edit")
 
 
-def validate_local_sgd(cfg: Config) -> None:
-    p, ls = cfg.parallel, cfg.parallel.local_sgd
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
+def _check_workers(cfg: Config, world: int) -> int:
+    """The method and the worker size (shard_group) against the process count; returns the worker size."""
+    ls = cfg.parallel.local_sgd
     _require(
         ls.method in METHODS,
         f"parallel.local_sgd.method={ls.method!r}: allowed values are {', '.join(METHODS)}",
@@ -24,6 +24,12 @@ def validate_local_sgd(cfg: Config) -> None:
         f"parallel.local_sgd.shard_group={size} does not divide the {world} processes (trainer.devices x "
         "trainer.num_nodes): each worker is shard_group processes; use a divisor, or null for one worker per node",
     )
+    return size
+
+
+def _check_sync_schedule(cfg: Config) -> None:
+    """When the workers sync: every sync_every steps, or every sync_interval_s seconds (A-EDiT)."""
+    ls = cfg.parallel.local_sgd
     _require(ls.sync_every >= 1, f"parallel.local_sgd.sync_every={ls.sync_every}: use 1 or more local steps")
     interval = ls.sync_interval_s
     if ls.method == "a_edit":
@@ -49,6 +55,10 @@ def validate_local_sgd(cfg: Config) -> None:
             f"parallel.local_sgd.sync_interval_s={interval} is A-EDiT's: with method={ls.method} syncs come every "
             "sync_every steps; use method=a_edit or unset sync_interval_s",
         )
+
+
+def _check_outer_step(ls) -> None:
+    """The step weighting, warmup and outer optimizer of the syncs."""
     _require(
         0 <= ls.step_weight <= 1,
         f"parallel.local_sgd.step_weight={ls.step_weight}: use a value in [0, 1] (0: off, e.g. 0.5)",
@@ -59,6 +69,11 @@ def validate_local_sgd(cfg: Config) -> None:
         0 <= ls.outer_momentum < 1,
         f"parallel.local_sgd.outer_momentum={ls.outer_momentum}: use a value in [0, 1), e.g. 0.9",
     )
+
+
+def _check_worker_layout(cfg: Config, size: int) -> str:
+    """What runs inside a worker (the whole model, DDP or FSDP2, its own data); returns the shard mode."""
+    p = cfg.parallel
     _require(
         p.cp == 1 and p.ep == 1 and p.tp == 1 and p.pp == 1,
         "parallel.mode=local_sgd holds the whole model in every worker (DDP or FSDP2 inside it); "
@@ -91,6 +106,11 @@ def validate_local_sgd(cfg: Config) -> None:
         "serves synchronous steps): unset data.producer.address",
     )
     _require(cfg.model.llm.moe is None, "parallel.mode=local_sgd: MoE models are not supported yet; use a dense LLM")
+    return shard
+
+
+def _check_penalty_and_spikes(ls, world: int, size: int) -> None:
+    """The outlier penalty of pseudo-gradients and the injected loss spikes (which workers, how often)."""
     pen, spikes = ls.penalty, ls.spikes
     _require(0 < pen.ewma_alpha <= 1, f"parallel.local_sgd.penalty.ewma_alpha={pen.ewma_alpha}: use a value in (0, 1]")
     _require(pen.ewma_warmup >= 2, f"parallel.local_sgd.penalty.ewma_warmup={pen.ewma_warmup}: use 2 or more syncs")
@@ -110,6 +130,11 @@ def validate_local_sgd(cfg: Config) -> None:
         0 <= spikes.probability <= 1,
         f"parallel.local_sgd.spikes.probability={spikes.probability}: use a value in [0, 1]",
     )
+
+
+def _check_offload_and_compile(cfg: Config, shard: str) -> None:
+    """Anchors offloaded to host memory, and layerwise syncs against trainer.compile."""
+    ls = cfg.parallel.local_sgd
     if ls.offload:
         _require(
             shard not in ("zero2", "zero3"),
@@ -127,6 +152,18 @@ def validate_local_sgd(cfg: Config) -> None:
         "parallel.local_sgd.layerwise syncs in forward hooks, which trainer.compile would trace; set one of them "
         "to false",
     )
+
+
+def validate_local_sgd(cfg: Config) -> None:
+    """The settings of ``parallel.mode=local_sgd``, in order: workers, syncs, worker layout, penalty, offload."""
+    ls = cfg.parallel.local_sgd
+    world = cfg.trainer.devices * cfg.trainer.num_nodes
+    size = _check_workers(cfg, world)
+    _check_sync_schedule(cfg)
+    _check_outer_step(ls)
+    shard = _check_worker_layout(cfg, size)
+    _check_penalty_and_spikes(ls, world, size)
+    _check_offload_and_compile(cfg, shard)
 
 
 def validate_optimizer(cfg: Config) -> None:

@@ -14,27 +14,21 @@ from .common import ConfigError, _require
 MAX_PIPELINE_SLOTS = 65_536
 
 
-def validate_schedule_config(cfg: Config) -> None:
-    from ..parallel.plan import resolve_units, stages_per_rank
-    from ..schedule.generators import SCHEDULES
+def _validate_hotspa_schedules(cfg: Config) -> None:
+    """Each hotspa strategy runs as its own rigid layout (strategy_config): validate each one's schedule."""
+    from ..parallel.hotspa_layout import bucket_strategies, strategy_config
 
-    if cfg.parallel.mode == "hotspa":  # each strategy runs as its own rigid layout (strategy_config)
-        from ..parallel.hotspa_layout import bucket_strategies, strategy_config
-
-        if list(cfg.parallel.hotspa.strategies) == ["auto"]:  # chosen before launch, validated then
-            return
-
-        strategies, capacities, _ = bucket_strategies(cfg)
-        for strategy, capacity in zip(strategies, capacities, strict=True):
-            validate_schedule_config(strategy_config(cfg, strategy, capacity))
+    if list(cfg.parallel.hotspa.strategies) == ["auto"]:  # chosen before launch, validated then
         return
-    s, layout = cfg.schedule, resolve_units(cfg)
+
+    strategies, capacities, _ = bucket_strategies(cfg)
+    for strategy, capacity in zip(strategies, capacities, strict=True):
+        validate_schedule_config(strategy_config(cfg, strategy, capacity))
+
+
+def _check_microbatch_sharing(cfg: Config, layout, samples: int) -> None:
+    """Every unit's data-parallel replicas share a microbatch slot evenly."""
     llm = layout.llm
-    rows = sum(u.pp for u in layout.units)
-    per_rank = stages_per_rank(cfg)
-    # Samples per global microbatch: every LLM replica's micro-batch, together.
-    samples = cfg.optim.micro_batch_size * llm.dp
-    micro = cfg.optim.global_batch_size // samples
     for unit in layout.units:
         _require(
             samples % unit.dp == 0,
@@ -42,12 +36,13 @@ def validate_schedule_config(cfg: Config) -> None:
             f"{samples} samples, which the {unit.name} unit's dp({unit.dp}) cannot share evenly; choose sizes so "
             f"{unit.dp} divides it",
         )
-    if rows == 1:
-        _require(
-            s.name == "none" and not s.csv,
-            f"schedule={s.name} needs pipeline stages; set parallel.pp > 1 or use schedule=none",
-        )
-        return
+
+
+def _check_schedule_choice(cfg: Config, llm, rows: int, per_rank: int, micro: int) -> None:
+    """A pipelined layout names a known schedule whose microbatches fit the batch sizes."""
+    from ..schedule.generators import SCHEDULES
+
+    s = cfg.schedule
     _require(
         s.name != "none" or s.csv,
         f"this layout has {rows} pipeline stages and needs a schedule: pick "
@@ -69,14 +64,11 @@ def validate_schedule_config(cfg: Config) -> None:
         f"{cfg.optim.global_batch_size}) / (optim.micro_batch_size({cfg.optim.micro_batch_size}) x dp({llm.dp})) "
         f"= {micro}; leave schedule.microbatches unset or change the batch sizes",
     )
-    if len(layout.units) > 1:
-        _require(
-            per_rank == 1 and not s.csv,
-            f"schedule={s.name} places several stages per rank, which a pipeline across units does not support; "
-            "use gpipe, 1f1b or zb_h1",
-        )
-        check_pipeline(cfg, layout, micro)
-        return
+
+
+def _check_single_unit_schedule(cfg: Config, llm, per_rank: int, micro: int) -> None:
+    """The virtual stages, layer split or schedule file of a single-unit pipeline."""
+    s = cfg.schedule
     if s.name == "interleaved_1f1b":
         _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per rank")
         _require(
@@ -96,6 +88,39 @@ def validate_schedule_config(cfg: Config) -> None:
         )
     else:
         _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
+
+
+def validate_schedule_config(cfg: Config) -> None:
+    """The pipeline schedule against the layout and batch sizes; the schedule is built and replayed here."""
+    from ..parallel.plan import resolve_units, stages_per_rank
+
+    if cfg.parallel.mode == "hotspa":  # each strategy runs as its own rigid layout (strategy_config)
+        _validate_hotspa_schedules(cfg)
+        return
+    s, layout = cfg.schedule, resolve_units(cfg)
+    llm = layout.llm
+    rows = sum(u.pp for u in layout.units)
+    per_rank = stages_per_rank(cfg)
+    # Samples per global microbatch: every LLM replica's micro-batch, together.
+    samples = cfg.optim.micro_batch_size * llm.dp
+    micro = cfg.optim.global_batch_size // samples
+    _check_microbatch_sharing(cfg, layout, samples)
+    if rows == 1:
+        _require(
+            s.name == "none" and not s.csv,
+            f"schedule={s.name} needs pipeline stages; set parallel.pp > 1 or use schedule=none",
+        )
+        return
+    _check_schedule_choice(cfg, llm, rows, per_rank, micro)
+    if len(layout.units) > 1:
+        _require(
+            per_rank == 1 and not s.csv,
+            f"schedule={s.name} places several stages per rank, which a pipeline across units does not support; "
+            "use gpipe, 1f1b or zb_h1",
+        )
+        check_pipeline(cfg, layout, micro)
+        return
+    _check_single_unit_schedule(cfg, llm, per_rank, micro)
     check_pipeline(cfg, layout, micro)
 
 

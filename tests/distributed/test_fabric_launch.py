@@ -7,8 +7,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from disttrain_core.fabric_launch import ddp_strategy
-from disttrain_core.launchers import PRELOAD
+from disttrain_core.launch.fabric import PRELOAD, ddp_strategy
 
 
 def _report(fabric, out: str) -> None:

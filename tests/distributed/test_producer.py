@@ -173,7 +173,7 @@ def test_standalone_producer_command(compose_cfg, shards):
     overrides = [f"data.path={shards}", "data.generate_if_missing=false"]
     layout = layout_for(compose_cfg(*overrides))
     server = subprocess.Popen(
-        [sys.executable, "-m", "disttrain_core.data.producer", "--listen", f"127.0.0.1:{port}", *overrides],
+        [sys.executable, "-m", "disttrain_core.launch.producer", "--listen", f"127.0.0.1:{port}", *overrides],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -207,7 +207,7 @@ def test_standalone_producer_validates_its_config():
     from disttrain_core.config import REPO_ROOT
 
     env = {**os.environ, "DISTTRAIN_PRODUCER_KEY": new_key()}
-    command = [sys.executable, "-m", "disttrain_core.data.producer", "--listen", "127.0.0.1:0"]
+    command = [sys.executable, "-m", "disttrain_core.launch.producer", "--listen", "127.0.0.1:0"]
     command.append("data.producer.max_connections=0")
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
@@ -340,7 +340,7 @@ def test_training_continues_through_a_producer_restart(shards, tmp_path):
     ]
 
     def producer(log):
-        command = [sys.executable, "-m", "disttrain_core.data.producer", "--listen", f"127.0.0.1:{port}", *data]
+        command = [sys.executable, "-m", "disttrain_core.launch.producer", "--listen", f"127.0.0.1:{port}", *data]
         return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def train(run_dir, kill_after=None):

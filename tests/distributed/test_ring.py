@@ -37,7 +37,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     handles.append(ring.all_gather(in_place, in_place[rank * size : (rank + 1) * size]))
     for handle in handles:
         handle.wait()
-    from disttrain_core.torch_compat import all_gather_tensor
+    from disttrain_core.base.torch_compat import all_gather_tensor
 
     native = torch.empty(WORLD * size)
     all_gather_tensor(native, shard)

@@ -90,7 +90,7 @@ def _worst_reduced_error(zero, reference: torch.nn.Module, world: int) -> float:
         total = param.grad.clone()
         dist.all_reduce(total)
         expected[name] = total
-    from disttrain_core.torch_compat import all_gather_tensor
+    from disttrain_core.base.torch_compat import all_gather_tensor
 
     worst = 0.0
     for flat in zero.flats.values():

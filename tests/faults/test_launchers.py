@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from disttrain_core.net import free_port
+from disttrain_core.base.net import free_port
 
 from ..conftest import REPO
 from .conftest import Job, job_args, losses

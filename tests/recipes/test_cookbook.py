@@ -1,6 +1,7 @@
-"""Every command of the README's cookbook runs in CI, in a reduced form.
+"""Every command of the cookbook (docs/COOKBOOK.md; the README's front page links it) runs in CI, in a reduced
+form.
 
-The commands are read from README.md itself, so a command added there without a reduced form here
+The commands are read from docs/COOKBOOK.md itself, so a command added there without a reduced form here
 fails ``test_every_cookbook_command_has_a_reduced_form``. Reduced means: the test shards instead of
 the embedded data, models shrunk by ``tiny_overrides`` (structure kept), 2 optimizer steps, the
 profiler's shortest measurement. Layouts, schedules, process counts and every other override are the
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from disttrain_core.config import compose
-from disttrain_core.launch import launch
+from disttrain_core.launch.entry import launch
 
 from ..conftest import REPO, base_overrides, cli_overrides, read_metrics, tiny_overrides
 
@@ -37,10 +38,10 @@ pytestmark = pytest.mark.distributed
 
 
 def cookbook() -> dict[str, list[str]]:
-    """The README's cookbook commands as the shell passes them (continuation lines joined, comments
+    """The cookbook's commands as the shell passes them (continuation lines joined, comments
     dropped), keyed by their arguments joined with single spaces."""
-    text = (REPO / "README.md").read_text()
-    block = text.split("## Cookbook", 1)[1].split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    text = (REPO / "docs" / "COOKBOOK.md").read_text()
+    block = text.split("# Cookbook", 1)[1].split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     commands = {}
     for line in block.splitlines():
         if line.strip() and not line.strip().startswith("#"):
@@ -164,9 +165,9 @@ TOOLS = [c for c in COMMANDS if kind(c) == "tool"]
 
 def test_every_cookbook_command_has_a_reduced_form():
     unknown = [c for c in COMMANDS if kind(c) == "unknown"]
-    assert not unknown, f"README cookbook commands without a reduced form in {__file__}: {unknown}"
+    assert not unknown, f"cookbook commands without a reduced form in {__file__}: {unknown}"
     stale = [c for c in [*ELSEWHERE, *RESUME_CHAIN, *BENCHMARKS, *OTHER] if c not in COMMANDS]
-    assert not stale, f"no longer in the README's cookbook: {stale}"
+    assert not stale, f"no longer in docs/COOKBOOK.md: {stale}"
 
 
 @pytest.mark.parametrize("command", sorted(set(ELSEWHERE.values())))

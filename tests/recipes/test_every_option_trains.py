@@ -14,7 +14,7 @@ import math
 import pytest
 
 from disttrain_core.config import CONFIG_GROUPS, compose, group_options
-from disttrain_core.launch import launch
+from disttrain_core.launch.entry import launch
 
 from ..conftest import REPO, base_overrides, read_metrics, tiny_overrides
 from .test_gpu_recipes import GPU_RECIPES

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from disttrain_core.cluster_launch import read_header
 from disttrain_core.config import RECIPES_DIR, compose, group_options, typed_config
-from disttrain_core.launch import launch
-from disttrain_core.validation import validate_config
-from disttrain_core.validation.cluster_fit import fullest_role
+from disttrain_core.launch.cluster import read_header
+from disttrain_core.launch.entry import launch
+from disttrain_core.planner.fit import fullest_role, validate_run
 
 from ..conftest import base_overrides
 
@@ -79,9 +78,9 @@ def test_header_states_the_gpus_memory_and_cluster_the_config_uses(recipe):
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_layout_fits_the_cluster_memory_and_keeps_tensor_parallelism_in_a_node(recipe, shards, tokens):
     cfg = typed_config(compose([f"recipe={recipe}", "trainer.dry_run=true", *data_overrides(recipe, shards, tokens)]))
-    validate_config(cfg)  # the cluster preset's GPUs and memory against the layout, among every other check
+    validate_run(cfg)  # the cluster preset's GPUs and memory against the layout, among every other check
     if cfg.parallel.mode in ("auto", "hotspa"):
-        return  # planned within the preset / each strategy checked per bucket (validation/packing.py)
+        return  # planned within the preset / each strategy checked per bucket (planner/fit.py)
     role, usable = fullest_role(cfg)
     assert role.total <= usable, (role.unit, role.pp, role.total / 1e9)
     from disttrain_core.parallel.plan import resolve_units

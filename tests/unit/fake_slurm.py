@@ -8,7 +8,7 @@
                                              variables (rank, local rank, node), as srun starts them
     python fake_slurm.py sacct ...           knows no job (submitit then waits for the result files)
 
-Only what submitit, Hydra's launcher and launch_env.py read is emulated: no resources, no signals.
+Only what submitit, Hydra's launcher and base/launch_env.py read is emulated: no resources, no signals.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 import pytest
 
-from disttrain_core.cli import PreflightError, check_overrides
+from disttrain_core.launch.cli import PreflightError, check_overrides
 
 from ..conftest import base_overrides, run_train
 
@@ -292,12 +292,13 @@ def test_deterministic_cuda_run_with_an_operator_that_has_no_deterministic_kerne
 def test_rope_scaling_bounds(scaling, expected, compose_cfg):
     """Llama-3.1 frequency scaling (set in a model file or from Hugging Face weights)."""
     from disttrain_core.config import RopeScalingConfig
-    from disttrain_core.validation import ConfigError, validate_config
+    from disttrain_core.planner.fit import validate_run
+    from disttrain_core.validation import ConfigError
 
     cfg = compose_cfg()
     cfg.model.llm.rope_scaling = RopeScalingConfig(**scaling)  # the other values at their Llama-3.1 defaults
     with pytest.raises(ConfigError) as info:
-        validate_config(cfg)
+        validate_run(cfg)
     assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 

@@ -22,7 +22,7 @@ def bench(monkeypatch):
 
 
 def test_the_limit_refuses_pure_data_parallelism_at_the_longest_bucket(bench):
-    from disttrain_core.cli import split_tool_args
+    from disttrain_core.launch.cli import split_tool_args
 
     options, _ = split_tool_args(TINY, bench.OPTIONS)
     limit_gb, margin, needs = bench.memory_limit(options)
@@ -33,7 +33,7 @@ def test_the_limit_refuses_pure_data_parallelism_at_the_longest_bucket(bench):
 
 def test_every_strategy_the_runtime_accepts_is_a_static_candidate_by_default(bench):
     """static=all: pure pipeline parallelism is a candidate too (its absence once made a 0.82x look like 1.41x)."""
-    from disttrain_core.cli import split_tool_args
+    from disttrain_core.launch.cli import split_tool_args
 
     options, _ = split_tool_args([o for o in TINY if not o.startswith("static=")], bench.OPTIONS)
     assert options["static"] == "all"

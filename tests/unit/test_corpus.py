@@ -11,7 +11,8 @@ from disttrain_core.config import compose, typed_config
 from disttrain_core.data.corpus import CorpusDocuments
 from disttrain_core.data.packed_loader import PackedStepLoader
 from disttrain_core.data.tokenizer import ByteTokenizer
-from disttrain_core.validation import ConfigError, validate_config
+from disttrain_core.planner.fit import validate_run
+from disttrain_core.validation import ConfigError
 
 from ..conftest import write_tar
 
@@ -86,7 +87,7 @@ def test_packed_steps_of_a_corpus_resume_exactly(tmp_path):
 def test_a_corpus_source_needs_a_readable_path(tmp_path):
     base = ["model=llama_tiny", "data=longtail_text", "data.packing.source=corpus"]
     with pytest.raises(ConfigError, match="data.packing.source=corpus reads data.packing.corpus"):
-        validate_config(typed_config(compose(base)))
+        validate_run(typed_config(compose(base)))
     with pytest.raises(ConfigError, match="names no webdataset shard"):
-        validate_config(typed_config(compose([*base, f"data.packing.corpus={tmp_path}/none"])))
-    validate_config(typed_config(compose([*base, f"data.packing.corpus={_jsonl(tmp_path, ['{}'])}"])))
+        validate_run(typed_config(compose([*base, f"data.packing.corpus={tmp_path}/none"])))
+    validate_run(typed_config(compose([*base, f"data.packing.corpus={_jsonl(tmp_path, ['{}'])}"])))

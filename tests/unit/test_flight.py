@@ -11,8 +11,8 @@ from collections import deque
 
 import pytest
 
-from disttrain_core.cli import tool_main
 from disttrain_core.comm import flight
+from disttrain_core.launch.cli import tool_main
 
 from ..conftest import REPO
 

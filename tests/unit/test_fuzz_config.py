@@ -39,10 +39,11 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from disttrain_core import cli
 from disttrain_core.config import CONFIG_GROUPS, Config, compose, group_options
+from disttrain_core.launch import cli
 from disttrain_core.parallel.recompute import POLICIES
-from disttrain_core.validation import ConfigError, check_state_fits, validate_config
+from disttrain_core.planner.fit import check_state_fits, validate_run
+from disttrain_core.validation import ConfigError
 from disttrain_core.validation.numbers import RULES
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 600))  # default suite (~15 s on 2 cores)
@@ -256,7 +257,7 @@ def fast_check(base: list[str], example: list[str], fits: bool = False):
                 raise
             raise cli.PreflightError(cli.describe_compose_error(error, overrides)) from error
         try:
-            validate_config(cfg)
+            validate_run(cfg)
             if fits:
                 check_state_fits(cfg)  # as cli.check_overrides: a model whose state cannot fit is refused
         except ConfigError as error:
@@ -270,10 +271,10 @@ def fast_check(base: list[str], example: list[str], fits: bool = False):
 @contextmanager
 def nothing_launches():
     """Every way to start a process or to generate data fails the test."""
-    from disttrain_core import launch
+    from disttrain_core.launch import entry as launch
 
     starters = ("launch", "prepare_data", "start_ranks", "start_producer", "run_worker", "spawn_local_processes")
-    targets = [f"disttrain_core.launch.{name}" for name in starters if hasattr(launch, name)]
+    targets = [f"disttrain_core.launch.entry.{name}" for name in starters if hasattr(launch, name)]
     targets += [
         "disttrain_core.data.synthetic.generate_shards",
         "subprocess.Popen",

@@ -112,7 +112,7 @@ def test_weights_drawn_on_the_device_are_the_same_for_every_shard():
 
 
 def test_cuda_launch_variables_are_named_for_the_launcher_to_set_before_any_context():
-    from disttrain_core.worker import cuda_environment
+    from disttrain_core.launch.worker import cuda_environment
 
     cfg = typed_config(compose(["parallel.comm.tp_overlap=true", "trainer.deterministic=true"]))
     env = cuda_environment(cfg, "cuda")

@@ -10,8 +10,9 @@ from omegaconf import OmegaConf
 
 from disttrain_core.config import compose, typed_config
 from disttrain_core.parallel.switch_plan import Strategy
+from disttrain_core.planner.fit import validate_run
 from disttrain_core.planner.hotspa_auto import bucket_sets, candidate_strategies, choose, resolve_hotspa_auto
-from disttrain_core.validation import ConfigError, validate_config
+from disttrain_core.validation import ConfigError
 
 # tools/bench_hotspa.py's workload at its memory limit: dp4 with zero3 and full recompute cannot hold 1,024 tokens
 TIGHT = [
@@ -44,7 +45,7 @@ def test_bucket_sets_and_candidates_cover_the_run():
 
 def test_auto_picks_the_fastest_predicted_set_and_the_result_validates(tmp_path):
     cfg = _cfg(*TIGHT)
-    validate_config(cfg)  # auto passes validation; the choice is validated after it is made
+    validate_run(cfg)  # auto passes validation; the choice is validated after it is made
     result = choose(cfg)
     assert result == choose(cfg)  # every process that plans gets the same answer
     buckets, strategies = result["buckets"], [Strategy.parse(s) for s in result["strategies"]]
@@ -58,7 +59,7 @@ def test_auto_picks_the_fastest_predicted_set_and_the_result_validates(tmp_path)
     container = resolve_hotspa_auto(cfg, OmegaConf.to_container(compose(TIGHT)), tmp_path)
     resolved = typed_config(container)
     assert list(resolved.data.packing.buckets) == buckets
-    validate_config(resolved)  # every chosen strategy fits its bucket by the same memory model
+    validate_run(resolved)  # every chosen strategy fits its bucket by the same memory model
     assert (tmp_path / "hotspa_plan.json").is_file()
 
 
@@ -67,7 +68,7 @@ def test_auto_refusals_are_one_line():
         choose(_cfg(*TIGHT, "cluster.memory_per_device_gb=0.001"))
     assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="strategies=\\[auto\\] chooses them: unset home"):
-        validate_config(_cfg(*TIGHT, "parallel.hotspa.home=dp4"))
+        validate_run(_cfg(*TIGHT, "parallel.hotspa.home=dp4"))
     from disttrain_core.parallel.hotspa_layout import parse_strategies
 
     with pytest.raises(ValueError, match="chosen by train.py before launch"):
@@ -96,7 +97,7 @@ def test_a_measured_profile_replaces_the_analytic_costs(tmp_path):
     assert set(result["chosen"]["fit"]) == set(per_token)  # only what the profile measured
     run = [*TIGHT, f"parallel.hotspa.profile={path}"]
     container = resolve_hotspa_auto(_cfg(*run), OmegaConf.to_container(compose(run)), tmp_path)
-    validate_config(typed_config(container))  # the chosen strategies run without the profile
+    validate_run(typed_config(container))  # the chosen strategies run without the profile
     assert json.loads((tmp_path / "hotspa_plan.json").read_text())["profile"] == str(path)
 
 
@@ -108,4 +109,4 @@ def test_a_profile_of_another_setting_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="cannot be read"):
         choose(_cfg(*TIGHT, f"parallel.hotspa.profile={tmp_path}/none.json"))
     with pytest.raises(ConfigError, match="is read by parallel.hotspa.strategies=\\[auto\\] only"):
-        validate_config(_cfg("parallel=hotspa", f"parallel.hotspa.profile={other}"))
+        validate_run(_cfg("parallel=hotspa", f"parallel.hotspa.profile={other}"))

@@ -7,7 +7,8 @@ import pytest
 
 from disttrain_core.config import compose, typed_config
 from disttrain_core.parallel.switch_plan import Strategy
-from disttrain_core.validation import ConfigError, validate_config
+from disttrain_core.planner.fit import validate_run
+from disttrain_core.validation import ConfigError
 
 HOT = ["parallel=hotspa", "data.packing.buckets=[64,256,1024]", "model.seq_len=1024"]
 
@@ -46,12 +47,12 @@ def _cfg(*overrides):
 )
 def test_bad_hotspa_settings_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")) as error:
-        validate_config(_cfg(*HOT, *overrides))
+        validate_run(_cfg(*HOT, *overrides))
     assert "\n" not in str(error.value)
 
 
 def test_the_same_limit_accepts_strategies_that_shard_the_long_bucket():
-    validate_config(_cfg(*HOT, "cluster.runtime_overhead_gb=0", "cluster.memory_per_device_gb=0.04"))
+    validate_run(_cfg(*HOT, "cluster.runtime_overhead_gb=0", "cluster.memory_per_device_gb=0.04"))
 
 
 def test_a_bucket_that_recomputes_fits_where_it_did_not():
@@ -62,9 +63,9 @@ def test_a_bucket_that_recomputes_fits_where_it_did_not():
     tight = [*HOT, "parallel.hotspa.strategies=[tp2pp2,dp2tp2,dp4]", "cluster.runtime_overhead_gb=0"]
     tight.append("cluster.memory_per_device_gb=0.04")
     with pytest.raises(ConfigError, match="dp4 cannot hold its bucket"):
-        validate_config(_cfg(*tight, "parallel.hotspa.recompute=[full,full,none]"))
+        validate_run(_cfg(*tight, "parallel.hotspa.recompute=[full,full,none]"))
     cfg = _cfg(*tight, "parallel.hotspa.recompute=[none,none,full]")
-    validate_config(cfg)
+    validate_run(cfg)
     assert [bucket_recompute(cfg, k) for k in range(3)] == ["none", "none", "full"]
     assert strategy_config(cfg, Strategy.parse("dp4"), 1024, bucket_recompute(cfg, 2)).parallel.recompute == "full"
 
@@ -73,7 +74,7 @@ def test_the_default_preset_validates_and_its_home_is_the_most_sharded():
     from disttrain_core.parallel.hotspa_layout import bucket_strategies
 
     cfg = _cfg("parallel=hotspa")
-    validate_config(cfg)
+    validate_run(cfg)
     strategies, capacities, home = bucket_strategies(cfg)
     assert [s.name for s in strategies] == ["dp4", "dp2tp2", "tp2pp2"] and capacities == [64, 128, 256]
     assert home == "tp2pp2"
@@ -82,7 +83,7 @@ def test_the_default_preset_validates_and_its_home_is_the_most_sharded():
 
 def test_packing_with_a_static_layout_is_ddp_only():
     with pytest.raises(ConfigError, match="parallel.mode=ddp, hotspa or local_sgd"):
-        validate_config(
+        validate_run(
             _cfg("model=llama_tiny", "data=longtail_text", "parallel=pp2", "schedule=1f1b", "trainer.devices=2")
         )
-    validate_config(_cfg("model=llama_tiny", "data=longtail_text", "trainer.devices=2"))
+    validate_run(_cfg("model=llama_tiny", "data=longtail_text", "trainer.devices=2"))

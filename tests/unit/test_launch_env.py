@@ -1,5 +1,5 @@
 """How a job was started, read from the environment, and the one-line refusals before anything starts
-(launch_env.py); helper processes that die with their parent (processes.py)."""
+(base/launch_env.py); helper processes that die with their parent (base/processes.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from disttrain_core.base.launch_env import LaunchError, check, detect, tasks_per_node
 from disttrain_core.config import run_stamp
-from disttrain_core.launch_env import LaunchError, check, detect, tasks_per_node
 
 SRUN = {
     "SLURM_JOB_ID": "77",
@@ -106,7 +106,7 @@ sys.path.insert(0, {repo!r})
 grandchild = subprocess.Popen([sys.executable, "-c", '''
 import os, sys, time
 sys.path.insert(0, {repo!r})
-from disttrain_core.processes import helper_process_init
+from disttrain_core.base.processes import helper_process_init
 helper_process_init(int(sys.argv[1]))
 print(os.getpid(), flush=True)
 time.sleep(60)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from disttrain_core.cli import PreflightError, check_overrides, tool_main
+from disttrain_core.launch.cli import PreflightError, check_overrides, tool_main
 from disttrain_core.validation.cluster_fit import scheduler_launcher
 
 from ..conftest import REPO, read_metrics
@@ -100,7 +100,7 @@ def test_the_slurm_launcher_submits_a_two_node_recipe_as_its_header_means(fake_s
 
 def test_a_job_submitted_through_the_launcher_runs_under_srun_and_trains(fake_slurm, shards, tmp_path):
     """A CPU job the same way, run by the fake scheduler: srun starts one task per rank, submitit's runner loads the
-    pickled Hydra job in each, launch_env.py finds srun's variables, and the two ranks train in one directory named
+    pickled Hydra job in each, base/launch_env.py finds srun's variables, and the two ranks train in one directory named
     by the job id (a requeued job keeps its id, so its rerun resumes there)."""
     capture = tmp_path / "submitted.sh"
     args = [

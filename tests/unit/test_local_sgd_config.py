@@ -5,7 +5,8 @@ shard, and an SGD optimizer where the sharded AdamW runs."""
 import pytest
 
 from disttrain_core.config import compose, typed_config
-from disttrain_core.validation import ConfigError, validate_config
+from disttrain_core.planner.fit import validate_run
+from disttrain_core.validation import ConfigError
 
 LOCAL = ["parallel=local_sgd", "trainer.devices=4", "optim.micro_batch_size=2"]
 
@@ -70,7 +71,7 @@ def _cfg(*overrides):
 )
 def test_bad_local_sgd_settings_fail_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as error:
-        validate_config(_cfg(*LOCAL, *overrides))
+        validate_run(_cfg(*LOCAL, *overrides))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -90,19 +91,19 @@ def test_bad_local_sgd_settings_fail_in_one_line(overrides, message):
 )
 def test_sgd_where_adamw_is_sharded_fails_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as error:
-        validate_config(_cfg("optim=sgd", "trainer.devices=2", "optim.micro_batch_size=2", *overrides))
+        validate_run(_cfg("optim=sgd", "trainer.devices=2", "optim.micro_batch_size=2", *overrides))
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
 def test_good_settings_pass():
-    validate_config(_cfg(*LOCAL))
-    validate_config(_cfg(*LOCAL, "parallel.local_sgd.shard_group=2", "optim=sgd", "optim.momentum=0.9"))
+    validate_run(_cfg(*LOCAL))
+    validate_run(_cfg(*LOCAL, "parallel.local_sgd.shard_group=2", "optim=sgd", "optim.momentum=0.9"))
     two = [*LOCAL, "parallel.local_sgd.shard_group=2"]
-    validate_config(_cfg(*two, "parallel.shard=zero3", "optim=sgd"))  # torch SGD on FSDP2's shards
-    validate_config(_cfg(*two, "parallel.shard=zero2", "trainer.precision=bf16-mixed"))
-    validate_config(_cfg(*two, "parallel.shard=zero1", "trainer.precision=bf16-mixed", "parallel.comm.wire_dtype=fp32"))
-    validate_config(_cfg(*LOCAL, "parallel.local_sgd.shard_group=null", "parallel.local_sgd.method=post_local_sgd"))
-    validate_config(_cfg("optim=sgd", "trainer.devices=2", "optim.micro_batch_size=2"))
+    validate_run(_cfg(*two, "parallel.shard=zero3", "optim=sgd"))  # torch SGD on FSDP2's shards
+    validate_run(_cfg(*two, "parallel.shard=zero2", "trainer.precision=bf16-mixed"))
+    validate_run(_cfg(*two, "parallel.shard=zero1", "trainer.precision=bf16-mixed", "parallel.comm.wire_dtype=fp32"))
+    validate_run(_cfg(*LOCAL, "parallel.local_sgd.shard_group=null", "parallel.local_sgd.method=post_local_sgd"))
+    validate_run(_cfg("optim=sgd", "trainer.devices=2", "optim.micro_batch_size=2"))
 
 
 @pytest.mark.parametrize(
@@ -124,5 +125,5 @@ def test_edit_methods_turn_on_layerwise_sync_and_the_penalty_unless_set(method, 
     from disttrain_core.parallel.plan import local_sgd_features
 
     cfg = _cfg(*LOCAL, f"parallel.local_sgd.method={method}", *settings)
-    validate_config(cfg)
+    validate_run(cfg)
     assert local_sgd_features(cfg.parallel.local_sgd) == expected

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from disttrain_core.train.local_sgd_sync import OuterSync
+from disttrain_core.train.local_sgd.sync import OuterSync
 
 
 class Tiny(torch.nn.Module):

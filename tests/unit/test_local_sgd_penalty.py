@@ -1,6 +1,6 @@
 """EDiT's penalty in one process: the EWMA z-test (one-sided, statistics from normal values only), softmax
 weights over the normal workers, rollback when every worker is anomalous, and per-unit clipping of the
-combined pseudo-gradient (train/local_sgd_penalty.py, train/local_sgd_sync.py)."""
+combined pseudo-gradient (train/local_sgd/penalty.py, train/local_sgd/sync.py)."""
 
 import math
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from disttrain_core.train.local_sgd_penalty import Ewma, Penalty
+from disttrain_core.train.local_sgd.penalty import Ewma, Penalty
 
 
 def _cfg(**overrides):
@@ -51,7 +51,7 @@ def test_clipping_bounds_each_units_combined_pseudo_gradient():
     from disttrain_core.config import compose, typed_config
     from disttrain_core.data.tokenizer import build_tokenizer
     from disttrain_core.models import build_model, materialize
-    from disttrain_core.train.local_sgd_sync import OuterSync
+    from disttrain_core.train.local_sgd.sync import OuterSync
 
     cfg = typed_config(compose(["model=llama_tiny"]))
     model = build_model(cfg.model, build_tokenizer(cfg.data.tokenizer), device="meta")
@@ -73,7 +73,7 @@ def test_clipping_bounds_each_units_combined_pseudo_gradient():
 def test_step_weighting_mixes_in_each_workers_share_of_the_steps():
     """A-EDiT's step weighting: (1 - r) w + r s over the workers with a weight, renormalized; anomalous workers
     (weight 0) stay out; a rollback (all zero) and no shares leave the weights alone."""
-    from disttrain_core.train.local_sgd_sync import mix_weights
+    from disttrain_core.train.local_sgd.sync import mix_weights
 
     assert mix_weights([0.5, 0.5], [0.6, 0.4], 0.5) == pytest.approx([0.55, 0.45])
     assert mix_weights([0.5, 0.5], [0.6, 0.4], 1.0) == pytest.approx([0.6, 0.4])

@@ -78,7 +78,7 @@ def test_memory_tool_breaks_down_a_disaggregated_layout():
 
 def test_sgd_and_local_sgd_state_is_what_their_optimizers_allocate():
     """optim=sgd keeps a momentum buffer (4 bytes) or nothing; local SGD adds its share of the fp32 anchors and
-    of the outer momentum (train/local_sgd_sync.py keeps them for owned parameters only)."""
+    of the outer momentum (train/local_sgd/sync.py keeps them for owned parameters only)."""
     from disttrain_core.config import compose, typed_config
     from disttrain_core.planner.memory import model_state, optimizer_state_bytes
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from disttrain_core.launch import launch
+from disttrain_core.launch.entry import launch
 from disttrain_core.train.optim import lr_factor
 
 from ..conftest import read_metrics

@@ -4,9 +4,9 @@ patches per input, the generator and its latent size, frozen modules; and each c
 import pytest
 
 from disttrain_core.config import compose
+from disttrain_core.planner.fit import validate_run
 from disttrain_core.planner.presets import PRESETS
 from disttrain_core.planner.workload import workload_of
-from disttrain_core.validation import validate_config
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -14,7 +14,7 @@ def test_a_preset_is_what_the_planner_counts(name):
     preset = PRESETS[name]
     assert len(preset.source) > 40 and preset.generated_per_sample in (0, 1)
     cfg = compose(["model=mllm_tiny", "model.encoder.patch_size=16", "model.seq_len=4096", *preset.overrides()])
-    validate_config(cfg)
+    validate_run(cfg)
     work = workload_of(cfg.model).units
     encoder = work["encoder"]
     assert encoder.items_per_sample == pytest.approx(preset.images_per_sample * preset.tiles)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from disttrain_core.data.token_file import SKIP_REASON, TokenFileLoader
-from disttrain_core.validation import ConfigError, validate_config
+from disttrain_core.planner.fit import validate_run
+from disttrain_core.validation import ConfigError
 
 
 def _file(tmp_path, tokens, name="tokens.npy"):
@@ -57,7 +58,7 @@ def test_a_window_outside_the_vocabulary_is_skipped_counted_and_replaced(tmp_pat
 
 def test_bad_token_files_are_refused_before_launch_in_one_line(compose_cfg, tmp_path):
     good = _file(tmp_path, np.arange(4096, dtype=np.uint16) % 300)
-    validate_config(compose_cfg("model=llama_tiny", "data=tokens", f"data.path={good}"))
+    validate_run(compose_cfg("model=llama_tiny", "data=tokens", f"data.path={good}"))
     cases = {
         "2-D": (_file(tmp_path, np.zeros((4, 600), dtype=np.uint16), "flat.npy"), "1-D integer"),
         "floats": (_file(tmp_path, np.zeros(600, dtype=np.float32), "f.npy"), "1-D integer"),
@@ -68,8 +69,8 @@ def test_bad_token_files_are_refused_before_launch_in_one_line(compose_cfg, tmp_
     }
     for path, says in cases.values():
         with pytest.raises(ConfigError, match=says):
-            validate_config(compose_cfg("model=llama_tiny", "data=tokens", f"data.path={path}"))
+            validate_run(compose_cfg("model=llama_tiny", "data=tokens", f"data.path={path}"))
     with pytest.raises(ConfigError, match="has an image encoder"):
-        validate_config(compose_cfg("model=mllm_tiny", "data=tokens", f"data.path={good}"))
+        validate_run(compose_cfg("model=mllm_tiny", "data=tokens", f"data.path={good}"))
     with pytest.raises(ConfigError, match="data.format='csv'"):
-        validate_config(compose_cfg("model=llama_tiny", "data.format=csv"))
+        validate_run(compose_cfg("model=llama_tiny", "data.format=csv"))

@@ -10,11 +10,11 @@ import re
 import numpy as np
 import pytest
 
-from disttrain_core.cli import PreflightError, check_overrides
 from disttrain_core.config import SyntheticDataConfig
 from disttrain_core.data.samples import SampleEncoder
 from disttrain_core.data.synthetic import make_sample
 from disttrain_core.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from disttrain_core.launch.cli import PreflightError, check_overrides
 
 from ..conftest import REPO, base_overrides, cli_overrides, read_metrics, run_train
 

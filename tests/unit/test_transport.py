@@ -360,7 +360,7 @@ def _bad_connection(address, index: int, zeros: bytes) -> None:
 
 
 def test_a_thousand_bad_connections_leave_a_standalone_producer_flat(tmp_path):
-    """A real producer process (python -m disttrain_core.data.producer): its VmRSS is everything it holds,
+    """A real producer process (python -m disttrain_core.launch.producer): its VmRSS is everything it holds,
     threads and buffers included. 100 connections first warm it up (lazy imports, logging, the first thread
     stacks); then 1,000 more of four kinds may not add more than 5 MB or leave threads behind."""
     with socket.socket() as probe:
@@ -369,7 +369,7 @@ def test_a_thousand_bad_connections_leave_a_standalone_producer_flat(tmp_path):
     key = new_key()
     empty = tmp_path / "empty"
     empty.mkdir()
-    command = [sys.executable, "-m", "disttrain_core.data.producer", "--listen", f"127.0.0.1:{port}"]
+    command = [sys.executable, "-m", "disttrain_core.launch.producer", "--listen", f"127.0.0.1:{port}"]
     command += [f"data.path={empty}", "data.generate_if_missing=true", "trainer.accelerator=cpu"]
     env = {**os.environ, "DISTTRAIN_PRODUCER_KEY": key}
     log = open(tmp_path / "producer.log", "w")  # noqa: SIM115  (closed below)

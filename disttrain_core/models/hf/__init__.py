@@ -195,7 +195,7 @@ def load_pretrained(modules: list, cfg: ModelConfig, model_names: list[str]) -> 
     Returns the names not covered; with ``model.init_from_strict`` any is an error that lists them.
 
     Every rank reads the whole of each imported part (the importers return full tensors)."""
-    from ...dtensor import local_block
+    from ...base.dtensor import local_block
 
     state = pretrained_state(cfg)
     names = set(model_names)

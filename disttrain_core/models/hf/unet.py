@@ -103,50 +103,56 @@ def _uniform(directory: Path, key: str, value: Any, levels: int) -> Any:
     return value[0]
 
 
-def check_config(directory: Path, hf: dict[str, Any], cfg: ModelConfig) -> None:
-    """Raise :class:`PretrainedError` (one line) unless ``hf`` describes the U-Net ``cfg.generator`` builds."""
-    from ..unet import level_head_dims
+def _get(hf: dict[str, Any], key: str) -> Any:
+    """A diffusers config value, or diffusers' default when the config omits it."""
+    return hf.get(key, _DEFAULTS.get(key, _FIXED.get(key)))
 
-    gen = cfg.generator
-    if gen is None:
-        raise PretrainedError(f"{directory}: a UNet2DConditionModel, but model {cfg.name} has no generator")
 
-    def get(key: str) -> Any:
-        return hf.get(key, _DEFAULTS.get(key, _FIXED.get(key)))
+def _mismatch(
+    directory: Path, key: str, value: Any, ours: str, our_value: Any, override: Any = None
+) -> PretrainedError:
+    """The error naming a diffusers value, ours, and the override that fixes it."""
+    fix = _hydra(value if override is None else override)
+    return PretrainedError(
+        f"{directory}: diffusers {key}={_hydra(value)} but model.generator.{ours}={_hydra(our_value)}; "
+        f"override with model.generator.{ours}={fix}"
+    )
 
+
+def _check_fixed(directory: Path, hf: dict[str, Any]) -> None:
+    """The diffusers options our U-Net implements with one value only hold that value."""
     for key, wanted in _FIXED.items():
-        value = get(key)
+        value = _get(hf, key)
         values = value if isinstance(value, (list, tuple)) else [value]
         if not all(any(_same(v, w) for w in (wanted, *_ALSO.get(key, ()))) for v in values):
             raise PretrainedError(
                 f"{directory}: diffusers {key}={value!r} is not supported (our U-Net implements {key}={wanted!r})"
             )
 
-    def mismatch(key: str, value: Any, ours: str, our_value: Any, override: Any = None) -> PretrainedError:
-        fix = _hydra(value if override is None else override)
-        return PretrainedError(
-            f"{directory}: diffusers {key}={_hydra(value)} but model.generator.{ours}={_hydra(our_value)}; "
-            f"override with model.generator.{ours}={fix}"
-        )
 
-    chans = list(get("block_out_channels"))
-    levels = len(chans)
+def _check_channels(directory: Path, hf: dict[str, Any], gen) -> list:
+    """The channels per level, the time embedding and the in/out channels; returns the channels per level."""
+    chans = list(_get(hf, "block_out_channels"))
     if chans != list(gen.block_out_channels):
-        raise mismatch("block_out_channels", chans, "block_out_channels", list(gen.block_out_channels))
+        raise _mismatch(directory, "block_out_channels", chans, "block_out_channels", list(gen.block_out_channels))
     if hf.get("time_embedding_dim") not in (None, 4 * chans[0]):
         raise PretrainedError(
             f"{directory}: diffusers time_embedding_dim={hf['time_embedding_dim']} is not supported "
             f"(ours is 4 * block_out_channels[0] = {4 * chans[0]})"
         )
-    if get("in_channels") != gen.in_channels:
-        raise mismatch("in_channels", get("in_channels"), "in_channels", gen.in_channels)
-    if get("out_channels") != get("in_channels"):
+    if _get(hf, "in_channels") != gen.in_channels:
+        raise _mismatch(directory, "in_channels", _get(hf, "in_channels"), "in_channels", gen.in_channels)
+    if _get(hf, "out_channels") != _get(hf, "in_channels"):
         raise PretrainedError(
-            f"{directory}: diffusers out_channels={get('out_channels')} differs from in_channels={get('in_channels')}; "
-            "our generator predicts noise with in_channels channels"
+            f"{directory}: diffusers out_channels={_get(hf, 'out_channels')} differs from "
+            f"in_channels={_get(hf, 'in_channels')}; our generator predicts noise with in_channels channels"
         )
+    return chans
 
-    down, up = list(get("down_block_types")), list(get("up_block_types"))
+
+def _check_block_types(directory: Path, hf: dict[str, Any], gen, levels: int) -> list[bool]:
+    """The down and up block types; returns which levels have cross-attention."""
+    down, up = list(_get(hf, "down_block_types")), list(_get(hf, "up_block_types"))
     for key, types, known in (("down_block_types", down, _DOWN_TYPES), ("up_block_types", up, _UP_TYPES)):
         unknown = [t for t in types if t not in known]
         if unknown or len(types) != levels:
@@ -159,22 +165,34 @@ def check_config(directory: Path, hf: dict[str, Any], cfg: ModelConfig) -> None:
             f"{directory}: diffusers up_block_types={up} do not mirror down_block_types={down}; our up blocks do"
         )
     if attention != list(gen.cross_attention_blocks):
-        raise mismatch("down_block_types", down, "cross_attention_blocks", list(gen.cross_attention_blocks), attention)
+        raise _mismatch(
+            directory, "down_block_types", down, "cross_attention_blocks", list(gen.cross_attention_blocks), attention
+        )
+    return attention
 
-    layers = _uniform(directory, "layers_per_block", get("layers_per_block"), levels)
+
+def _check_block_sizes(directory: Path, hf: dict[str, Any], gen, levels: int) -> None:
+    """Layers per block, the GroupNorm groups and the cross-attention context size."""
+    layers = _uniform(directory, "layers_per_block", _get(hf, "layers_per_block"), levels)
     if layers != gen.layers_per_block:
-        raise mismatch("layers_per_block", layers, "layers_per_block", gen.layers_per_block)
-    groups = get("norm_num_groups")
+        raise _mismatch(directory, "layers_per_block", layers, "layers_per_block", gen.layers_per_block)
+    groups = _get(hf, "norm_num_groups")
     if groups is None:
         raise PretrainedError(f"{directory}: diffusers norm_num_groups=None (no output GroupNorm) is not supported")
     if groups != gen.norm_groups:
-        raise mismatch("norm_num_groups", groups, "norm_groups", gen.norm_groups)
-    context = _uniform(directory, "cross_attention_dim", get("cross_attention_dim"), levels)
+        raise _mismatch(directory, "norm_num_groups", groups, "norm_groups", gen.norm_groups)
+    context = _uniform(directory, "cross_attention_dim", _get(hf, "cross_attention_dim"), levels)
     if context != gen.cross_attention_dim:
-        raise mismatch("cross_attention_dim", context, "cross_attention_dim", gen.cross_attention_dim)
+        raise _mismatch(directory, "cross_attention_dim", context, "cross_attention_dim", gen.cross_attention_dim)
 
+
+def _check_heads(directory: Path, hf: dict[str, Any], gen, chans: list, attention: list[bool]) -> None:
+    """The attention heads per level where transformers are."""
+    from ..unet import level_head_dims
+
+    levels = len(chans)
     # diffusers' attention_head_dim is the number of heads per level (a historical misnomer).
-    heads = get("attention_head_dim")
+    heads = _get(hf, "attention_head_dim")
     heads = list(heads) if isinstance(heads, (list, tuple)) else [heads] * levels
     valid = [isinstance(h, int) and h > 0 and chans[i] % h == 0 for i, h in enumerate(heads)]
     if len(heads) != levels or not all(valid):
@@ -193,6 +211,19 @@ def check_config(directory: Path, hf: dict[str, Any], cfg: ModelConfig) -> None:
             f"{_hydra(ours)} heads (head_dim={gen.head_dim}, attention_heads={_hydra(given)})"
             f"; override with model.generator.attention_heads={_hydra(heads)}"
         )
+
+
+def check_config(directory: Path, hf: dict[str, Any], cfg: ModelConfig) -> None:
+    """Raise :class:`PretrainedError` (one line) unless ``hf`` describes the U-Net ``cfg.generator`` builds."""
+    gen = cfg.generator
+    if gen is None:
+        raise PretrainedError(f"{directory}: a UNet2DConditionModel, but model {cfg.name} has no generator")
+    _check_fixed(directory, hf)
+    chans = _check_channels(directory, hf, gen)
+    levels = len(chans)
+    attention = _check_block_types(directory, hf, gen, levels)
+    _check_block_sizes(directory, hf, gen, levels)
+    _check_heads(directory, hf, gen, chans, attention)
 
 
 _TOP = {

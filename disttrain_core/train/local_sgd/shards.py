@@ -19,15 +19,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..config import Config
-from ..dtensor import local
-from ..parallel.fsdp import FSDP_MODES, apply_fsdp
-from ..parallel.plan import layout_shard
-from ..parallel.recompute import BLOCKS
-from ..parallel.zero import ZeroOneOptimizer
-from .engine import clip_by_norm
-from .state import model_entries, optimizer_entries, owned_by
-from .unit_engine import wire_dtype
+from ...base.dtensor import local
+from ...config import Config
+from ...parallel.fsdp import FSDP_MODES, apply_fsdp
+from ...parallel.plan import layout_shard
+from ...parallel.recompute import BLOCKS
+from ...parallel.zero import ZeroOneOptimizer
+from ..engine import clip_by_norm
+from ..state import model_entries, optimizer_entries, owned_by
+from ..unit_engine import wire_dtype
 
 
 class WorkerShards:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..dtensor import local
-from ..models.llama import DecoderBlock
+from ...base.dtensor import local
+from ...models.llama import DecoderBlock
 
 
 class OuterSync:
@@ -50,7 +50,7 @@ class OuterSync:
         self.owner_of = owner_of
         self.worker = worker
         self.sharded = sharded
-        # EDiT's penalty (train/local_sgd_penalty.py), or None: the plain mean of the pseudo-gradients
+        # EDiT's penalty (train/local_sgd/penalty.py), or None: the plain mean of the pseudo-gradients
         self.penalty = penalty if penalty is not None and penalty.active else None
         self.verdicts: list[dict] = []  # per unit of each sync since last read: norms, flags, weights
         self.device = next(p.device for _, p in named_parameters)

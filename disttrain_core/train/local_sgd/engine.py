@@ -2,7 +2,7 @@
 
 The processes form a 2-D mesh: a *worker* is ``shard_group`` consecutive processes that train one model
 replica together (DDP inside the worker, or sharded: ``parallel.shard=zero1|zero2|zero3``,
-train/local_sgd_shards.py), and a *sync group* joins the processes at the same place in every worker. The
+train/local_sgd/shards.py), and a *sync group* joins the processes at the same place in every worker. The
 first ``warmup_steps`` steps are synchronous data parallelism (each worker's sum, then a sum over the sync
 group, the loss normalized by the global batch). After them each worker steps alone on its
 own samples (its loss normalized by its own tokens), and every ``sync_every`` steps the workers sync:
@@ -18,11 +18,11 @@ own samples (its loss normalized by its own tokens), and every ``sync_every`` st
 * the owner broadcasts the new anchor inside its worker and every process sets its parameters to it.
 
 ``layerwise`` (EDiT's layer-wise sync): the same operations, decoder block by decoder block during the next
-forward, each block's reduction in flight while the previous block computes (train/local_sgd_sync.py).
+forward, each block's reduction in flight while the previous block computes (train/local_sgd/sync.py).
 ``edit`` is ``diloco`` with layer-wise sync and EDiT's penalty on unless set off; ``a_edit`` is ``edit`` synced
 when ``sync_interval_s`` seconds have passed instead of every ``sync_every`` steps: its workers take different
 numbers of steps, and the loop's agreements (stop, checkpoint, end of run) move to its syncs
-(train/local_sgd_clock.py).
+(train/local_sgd/clock.py).
 
 The anchors and the outer momentum exist only for owned parameters (or shards): besides the model and the inner
 optimizer, a process holds 1/shard_group of one extra model copy (2/shard_group with momentum).
@@ -40,16 +40,16 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 
-from ..comm.engine import allreduce_tensors
-from ..config import Config
-from ..data.tokenizer import Tokenizer
-from ..models.llama import DecoderBlock
-from ..parallel.plan import local_sgd_features, local_sgd_shard_group
-from .engine import DataParallelEngine
-from .local_sgd_clock import TimedSyncs
-from .local_sgd_penalty import Penalty
-from .local_sgd_shards import WorkerShards
-from .local_sgd_sync import OuterSync
+from ...comm.engine import allreduce_tensors
+from ...config import Config
+from ...data.tokenizer import Tokenizer
+from ...models.llama import DecoderBlock
+from ...parallel.plan import local_sgd_features, local_sgd_shard_group
+from ..engine import DataParallelEngine
+from .clock import TimedSyncs
+from .penalty import Penalty
+from .shards import WorkerShards
+from .sync import OuterSync
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class LocalSgdEngine(DataParallelEngine):
         else:
             worker_group, self.sync_group, self.worker, self.place = None, None, 0, 0
         self.worker_group = worker_group
-        # inside a worker: none (DDP), zero1, zero2 or zero3 (train/local_sgd_shards.py)
+        # inside a worker: none (DDP), zero1, zero2 or zero3 (train/local_sgd/shards.py)
         self.shards = WorkerShards(cfg, fabric.device, worker_group, self.worker, self.place, self.shard)
         self.fsdp, self.zero1 = self.shards.fsdp, self.shards.zero1
         super().__init__(cfg, fabric, tokenizer, group=worker_group if world > 1 else None)
@@ -227,7 +227,7 @@ class LocalSgdEngine(DataParallelEngine):
             self.sync()
 
     def sync(self) -> None:
-        """The outer step (train/local_sgd_sync.py): now, or unit by unit in the next forward (layer-wise)."""
+        """The outer step (train/local_sgd/sync.py): now, or unit by unit in the next forward (layer-wise)."""
         if self.zero1:  # the step's updated parameters, gathered (in the background with overlap) before use
             self.optimizer.wait_params()
         self._write_verdicts()  # of the previous sync (a layer-wise one completes in the forward after it)

@@ -5,9 +5,10 @@ A GPU recipe's header carries its launch command (``# Launch: python train.py re
 assumptions (``# Assumes: <G> GPUs (<N> nodes x <D>), <M> GB each, ... (cluster=<preset>)``). The job is
 composed from the recipe, the header's arguments and the caller's overrides with a launcher preset of
 conf/hydra/launcher/ (``slurm`` by default), validated as it will be on the cluster -- the GPU cluster preset
-against the layout's GPUs and memory included (validation/cluster_fit.py) -- and rendered by submitit's own
-sbatch writer with the launcher's parameters, exactly as the plugin passes them, so the ``#SBATCH`` lines are
-the ones ``python train.py -m recipe=<name> hydra/launcher=slurm`` submits (tests/unit/test_launch_script.py).
+against the layout's GPUs (validation/cluster_fit.py) and memory (planner/fit.py) included -- and rendered by
+submitit's own sbatch writer with the launcher's parameters, exactly as the plugin passes them, so the
+``#SBATCH`` lines are the ones ``python train.py -m recipe=<name> hydra/launcher=slurm`` submits
+(tests/unit/test_launch_script.py).
 
 ``parallel=auto`` recipes are planned here as every rank will plan them (analytic costs, the same config): the
 job must start exactly the GPUs the plan uses, in whole nodes, or it is refused in one line.
@@ -21,9 +22,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .config import RECIPES_DIR, REPO_ROOT, compose, group_options, override_key, typed_config
-from .validation import ConfigError, validate_config
-from .validation.cluster_fit import check_signal_window
+from ..config import RECIPES_DIR, REPO_ROOT, compose, group_options, override_key, typed_config
+from ..planner.fit import validate_run
+from ..validation import ConfigError
+from ..validation.cluster_fit import check_signal_window
 
 LAUNCH_LINE = re.compile(r"^# Launch: python train\.py recipe=(?P<name>\S+)(?P<args>.*)$", re.MULTILINE)
 ASSUMES_LINE = re.compile(
@@ -130,14 +132,14 @@ def _validated(args: list[str]):
     devices and rendezvous are not checked); every other check -- the cluster preset's GPUs and memory against
     the layout's included -- runs."""
     cfg = typed_config(compose([*args, "trainer.dry_run=true"]))
-    validate_config(cfg)
+    validate_run(cfg)
     return cfg
 
 
 def planned_node_count(cfg) -> tuple[int, str]:
     """``parallel=auto`` on a GPU cluster: plan as every rank will (same config, analytic costs); the job must
     start exactly the plan's GPUs in whole nodes of ``trainer.devices``."""
-    from .planner import PlanningError, make_plan
+    from ..planner import PlanningError, make_plan
 
     try:
         result = make_plan(cfg, progress=lambda *_: None)
@@ -225,7 +227,7 @@ def sbatch_script(job: Job, folder: str | None = None, python: str | None = None
 
 def torchrun_command(job: Job, python: str | None = None) -> str:
     """The torchrun command of ``job``; with several nodes, the one every node runs (the rendezvous host and a
-    job id shared by the nodes: launch_env.py names the run directory by it)."""
+    job id shared by the nodes: base/launch_env.py names the run directory by it)."""
     command = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={job.devices}"]
     if job.nodes > 1:
         command += [

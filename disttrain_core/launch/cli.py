@@ -13,8 +13,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from .config import CONFIG_GROUPS, compose, group_options, override_key
-from .validation import ConfigError, check_state_fits, validate_config
+from ..config import CONFIG_GROUPS, compose, group_options, override_key
+from ..validation import ConfigError
 
 # Hydra flags that do not train (help, config printing, completion): no preflight.
 PASSTHROUGH_FLAGS = {
@@ -145,7 +145,8 @@ def _variants(argv: list[str], multirun: bool) -> list[list[str]]:
 def check_overrides(argv: list[str], on_composed: Callable | None = None) -> None:
     """Raise PreflightError describing the first configuration problem in ``argv``. ``on_composed(cfg)``:
     called with each variant's typed config before it is validated."""
-    from .config import typed_config
+    from ..config import typed_config
+    from ..planner.fit import check_state_fits, validate_run
 
     multirun = "-m" in argv or "--multirun" in argv
     for overrides in _variants(argv, multirun):
@@ -157,7 +158,7 @@ def check_overrides(argv: list[str], on_composed: Callable | None = None) -> Non
             cfg = typed_config(composed)
             if on_composed is not None:
                 on_composed(cfg)
-            validate_config(cfg)
+            validate_run(cfg)
             check_state_fits(cfg)
         except ConfigError as error:
             raise PreflightError(str(error)) from error

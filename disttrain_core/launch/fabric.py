@@ -1,7 +1,7 @@
 """Fabric's DDP strategy for the ranks train.py starts on this machine, by ``trainer.start_method``.
 
 ``spawn``: Fabric's own launcher, fresh interpreters. ``forkserver`` (the default): Fabric's launcher
-with two additions. The fork server preloads torch, Fabric and this package (rank_preload.py), so a
+with two additions. The fork server preloads torch, Fabric and this package (launch/rank_preload.py), so a
 rank costs a fork instead of ~3-4 s of imports. And every rank gets this process's environment as it is
 at launch: a fork server's children inherit the server's environment, which is as old as the server
 (a Hydra sweep's first job, a test session's first launch), while the variables a job sets -- its id,
@@ -21,7 +21,7 @@ from typing import Any
 from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-from .launchers import PRELOAD
+PRELOAD = f"{__package__}.rank_preload"  # what the fork server of trainer.start_method=forkserver imports
 
 
 class EnvironmentForwardingLauncher(_MultiProcessingLauncher):
@@ -37,7 +37,7 @@ class EnvironmentForwardingLauncher(_MultiProcessingLauncher):
         return super().launch(function, *args, **kwargs)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (rank_preload.py)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (launch/rank_preload.py)
         os.environ.clear()
         os.environ.update(self.environ)
         super()._wrapping_function(process_idx, *args, **kwargs)

@@ -1,10 +1,10 @@
 """From a composed config to running processes.
 
 ``launch`` runs in the Hydra job process: it validates the config and the process environment
-(launch_env.py: local, torchrun, srun), prepares the data, writes the resolved config into the run
-directory, then starts the ranks of this node (launchers.py: Fabric's launcher, or torch's
+(base/launch_env.py: local, torchrun, srun), prepares the data, writes the resolved config into the run
+directory, then starts the ranks of this node (launch/launchers.py: Fabric's launcher, or torch's
 elastic agent when ``trainer.max_restarts`` > 0). Under torchrun or srun every process is already a
-rank and runs this function itself (worker.py): nothing is spawned, the run directory is named by the job
+rank and runs this function itself (launch/worker.py): nothing is spawned, the run directory is named by the job
 (conf/hydra: ``run_stamp``), and rank 0 starts the job's one data producer.
 """
 
@@ -18,27 +18,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import Config, determinism, training_precision, typed_config
-from .launch_env import LaunchError, detect, node_rendezvous
-from .launch_env import check as check_launch
+from ..base.launch_env import LaunchError, detect, node_rendezvous
+from ..base.launch_env import check as check_launch
+from ..base.net import is_loopback, split_address
+from ..config import Config, determinism, training_precision, typed_config
+from ..planner.fit import validate_run
+from ..train.preflight import STATE_ERRORS, check_state_sources
+from ..validation import ConfigError, resolve_accelerator, resolve_backend, world_size
 from .launchers import RankFailed, spawn_with_fabric, spawn_with_restarts
 from .launchers import environment as scoped_environment
-from .net import is_loopback, split_address
-from .train.preflight import STATE_ERRORS, check_state_sources
-from .validation import (
-    ConfigError,
-    resolve_accelerator,
-    resolve_backend,
-    validate_config,
-    world_size,
-)
 from .worker import SUMMARY_FILE, cuda_environment, elastic_worker, fabric_worker, run_worker
 
 log = logging.getLogger("disttrain")
 
 
 def prepare_data(cfg: Config) -> None:
-    from .data.reader import resolve_shards
+    from ..data.reader import resolve_shards
 
     if cfg.data.format == "tokens" or cfg.data.packing.enabled:
         return
@@ -56,7 +51,7 @@ def prepare_data(cfg: Config) -> None:
 
 
 def _generate(cfg: Config) -> None:
-    from .data.synthetic import generate_shards
+    from ..data.synthetic import generate_shards
 
     log.info(
         "no shards in %s: generating the embedded synthetic data (%d shards x %d samples)",
@@ -87,7 +82,7 @@ def prepare_cuda(cfg: Config, rank: int) -> None:
 
     if accelerator != "cuda" or rank != 0 or not torch.cuda.is_available():  # a dry run plans GPUs it lacks
         return
-    from .train.perf import peak_source, step_math
+    from ..train.perf import peak_source, step_math
 
     math = step_math(cfg.trainer.precision, "cuda", cfg.trainer.tf32)
     line = peak_source(math, torch.cuda.get_device_name(0), cfg.cluster)
@@ -103,24 +98,24 @@ def launch(cfg: DictConfig) -> float | None:
     try:
         check_launch(environment, cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.max_restarts)
         check_producer_reach(cfg)
-        validate_config(cfg)
+        validate_run(cfg)
         container = with_device_defaults(container)
         cfg = typed_config(container)
         prepare_cuda(cfg, environment.rank)
         if cfg.parallel.mode == "auto":
-            from .planner.auto import resolve_auto
+            from ..planner.auto import resolve_auto
 
             container = resolve_auto(cfg, container, Path(cfg.paths.output_dir))
             if container is None:  # dry run: the plan was printed and saved
                 return None
             cfg = typed_config(container)
-            validate_config(cfg)
+            validate_run(cfg)
         if cfg.parallel.mode == "hotspa" and list(cfg.parallel.hotspa.strategies) == ["auto"]:
-            from .planner.hotspa_auto import resolve_hotspa_auto
+            from ..planner.hotspa_auto import resolve_hotspa_auto
 
             container = resolve_hotspa_auto(cfg, container, Path(cfg.paths.output_dir))
             cfg = typed_config(container)
-            validate_config(cfg)
+            validate_run(cfg)
         check_state_sources(cfg, Path(cfg.paths.output_dir))
     except (ConfigError, LaunchError, *STATE_ERRORS) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -154,7 +149,7 @@ def launch(cfg: DictConfig) -> float | None:
         sys.exit(1)
     finally:
         if producer is not None:
-            from .data.producer import stop_local_producer
+            from ..data.producer import stop_local_producer
 
             stop_local_producer(producer)
     summary = run_dir / SUMMARY_FILE
@@ -201,8 +196,8 @@ def check_producer_reach(cfg: Config) -> None:
 
 
 def dry_run(cfg: Config, run_dir: Path) -> None:
-    from .models.info import model_table
-    from .planner.rehearsal import rehearse
+    from ..models.info import model_table
+    from ..planner.rehearsal import rehearse
 
     print(model_table(cfg.model))
     print(f"world size {world_size(cfg)}: {cfg.trainer.devices} process(es) x {cfg.trainer.num_nodes} node(s)")
@@ -218,8 +213,8 @@ def producer_started_by_launcher(cfg: Config, environment) -> bool:
 
 
 def start_producer(cfg: Config, container: dict):
-    from .data.producer import start_local_producer
-    from .data.transport import new_key
+    from ..data.producer import start_local_producer
+    from ..data.transport import new_key
 
     key = cfg.data.producer.key or new_key()
     os.environ["DISTTRAIN_PRODUCER_KEY"] = key
@@ -232,7 +227,7 @@ def start_producer(cfg: Config, container: dict):
 
 def start_ranks(cfg: Config, container: dict, run_dir: str, job_id: str, exclude: set[int]) -> None:
     """The ranks of this node, started by Fabric's spawn launcher, or by torch's elastic agent for restarts."""
-    from .comm import flight
+    from ..comm import flight
 
     flight.configure(run_dir, rank=-1)  # torch's recorder reads its settings as a process group is made
     if cfg.trainer.max_restarts > 0:

@@ -1,5 +1,5 @@
 """One training process: its logging, threads and device settings, Fabric over the process group,
-the job's producer shared from rank 0, then the training loop (train/loop.py). launch.py starts these
+the job's producer shared from rank 0, then the training loop (train/loop.py). launch/entry.py starts these
 processes (or, under torchrun/srun, is one of them)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import Config, cpu_count, determinism, training_precision, typed_config
-from .launch_env import LaunchError, cluster_environment, detect
-from .net import is_loopback, outward_address, split_address
-from .validation import resolve_accelerator, resolve_backend, world_size
+from ..base.launch_env import LaunchError, cluster_environment, detect
+from ..base.net import is_loopback, outward_address, split_address
+from ..config import Config, cpu_count, determinism, training_precision, typed_config
+from ..validation import resolve_accelerator, resolve_backend, world_size
 
 log = logging.getLogger("disttrain")
 SUMMARY_FILE = "summary.json"
@@ -91,9 +91,9 @@ def configure_device(cfg: Config, accelerator: str) -> None:
 
 def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
     """One training process: Fabric setup (unless Fabric's launcher already did), then the training loop."""
-    from .comm import flight
-    from .train.loop import Trainer
-    from .train.stop import StopRequest
+    from ..comm import flight
+    from ..train.loop import Trainer
+    from ..train.stop import StopRequest
 
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and container["trainer"]["resume"] == "none":
         # a relaunch by an elastic agent (trainer.max_restarts, torchrun --max-restarts) continues from the
@@ -129,11 +129,11 @@ def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
         raise
     finally:
         if producer is not None:
-            from .data.producer import stop_local_producer
+            from ..data.producer import stop_local_producer
 
             stop_local_producer(producer)
     if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
-        from .planner.breakdown import annotate_memory_report
+        from ..planner.api import annotate_memory_report
 
         annotate_memory_report(cfg, Path(run_dir), fabric.global_rank)
     if fabric.global_rank == 0:
@@ -199,8 +199,8 @@ def share_producer(cfg: Config, container: dict, fabric):
     import torch
     import torch.distributed as dist
 
-    from .data.producer import start_local_producer
-    from .data.transport import new_key
+    from ..data.producer import start_local_producer
+    from ..data.transport import new_key
 
     producer, text = None, b""
     if fabric.global_rank == 0:

@@ -7,7 +7,7 @@ jobs a test starts in-process. Nothing here starts a thread or touches CUDA: for
 
 The fork server ignores SIGTERM: a scheduler signals every process of a job step, and the ranks'
 exit codes reach the launcher through the server, so it must outlive the ranks' orderly stop.
-(It still exits as soon as its launcher does.) Ranks restore the default at once (launchers.py).
+(It still exits as soon as its launcher does.) Ranks restore the default at once (launch/launchers.py).
 """
 
 import signal
@@ -18,5 +18,5 @@ import lightning_fabric  # noqa: E402,F401
 import torch  # noqa: E402,F401
 import torch.distributed.tensor  # noqa: E402,F401
 
-from disttrain_core import launch  # noqa: E402,F401
+from disttrain_core.launch import entry as launch  # noqa: E402,F401
 from disttrain_core.train import loop  # noqa: E402,F401

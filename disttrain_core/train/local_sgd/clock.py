@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ...config import Config
 
 
 class TimedSyncs:

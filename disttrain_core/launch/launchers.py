@@ -5,7 +5,7 @@
   re-execute ``sys.argv``, so a Hydra multirun keeps working. The children are told their cluster
   environment (Fabric's plain ``LightningEnvironment``), never guess it from inherited ``SLURM_*``.
   ``trainer.start_method=forkserver`` (the default) forks the ranks from a server that has imported
-  torch and this package once (rank_preload.py); ``spawn`` starts fresh interpreters.
+  torch and this package once (launch/rank_preload.py); ``spawn`` starts fresh interpreters.
 * ``spawn_with_restarts``: torch's elastic agent (``elastic_launch``, the engine behind torchrun) when
   ``trainer.max_restarts > 0``: when a rank dies it stops the others and relaunches all of them, and
   they resume from the latest complete checkpoint. Its shutdown timeout exceeds ``trainer.stop_grace_s``
@@ -26,11 +26,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
-from .launch_env import MARK
-from .net import free_port
+from ..base.launch_env import MARK
+from ..base.net import free_port
 
 log = logging.getLogger("disttrain")
-PRELOAD = f"{__package__}.rank_preload"  # what the fork server of trainer.start_method=forkserver imports
 
 
 class RankFailed(RuntimeError):
@@ -86,12 +85,12 @@ def _last_line(text: str) -> str:
 
 def warm_up(cfg) -> None:
     """Start the fork server this job's ranks will come from now, so that its imports (3-4 s of a CPU
-    core, rank_preload.py) overlap the launcher's own imports, validation and data preparation instead of
+    core, launch/rank_preload.py) overlap the launcher's own imports, validation and data preparation instead of
     following them: a 2-process 1-step run 12.8 s -> 9.5 s here. Only where train.py would start ranks with it
     (not under torchrun/srun, not for a dry run or restarts, not for one process). Called before the
     config is validated: after a config error the server finishes its imports, finds its launcher gone
     and exits (within seconds)."""
-    from .launch_env import detect
+    from ..base.launch_env import detect
 
     trainer = cfg.trainer
     if trainer.start_method != "forkserver" or trainer.dry_run or trainer.max_restarts > 0:
@@ -99,6 +98,8 @@ def warm_up(cfg) -> None:
     if trainer.devices * trainer.num_nodes < 2 or detect().external:
         return
     from multiprocessing import forkserver
+
+    from .fabric import PRELOAD
 
     multiprocessing.set_forkserver_preload([PRELOAD])
     forkserver.ensure_running()
@@ -109,7 +110,7 @@ def spawn_with_fabric(cfg, fabric_kwargs: dict, fn: Callable, args: tuple, job_i
     from lightning_fabric.plugins.environments import LightningEnvironment
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    from .fabric_launch import ddp_strategy
+    from .fabric import ddp_strategy
 
     strategy = ddp_strategy(
         cfg.trainer.start_method,

@@ -1,0 +1,1 @@
+"""disttrain: disaggregated multimodal LLM training (docs/ARCHITECTURE.md shows its layers)."""

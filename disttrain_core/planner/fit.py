@@ -1,0 +1,119 @@
+"""Whether a run fits its devices' memory, by the planner's memory model (planner/breakdown.py): the checks the
+launcher runs after ``validate_config`` (validation/ checks a config's settings and layout; memory is the
+planner's). ``validate_run`` is both, in order: what train.py, the SLURM renderer and the producer check
+before any process starts.
+
+* ``check_state_fits``: a model whose training state cannot fit ``cluster.memory_per_device_gb`` on the run's
+  processes in any layout (built on the meta device);
+* ``check_memory``: on a GPU cluster preset, every rank role of a configured layout within the preset's usable
+  memory;
+* ``check_strategies_fit``: every HotSPa strategy holds its bucket's rows.
+"""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..validation import ConfigError, validate_config, world_size
+from ..validation.cluster_fit import _cluster
+
+GB = 1e9
+
+
+def validate_run(cfg: Config) -> None:
+    """Every check before launch: the config's (validation/) and then the memory fit's (this module)."""
+    validate_config(cfg)
+    check_fits(cfg)
+
+
+def check_fits(cfg: Config) -> None:
+    """The memory checks of a validated config; raises ConfigError with one line."""
+    mode = cfg.parallel.mode
+    if mode == "hotspa" and list(cfg.parallel.hotspa.strategies) != ["auto"]:
+        check_strategies_fit(cfg)
+    if cfg.cluster.device == "cuda" and mode not in ("auto", "hotspa"):
+        check_memory(cfg)
+
+
+def check_state_fits(cfg: Config) -> None:
+    """A model whose training state cannot fit the processes' memory (cluster.memory_per_device_gb each) in any
+    layout fails before launch in one line, not minutes later when a process is killed for memory. Builds the
+    model on the meta device: train.py calls it after validate_config (parallel=auto: the planner checks)."""
+    if cfg.parallel.mode == "auto":
+        return
+    from .api import check_model_fits
+    from .costs import PlanningError
+
+    try:
+        check_model_fits(cfg, world_size(cfg))
+    except PlanningError as error:
+        raise ConfigError(str(error)) from None
+    except (ValueError, TypeError, OverflowError, RuntimeError):
+        return  # a model the meta-device count cannot build: the later checks name what is wrong with it
+
+
+def fullest_role(cfg: Config):
+    """The rank role (planner/breakdown.py ``RoleMemory``) with the most bytes at its fullest moment, and the
+    usable bytes per device (``planner.memory_margin`` of ``cluster.memory_per_device_gb``)."""
+    from .api import config_roles
+
+    roles, _ = config_roles(cfg)
+    usable = float(cfg.cluster.memory_per_device_gb) * GB * float(cfg.planner.memory_margin)
+    return max(roles, key=lambda role: role.total), usable
+
+
+def check_memory(cfg: Config) -> None:
+    """Every rank role's bytes by the planner's memory model within the preset's usable device memory."""
+    try:
+        role, usable = fullest_role(cfg)
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError):
+        return  # a layout the memory model cannot describe: the layout checks have named what is wrong
+    if role.total <= usable:
+        return
+    c = cfg.cluster
+    raise ConfigError(
+        f"the {role.unit} pp{role.pp} ranks need {role.total / GB:.1f} GB per GPU (memory model: shard={role.shard}, "
+        f"recompute={role.recompute}, {role.in_flight} microbatch(es) in flight) but {_cluster(cfg)} has "
+        f"cluster.memory_per_device_gb={c.memory_per_device_gb:g} ({usable / GB:.1f} GB usable at "
+        f"planner.memory_margin={cfg.planner.memory_margin:g}); use GPUs with more memory, more recompute or "
+        "sharding, or more pipeline / tensor parallelism (python tools/memory.py ... prints every role)"
+    )
+
+
+def strategy_memory(cfg: Config, strategy, capacity: int, recompute: str | None = None, shard: str = "zero1"):
+    """The planner's evaluation (planner/evaluate.py, analytic costs) of one strategy holding rows of
+    ``capacity`` tokens: ``.feasible``, ``.memory["llm"]`` (bytes on its fullest device), ``.reason``."""
+    from omegaconf import OmegaConf
+
+    from ..parallel.hotspa_layout import strategy_config
+    from .api import build_layout_model, choices_of_config
+
+    scfg = strategy_config(cfg, strategy, capacity, recompute)
+    policy = recompute or cfg.parallel.recompute
+    scfg = OmegaConf.merge(scfg, {"planner": {"cost": "analytic", "recompute": policy, "shard": shard}})
+    # the run's processes per node (a tensor-parallel group is placed as the run places it)
+    scfg.cluster.gpus_per_node = int(cfg.trainer.devices)
+    scfg.cluster.num_gpus = strategy.world
+    for key in ("peak_flops_fp32", "peak_flops_bf16"):  # memory does not depend on speed: any value serves
+        if scfg.cluster[key] is None:
+            scfg.cluster[key] = 1e12
+    model = build_layout_model(scfg, devices=strategy.world, progress=lambda *_: None)
+    return model.evaluate(*choices_of_config(scfg))
+
+
+def check_strategies_fit(cfg: Config) -> None:
+    """Every strategy holds its bucket's rows in ``cluster.memory_per_device_gb`` (the planner's memory model,
+    with its bucket's recompute policy and ZeRO-1), or the run is refused in one line naming both."""
+    from ..parallel.hotspa_layout import bucket_recompute, bucket_strategies
+
+    strategies, capacities, _ = bucket_strategies(cfg)
+    for k, (strategy, capacity) in enumerate(zip(strategies, capacities, strict=True)):
+        try:
+            ev = strategy_memory(cfg, strategy, capacity, recompute=bucket_recompute(cfg, k))
+        except ValueError as error:  # the planner's own refusals (cluster settings, shapes): one line
+            raise ConfigError(f"parallel.hotspa strategy {strategy.name}: {error}") from None
+        if not ev.feasible:
+            raise ConfigError(
+                f"parallel.hotspa strategy {strategy.name} cannot hold its bucket of {capacity}-token rows within "
+                f"cluster.memory_per_device_gb={cfg.cluster.memory_per_device_gb:g} ({ev.reason}): give that bucket "
+                "more tp, pp or cp, recompute (parallel.hotspa.recompute), or raise the memory limit"
+            )
