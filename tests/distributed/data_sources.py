@@ -73,3 +73,20 @@ def source_overrides(source: str, paths: dict[str, Path], equal_tokens: bool = F
         corpus = paths["exact_corpus" if equal_tokens else "text_shards"]
         return [*packed, "data.packing.source=corpus", f"data.packing.corpus={corpus}"]
     raise ValueError(f"unknown data source {source!r}: one of {', '.join(SOURCES)}")
+
+
+def small_text_run(steps: int) -> list[str]:
+    """A 2-layer, 64-wide Llama; 8 sequences a step in microbatches of 2; fp32 on CPU; a log line a step."""
+    return [
+        "model.llm.dim=64",
+        "model.llm.ffn_dim=128",
+        "model.llm.n_layers=2",
+        "optim.global_batch_size=8",
+        "optim.micro_batch_size=2",
+        f"trainer.max_steps={steps}",
+        "trainer.precision=32",
+        "trainer.accelerator=cpu",
+        "trainer.progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        "data.num_workers=0",
+    ]

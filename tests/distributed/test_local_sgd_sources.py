@@ -19,24 +19,14 @@ import pytest
 from disttrain_core.train.checkpoint import latest_checkpoint, read_tensors
 
 from ..conftest import read_metrics, run_train
-from .data_sources import TEXT_SOURCES, source_overrides
+from .data_sources import TEXT_SOURCES, small_text_run, source_overrides
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 4
 COMMON = [
-    "model.llm.dim=64",
-    "model.llm.ffn_dim=128",
-    "model.llm.n_layers=2",
-    "optim.global_batch_size=8",
-    "optim.micro_batch_size=2",
-    f"trainer.max_steps={STEPS}",
-    "trainer.precision=32",
-    "trainer.accelerator=cpu",
+    *small_text_run(STEPS),
     "trainer.devices=2",
-    "trainer.progress_bar=false",
-    "trainer.log_every_n_steps=1",
-    "data.num_workers=0",
     "optim=sgd",
     "optim.lr=0.5",
     "optim.grad_clip=0",

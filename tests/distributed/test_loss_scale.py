@@ -11,24 +11,11 @@ import numpy as np
 import pytest
 
 from ..conftest import read_metrics, run_train
-from .data_sources import SOURCES, source_overrides
+from .data_sources import SOURCES, small_text_run, source_overrides
 
 pytestmark = pytest.mark.distributed
 
-COMMON = [
-    "model.llm.dim=64",
-    "model.llm.ffn_dim=128",
-    "model.llm.n_layers=2",
-    "optim.global_batch_size=8",
-    "optim.micro_batch_size=2",
-    "trainer.max_steps=1",
-    "trainer.precision=32",
-    "trainer.accelerator=cpu",
-    "trainer.progress_bar=false",
-    "trainer.log_every_n_steps=1",
-    "trainer.checkpoint.save_last=false",
-    "data.num_workers=0",
-]
+COMMON = [*small_text_run(1), "trainer.checkpoint.save_last=false"]
 LOCAL_SGD = ["parallel=local_sgd", "parallel.local_sgd.outer_momentum=0"]
 
 # engine -> (overrides, processes)
