@@ -35,7 +35,7 @@ train: $(STAMP) $(DATA)
 # an empty slow selection is not.
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -m "not slow" -q --durations=40
+	$(BIN)/python -m pytest -m "not slow" -q --durations=20 --junitxml=outputs/tests/junit.xml
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow -q; status=$$?; [ $$status -eq 5 ] && exit 0; exit $$status
