@@ -9,7 +9,7 @@ DATA := data/synthetic_laion
 
 help:
 	@echo "make train      create .venv, install, generate the embedded data, train mllm_tiny on CPU"
-	@echo "make test       the test suite (about 28 minutes on 2 cores)"
+	@echo "make test       import-linter, then the default suite (about 34 minutes on 2 cores; docs/PERFORMANCE.md)"
 	@echo "make test-slow  the long tests (marked slow)"
 	@echo "make lint       ruff and import-linter (.importlinter: the layers of docs/ARCHITECTURE.md)"
 	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"
