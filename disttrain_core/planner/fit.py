@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..validation import ConfigError, validate_config, world_size
-from ..validation.cluster_fit import _cluster
+from ..validation.cluster_fit import cluster_label
 
 GB = 1e9
 
@@ -72,7 +72,7 @@ def check_memory(cfg: Config) -> None:
     c = cfg.cluster
     raise ConfigError(
         f"the {role.unit} pp{role.pp} ranks need {role.total / GB:.1f} GB per GPU (memory model: shard={role.shard}, "
-        f"recompute={role.recompute}, {role.in_flight} microbatch(es) in flight) but {_cluster(cfg)} has "
+        f"recompute={role.recompute}, {role.in_flight} microbatch(es) in flight) but {cluster_label(cfg)} has "
         f"cluster.memory_per_device_gb={c.memory_per_device_gb:g} ({usable / GB:.1f} GB usable at "
         f"planner.memory_margin={cfg.planner.memory_margin:g}); use GPUs with more memory, more recompute or "
         "sharding, or more pipeline / tensor parallelism (python tools/memory.py ... prints every role)"

@@ -57,7 +57,7 @@ def launches_elsewhere(cfg: Config) -> bool:
     return bool(cfg.trainer.dry_run) or scheduler_launcher() is not None
 
 
-def _cluster(cfg: Config) -> str:
+def cluster_label(cfg: Config) -> str:
     return f"cluster={cfg.cluster.name}"
 
 
@@ -67,14 +67,14 @@ def check_node_shape(cfg: Config) -> None:
     world = world_size(cfg)
     if t.devices > c.gpus_per_node:
         raise ConfigError(
-            f"the run needs {t.devices} GPUs per node (trainer.devices={t.devices}) but {_cluster(cfg)} has "
+            f"the run needs {t.devices} GPUs per node (trainer.devices={t.devices}) but {cluster_label(cfg)} has "
             f"cluster.gpus_per_node={c.gpus_per_node}; lower trainer.devices (and raise trainer.num_nodes) or pick "
             "a cluster preset with larger nodes"
         )
     if world > c.num_gpus:
         raise ConfigError(
             f"the run needs {world} GPUs (trainer.devices={t.devices} x trainer.num_nodes={t.num_nodes}) but "
-            f"{_cluster(cfg)} has cluster.num_gpus={c.num_gpus}; use a cluster with at least {world} GPUs "
+            f"{cluster_label(cfg)} has cluster.num_gpus={c.num_gpus}; use a cluster with at least {world} GPUs "
             f"(cluster.num_gpus={world}) or a smaller layout"
         )
 
