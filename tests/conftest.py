@@ -16,7 +16,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 # Tests must not touch the user's cache and must leave cores to each other.
-os.environ.setdefault("DISTTRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / "disttrain-test-cache"))
+# One cache per pytest-xdist worker: two workers never race on one profile or peak file.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+os.environ.setdefault(
+    "DISTTRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"disttrain-test-cache-{_WORKER}")
+)
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # Point-to-point transfers keep NCCL's contract on gloo too: one handle per batch_isend_irecv call, received
 # data valid only once it is waited on (disttrain_core/comm/p2p.py). A wait that NCCL would need fails here.
@@ -112,9 +116,33 @@ def compose_cfg(shards, tmp_path):
     return make
 
 
+_ZYGOTE = None
+
+
+def warm_interpreter():
+    """The session's warm interpreter for train.py runs (tests/zygote.py), started on first use."""
+    global _ZYGOTE
+    if _ZYGOTE is None or not _ZYGOTE.alive():
+        from .zygote import Zygote
+
+        _ZYGOTE = Zygote()
+    return _ZYGOTE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
+
+
 def run_train(args: list[str], timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """``python train.py args...`` with an outer timeout; output captured."""
+    """``python train.py args...`` with an outer timeout; output captured. Each run is a fork of the session's
+    warm interpreter (tests/zygote.py), or a fresh interpreter with ``DISTTRAIN_TEST_COLD=1``."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+    if os.environ.get("DISTTRAIN_TEST_COLD") != "1":
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="train-") as scratch:
+            return warm_interpreter().run(REPO / "train.py", list(args), cwd, env, timeout, Path(scratch))
     return subprocess.run(
         [sys.executable, str(REPO / "train.py"), *args],
         cwd=cwd,
