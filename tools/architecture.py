@@ -96,11 +96,12 @@ def draw_layers(path: Path) -> None:
 
 FLOW = [
     ("train.py", "preflight: every sweep variant composed + validated (launch/cli.py)"),
-    ("launch(cfg)", "launch/entry.py: environment, validate_run (validation/ + planner/fit.py)"),
+    ("launch(cfg)", "launch/entry.py: environment, device defaults, validate_run (validation/ + planner/fit.py)"),
     ("parallel=auto", "planner: profile or analytic costs -> Algorithm 1 -> the chosen layout"),
+    ("ResolvedRun", "resolve_run, once (parallel/resolved.py): devices, layout, HotSPa buckets, plan"),
     ("start ranks", "fork server / Fabric / elastic agent (launch/launchers.py); data producer"),
-    ("each rank", "launch/worker.py: Fabric, process groups, Trainer (train/loop.py)"),
-    ("Trainer", "units + broker + schedule (parallel/, schedule/), engine (train/engines.py)"),
+    ("each rank", "launch/worker.py: the ResolvedRun, Fabric, process groups, Trainer (train/loop.py)"),
+    ("Trainer", "run.layout -> broker + schedule (parallel/, schedule/), engine (train/engines.py)"),
     ("each step", "microbatches (data/) -> executor -> optimizer -> metrics, checkpoints"),
     ("summary.json", "the sweeper's metric; TensorBoard, timelines, memory reports"),
 ]

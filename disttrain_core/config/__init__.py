@@ -65,6 +65,22 @@ CONFIG_GROUPS = (
 )
 
 
+def resolve_accelerator(accelerator: str) -> str:
+    """``trainer.accelerator`` with ``auto`` resolved: cuda where a GPU is visible, cpu otherwise."""
+    if accelerator != "auto":
+        return accelerator
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_backend(backend: str, accelerator: str) -> str:
+    """``trainer.backend`` with ``auto`` resolved: nccl on CUDA, gloo elsewhere."""
+    if backend != "auto":
+        return backend
+    return "nccl" if accelerator == "cuda" else "gloo"
+
+
 def training_precision(precision: str, device_type: str) -> str:
     """``trainer.precision`` with ``auto`` resolved: bf16-mixed on CUDA, 32 elsewhere."""
     if precision != "auto":

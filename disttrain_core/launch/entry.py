@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 from ..base.launch_env import LaunchError, detect, node_rendezvous
 from ..base.launch_env import check as check_launch
 from ..base.net import is_loopback, split_address
-from ..config import Config, determinism, training_precision, typed_config
+from ..config import Config, determinism, resolve_accelerator, training_precision, typed_config
 from ..planner.fit import validate_run
 from ..train.preflight import STATE_ERRORS, check_state_sources
-from ..validation import ConfigError, resolve_accelerator, resolve_backend, world_size
+from ..validation import ConfigError, world_size
 from .launchers import RankFailed, spawn_with_fabric, spawn_with_restarts
 from .launchers import environment as scoped_environment
 from .worker import SUMMARY_FILE, cuda_environment, elastic_worker, fabric_worker, run_worker
@@ -90,43 +90,50 @@ def prepare_cuda(cfg: Config, rank: int) -> None:
         log.warning(line)
 
 
+def resolve(cfg: Config, container: dict, environment):
+    """Validate, plan where the planner chooses, and resolve the run -- once (parallel/resolved.py); raises the
+    one-line errors of ``launch``. Returns None after a dry run of ``parallel=auto`` (the plan was printed)."""
+    check_launch(environment, cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.max_restarts)
+    check_producer_reach(cfg)
+    container = with_device_defaults(container)
+    cfg = typed_config(container)
+    run = validate_run(cfg, container)  # None: the planner chooses the layout first
+    prepare_cuda(cfg, environment.rank)
+    if cfg.parallel.mode == "auto":
+        from ..planner.auto import resolve_auto
+
+        container = resolve_auto(cfg, container, Path(cfg.paths.output_dir))
+        if container is None:  # dry run: the plan was printed and saved
+            return None
+        run = validate_run(typed_config(container), container, plan=container["parallel"])
+    elif run is None:  # HotSPa's strategies=[auto]
+        from ..planner.hotspa_auto import resolve_hotspa_auto
+
+        container = resolve_hotspa_auto(cfg, container, Path(cfg.paths.output_dir))
+        run = validate_run(typed_config(container), container, plan=container["parallel"])
+    check_state_sources(run.cfg, Path(run.cfg.paths.output_dir))
+    return run
+
+
 def launch(cfg: DictConfig) -> float | None:
     """Validate, prepare and run one training job; returns the optimized metric."""
     container = OmegaConf.to_container(cfg, resolve=True)
-    cfg = typed_config(container)
     environment = detect()
     try:
-        check_launch(environment, cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.max_restarts)
-        check_producer_reach(cfg)
-        validate_run(cfg)
-        container = with_device_defaults(container)
-        cfg = typed_config(container)
-        prepare_cuda(cfg, environment.rank)
-        if cfg.parallel.mode == "auto":
-            from ..planner.auto import resolve_auto
-
-            container = resolve_auto(cfg, container, Path(cfg.paths.output_dir))
-            if container is None:  # dry run: the plan was printed and saved
-                return None
-            cfg = typed_config(container)
-            validate_run(cfg)
-        if cfg.parallel.mode == "hotspa" and list(cfg.parallel.hotspa.strategies) == ["auto"]:
-            from ..planner.hotspa_auto import resolve_hotspa_auto
-
-            container = resolve_hotspa_auto(cfg, container, Path(cfg.paths.output_dir))
-            cfg = typed_config(container)
-            validate_run(cfg)
-        check_state_sources(cfg, Path(cfg.paths.output_dir))
+        run = resolve(typed_config(container), container, environment)
     except (ConfigError, LaunchError, *STATE_ERRORS) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+    if run is None:
+        return None
+    cfg = run.cfg
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if environment.rank == 0:  # under torchrun/srun every rank runs this function, in one run directory
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     if cfg.trainer.dry_run:
         if environment.rank == 0:
-            dry_run(cfg, run_dir)
+            dry_run(run, run_dir)
         return None
     prepare_data(cfg)
     producer = None
@@ -134,16 +141,16 @@ def launch(cfg: DictConfig) -> float | None:
         # Disaggregated preprocessing on this host: a producer process on 127.0.0.1 with a fresh key
         # that only this job's processes know (environment, never the saved config). It outlives
         # rank restarts (trainer.max_restarts).
-        producer, container = start_producer(cfg, container)
-        cfg = typed_config(container)
+        producer, container = start_producer(cfg, run.container)
+        run = run.with_container(container)
     try:
         if environment.external or world_size(cfg) == 1:
-            run_worker(container, str(run_dir))
+            run_worker(run, str(run_dir))
         else:
             job_id = environment.job_id or f"local-{os.getpid()}-{run_dir.name}"
             rendezvous = node_rendezvous(environment) if environment.kind == "node" else {}
             with scoped_environment(rendezvous):
-                start_ranks(cfg, container, str(run_dir), job_id, exclude={producer.pid} if producer else set())
+                start_ranks(run, str(run_dir), job_id, exclude={producer.pid} if producer else set())
     except RankFailed as error:
         print(f"error: {error} (logs: {run_dir})", file=sys.stderr)
         sys.exit(1)
@@ -195,14 +202,15 @@ def check_producer_reach(cfg: Config) -> None:
             )
 
 
-def dry_run(cfg: Config, run_dir: Path) -> None:
+def dry_run(run, run_dir: Path) -> None:
     from ..models.info import model_table
     from ..planner.rehearsal import rehearse
 
+    cfg = run.cfg
     print(model_table(cfg.model))
     print(f"world size {world_size(cfg)}: {cfg.trainer.devices} process(es) x {cfg.trainer.num_nodes} node(s)")
     print("rehearsal: each rank role built on the meta device, model state planned vs counted")
-    rehearse(cfg, run_dir)
+    rehearse(cfg, run_dir, layout=run.layout)
 
 
 def producer_started_by_launcher(cfg: Config, environment) -> bool:
@@ -225,21 +233,20 @@ def start_producer(cfg: Config, container: dict):
     return producer, container
 
 
-def start_ranks(cfg: Config, container: dict, run_dir: str, job_id: str, exclude: set[int]) -> None:
+def start_ranks(run, run_dir: str, job_id: str, exclude: set[int]) -> None:
     """The ranks of this node, started by Fabric's spawn launcher, or by torch's elastic agent for restarts."""
     from ..comm import flight
 
+    cfg = run.cfg
     flight.configure(run_dir, rank=-1)  # torch's recorder reads its settings as a process group is made
     if cfg.trainer.max_restarts > 0:
-        spawn_with_restarts(cfg, elastic_worker, (container, run_dir), run_dir, job_id)
+        spawn_with_restarts(cfg, elastic_worker, (run, run_dir), run_dir, job_id)
         return
-    accelerator = resolve_accelerator(cfg.trainer.accelerator)
-    precision = training_precision(cfg.trainer.precision, accelerator)
     fabric_kwargs = {
-        "accelerator": accelerator,
+        "accelerator": run.accelerator,
         "devices": cfg.trainer.devices,
         "num_nodes": cfg.trainer.num_nodes,
-        "precision": "32-true" if precision == "32" else precision,
-        "backend": resolve_backend(cfg.trainer.backend, accelerator),
+        "precision": "32-true" if run.precision == "32" else run.precision,
+        "backend": run.backend,
     }
-    spawn_with_fabric(cfg, fabric_kwargs, fabric_worker, (container, run_dir), job_id, exclude)
+    spawn_with_fabric(cfg, fabric_kwargs, fabric_worker, (run, run_dir), job_id, exclude)

@@ -15,19 +15,19 @@ from typing import Any
 
 from ..base.launch_env import LaunchError, cluster_environment, detect
 from ..base.net import is_loopback, outward_address, split_address
-from ..config import Config, cpu_count, determinism, training_precision, typed_config
-from ..validation import resolve_accelerator, resolve_backend, world_size
+from ..config import Config, cpu_count, determinism
+from ..validation import world_size
 
 log = logging.getLogger("disttrain")
 SUMMARY_FILE = "summary.json"
 
 
-def fabric_worker(fabric, container: dict, run_dir: str) -> None:
-    run_worker(container, run_dir, fabric)
+def fabric_worker(fabric, run, run_dir: str) -> None:
+    run_worker(run, run_dir, fabric)
 
 
-def elastic_worker(container: dict, run_dir: str) -> None:
-    run_worker(container, run_dir)
+def elastic_worker(run, run_dir: str) -> None:
+    run_worker(run, run_dir)
 
 
 def _setup_worker_logging(rank: int, run_dir: str) -> None:
@@ -89,17 +89,19 @@ def configure_device(cfg: Config, accelerator: str) -> None:
     torch.backends.cudnn.allow_tf32 = cfg.trainer.tf32
 
 
-def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
-    """One training process: Fabric setup (unless Fabric's launcher already did), then the training loop."""
+def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
+    """One training process: Fabric setup (unless Fabric's launcher already did), then the training loop.
+    ``run``: the launcher's ``ResolvedRun`` (parallel/resolved.py); nothing here resolves it again."""
     from ..comm import flight
     from ..train.loop import Trainer
     from ..train.stop import StopRequest
 
+    container = run.container
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) and container["trainer"]["resume"] == "none":
         # a relaunch by an elastic agent (trainer.max_restarts, torchrun --max-restarts) continues from the
         # latest complete checkpoint of this run, not from step 0 over it
-        container = {**container, "trainer": {**container["trainer"], "resume": "auto"}}
-    cfg = typed_config(container)
+        run = run.with_container({**container, "trainer": {**container["trainer"], "resume": "auto"}})
+    cfg = run.cfg
     trainer = cfg.trainer
     environment = detect()
     if environment.kind == "spawned" and fabric is not None:
@@ -113,17 +115,18 @@ def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
     # `kill -USR1 <pid>` prints every thread's Python stack, even while the main thread waits inside a collective
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     configure_threads(cfg)
-    accelerator = resolve_accelerator(trainer.accelerator)
+    accelerator = run.accelerator
     configure_device(cfg, accelerator)
     if fabric is None:
-        fabric = _attach_fabric(cfg, accelerator, environment)
+        fabric = _attach_fabric(run, environment)
     fabric.seed_everything(trainer.seed, verbose=False)
     producer = None
     try:
         if cfg.data.producer.workers > 0 and cfg.data.producer.address is None:
-            producer, container = share_producer(cfg, container, fabric)
-            cfg = typed_config(container)
-        metrics = Trainer(cfg, fabric, run_dir, stop_request).fit()
+            producer, container = share_producer(cfg, run.container, fabric)
+            run = run.with_container(container)
+            cfg = run.cfg
+        metrics = Trainer(run, fabric, run_dir, stop_request).fit()
     except BaseException as error:
         flight.dump(f"exception: {type(error).__name__}: {error}")
         raise
@@ -135,31 +138,31 @@ def run_worker(container: dict, run_dir: str, fabric=None) -> dict[str, Any]:
     if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
         from ..planner.api import annotate_memory_report
 
-        annotate_memory_report(cfg, Path(run_dir), fabric.global_rank)
+        annotate_memory_report(cfg, run.layout, Path(run_dir), fabric.global_rank)
     if fabric.global_rank == 0:
         (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
     return metrics
 
 
-def _attach_fabric(cfg: Config, accelerator: str, environment):
+def _attach_fabric(run, environment):
     """Fabric over processes someone else created (torchrun, srun, the elastic agent, or just this one)."""
     from datetime import timedelta
 
     from lightning_fabric import Fabric
     from lightning_fabric.strategies import DDPStrategy
 
-    trainer = cfg.trainer
+    trainer = run.cfg.trainer
     strategy: Any = "auto"
-    if world_size(cfg) > 1:
-        _init_elastic_attempt(resolve_backend(trainer.backend, accelerator), timedelta(seconds=trainer.dist_timeout_s))
+    if world_size(run.cfg) > 1:
+        _init_elastic_attempt(run.backend, timedelta(seconds=trainer.dist_timeout_s))
         strategy = DDPStrategy(
-            process_group_backend=resolve_backend(trainer.backend, accelerator),
+            process_group_backend=run.backend,
             timeout=timedelta(seconds=trainer.dist_timeout_s),
             cluster_environment=cluster_environment(environment),
         )
-    precision = training_precision(trainer.precision, accelerator)
+    precision = run.precision
     fabric = Fabric(
-        accelerator=accelerator,
+        accelerator=run.accelerator,
         devices=trainer.devices,
         num_nodes=trainer.num_nodes,
         strategy=strategy,

@@ -1,5 +1,5 @@
-"""From ``parallel.*`` to a unit layout, the same way everywhere (validation, the
-trainer, the tools).
+"""From ``parallel.*`` to a unit layout (``units_of``), called once per run by ``resolve_run``
+(parallel/resolved.py), whose result validation, the planner, the launcher and the trainer all read.
 
 * ``ddp``: the whole model on every process (one unit, dp = world size).
 * ``megatron``: one (dp, tp, pp) for the LLM. ``modality_stages=separate`` (the
@@ -59,7 +59,9 @@ def layout_shard(p, default: str) -> str:
     return "zero1" if p.zero1 else default
 
 
-def resolve_units(cfg: Config) -> UnitLayout:
+def units_of(cfg: Config) -> UnitLayout:
+    """The layout of one config. HotSPa's is its home strategy's, resolved with every bucket's by
+    ``resolve_run``; ``auto`` has none until the planner chose one."""
     p, model = cfg.parallel, cfg.model
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
     same = {name: (p.recompute, p.recompute_every) for name in ("encoder", "llm", "generator")}
@@ -103,12 +105,8 @@ def resolve_units(cfg: Config) -> UnitLayout:
         ep = {name: getattr(units, name).ep for name in ("encoder", "llm", "generator")}
         colocate = (units.encoder.colocate, units.generator.colocate)
         return build_layout(sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep)
-    if p.mode == "hotspa":  # the home strategy's layout: it holds the model state and runs the optimizer
-        from .hotspa_layout import bucket_recompute, bucket_strategies, strategy_config
-
-        strategies, capacities, home = bucket_strategies(cfg)
-        index = max(i for i, s in enumerate(strategies) if s.name == home)
-        return resolve_units(strategy_config(cfg, strategies[index], capacities[index], bucket_recompute(cfg, index)))
+    if p.mode == "hotspa":
+        raise ValueError("parallel.mode=hotspa: its layouts (one per bucket) are resolved by resolve_run")
     if p.mode == "auto":
         raise ValueError("parallel.mode=auto is resolved into units by the planner before anything is built")
     raise ValueError(f"parallel.mode={p.mode!r}: allowed values are {', '.join(MODES)}")

@@ -207,11 +207,12 @@ def make_plan(
     return PlanResult(plan, model, summary)
 
 
-def choices_of_config(cfg) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | None]:
-    """The planner's view of a configured (non-auto) layout: (llm, encoder, generator)."""
-    from ..parallel.plan import resolve_units
+def choices_of_config(cfg, layout=None) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | None]:
+    """The planner's view of a configured (non-auto) layout: (llm, encoder, generator). ``layout``: the run's
+    resolved one; None: ``cfg``'s, resolved here (a candidate the planner weighs, a tool's config)."""
+    from ..parallel.plan import units_of
 
-    layout = resolve_units(cfg)
+    layout = layout or units_of(cfg)
     by_module = {}
     for unit in layout.units:
         for module in unit.modules:
@@ -240,13 +241,14 @@ def choices_of_config(cfg) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | 
 def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     """Every rank role of a configured (non-auto) layout with the numbers the planner uses: analytic
     costs (nothing is profiled), ``planner.precision`` (on a CPU cluster: ``trainer.precision``), each
-    unit's own shard mode and recompute policy, the configured schedule. Returns (roles, context)."""
-    from ..parallel.plan import resolve_units
+    unit's own shard mode and recompute policy, the configured schedule. Returns (roles, context).
+    ``layout``: the run's resolved one; None: ``cfg``'s, resolved here (tools/memory.py)."""
+    from ..parallel.plan import units_of
     from .costs import CostModel, Hardware, PlannerSettings, planned_precision
     from .memory import optimizer_state_bytes
     from .workload import workload_of
 
-    layout = layout or resolve_units(cfg)
+    layout = layout or units_of(cfg)
     precision = planned_precision(cfg)
     moments, outer = optimizer_state_bytes(cfg)
     settings = PlannerSettings(
@@ -258,7 +260,7 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
     costs = CostModel(workload_of(cfg.model), hw, settings)
     model = LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), layout.world_size)
-    llm, enc, gen = choices_of_config(cfg)
+    llm, enc, gen = choices_of_config(cfg, layout)
     choices = {"llm": llm}
     if enc is not None:
         choices["encoder"] = enc
@@ -283,9 +285,9 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     return roles, context
 
 
-def annotate_memory_report(cfg, run_dir, rank: int) -> None:
-    """Add the planner's prediction (and the layout context) to a rank's ``trainer.memory_report_step``
-    file (train/memory_report.py), beside what the rank counted and measured."""
+def annotate_memory_report(cfg, layout, run_dir, rank: int) -> None:
+    """Add the planner's prediction for ``cfg``'s resolved ``layout`` (and the layout context) to a rank's
+    ``trainer.memory_report_step`` file (train/memory_report.py), beside what the rank counted and measured."""
     import json
     from pathlib import Path
 
@@ -293,7 +295,7 @@ def annotate_memory_report(cfg, run_dir, rank: int) -> None:
     if not path.is_file():
         return
     report = json.loads(path.read_text())
-    roles, context = config_roles(cfg)
+    roles, context = config_roles(cfg, layout)
     role = report["role"]
     stages = sum(1 for r in roles if r.unit == role["unit"])
     match = next(r for r in roles if r.unit == role["unit"] and r.pp == min(role["pp"], stages - 1))

@@ -19,19 +19,22 @@ from ..validation.cluster_fit import cluster_label
 GB = 1e9
 
 
-def validate_run(cfg: Config) -> None:
-    """Every check before launch: the config's (validation/) and then the memory fit's (this module)."""
-    validate_config(cfg)
-    check_fits(cfg)
+def validate_run(cfg: Config, container: dict | None = None, plan: dict | None = None):
+    """Every check before launch: the config's (validation/), which resolves the run, and then the memory
+    fit's (this module). Returns the ``ResolvedRun`` (parallel/resolved.py), or None while the planner has yet
+    to choose the layout."""
+    run = validate_config(cfg, container, plan)
+    if run is not None:
+        check_fits(run)
+    return run
 
 
-def check_fits(cfg: Config) -> None:
-    """The memory checks of a validated config; raises ConfigError with one line."""
-    mode = cfg.parallel.mode
-    if mode == "hotspa" and list(cfg.parallel.hotspa.strategies) != ["auto"]:
-        check_strategies_fit(cfg)
-    if cfg.cluster.device == "cuda" and mode not in ("auto", "hotspa"):
-        check_memory(cfg)
+def check_fits(run) -> None:
+    """The memory checks of a validated, resolved run; raises ConfigError with one line."""
+    if run.buckets:
+        check_strategies_fit(run)
+    elif run.cfg.cluster.device == "cuda":
+        check_memory(run.cfg, run.layout)
 
 
 def check_state_fits(cfg: Config) -> None:
@@ -51,20 +54,21 @@ def check_state_fits(cfg: Config) -> None:
         return  # a model the meta-device count cannot build: the later checks name what is wrong with it
 
 
-def fullest_role(cfg: Config):
-    """The rank role (planner/breakdown.py ``RoleMemory``) with the most bytes at its fullest moment, and the
-    usable bytes per device (``planner.memory_margin`` of ``cluster.memory_per_device_gb``)."""
+def fullest_role(cfg: Config, layout):
+    """The rank role (planner/breakdown.py ``RoleMemory``) of ``cfg``'s resolved ``layout`` with the most bytes at
+    its fullest moment, and the usable bytes per device (``planner.memory_margin`` of
+    ``cluster.memory_per_device_gb``)."""
     from .api import config_roles
 
-    roles, _ = config_roles(cfg)
+    roles, _ = config_roles(cfg, layout)
     usable = float(cfg.cluster.memory_per_device_gb) * GB * float(cfg.planner.memory_margin)
     return max(roles, key=lambda role: role.total), usable
 
 
-def check_memory(cfg: Config) -> None:
+def check_memory(cfg: Config, layout) -> None:
     """Every rank role's bytes by the planner's memory model within the preset's usable device memory."""
     try:
-        role, usable = fullest_role(cfg)
+        role, usable = fullest_role(cfg, layout)
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError, RuntimeError):
         return  # a layout the memory model cannot describe: the layout checks have named what is wrong
     if role.total <= usable:
@@ -79,9 +83,12 @@ def check_memory(cfg: Config) -> None:
     )
 
 
-def strategy_memory(cfg: Config, strategy, capacity: int, recompute: str | None = None, shard: str = "zero1"):
+def strategy_memory(
+    cfg: Config, strategy, capacity: int, recompute: str | None = None, shard: str = "zero1", layout=None
+):
     """The planner's evaluation (planner/evaluate.py, analytic costs) of one strategy holding rows of
-    ``capacity`` tokens: ``.feasible``, ``.memory["llm"]`` (bytes on its fullest device), ``.reason``."""
+    ``capacity`` tokens: ``.feasible``, ``.memory["llm"]`` (bytes on its fullest device), ``.reason``.
+    ``layout``: the strategy's resolved layout (a run's bucket); None: a candidate's, resolved here."""
     from omegaconf import OmegaConf
 
     from ..parallel.hotspa_layout import strategy_config
@@ -97,18 +104,17 @@ def strategy_memory(cfg: Config, strategy, capacity: int, recompute: str | None 
         if scfg.cluster[key] is None:
             scfg.cluster[key] = 1e12
     model = build_layout_model(scfg, devices=strategy.world, progress=lambda *_: None)
-    return model.evaluate(*choices_of_config(scfg))
+    return model.evaluate(*choices_of_config(scfg, layout))
 
 
-def check_strategies_fit(cfg: Config) -> None:
+def check_strategies_fit(run) -> None:
     """Every strategy holds its bucket's rows in ``cluster.memory_per_device_gb`` (the planner's memory model,
     with its bucket's recompute policy and ZeRO-1), or the run is refused in one line naming both."""
-    from ..parallel.hotspa_layout import bucket_recompute, bucket_strategies
-
-    strategies, capacities, _ = bucket_strategies(cfg)
-    for k, (strategy, capacity) in enumerate(zip(strategies, capacities, strict=True)):
+    cfg = run.cfg
+    for bucket in run.buckets:
+        strategy, capacity = bucket.strategy, bucket.capacity
         try:
-            ev = strategy_memory(cfg, strategy, capacity, recompute=bucket_recompute(cfg, k))
+            ev = strategy_memory(cfg, strategy, capacity, recompute=bucket.recompute, layout=bucket.layout)
         except ValueError as error:  # the planner's own refusals (cluster settings, shapes): one line
             raise ConfigError(f"parallel.hotspa strategy {strategy.name}: {error}") from None
         if not ev.feasible:

@@ -69,10 +69,13 @@ def bucket_sets(seq_len: int, max_buckets: int) -> list[list[int]]:
 def runs_on(cfg, strategy: Strategy, capacity: int) -> bool:
     """The runtime accepts ``strategy`` for rows of ``capacity`` tokens (the checks of parallel=hotspa)."""
     from ..parallel.hotspa_layout import strategy_config
-    from ..validation.layout import validate_layout
+    from ..parallel.plan import units_of
+    from ..validation.layout import check_layout, validate_layout_settings
 
+    scfg = strategy_config(cfg, strategy, capacity)
     try:
-        validate_layout(strategy_config(cfg, strategy, capacity))
+        validate_layout_settings(scfg)
+        check_layout(scfg, units_of(scfg))  # a candidate's layout: the planner's to resolve
     except (ConfigError, ValueError):
         return False
     return True

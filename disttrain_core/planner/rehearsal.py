@@ -125,13 +125,14 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
         dist.destroy_process_group()
 
 
-def rehearse(cfg, run_dir: Path | None = None, progress=print) -> dict:
-    """Count every role of ``cfg``'s (non-auto) layout and compare with the planner's model state."""
-    from ..parallel.plan import resolve_units
+def rehearse(cfg, run_dir: Path | None = None, progress=print, layout=None) -> dict:
+    """Count every role of ``cfg``'s (non-auto) layout and compare with the planner's model state.
+    ``layout``: the run's resolved one; None: ``cfg``'s, resolved here (the planner's own dry run)."""
+    from ..parallel.plan import units_of
     from .api import config_roles
 
     started = time.perf_counter()
-    layout = resolve_units(cfg)
+    layout = layout or units_of(cfg)
     roles, context = config_roles(cfg, layout)
     wire = _planned_wire(cfg)
     rows = []

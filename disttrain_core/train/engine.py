@@ -28,7 +28,6 @@ from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
 from ..models import build_model, materialize
 from ..parallel.expert_parallel import configure_moe, moe_step_stats, update_biases
-from ..parallel.plan import resolve_units
 from ..parallel.recompute import apply_recompute
 from ..schedule.executor import StepRecord
 from .optim import build_optimizer
@@ -235,8 +234,9 @@ class DataParallelEngine(Engine):
     diffusion noise targets; here only the forward runs under autocast.
     """
 
-    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, group=None):
-        """``group``: the processes DDP averages over (None: all of them; local SGD: one worker's)."""
+    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, unit, group=None):
+        """``unit``: the run's one unit (its recompute policy); ``group``: the processes DDP averages over (None:
+        all of them; local SGD: one worker's)."""
         self.cfg, self.fabric = cfg, fabric
         self.group = group
         self.replicas = dist.get_world_size(group) if group is not None else fabric.world_size
@@ -248,7 +248,6 @@ class DataParallelEngine(Engine):
         self.sharded = self.shard_model(self.raw_model)
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
         import_pretrained(cfg, tokenizer, [self.raw_model])
-        unit = resolve_units(cfg).llm  # the one unit: every module on every process
         apply_recompute(self.raw_model, unit.recompute, unit.recompute_every)
         module = self.raw_model
         self.model = module

@@ -38,18 +38,14 @@ from lightning_fabric import Fabric
 
 from ..base.clock import DeviceClock
 from ..comm.engine import allreduce_gradients
-from ..config import Config
 from ..data.batch import Batch, pad_rows
 from ..data.tokenizer import Tokenizer
 from ..parallel.hot_switch import run_switch
 from ..parallel.hotspa_layout import (
-    bucket_recompute,
-    bucket_strategies,
     llm_param_specs,
     local_box_tensors,
-    strategy_config,
 )
-from ..parallel.plan import build_pipeline, pipeline_broker, pipeline_schedule, resolve_units
+from ..parallel.plan import build_pipeline, pipeline_broker, pipeline_schedule
 from ..parallel.switch_plan import PlanCache, Strategy, strategy_layout
 from ..schedule.executor import PipelineExecutor, StepRecord
 from .engine import Engine, GlobalCounts
@@ -91,18 +87,20 @@ def bucket_order(plans: PlanCache, names: list[str], home: int, mode: str) -> li
 
 
 class HotSpaEngine(Engine):
-    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, timeout=None):
+    def __init__(self, run, fabric: Fabric, tokenizer: Tokenizer, timeout=None):
+        """``run``: the resolved run (parallel/resolved.py): each bucket's strategy, config and layout."""
+        cfg = run.cfg
         self.cfg, self.fabric = cfg, fabric
         self.rank = fabric.global_rank
-        strategies, capacities, home_name = bucket_strategies(cfg, tokenizer)
+        strategies = [bucket.strategy for bucket in run.buckets]
+        home_name = run.home
         self.names = [s.name for s in strategies]
         # The home is the last bucket with the home strategy: it runs last and owns the optimizer.
-        self.home_index = max(i for i, name in enumerate(self.names) if name == home_name)
+        self.home_index = run.home_bucket
         self.members: list[_Member] = []
-        for k, (strategy, capacity) in enumerate(zip(strategies, capacities, strict=True)):
-            scfg = strategy_config(cfg, strategy, capacity, bucket_recompute(cfg, k))
+        for bucket in run.buckets:
+            strategy, capacity, scfg, layout = bucket.strategy, bucket.capacity, bucket.config, bucket.layout
             rows = scfg.optim.micro_batch_size
-            layout = resolve_units(scfg)
             schedule, broker, rows_of_units = build_pipeline(scfg, layout, 1)
             engine = UnitEngine(scfg, fabric, tokenizer, layout, schedule, broker, rows_of_units, timeout=timeout)
             self.members.append(_Member(strategy, capacity, engine, {1: engine.executor}, rows * strategy.dp))
@@ -132,6 +130,7 @@ class HotSpaEngine(Engine):
         # last log -- what tools/profile_hotspa.py fits t(row) from
         self.time_buckets = bool(cfg.parallel.hotspa.time_buckets)
         self.bucket_seconds = [0.0] * len(self.members)
+        capacities = [bucket.capacity for bucket in run.buckets]
         log.info("hotspa: buckets %s, strategies %s, home %s, order %s", capacities, self.names, home_name, self.order)
 
     def describe(self) -> str:

@@ -26,11 +26,11 @@ from tqdm import tqdm
 from ..base.clock import DeviceClock
 from ..base.faults import inject
 from ..comm.engine import interleaved_mode
-from ..config import Config, training_precision
+from ..config import training_precision
 from ..data.tokenizer import build_tokenizer
 from ..models import build_model
 from ..models.flops import batch_flops, document_flops, llm_flop_terms
-from ..parallel.plan import resolve_units
+from ..parallel.resolved import ResolvedRun
 from .checkpoint import CheckpointManager
 from .engines import build_engine
 from .host_sync import HostSyncGuard
@@ -57,14 +57,17 @@ def _dump_flight(reason: str) -> None:
 
 
 class Trainer(StepData, CheckpointIO):
-    def __init__(self, cfg: Config, fabric: Fabric, run_dir: str | Path, stop_request: StopRequest | None = None):
+    def __init__(self, run: ResolvedRun, fabric: Fabric, run_dir: str | Path, stop_request: StopRequest | None = None):
+        """``run``: the launcher's resolved run (parallel/resolved.py): its config and layout."""
+        cfg = run.cfg
+        self.run = run
         self.cfg = cfg
         self.fabric = fabric
         self.run_dir = Path(run_dir)
         self.rank = fabric.global_rank
         self.world_size = fabric.world_size
         trainer, optim = cfg.trainer, cfg.optim
-        self.layout = resolve_units(cfg)
+        self.layout = run.layout
         self.unit = self.layout.unit_of(self.rank)
         self.dp_rank, self.tp_rank, self.pp_rank = self.unit.coords(self.rank)
         llm = self.layout.llm
@@ -83,7 +86,7 @@ class Trainer(StepData, CheckpointIO):
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         timeout = timedelta(seconds=trainer.dist_timeout_s)
         self.engine, self.count_group, self.schedule, self.broker = build_engine(
-            cfg, fabric, self.tokenizer, self.layout, self.accumulation, self.global_stream, timeout
+            run, fabric, self.tokenizer, self.accumulation, self.global_stream, timeout
         )
         self.optimizer = self.engine.build_optimizer()
         self.scheduler = build_scheduler(getattr(self.optimizer, "inner", self.optimizer), optim, trainer.max_steps)

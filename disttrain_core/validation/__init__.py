@@ -10,6 +10,9 @@ table of bounds for every numeric setting, checked before anything divides by on
 (parallel layout and pipeline schedule), ``hotspa`` (HotSPa's strategies) and ``cluster_fit`` (a run's GPUs
 against the GPU cluster preset it names; whether this command starts ranks on this machine at all). Whether
 a run fits its devices' memory is the planner's check (planner/fit.py ``validate_run``: this, then that).
+
+``validate_config`` checks the settings, resolves the run once (parallel/resolved.py ``resolve_run``) and
+checks the layout in it; it returns the ``ResolvedRun`` everything after it reads.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from .common import (
     resolve_backend,
     world_size,
 )
-from .hotspa import validate_hotspa
-from .layout import layout_of, reads_global_stream, validate_layout
-from .schedule import check_pipeline, validate_schedule_config
+from .hotspa import check_hotspa_layouts, validate_hotspa
+from .layout import check_layout, reads_global_stream, validate_layout_settings
+from .local_sgd import validate_optimizer
+from .schedule import check_pipeline, validate_run_schedules, validate_schedule_config
 from .settings import (
     validate_cluster,
     validate_data,
@@ -42,8 +46,8 @@ __all__ = [
     "ConfigError",
     "check_pipeline",
     "externally_launched",
+    "check_layout",
     "launches_elsewhere",
-    "layout_of",
     "reads_global_stream",
     "resolve_accelerator",
     "resolve_backend",
@@ -53,7 +57,7 @@ __all__ = [
     "validate_data",
     "validate_device_contract",
     "validate_hotspa",
-    "validate_layout",
+    "validate_layout_settings",
     "validate_model",
     "validate_optim",
     "validate_planner",
@@ -79,8 +83,12 @@ def missing_keys(node, prefix: str = "") -> list[str]:
     return out
 
 
-def validate_config(cfg: Config) -> None:
-    """Raise ConfigError on the first problem found."""
+def validate_config(cfg: Config, container: dict | None = None, plan: dict | None = None):
+    """Raise ConfigError on the first problem found; return the run resolved (parallel/resolved.py), or None
+    while the planner has yet to choose the layout (parallel=auto, HotSPa's strategies=[auto]).
+    ``container``: the plain dict ``cfg`` was typed from; ``plan``: the planner's choice, recorded in the run."""
+    from ..parallel.resolved import resolve_run
+
     missing = [key for key in missing_keys(cfg) if not key.startswith("paths.")]
     if missing:
         raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")
@@ -89,20 +97,29 @@ def validate_config(cfg: Config) -> None:
     # the cluster and planner settings first: later checks read them
     validate_cluster(cfg)
     validate_planner(cfg)
-    auto = cfg.parallel.mode == "auto"  # the layout is checked once the planner has chosen it
-    if not auto:
+    mode = cfg.parallel.mode
+    hotspa = mode == "hotspa"
+    if mode != "auto":  # the layout is checked once the planner has chosen it
         validate_trainer(cfg)
-        if cfg.parallel.mode == "hotspa":  # every strategy is checked as the megatron layout it runs as
+        if hotspa:  # every strategy is checked as the megatron layout it runs as
             validate_hotspa(cfg)
         else:
-            validate_layout(cfg)
-    validate_data(cfg)
-    validate_optim(cfg)
-    if auto:  # the planner's memory model and the sharded optimizers it chooses from are AdamW's
-        from .local_sgd import validate_optimizer
-
+            validate_layout_settings(cfg)
+    planned = mode == "auto" or (hotspa and list(cfg.parallel.hotspa.strategies) == ["auto"])
+    run = None if planned else resolve_run(cfg, container, plan)
+    if run is not None:
+        if hotspa:
+            check_hotspa_layouts(run)
+        else:
+            check_layout(cfg, run.layout)
+            validate_optimizer(cfg, run.layout)
+    dp = 1 if run is None else run.layout.llm.dp
+    validate_data(cfg, 1 if run is None or reads_global_stream(run.layout) else dp)
+    validate_optim(cfg, dp)
+    if mode == "auto":  # the planner's memory model and the sharded optimizers it chooses from are AdamW's
         validate_optimizer(cfg)
-    if not auto:
-        validate_schedule_config(cfg)
+    if run is not None:
+        validate_run_schedules(run)
     # last: the node shape of a GPU cluster preset (its memory is the planner's check: planner/fit.py)
     validate_cluster_fit(cfg)
+    return run

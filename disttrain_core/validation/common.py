@@ -4,6 +4,8 @@ and world size resolve from a config."""
 from __future__ import annotations
 
 from ..config import Config
+from ..config import resolve_accelerator as resolve_accelerator  # re-exported: validation's callers use them
+from ..config import resolve_backend as resolve_backend
 
 CPU_PROCESSES_PER_CORE = 4  # beyond this, oversubscription is surely a typo, not a test setup
 
@@ -27,20 +29,6 @@ def externally_launched() -> bool:
         return detect().kind in ("torchrun", "slurm", "node", "spawned")
     except LaunchError:
         return False
-
-
-def resolve_accelerator(accelerator: str) -> str:
-    if accelerator != "auto":
-        return accelerator
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_backend(backend: str, accelerator: str) -> str:
-    if backend != "auto":
-        return backend
-    return "nccl" if accelerator == "cuda" else "gloo"
 
 
 def world_size(cfg: Config) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..config import Config
 from .common import ConfigError, _require
-from .layout import _NO_COMPILE, validate_layout
+from .layout import _NO_COMPILE, check_layout, validate_layout_settings
 
 
 def _check_hotspa_settings(cfg: Config) -> None:
@@ -42,8 +42,9 @@ def _check_hotspa_settings(cfg: Config) -> None:
 
 
 def validate_hotspa(cfg: Config) -> None:
-    """The strategies, their buckets and the home; every strategy is then checked as the megatron layout it
-    runs as (heads divisible by tp, layers by pp, rows by cp, ...)."""
+    """The strategies, their buckets and the home; every strategy's settings are then checked as the megatron
+    layout it runs as (heads divisible by tp, layers by pp, rows by cp, ...): its resolved layout by
+    ``check_hotspa_layouts``."""
     from ..parallel.hotspa_layout import (
         bucket_boundaries,
         bucket_recompute,
@@ -106,6 +107,18 @@ def validate_hotspa(cfg: Config) -> None:
         _require(not bad, f"parallel.hotspa.recompute: {bad[0]!r} is not one of {', '.join(POLICIES)}" if bad else "")
     for k, (strategy, capacity) in enumerate(zip(strategies, capacities, strict=True)):
         try:
-            validate_layout(strategy_config(cfg, strategy, capacity, bucket_recompute(cfg, k)))
+            validate_layout_settings(strategy_config(cfg, strategy, capacity, bucket_recompute(cfg, k)))
         except ConfigError as error:
             raise ConfigError(f"parallel.hotspa strategy {strategy.name} (bucket of {capacity}): {error}") from None
+
+
+def check_hotspa_layouts(run) -> None:
+    """Every bucket's resolved layout (parallel/resolved.py ``Bucket``), checked as the megatron layout it runs
+    as; ``validate_hotspa`` has passed."""
+    for bucket in run.buckets:
+        try:
+            check_layout(bucket.config, bucket.layout)
+        except ConfigError as error:
+            raise ConfigError(
+                f"parallel.hotspa strategy {bucket.strategy.name} (bucket of {bucket.capacity}): {error}"
+            ) from None

@@ -13,19 +13,9 @@ _NO_COMPILE = (
 MAX_PARALLEL_SIZE = 65_536  # dp, tp or pp beyond this (and the world size) is a typo
 
 
-def layout_of(cfg: Config) -> tuple[int, int]:
-    """(data-parallel size of the LLM, pipeline stages of the LLM) of the configured layout."""
-    from ..parallel.plan import resolve_units
-
-    llm = resolve_units(cfg).llm
-    return llm.dp, llm.pp
-
-
-def reads_global_stream(cfg: Config) -> bool:
+def reads_global_stream(layout) -> bool:
     """Several units read the one canonical sample stream; a single unit splits shards by replica."""
-    from ..parallel.plan import resolve_units
-
-    return len(resolve_units(cfg).units) > 1
+    return len(layout.units) > 1
 
 
 def _unit_formula(units) -> str:
@@ -343,12 +333,10 @@ def _validate_unit(cfg: Config, unit) -> None:
     _validate_unit_pp(cfg, unit, where)
 
 
-def _validate_resolved_layout(cfg: Config) -> None:
-    """The resolved layout: compile, interleaved collectives, process count, then each unit."""
-    from ..parallel.plan import resolve_units
-
+def check_layout(cfg: Config, layout) -> None:
+    """The resolved layout (parallel/resolved.py): compile, interleaved collectives, process count, then each
+    unit. ``validate_layout_settings`` has passed."""
     p = cfg.parallel
-    layout = resolve_units(cfg)
     world = world_size(cfg)
     _require(
         not cfg.trainer.compile or p.mode == "local_sgd" or layout.trains_with_ddp(),
@@ -365,8 +353,9 @@ def _validate_resolved_layout(cfg: Config) -> None:
         _validate_unit(cfg, unit)
 
 
-def validate_layout(cfg: Config) -> None:
-    """The parallel layout, in order: mode and units, per-setting checks, then the resolved layout."""
+def validate_layout_settings(cfg: Config) -> None:
+    """The parallel settings, before the layout is resolved: mode and units, then per-setting checks (what
+    resolving needs: sizes at least 1 that fit the processes)."""
     p = cfg.parallel
     _validate_mode_and_units(cfg)
     _validate_recompute_settings(p)
@@ -375,7 +364,6 @@ def validate_layout(cfg: Config) -> None:
     _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
     _check_sizes_fit(cfg)
     _validate_comm_settings(p)
-    _validate_resolved_layout(cfg)
     _require(
         p.units.llm.vpp == 1 or p.mode != "manual",
         f"parallel.units.llm.vpp={p.units.llm.vpp}: virtual stages inside one unit of a multi-unit pipeline are "

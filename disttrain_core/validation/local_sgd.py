@@ -166,17 +166,16 @@ def validate_local_sgd(cfg: Config) -> None:
     _check_offload_and_compile(cfg, shard)
 
 
-def validate_optimizer(cfg: Config) -> None:
+def validate_optimizer(cfg: Config, layout=None) -> None:
     """``optim=sgd`` runs where the optimizer is torch's own over whole parameters (DDP and local SGD); the
-    sharded ZeRO-1 optimizer and the planner's memory model are AdamW's."""
+    sharded ZeRO-1 optimizer and the planner's memory model are AdamW's. ``layout``: the resolved one, once
+    there is one (before, only the mode is checked)."""
     if cfg.optim.name != "sgd":
         return
     _require(
         not cfg.optim.nesterov or cfg.optim.momentum > 0,
         f"optim.nesterov=true needs optim.momentum > 0 (it is {cfg.optim.momentum}); set a momentum, e.g. 0.9",
     )
-    from ..parallel.plan import resolve_units
-
     mode = cfg.parallel.mode
     _require(
         mode != "local_sgd" or layout_shard(cfg.parallel, "none") != "zero1",
@@ -184,7 +183,7 @@ def validate_optimizer(cfg: Config) -> None:
         "parallel.shard=zero2 or zero3 (torch SGD on FSDP2's shards), none, or optim=adamw",
     )
     _require(
-        mode in ("ddp", "local_sgd") and (mode == "local_sgd" or resolve_units(cfg).trains_with_ddp()),
+        mode in ("ddp", "local_sgd") and (mode == "local_sgd" or layout is None or layout.trains_with_ddp()),
         f"optim=sgd runs with parallel=dp (no sharding) or parallel=local_sgd; parallel.mode={mode} shards AdamW "
         "(ZeRO-1 / FSDP2): use optim=adamw",
     )

@@ -14,16 +14,10 @@ from .common import ConfigError, _require
 MAX_PIPELINE_SLOTS = 65_536
 
 
-def _validate_hotspa_schedules(cfg: Config) -> None:
-    """Each hotspa strategy runs as its own rigid layout (strategy_config): validate each one's schedule."""
-    from ..parallel.hotspa_layout import bucket_strategies, strategy_config
-
-    if list(cfg.parallel.hotspa.strategies) == ["auto"]:  # chosen before launch, validated then
-        return
-
-    strategies, capacities, _ = bucket_strategies(cfg)
-    for strategy, capacity in zip(strategies, capacities, strict=True):
-        validate_schedule_config(strategy_config(cfg, strategy, capacity))
+def _validate_hotspa_schedules(run) -> None:
+    """Each hotspa strategy runs as its own rigid layout (its bucket's config): validate each one's schedule."""
+    for bucket in run.buckets:
+        validate_schedule_config(bucket.config, bucket.layout)
 
 
 def _check_microbatch_sharing(cfg: Config, layout, samples: int) -> None:
@@ -90,14 +84,19 @@ def _check_single_unit_schedule(cfg: Config, llm, per_rank: int, micro: int) -> 
         _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
 
 
-def validate_schedule_config(cfg: Config) -> None:
-    """The pipeline schedule against the layout and batch sizes; the schedule is built and replayed here."""
-    from ..parallel.plan import resolve_units, stages_per_rank
+def validate_run_schedules(run) -> None:
+    """The pipeline schedule of a resolved run (parallel/resolved.py): HotSPa's, one per bucket."""
+    if run.buckets:
+        _validate_hotspa_schedules(run)
+    else:
+        validate_schedule_config(run.cfg, run.layout)
 
-    if cfg.parallel.mode == "hotspa":  # each strategy runs as its own rigid layout (strategy_config)
-        _validate_hotspa_schedules(cfg)
-        return
-    s, layout = cfg.schedule, resolve_units(cfg)
+
+def validate_schedule_config(cfg: Config, layout) -> None:
+    """The pipeline schedule against the layout and batch sizes; the schedule is built and replayed here."""
+    from ..parallel.plan import stages_per_rank
+
+    s = cfg.schedule
     llm = layout.llm
     rows = sum(u.pp for u in layout.units)
     per_rank = stages_per_rank(cfg)

@@ -18,7 +18,6 @@ from .common import (
     resolve_backend,
 )
 from .data import FORMATS, check_shards, check_token_file
-from .layout import layout_of, reads_global_stream
 from .numbers import check_bounds
 
 
@@ -149,7 +148,8 @@ def _validate_generator(cfg: Config) -> None:
     )
 
 
-def validate_optim(cfg: Config) -> None:
+def validate_optim(cfg: Config, dp: int = 1) -> None:
+    """``dp``: the LLM unit's data-parallel size in the resolved layout (1 before the planner chose one)."""
     o = cfg.optim  # single-setting bounds (lr, eps, steps, batch sizes): numbers.check_bounds
     _require(
         len(o.betas) == 2 and all(0.0 <= b < 1.0 for b in o.betas),
@@ -157,7 +157,6 @@ def validate_optim(cfg: Config) -> None:
     )
     if cfg.data.packing.enabled:  # a step is data.packing.documents_per_step documents, packed into rows
         return
-    dp = 1 if cfg.parallel.mode == "auto" else layout_of(cfg)[0]
     _require(
         o.global_batch_size % (o.micro_batch_size * dp) == 0,
         f"optim.global_batch_size={o.global_batch_size} is not divisible by optim.micro_batch_size="
@@ -264,7 +263,9 @@ def validate_device_contract(cfg: Config) -> None:
         )
 
 
-def validate_data(cfg: Config) -> None:
+def validate_data(cfg: Config, dp: int = 1) -> None:
+    """``dp``: how many replicas split the shards (1 where every process reads the one global stream, or
+    before the planner chose a layout)."""
     d = cfg.data
     _tokenizer(cfg)  # a name it knows or a readable tokenizer.json
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: use 0 (decode inline) or more")
@@ -301,7 +302,6 @@ def validate_data(cfg: Config) -> None:
         validate_packing(cfg)
         return
     shard_count = check_shards(cfg)  # none, missing ones, or generation into a path it should not write
-    dp = 1 if cfg.parallel.mode == "auto" or reads_global_stream(cfg) else layout_of(cfg)[0]
     _require(
         shard_count >= dp,
         f"data.path={d.path!r} has {shard_count} shard(s) for {dp} data-parallel ranks; every rank needs at "

@@ -78,15 +78,13 @@ def test_header_states_the_gpus_memory_and_cluster_the_config_uses(recipe):
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
 def test_layout_fits_the_cluster_memory_and_keeps_tensor_parallelism_in_a_node(recipe, shards, tokens):
     cfg = typed_config(compose([f"recipe={recipe}", "trainer.dry_run=true", *data_overrides(recipe, shards, tokens)]))
-    validate_run(cfg)  # the cluster preset's GPUs and memory against the layout, among every other check
+    run = validate_run(cfg)  # the cluster preset's GPUs and memory against the layout, among every other check
     if cfg.parallel.mode in ("auto", "hotspa"):
         return  # planned within the preset / each strategy checked per bucket (planner/fit.py)
-    role, usable = fullest_role(cfg)
+    role, usable = fullest_role(cfg, run.layout)
     assert role.total <= usable, (role.unit, role.pp, role.total / 1e9)
-    from disttrain_core.parallel.plan import resolve_units
-
     per_node = cfg.trainer.devices
-    for unit in resolve_units(cfg).units:
+    for unit in run.layout.units:
         for pp in range(unit.pp):
             for dp in range(unit.dp):
                 for group in range(unit.inner // unit.tp):  # one TP group per context-parallel rank

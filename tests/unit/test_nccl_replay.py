@@ -5,7 +5,8 @@ channel whose sends and receives disagree is rejected."""
 import pytest
 
 from disttrain_core.config import compose, group_options
-from disttrain_core.parallel.plan import pipeline_broker, pipeline_schedule, resolve_units, validate_pipeline
+from disttrain_core.parallel.plan import pipeline_broker, pipeline_schedule, validate_pipeline
+from disttrain_core.parallel.resolved import resolve_run
 from disttrain_core.parallel.units import build_layout
 from disttrain_core.schedule.generators import build_schedule
 from disttrain_core.schedule.replay import Call, Compute, Post, Wait, executor_programs, replay
@@ -98,7 +99,7 @@ def test_every_parallel_preset_replays_clean_at_full_size(preset):
     cfg = compose([f"parallel={preset}"])
     if cfg.schedule.name == "none":  # presets like pp2 leave the schedule to the command line
         cfg = compose([f"parallel={preset}", "schedule=1f1b"])
-    layout = resolve_units(cfg)
+    layout = resolve_run(cfg).layout
     if sum(unit.pp for unit in layout.units) == 1:
         pytest.skip("one pipeline stage: no point-to-point transfers")
     samples = cfg.optim.micro_batch_size * layout.llm.dp

@@ -71,7 +71,7 @@ def mesh_groups(world: int, shard: int, rank: int, timeout: timedelta | None = N
 
 
 class LocalSgdEngine(DataParallelEngine):
-    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, timeout: timedelta | None = None):
+    def __init__(self, cfg: Config, fabric: Fabric, tokenizer: Tokenizer, unit, timeout: timedelta | None = None):
         ls = cfg.parallel.local_sgd
         world, rank = fabric.world_size, fabric.global_rank
         self.shard = local_sgd_shard_group(cfg)
@@ -84,7 +84,7 @@ class LocalSgdEngine(DataParallelEngine):
         # inside a worker: none (DDP), zero1, zero2 or zero3 (train/local_sgd/shards.py)
         self.shards = WorkerShards(cfg, fabric.device, worker_group, self.worker, self.place, self.shard)
         self.fsdp, self.zero1 = self.shards.fsdp, self.shards.zero1
-        super().__init__(cfg, fabric, tokenizer, group=worker_group if world > 1 else None)
+        super().__init__(cfg, fabric, tokenizer, unit, group=worker_group if world > 1 else None)
         self.warmup, self.every, self.method = int(ls.warmup_steps), int(ls.sync_every), ls.method
         self.step = 0  # optimizer steps taken (checkpointed: a resumed run knows where the next sync is)
         self._step_tensor = torch.zeros((), dtype=torch.int64)
