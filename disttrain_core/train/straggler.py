@@ -7,7 +7,9 @@ in that thread). Not counted: time spent waiting for other ranks, and the commun
 threads (gloo's copies and reductions) -- a slower processor would slow those as well, but multiplying them
 would charge a synchronous run's communication to the straggler twice.
 
-The delay is busy work -- small matrix products until the time is up -- not a sleep: on an emulated node
+The delay is busy work -- small matrix products until the thread has used that much more CPU time (its own
+clock, so a core shared with other processes stretches the delay as it stretches the step) -- not a sleep:
+on an emulated node
 pinned to one core (tools/netem_cluster.py ``pin=true``) a sleeping process would lend its core to nothing,
 but a busy one holds it as slower compute would, and torch releases the GIL inside each product so the
 rank's communication threads keep running. ``probability`` < 1 makes the slowdown random per step (drawn
@@ -47,8 +49,8 @@ class Straggler:
         if not self.slow(step):
             return 0.0
         extra = (self.factor - 1.0) * (time.thread_time() - self._cpu)
-        until = time.perf_counter() + extra
-        while time.perf_counter() < until:
+        until = time.thread_time() + extra
+        while time.thread_time() < until:
             torch.mm(self._work, self._work)
         self.delayed_s += extra
         return extra
