@@ -7,8 +7,10 @@ such runs. Here one server process per test session imports all of that once; ea
 that executes train.py as ``__main__`` with the run's arguments, working directory, environment and
 output files, exactly as ``python train.py`` would from that point on. Its fork server is a fork too
 (started by train.py's own ``warm_up`` before any kernel has run, so forking stays safe: the ranks are
-forks of a process that never ran an OpenMP region). Everything after the imports is the real code path:
-argument checks, Hydra, validation, the launcher, Fabric's forkserver launcher, the ranks.
+forks of a process that never ran an OpenMP region; a process that has run one cannot fork a child that
+runs another -- GNU OpenMP hangs). Everything after the imports is the real code path: argument checks,
+Hydra, validation, the launcher, Fabric's forkserver launcher, the ranks. Other scripts (the tools) run
+the same way, with fresh fork servers: they may run kernels before they start one.
 
 What a fork cannot show, a cold run still does: tests that signal train.py, time its start-up or read its
 interpreter flags start it with ``subprocess`` themselves, and ``DISTTRAIN_TEST_COLD=1`` makes
@@ -108,7 +110,8 @@ def _run(request: dict, protocol: set[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        util.spawnv_passfds = _forking_spawnv(util.spawnv_passfds)
+        if request["fork_server"]:
+            util.spawnv_passfds = _forking_spawnv(util.spawnv_passfds)
         sys.argv = [request["script"], *request["argv"]]
         runpy.run_path(request["script"], run_name="__main__")
         code = 0
@@ -181,12 +184,14 @@ class Zygote:
         return self.server.poll() is None
 
     def run(self, script: Path, argv: list[str], cwd: Path, env: dict, timeout: float, scratch: Path):
-        """Like ``subprocess.run([python, script, *argv], capture_output=True, text=True, timeout=...)``."""
+        """Like ``subprocess.run([python, script, *argv], capture_output=True, text=True, timeout=...)``. Only
+        train.py, which starts its fork server before it runs anything, gets a forked one."""
         import signal
 
         scratch.mkdir(parents=True, exist_ok=True)
         out, err = scratch / "stdout", scratch / "stderr"
         request = {"script": str(script), "argv": argv, "cwd": str(cwd), "env": env}
+        request["fork_server"] = Path(script).name == "train.py"
         request |= {"stdout": str(out), "stderr": str(err)}
         self.server.stdin.write((json.dumps(request) + "\n").encode())
         self.server.stdin.flush()

@@ -10,7 +10,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -65,12 +66,11 @@ def _worker(rank: int, world: int, store: str, root: str, layout: str, out: str)
 @pytest.mark.parametrize("layout", ["fsdp", "tp", "ddp"])
 def test_async_save_stages_only_this_ranks_shards(layout, tmp_path):
     world = 2
-    mp.start_processes(
+    start_processes(
         _worker,
         args=(world, str(tmp_path / "store"), str(tmp_path / "ckpt"), layout, str(tmp_path)),
         nprocs=world,
         join=True,
-        start_method="spawn",
     )
     for rank in range(world):
         result = json.loads((tmp_path / f"{rank}.json").read_text())

@@ -9,8 +9,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -96,9 +97,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_llama_matches_one_process(tmp_path, world):
-    mp.start_processes(
-        _worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
-    )
+    start_processes(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
     for rank in range(world):
         result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         for case in ("kv2", "kv4"):
@@ -159,9 +158,7 @@ def _packed_worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 
 def test_packed_documents_under_context_parallelism_keep_their_own_loss(tmp_path):
-    mp.start_processes(
-        _packed_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
-    )
+    start_processes(_packed_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert result["doc"] < 1e-5 and result["loss"] < 1e-6 and result["grad"] < 1e-5, (rank, result)

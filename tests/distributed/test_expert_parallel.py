@@ -13,7 +13,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -165,9 +166,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
 
 
 def test_expert_parallel_matches_a_single_process_layer(tmp_path):
-    context = mp.start_processes(
-        _worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
-    )
+    context = start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while not context.join(timeout=max(1.0, deadline - time.monotonic())):

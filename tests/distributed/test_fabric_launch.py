@@ -39,6 +39,7 @@ def test_forkserver_ranks_see_each_launch_environment_and_the_preload(tmp_path, 
     monkeypatch.setenv("DISTTRAIN_TEST_PROBE", "first")
     first = _launch("forkserver", tmp_path / "a")
     monkeypatch.setenv("DISTTRAIN_TEST_PROBE", "second")
+    monkeypatch.delenv("MASTER_PORT")  # the first launch's (Fabric exports it): a fresh one, as a new job picks
     second = _launch("forkserver", tmp_path / "b")
     assert [r["probe"] for r in first] == ["first", "first"]
     assert [r["probe"] for r in second] == ["second", "second"]

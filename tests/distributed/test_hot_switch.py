@@ -8,7 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -53,9 +54,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
 
 def test_parameters_survive_a_cycle_of_switches(tmp_path):
-    mp.start_processes(
-        _worker, args=(4, str(tmp_path / "store"), str(tmp_path)), nprocs=4, join=True, start_method="spawn"
-    )
+    start_processes(_worker, args=(4, str(tmp_path / "store"), str(tmp_path)), nprocs=4, join=True)
     pairs = set(zip(CYCLE[:-1], CYCLE[1:], strict=True))
     assert len(pairs) >= 12
     for rank in range(4):

@@ -8,12 +8,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from disttrain_core.config import compose
 
 from .pipeline_reference import reference
 from .pipeline_worker import main as pipeline_worker
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -38,7 +38,7 @@ def _p2p_worker(rank: int, store: str, out: str) -> None:
 
 def test_a_call_returns_one_handle_and_its_data_lands_on_wait(tmp_path):
     assert os.environ.get("DISTTRAIN_STRICT_P2P") == "1"  # conftest: the suite runs under NCCL's contract
-    mp.start_processes(_p2p_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, start_method="spawn")
+    start_processes(_p2p_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert result["strict"] and result["handles"] == 1
@@ -55,11 +55,10 @@ def test_an_executor_that_skips_a_handle_trains_on_garbage(wait, shards, tmp_pat
     out = tmp_path / "out"
     out.mkdir()
     cases = [("1f1b", 1)]
-    mp.start_processes(
+    start_processes(
         pipeline_worker,
         args=(2, str(tmp_path / "store"), str(out), str(shards), MODEL, cases, wait == "skip_first_handle"),
         nprocs=2,
-        start_method="spawn",
     )
     _, ref_grads = reference(compose([f"data.path={shards}"] + MODEL))
     grads = {}

@@ -3,12 +3,12 @@ losses and gradients (fp32, within 1e-5)."""
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from disttrain_core.config import compose
 
 from .pipeline_reference import reference
 from .pipeline_worker import main as worker
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -28,12 +28,11 @@ MODEL = [
 def test_every_schedule_matches_one_process(world, shards, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    mp.start_processes(
+    start_processes(
         worker,
         args=(world, str(tmp_path / "store"), str(out), str(shards), MODEL, CASES),
         nprocs=world,
         join=True,
-        start_method="spawn",
     )
     cfg = compose([f"data.path={shards}"] + MODEL)
     ref_sums, ref_grads = reference(cfg)

@@ -8,7 +8,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -54,9 +55,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 
 def test_ring_collectives_match_the_native_ones(tmp_path):
-    mp.start_processes(
-        _worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn"
-    )
+    start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert all(result.values()), (rank, result)

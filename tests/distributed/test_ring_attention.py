@@ -9,8 +9,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -98,9 +99,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_matches_full_attention(tmp_path, world):
-    mp.start_processes(
-        _worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
-    )
+    start_processes(_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"{rank}.pt", weights_only=True) for rank in range(world)]
     for rank, result in enumerate(results):
         assert result["errors"].max().item() < 1e-5, (rank, result["errors"].tolist())

@@ -7,9 +7,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from disttrain_core.config import compose
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -92,7 +93,7 @@ def _worker(rank: int, store: str, out: str, overlap: bool) -> None:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["tp", "tp_overlap"])
 def test_a_rank_allocates_its_shards_not_the_stage(overlap, tmp_path):
-    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path), overlap), nprocs=2, start_method="spawn")
+    start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path), overlap), nprocs=2)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert r["mismatched"] == [], r["mismatched"]

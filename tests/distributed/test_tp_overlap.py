@@ -7,7 +7,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -64,9 +65,7 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 
 def test_ring_matmuls_match_the_unchunked_computation(tmp_path):
-    mp.start_processes(
-        _worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True, start_method="spawn"
-    )
+    start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         errors = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert errors.max().item() < 1e-12, (rank, errors.tolist())

@@ -7,7 +7,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -104,9 +105,7 @@ def _worst_reduced_error(zero, reference: torch.nn.Module, world: int) -> float:
 
 
 def _spawn(worker, tmp_path, world: int = 2) -> None:
-    mp.start_processes(
-        worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True, start_method="spawn"
-    )
+    start_processes(worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world, join=True)
 
 
 def _uneven_worker(rank: int, world: int, store: str, out: str) -> None:

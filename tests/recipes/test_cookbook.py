@@ -23,8 +23,6 @@ import io
 import json
 import math
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,7 @@ import pytest
 from disttrain_core.config import compose
 from disttrain_core.launch.entry import launch
 
-from ..conftest import REPO, base_overrides, cli_overrides, read_metrics, tiny_overrides
+from ..conftest import REPO, base_overrides, cli_overrides, read_metrics, run_script, run_train, tiny_overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -289,7 +287,7 @@ def test_benchmark_command(command, tmp_path):
         argv = argv[1:]
     out = tmp_path / "result.json"
     args = [*argv[2:], *BENCHMARKS[command], f"out={out}"]
-    done = subprocess.run([sys.executable, str(REPO / argv[1]), *args], capture_output=True, text=True, timeout=600)
+    done = run_script(REPO / argv[1], args, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     if "network=emulated" in args and "skipped" in result["networks"]["emulated"]:
@@ -320,11 +318,6 @@ def test_quick_start_learns_and_tensorboard_reads_it(shards, tmp_path):
 
 
 def test_print_the_composed_config(shards, tmp_path):
-    done = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--cfg", "job", *cli_overrides(shards, tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_train(["--cfg", "job", *cli_overrides(shards, tmp_path)], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "trainer:" in done.stdout and "parallel:" in done.stdout

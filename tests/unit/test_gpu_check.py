@@ -5,18 +5,12 @@ import json
 import subprocess
 import sys
 
-from ..conftest import REPO
+from ..conftest import REPO, run_script
 
 
 def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "gpu_check.py"), "device=cpu", f"out={out}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    result = run_script(REPO / "tools" / "gpu_check.py", ["device=cpu", f"out={out}"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     phases = report["phases"]

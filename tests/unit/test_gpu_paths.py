@@ -1,14 +1,12 @@
 """The CUDA/NCCL defects of issue 36 that a CPU can show, each pinned by a test that fails on the old code: a
 second device stands in as the meta device where the defect is a device mismatch."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from disttrain_core.config import OptimConfig, compose, typed_config
+
+from ..conftest import run_train
 
 META = torch.device("meta")
 
@@ -132,12 +130,6 @@ def test_cuda_launch_variables_are_named_for_the_launcher_to_set_before_any_cont
     ],
 )
 def test_gpu_settings_that_would_be_ignored_fail_in_one_line(overrides, message, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "train.py", *overrides, f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
-    )
+    result = run_train([*overrides, f"hydra.run.dir={tmp_path}"], timeout=120)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr[-2000:]

@@ -2,26 +2,20 @@
 Llama-3 family against hand-computed values, and this runtime's per-mode model state."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from disttrain_core.config import REPO_ROOT
 from disttrain_core.planner.memory import model_state, standard_model_state, transient_bytes
 
+from ..conftest import run_script
+
 # Meta's published parameter counts, which the presets reproduce (tools/model_info.py).
 LLAMA3_8B, LLAMA3_70B = 8_030_261_248, 70_553_706_496
 
 
 def memory_tool(*args: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / "memory.py"), *args, "format=json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO_ROOT,
-    )
+    out = run_script(REPO_ROOT / "tools" / "memory.py", [*args, "format=json"], timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 

@@ -1,8 +1,6 @@
 """Model zoo: published parameter counts, deterministic init, FLOP accounting."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from disttrain_core.models import build_model, materialize, parameter_table
 from disttrain_core.models.common import init_weights
 from disttrain_core.models.flops import module_flops
 
-from ..conftest import REPO
+from ..conftest import REPO, run_script
 
 # Published sizes (1% tolerance required by the issue; pinned here to the exact counts).
 PUBLISHED = {
@@ -54,13 +52,8 @@ def test_exact_counts_are_pinned():
 
 
 def test_model_info_json_answers_for_mllm72b():
-    out = subprocess.run(
-        [sys.executable, str(REPO / "tools/model_info.py"), "model=mllm72b", "format=json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    out = run_script(REPO / "tools/model_info.py", ["model=mllm72b", "format=json"], timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
     info = json.loads(out.stdout)
     assert info["modules"]["llm"]["params"] == 70_553_706_496
     assert info["total_params"] == sum(m["params"] for m in info["modules"].values())

@@ -26,6 +26,8 @@ from disttrain_core.planner.baselines import exhaustive
 from disttrain_core.planner.costs import PlannerSettings, interp
 from disttrain_core.planner.report import plan_dict
 
+from ..conftest import run_script, run_train
+
 MODELS = {
     "mllm_tiny": "none",
     "mllm9b": "selective_op",
@@ -151,20 +153,8 @@ def test_llm_activation_formula_matches_what_autograd_saves():
 
 
 def test_plan_tool_prints_json_with_units_and_baselines(tmp_path):
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO_ROOT / "tools" / "plan.py"),
-            "model=mllm72b",
-            "cluster=h100_80g",
-            "cluster.num_gpus=256",
-            "format=json",
-            f"png={tmp_path / 'plan.png'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["model=mllm72b", "cluster=h100_80g", "cluster.num_gpus=256", "format=json", f"png={tmp_path / 'plan.png'}"]
+    done = run_script(REPO_ROOT / "tools" / "plan.py", args, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     out = json.loads(done.stdout)
     for unit in ("encoder", "llm", "generator"):
@@ -176,22 +166,14 @@ def test_plan_tool_prints_json_with_units_and_baselines(tmp_path):
 
 
 def test_auto_dry_run_plans_a_gpu_cluster_and_a_real_run_stops_before_launching(tmp_path):
-    base = [
-        sys.executable,
-        str(REPO_ROOT / "train.py"),
-        "model=mllm72b",
-        "parallel=auto",
-        "cluster=h100_80g",
-        "cluster.num_gpus=256",
-    ]
-    dry_args = [*base, "trainer.dry_run=true", f"hydra.run.dir={tmp_path / 'dry'}"]
-    dry = subprocess.run(dry_args, capture_output=True, text=True, timeout=300)
+    base = ["model=mllm72b", "parallel=auto", "cluster=h100_80g", "cluster.num_gpus=256"]
+    dry = run_train([*base, "trainer.dry_run=true", f"hydra.run.dir={tmp_path / 'dry'}"], timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
     assert "predicted iteration" in dry.stdout and (tmp_path / "dry" / "plan.json").is_file()
     assert (tmp_path / "dry" / "rehearsal.json").is_file()  # every rank role rehearsed on the meta device
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA devices: the no-device path is not reachable")
-    real = subprocess.run([*base, f"hydra.run.dir={tmp_path / 'real'}"], capture_output=True, text=True, timeout=300)
+    real = run_train([*base, f"hydra.run.dir={tmp_path / 'real'}"], timeout=300)
     assert real.returncode == 2
     assert "CUDA devices" in real.stderr and "trainer.dry_run=true" in real.stderr
 
@@ -210,12 +192,7 @@ def test_the_design_card_command_on_a_small_machine_ends_in_one_line(tmp_path):
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "training state alone" in lines[0] and "cluster=h100_80g cluster.num_gpus=" in lines[0]
     suggested = lines[0].split("python train.py ", 1)[1].split()
-    dry = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), *suggested, f"hydra.run.dir={tmp_path / 'dry'}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    dry = run_train([*suggested, f"hydra.run.dir={tmp_path / 'dry'}"], timeout=300)
     assert dry.returncode == 0 and "predicted iteration" in dry.stdout, dry.stderr[-2000:]  # the advice works
 
 

@@ -3,13 +3,13 @@ in a fake process group, its model state beside the planner's -- for the design 
 layouts mixing ZeRO-1, FSDP2 over TP, and HSDP over TP."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from disttrain_core.config import REPO_ROOT, compose
+from disttrain_core.config import compose
 from disttrain_core.planner.rehearsal import rehearse
+
+from ..conftest import run_train
 
 
 def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
@@ -22,9 +22,7 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
         "trainer.dry_run=true",
         f"hydra.run.dir={tmp_path}",
     ]
-    out = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train.py"), *args], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
-    )
+    out = run_train(args, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["units"]["llm"]["recompute"] != "none"  # 72B on 64 GPUs needs some recompute to be fastest

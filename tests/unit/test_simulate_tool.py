@@ -1,16 +1,12 @@
 """tools/simulate.py: summary, JSON, Gantt PNG, errors."""
 
 import json
-import subprocess
-import sys
 
-from ..conftest import REPO
+from ..conftest import REPO, run_script
 
 
 def simulate(*args, cwd):
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools/simulate.py"), *args], capture_output=True, text=True, timeout=120, cwd=cwd
-    )
+    return run_script(REPO / "tools/simulate.py", list(args), timeout=120, cwd=cwd)
 
 
 def test_json_output_and_png(tmp_path):
