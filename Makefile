@@ -4,12 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DATA := data/synthetic_laion
+# make test runs the suite on this many pytest-xdist workers, whole files each (docs/PERFORMANCE.md)
+TEST_WORKERS ?= 2
 
 .PHONY: train test test-slow lint data bench gpu-check clean-outputs help
 
 help:
 	@echo "make train      create .venv, install, generate the embedded data, train mllm_tiny on CPU"
-	@echo "make test       import-linter, then the default suite (about 34 minutes on 2 cores; docs/PERFORMANCE.md)"
+	@echo "make test       import-linter, then the default suite on TEST_WORKERS=2 workers (docs/PERFORMANCE.md)"
 	@echo "make test-slow  the long tests (marked slow)"
 	@echo "make lint       ruff and import-linter (.importlinter: the layers of docs/ARCHITECTURE.md)"
 	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"
@@ -35,7 +37,8 @@ train: $(STAMP) $(DATA)
 # an empty slow selection is not.
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -m "not slow" -q --durations=20 --junitxml=outputs/tests/junit.xml
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile -q --durations=20 \
+		--junitxml=outputs/tests/junit.xml
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow -q; status=$$?; [ $$status -eq 5 ] && exit 0; exit $$status

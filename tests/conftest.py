@@ -22,6 +22,11 @@ os.environ.setdefault(
     "DISTTRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"disttrain-test-cache-{_WORKER}")
 )
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# More threads than cores whenever two tests (pytest-xdist) or several ranks share the two cores: OpenMP's
+# default spin-wait then burns the cores the other processes need (two parity files ran 149 s with it, 42 s
+# without). Waiting threads sleep instead; no kernel computes differently. Read when libgomp loads: here,
+# before torch is imported, and inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Point-to-point transfers keep NCCL's contract on gloo too: one handle per batch_isend_irecv call, received
 # data valid only once it is waited on (disttrain_core/comm/p2p.py). A wait that NCCL would need fails here.
 os.environ.setdefault("DISTTRAIN_STRICT_P2P", "1")
@@ -72,6 +77,14 @@ def tiny_overrides(cfg) -> list[str]:
     if cfg.model.reference_global_batch > 64:  # large presets carry their planning batch
         out += ["optim.global_batch_size=16", "optim.micro_batch_size=8"]
     return out
+
+
+@pytest.fixture(autouse=True)
+def no_stale_rendezvous(monkeypatch):
+    """Fabric's launcher exports MASTER_PORT into the process that launches; a later launch in the same test
+    process would reuse that port, which, with tests running side by side (pytest-xdist), another test's
+    process may have taken since. Each test starts without it."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
 
 
 @pytest.fixture(scope="session")
@@ -129,28 +142,45 @@ def warm_interpreter():
     return _ZYGOTE
 
 
+# The order files are handed to pytest-xdist's workers (make test: -n 2 --dist loadfile): the long,
+# few-test directories first, the many short unit files last, where they fill the gaps until both workers
+# finish together (longest first). Within a directory the order is pytest's.
+_FIRST = ("faults", "recipes", "distributed", "unit")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item) -> int:
+        parts = Path(str(item.fspath)).relative_to(REPO).parts
+        return _FIRST.index(parts[1]) if len(parts) > 2 and parts[1] in _FIRST else len(_FIRST)
+
+    items.sort(key=rank)  # stable: pytest's order inside each directory
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _ZYGOTE is not None:
         _ZYGOTE.close()
 
 
-def run_train(args: list[str], timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """``python train.py args...`` with an outer timeout; output captured. Each run is a fork of the session's
+def run_script(
+    script: Path, args: list[str], timeout: float = 240, cwd: Path = REPO, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``python script args...`` with an outer timeout; output captured. The run is a fork of the session's
     warm interpreter (tests/zygote.py), or a fresh interpreter with ``DISTTRAIN_TEST_COLD=1``."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+    env = dict(os.environ) if env is None else env
     if os.environ.get("DISTTRAIN_TEST_COLD") != "1":
         import tempfile
 
-        with tempfile.TemporaryDirectory(prefix="train-") as scratch:
-            return warm_interpreter().run(REPO / "train.py", list(args), cwd, env, timeout, Path(scratch))
+        with tempfile.TemporaryDirectory(prefix="run-") as scratch:
+            return warm_interpreter().run(Path(script), [str(a) for a in args], cwd, env, timeout, Path(scratch))
     return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        [sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_train(args: list[str], timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``python train.py args...`` (``run_script``), unbuffered, with Hydra's full errors."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+    return run_script(REPO / "train.py", args, timeout, cwd, env)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.unit.test_architecture import import_graph  # noqa: E402
+from tools.import_graph import import_graph  # noqa: E402
 
 OUT = ROOT / "docs" / "results"
 
