@@ -12,9 +12,9 @@ runs another -- GNU OpenMP hangs). Everything after the imports is the real code
 Hydra, validation, the launcher, Fabric's forkserver launcher, the ranks. Other scripts (the tools) run
 the same way, with fresh fork servers: they may run kernels before they start one.
 
-What a fork cannot show, a cold run still does: tests that signal train.py, time its start-up or read its
-interpreter flags start it with ``subprocess`` themselves, and ``DISTTRAIN_TEST_COLD=1`` makes
-``run_train`` start a cold interpreter for every run (the suite passes either way).
+What a fork cannot show, a cold run still does: tests that signal train.py, time its start-up or start it
+under torchrun or srun use ``subprocess`` themselves, and ``DISTTRAIN_TEST_COLD=1`` makes ``run_script`` and
+``run_train`` start a fresh interpreter for every run instead.
 
 Protocol: one JSON request per line on the server's stdin (script, argv, cwd, env, output paths); the
 server answers ``{"pid": ...}`` when the run starts and ``{"status": ...}`` (an exit code, negative for a
