@@ -18,6 +18,7 @@ from collections import Counter
 import pytest
 
 from ..conftest import REPO, cli_overrides, read_metrics
+from .test_hotspa import COMMON
 
 pytestmark = pytest.mark.distributed
 
@@ -66,14 +67,7 @@ entry.launch = _launch(entry.launch)
 """
 
 HOTSPA = [
-    "model=llama_tiny",
-    "model.llm.dim=64",
-    "model.llm.ffn_dim=128",
-    "model.llm.n_layers=4",
-    "data=longtail_text",
-    "data.packing.buckets=[32,64,128]",
-    "data.packing.documents_per_step=24",
-    "model.seq_len=128",
+    *COMMON[:8],  # test_hotspa.py's small Llama on long-tailed packed text, three buckets
     "parallel=hotspa",
     "parallel.hotspa.strategies=[dp2,dp2,tp2]",
     "trainer.devices=2",
