@@ -75,6 +75,12 @@ def resolve_units(cfg: Config) -> UnitLayout:
     return units_of(cfg)
 
 
+def config_layout(cfg: Config) -> UnitLayout:
+    """The layout of a config that is not being launched (a tool's, a candidate the planner weighs): its units,
+    or for HotSPa its home strategy's."""
+    return resolve_run(cfg).layout if cfg.parallel.mode == "hotspa" else resolve_units(cfg)
+
+
 def _buckets(cfg: Config) -> tuple[tuple[Bucket, ...], str]:
     from .hotspa_layout import bucket_recompute, bucket_strategies, strategy_config
 

@@ -210,9 +210,9 @@ def make_plan(
 def choices_of_config(cfg, layout=None) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | None]:
     """The planner's view of a configured (non-auto) layout: (llm, encoder, generator). ``layout``: the run's
     resolved one; None: ``cfg``'s, resolved here (a candidate the planner weighs, a tool's config)."""
-    from ..parallel.plan import units_of
+    from ..parallel.resolved import config_layout
 
-    layout = layout or units_of(cfg)
+    layout = layout or config_layout(cfg)
     by_module = {}
     for unit in layout.units:
         for module in unit.modules:
@@ -243,12 +243,12 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     costs (nothing is profiled), ``planner.precision`` (on a CPU cluster: ``trainer.precision``), each
     unit's own shard mode and recompute policy, the configured schedule. Returns (roles, context).
     ``layout``: the run's resolved one; None: ``cfg``'s, resolved here (tools/memory.py)."""
-    from ..parallel.plan import units_of
+    from ..parallel.resolved import config_layout
     from .costs import CostModel, Hardware, PlannerSettings, planned_precision
     from .memory import optimizer_state_bytes
     from .workload import workload_of
 
-    layout = layout or units_of(cfg)
+    layout = layout or config_layout(cfg)
     precision = planned_precision(cfg)
     moments, outer = optimizer_state_bytes(cfg)
     settings = PlannerSettings(

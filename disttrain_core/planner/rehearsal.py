@@ -128,11 +128,11 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
 def rehearse(cfg, run_dir: Path | None = None, progress=print, layout=None) -> dict:
     """Count every role of ``cfg``'s (non-auto) layout and compare with the planner's model state.
     ``layout``: the run's resolved one; None: ``cfg``'s, resolved here (the planner's own dry run)."""
-    from ..parallel.plan import units_of
+    from ..parallel.resolved import config_layout
     from .api import config_roles
 
     started = time.perf_counter()
-    layout = layout or units_of(cfg)
+    layout = layout or config_layout(cfg)
     roles, context = config_roles(cfg, layout)
     wire = _planned_wire(cfg)
     rows = []

@@ -91,3 +91,9 @@ def test_sgd_and_local_sgd_state_is_what_their_optimizers_allocate():
     # FSDP2 workers of 2 processes (HSDP with a replica per worker): everything is a half
     state = model_state(1000, 1000, 4, "zero3", hsdp_replicas=2, outer=(2.0, 2.0))
     assert (state.params, state.grads, state.master, state.moments) == (2000, 2000, 2000, 6000)
+
+
+def test_the_memory_tool_reads_a_hotspa_run_as_its_home_strategy():
+    """parallel=hotspa has one layout per bucket; the tool shows the home strategy's (parallel/resolved.py)."""
+    out = memory_tool("model=llama_tiny", "data=longtail_text", "parallel=hotspa")
+    assert out["roles"], out
