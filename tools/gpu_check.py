@@ -62,7 +62,9 @@ def recipe_block() -> int:
     return int(cfg.model.seq_len) // int(cfg.parallel.cp)
 
 
-def run(device: str, names: list[str], scratch: Path) -> dict:
+def run(device: str, names: list[str], scratch: Path, save=lambda results: None) -> dict:
+    """Each phase in turn; ``save`` gets the results so far after each one (a run cut off by a timeout still
+    leaves the phases it finished)."""
     shapes = dict(SHAPES[device])
     if device == "cuda":
         shapes["ring"] = {**shapes["ring"], "block": recipe_block()}
@@ -77,6 +79,7 @@ def run(device: str, names: list[str], scratch: Path) -> dict:
         result["seconds"] = round(time.perf_counter() - started, 2)
         results[name] = result
         print(f"{'PASS' if result['ok'] else 'FAIL'}  {name:24s} {result['seconds']:7.1f} s", flush=True)
+        save(results)
     return results
 
 
@@ -111,16 +114,22 @@ def main(argv: list[str]) -> int:
         print(f"error: phases={options['phases']}: unknown {unknown}; allowed: {', '.join(PHASES)}", file=sys.stderr)
         return 2
     logging.getLogger("disttrain").setLevel(logging.WARNING)  # the table is the output
-    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        results = run(device, names, Path(tmp))
-    report = {"machine": machine(device), "phases": results, "passed": all(r["ok"] for r in results.values())}
     out = Path(options["out"] or REPO_ROOT / "outputs" / f"gpu_check_{device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    about = machine(device)
+
+    def save(results: dict) -> dict:
+        report = {"machine": about, "phases": results, "passed": all(r["ok"] for r in results.values())}
+        report["complete"] = len(results) == len(names)
+        out.write_text(json.dumps(report, indent=1, default=str))
+        return report
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        report = save(run(device, names, Path(tmp), save))
     if options["format"] == "json":
         print(json.dumps(report, indent=1, default=str))
-    passed = sum(r["ok"] for r in results.values())
-    print(f"{'PASS' if report['passed'] else 'FAIL'}: {passed}/{len(results)} phases; {out}")
+    passed = sum(r["ok"] for r in report["phases"].values())
+    print(f"{'PASS' if report['passed'] else 'FAIL'}: {passed}/{len(names)} phases; {out}")
     return 0 if report["passed"] else 1
 
 
