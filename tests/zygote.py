@@ -12,9 +12,11 @@ runs another -- GNU OpenMP hangs). Everything after the imports is the real code
 Hydra, validation, the launcher, Fabric's forkserver launcher, the ranks. Other scripts (the tools) run
 the same way, with fresh fork servers: they may run kernels before they start one.
 
-What a fork cannot show, a cold run still does: tests that signal train.py, time its start-up or start it
-under torchrun or srun use ``subprocess`` themselves, and ``DISTTRAIN_TEST_COLD=1`` makes ``run_script`` and
-``run_train`` start a fresh interpreter for every run instead.
+The fault suite's jobs (tests/faults/conftest.py: ``Job``) run here too, through ``start``: a
+``WarmProcess`` they signal and wait for like a ``Popen``, in its own session as before. What a fork cannot
+show, a cold run still does: tests that time train.py's start-up or start it under torchrun or srun use
+``subprocess`` themselves, and ``DISTTRAIN_TEST_COLD=1`` makes ``run_script``, ``run_train`` and ``Job`` start a
+fresh interpreter for every run instead.
 
 Protocol: one JSON request per line on the server's stdin (script, argv, cwd, env, output paths); the
 server answers ``{"pid": ...}`` when the run starts and ``{"status": ...}`` (an exit code, negative for a
@@ -102,6 +104,9 @@ def _run(request: dict, protocol: set[int]) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            if path is None:  # stderr into stdout (``stderr=subprocess.STDOUT``)
+                os.dup2(1, fd)
+                continue
             out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(out, fd)
             os.close(out)
@@ -164,6 +169,7 @@ class Zygote:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         self.buffer = b""
+        self.current: WarmProcess | None = None
         self._answer(timeout=120)  # ready
 
     def _answer(self, timeout: float) -> dict | None:
@@ -183,29 +189,33 @@ class Zygote:
     def alive(self) -> bool:
         return self.server.poll() is None
 
-    def run(self, script: Path, argv: list[str], cwd: Path, env: dict, timeout: float, scratch: Path):
-        """Like ``subprocess.run([python, script, *argv], capture_output=True, text=True, timeout=...)``. Only
-        train.py, which starts its fork server before it runs anything, gets a forked one."""
-        import signal
-
-        scratch.mkdir(parents=True, exist_ok=True)
-        out, err = scratch / "stdout", scratch / "stderr"
+    def start(self, script: Path, argv: list[str], cwd: Path, env: dict, stdout: Path, stderr: Path | None = None):
+        """Like ``subprocess.Popen([python, script, *argv], start_new_session=True, ...)`` with output to files
+        (``stderr=None``: into stdout): a ``WarmProcess`` (pid, poll, wait, send_signal). The server runs one
+        at a time: wait for it before the next ``start`` or ``run``. Only train.py, which starts its fork
+        server before it runs anything, gets a forked one."""
+        if self.current is not None and self.current.returncode is None:  # left running by a failed test
+            self.current.kill()
         request = {"script": str(script), "argv": argv, "cwd": str(cwd), "env": env}
         request["fork_server"] = Path(script).name == "train.py"
-        request |= {"stdout": str(out), "stderr": str(err)}
+        request |= {"stdout": str(stdout), "stderr": None if stderr is None else str(stderr)}
         self.server.stdin.write((json.dumps(request) + "\n").encode())
         self.server.stdin.flush()
-        pid = self._answer(timeout=60)["pid"]
-        done = self._answer(timeout=timeout)
-        command = [sys.executable, str(script), *argv]
-        if done is None:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._answer(timeout=60)
-            raise subprocess.TimeoutExpired(command, timeout, output=out.read_text(), stderr=err.read_text())
-        return subprocess.CompletedProcess(command, done["status"], out.read_text(), err.read_text())
+        self.current = WarmProcess(self, self._answer(timeout=60)["pid"], [sys.executable, str(script), *argv])
+        return self.current
+
+    def run(self, script: Path, argv: list[str], cwd: Path, env: dict, timeout: float, scratch: Path):
+        """Like ``subprocess.run([python, script, *argv], capture_output=True, text=True, timeout=...)``."""
+        scratch.mkdir(parents=True, exist_ok=True)
+        out, err = scratch / "stdout", scratch / "stderr"
+        process = self.start(script, argv, cwd, env, out, err)
+        try:
+            code = process.wait(timeout)
+        except subprocess.TimeoutExpired as expired:
+            process.kill()
+            expired.output, expired.stderr = out.read_text(), err.read_text()
+            raise
+        return subprocess.CompletedProcess(process.args, code, out.read_text(), err.read_text())
 
     def close(self) -> None:
         if self.alive():
@@ -214,6 +224,46 @@ class Zygote:
                 self.server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.server.kill()
+
+
+class WarmProcess:
+    """A run of the warm interpreter as ``subprocess.Popen`` shows a child: its pid (also its process group:
+    the run is a session leader), ``poll``, ``wait``, ``send_signal`` and ``kill`` (the whole group)."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: list[str]):
+        self.zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self._status(0.0)
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._status(1e9 if timeout is None else timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def _status(self, timeout: float) -> int | None:
+        if self.returncode is None:
+            done = self.zygote._answer(timeout=timeout)
+            if done is not None:
+                self.returncode = done["status"]
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL to the run's process group (its fork server and ranks too), then reap it."""
+        import signal
+
+        if self.returncode is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait(60)
 
 
 if __name__ == "__main__":

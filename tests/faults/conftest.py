@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import REPO, cli_overrides, read_metrics
+from ..conftest import REPO, cli_overrides, read_metrics, warm_interpreter
 
 STEPS = 10
 
@@ -36,7 +36,8 @@ def group_members(pgid: int) -> list[str]:
 
 
 class Job:
-    """``python train.py args`` started in a new session; ``finish`` waits (bounded) and checks leftovers."""
+    """``python train.py args`` started in a new session (a fork of the warm interpreter, tests/zygote.py,
+    unless ``argv0`` starts it under another launcher); ``finish`` waits (bounded) and checks leftovers."""
 
     def __init__(self, args: list[str], log: Path, fault: str | None = None, argv0: list[str] | None = None):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -46,10 +47,12 @@ class Job:
         self.log = log
         self.started = time.monotonic()
         self.handle = open(log, "w")  # noqa: SIM115  closed in finish()
-        command = argv0 or [sys.executable, str(REPO / "train.py")]
-        self.process = subprocess.Popen(
-            [*command, *args], cwd=REPO, env=env, stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        if argv0 is None and os.environ.get("DISTTRAIN_TEST_COLD") != "1":  # a fork of the warm interpreter
+            self.process = warm_interpreter().start(REPO / "train.py", args, REPO, env, log)
+        else:
+            command = argv0 or [sys.executable, str(REPO / "train.py")]
+            output = {"stdout": self.handle, "stderr": subprocess.STDOUT}
+            self.process = subprocess.Popen([*command, *args], cwd=REPO, env=env, start_new_session=True, **output)
         self.pgid = self.process.pid
 
     def finish(self, timeout: float = 60) -> tuple[int, str, float]:
