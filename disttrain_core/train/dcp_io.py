@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 CHUNK = 1 << 22
 BLOCK = 1 << 23  # bytes per block digest: 8 MiB (a 1 TB checkpoint lists ~130k of them in meta.json)
+WRITE_BUFFER = 1 << 20  # bytes collected before they are hashed and written
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -154,6 +155,16 @@ class _HashingStream(io.RawIOBase):
         super().close()
 
 
+class _SyncedBuffer(io.BufferedWriter):
+    """Buffers DCP's many small writes (``torch.save`` writes each tensor's record in dozens of pieces) before
+    they reach the hashing stream; ``fileno`` flushes first, so DCP's ``os.fsync(stream.fileno())`` syncs every
+    byte written so far."""
+
+    def fileno(self) -> int:
+        self.flush()
+        return super().fileno()
+
+
 class _HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
@@ -170,7 +181,7 @@ class _HashingFileSystem(FileSystem):
         def record(stream: _HashingStream) -> None:
             self.digests[path.name] = stream.record() if stream.sequential else file_record(path)
 
-        stream = _HashingStream(path.open(mode), record)
+        stream = _SyncedBuffer(_HashingStream(path.open(mode), record), WRITE_BUFFER)
         try:
             yield stream
         finally:
