@@ -12,6 +12,7 @@ prints the composed values).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -155,11 +156,19 @@ def register_configs() -> None:
     _registered = True
 
 
+@functools.cache
+def _schema() -> Any:
+    """The schema as an OmegaConf node, built once per process (``OmegaConf.merge`` copies it, never changes it)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(Config)
+
+
 def typed_config(container: Any) -> Config:
     """A schema-checked DictConfig (attribute access, types enforced) from a dict or DictConfig."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.merge(OmegaConf.structured(Config), container)  # type: ignore[return-value]
+    return OmegaConf.merge(_schema(), container)  # type: ignore[return-value]
 
 
 def compose(overrides: list[str] | None = None, return_hydra_config: bool = False) -> Any:
