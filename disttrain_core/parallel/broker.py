@@ -50,9 +50,11 @@ class CommBroker:
         self.image_rows = image_rows
         self.samples = samples_per_microbatch
         self.image_counts: list[list[int]] = []  # per microbatch, per sample of the global microbatch
+        self._memo: dict[tuple, tuple[Piece, ...]] = {}  # _pieces' answers: a schedule asks each many times
 
     def set_image_counts(self, image_counts: list[list[int]]) -> None:
         self.image_counts = image_counts
+        self._memo.clear()
 
     def ranks_of_row(self, row: int) -> list[int]:
         unit, pp = self.row_places[row]
@@ -74,13 +76,21 @@ class CommBroker:
         k: int,
         rank: int,
         sending: bool,
-    ) -> list[Piece]:
+    ) -> tuple[Piece, ...]:
         """Pieces between ``rank`` (the sender if ``sending``, else the receiver) and its peers.
 
         Receiver TP rank ``j`` always listens to sender TP rank ``j mod tp_sender`` (with context parallelism:
         inner positions ``cp * tp + tp_rank``, units.py; between stages of one unit CP rank c talks to CP rank c,
-        the sequence slices stay where they are).
+        the sequence slices stay where they are). Only image rows depend on the microbatch ``k``: other answers
+        are remembered per boundary and rank.
         """
+        key = (id(sender[0]), sender[1], id(receiver[0]), receiver[1], images, k if images else None, rank, sending)
+        pieces = self._memo.get(key)
+        if pieces is None:
+            pieces = self._memo[key] = self._find_pieces(sender, receiver, images, k, rank, sending)
+        return pieces
+
+    def _find_pieces(self, sender, receiver, images: bool, k: int, rank: int, sending: bool) -> tuple[Piece, ...]:
         (src, src_pp), (dst, dst_pp) = sender, receiver
         me_unit = src if sending else dst
         other = dst if sending else src
@@ -99,9 +109,9 @@ class CommBroker:
                 pieces += [Piece(dst.rank_at(o, j, other_pp), rows) for j in range(dst.inner) if j % src.inner == t]
             else:
                 pieces.append(Piece(src.rank_at(o, t % src.inner, other_pp), rows))
-        return sorted(pieces, key=lambda piece: (piece.rows.start, piece.rank))
+        return tuple(sorted(pieces, key=lambda piece: (piece.rows.start, piece.rank)))
 
-    def outgoing(self, kind: str, stage: int, k: int, rank: int) -> list[Piece]:
+    def outgoing(self, kind: str, stage: int, k: int, rank: int) -> tuple[Piece, ...]:
         """Pieces ``rank`` sends after running ``stage`` (ACT: to stage+1; GRAD: to stage-1)."""
         target = stage + 1 if kind == ACT else stage - 1
         boundary = stage if kind == ACT else target  # the boundary lies after this stage
@@ -109,7 +119,7 @@ class CommBroker:
             self.stage_places[stage], self.stage_places[target], self.image_rows[boundary], k, rank, sending=True
         )
 
-    def incoming(self, kind: str, stage: int, k: int, rank: int) -> list[Piece]:
+    def incoming(self, kind: str, stage: int, k: int, rank: int) -> tuple[Piece, ...]:
         """Pieces ``rank`` (running ``stage``) receives, in row order (ACT from stage-1, GRAD from stage+1)."""
         source = stage - 1 if kind == ACT else stage + 1
         boundary = source if kind == ACT else stage

@@ -5,6 +5,7 @@ channel whose sends and receives disagree is rejected."""
 import pytest
 
 from disttrain_core.config import compose, group_options
+from disttrain_core.parallel.broker import ACT
 from disttrain_core.parallel.plan import pipeline_broker, pipeline_schedule, validate_pipeline
 from disttrain_core.parallel.resolved import resolve_run
 from disttrain_core.parallel.units import build_layout
@@ -116,3 +117,19 @@ def test_a_channel_whose_receives_disagree_with_its_sends_is_rejected():
     calls[0].receives, calls[1].receives = calls[1].receives, calls[0].receives  # rank 1 expects 1 before 0
     with pytest.raises(ScheduleError, match="receives activation for stage 1 microbatch 0 .* into the buffer for"):
         replay(programs)
+
+
+def test_the_brokers_remembered_pieces_follow_each_steps_image_counts():
+    """The broker remembers its answers per boundary and rank; image rows depend on the step's image counts, so a
+    new step's counts must give new rows (and text rows stay the same objects)."""
+    layout = build_layout({"encoder": (1, 1, 1), "llm": (1, 1, 2)}, True, False, False, False)
+    broker, _ = pipeline_broker(layout, build_schedule("gpipe", 3, 2), 2)
+    encoder_rank = layout.units[0].rank_at(0, 0, 0)
+    broker.set_image_counts([[1, 2], [3, 1]])
+    first = [broker.outgoing(ACT, 0, k, encoder_rank) for k in (0, 1)]
+    assert [len(p.rows) for pieces in first for p in pieces] == [3, 4]
+    broker.set_image_counts([[2, 2], [0, 1]])
+    again = [broker.outgoing(ACT, 0, k, encoder_rank) for k in (0, 1)]
+    assert [len(p.rows) for pieces in again for p in pieces] == [4, 1]
+    last = layout.units[1].rank_at(0, 0, 1)  # the LLM's second stage: text rows from its first
+    assert broker.incoming(ACT, 2, 0, last) is broker.incoming(ACT, 2, 1, last)  # one answer for every microbatch
