@@ -17,10 +17,12 @@ help:
 	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"
 	@echo "make gpu-check  tools/gpu_check.py: every CUDA path one GPU reaches (docs/GPU.md)"
 
+# --no-compile: pip would byte-compile every module of every package (half of the install's 48 s here);
+# Python compiles the few hundred modules a run imports on first use instead.
 $(STAMP): requirements.txt pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e . || \
 		$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)

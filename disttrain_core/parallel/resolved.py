@@ -49,10 +49,6 @@ class ResolvedRun:
     plan: dict | None = None  # the parallel section the planner chose (parallel=auto, hotspa strategies=[auto])
 
     @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    @property
     def home_bucket(self) -> int:
         """The last bucket run by the home strategy: it runs last in a step and owns the optimizer."""
         return max(i for i, bucket in enumerate(self.buckets) if bucket.strategy.name == self.home)
