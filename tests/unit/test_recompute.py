@@ -110,16 +110,16 @@ def test_planner_activation_model_matches_what_the_runtime_keeps(policy):
     assert 0.9 < per_layer / measured < 1.1, (policy, per_layer, measured)
 
 
-@pytest.mark.parametrize("policy", ["none", "full", "selective_op"])
-def test_unet_counted_on_meta_matches_what_the_runtime_keeps(policy):
+def _unet_kept_bytes(index: int, policy: str, out: str) -> None:
+    """In a worker process: tensor bytes a U-Net forward under ``policy`` leaves allocated (torch's profiler),
+    written to ``out``."""
+    from pathlib import Path
+
     from torch.profiler import ProfilerActivity, profile
 
     from disttrain_core.models.unet import UNet
-    from disttrain_core.planner import workload_of
 
     cfg = compose(["model=mllm_tiny"])
-    work = workload_of(cfg.model).units["generator"]
-    counted = {"none": work.counted_activation_bytes, **work.counted_recompute_bytes}[policy]
     torch.manual_seed(0)
     unet = UNet(cfg.model.generator)
     apply_recompute(unet, policy)
@@ -130,4 +130,21 @@ def test_unet_counted_on_meta_matches_what_the_runtime_keeps(policy):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         outputs.append(unet(latents, torch.zeros(1, dtype=torch.long), context))
     kept = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    Path(out).write_text(str(kept))
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective_op"])
+def test_unet_counted_on_meta_matches_what_the_runtime_keeps(policy, tmp_path):
+    """Measured in a fresh worker (a training rank's process), not in the test process: once, after other
+    tests in the same process, the profiler saw 697,152 bytes kept under selective_op instead of ~829,000."""
+    from disttrain_core.planner import workload_of
+
+    from ..distributed.spawn import start_processes
+
+    cfg = compose(["model=mllm_tiny"])
+    work = workload_of(cfg.model).units["generator"]
+    counted = {"none": work.counted_activation_bytes, **work.counted_recompute_bytes}[policy]
+    out = tmp_path / "kept"
+    start_processes(_unet_kept_bytes, args=(policy, str(out)), nprocs=1)
+    kept = int(out.read_text())
     assert 0.85 < counted / kept < 1.15, (policy, counted, kept)
