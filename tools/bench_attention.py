@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from disttrain_core.config import REPO_ROOT
-from disttrain_core.launch.cli import split_tool_args, tool_main
+from disttrain_core.launch.cli import tool_main, tool_options
 from disttrain_core.models.llama import Attention, Documents
 
 OPTIONS = {
@@ -140,10 +140,7 @@ def bench(o: dict) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    options, rest = split_tool_args(argv, OPTIONS)
-    if rest:
-        print(f"error: unknown option(s) {' '.join(rest)}: use {', '.join(f'{k}=' for k in OPTIONS)}", file=sys.stderr)
-        return 2
+    options = tool_options(argv, OPTIONS)
     o = {k: (v if k in ("device", "dtype", "out") else int(v)) for k, v in options.items()}
     if o["device"] == "auto":
         o["device"] = "cuda" if torch.cuda.is_available() else "cpu"

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_phases import PHASES, Check  # noqa: E402
 
 from disttrain_core.config import REPO_ROOT  # noqa: E402
-from disttrain_core.launch.cli import split_tool_args, tool_main  # noqa: E402
+from disttrain_core.launch.cli import tool_main, tool_options  # noqa: E402
 
 OPTIONS = {"device": "cuda", "phases": "all", "out": "", "format": "table"}
 
@@ -93,10 +93,7 @@ def machine(device: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    options, rest = split_tool_args(argv, OPTIONS)
-    if rest:
-        print(f"error: unknown option(s) {' '.join(rest)}: use {', '.join(f'{k}=' for k in OPTIONS)}", file=sys.stderr)
-        return 2
+    options = tool_options(argv, OPTIONS)
     device = options["device"]
     if device not in SHAPES:
         print(f"error: device={device!r}: use cuda or cpu", file=sys.stderr)

@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from disttrain_core.config import REPO_ROOT
-from disttrain_core.launch.cli import split_tool_args, tool_main
+from disttrain_core.launch.cli import tool_main, tool_options
 
 OPTIONS = {
     "lengths": "2048,4096,8192",  # positions per rank
@@ -110,9 +110,7 @@ def measure(lengths: list[int], cp: int = 2, heads: int = 4, kv_heads: int = 2, 
 
 
 def main(argv: list[str]) -> int:
-    options, rest = split_tool_args(argv, OPTIONS)
-    if rest:
-        raise SystemExit(f"error: unknown option(s) {' '.join(rest)}: use {', '.join(f'{k}=' for k in OPTIONS)}")
+    options = tool_options(argv, OPTIONS)
     lengths = [int(x) for x in options["lengths"].split(",")]
     rows = measure(
         lengths, int(options["cp"]), int(options["heads"]), int(options["kv_heads"]), int(options["head_dim"])

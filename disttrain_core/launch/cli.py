@@ -210,6 +210,15 @@ def split_tool_args(argv: list[str], options: dict[str, str]) -> tuple[dict[str,
     return values, overrides
 
 
+def tool_options(argv: list[str], options: dict[str, str]) -> dict[str, str]:
+    """A tool's ``name=value`` options for a tool that takes nothing else; anything else is a ConfigError
+    (``tool_main`` prints it as one ``error:`` line)."""
+    values, rest = split_tool_args(argv, options)
+    if rest:
+        raise ConfigError(f"unknown option(s) {' '.join(rest)}: use {', '.join(f'{k}=' for k in options)}")
+    return values
+
+
 def tool_main(main: Callable[[list[str]], int], argv: list[str]) -> int:
     """Run a tool's ``main``; configuration errors become one ``error:`` line and status 2."""
     try:
