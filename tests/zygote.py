@@ -176,8 +176,8 @@ class Zygote:
         deadline = time.monotonic() + timeout
         fd = self.server.stdout.fileno()
         while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            left = max(0.0, deadline - time.monotonic())  # 0: look once without waiting (``poll``)
+            if not select.select([fd], [], [], left)[0]:
                 return None
             chunk = os.read(fd, 65536)
             if not chunk:
