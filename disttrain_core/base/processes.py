@@ -66,3 +66,21 @@ def helper_process_init(parent: int, nice: int = 0) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if nice:
         os.nice(nice)
+
+
+def end_helpers() -> int:
+    """SIGKILL this process's daemonic multiprocessing children (its decode workers); returns how many.
+
+    For a process leaving on an error. At exit, multiprocessing sends its daemonic children SIGTERM and
+    then waits for each: helpers ignore SIGTERM (``helper_process_init``), so an error raised while decode
+    workers run would hold the rank's exit until its stop timer or the launcher killed it (20-600 s,
+    trainer.stop_grace_s), and the rank that raised, never signalled, would wait for ever."""
+    import multiprocessing
+
+    ended = 0
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(timeout=5)
+            ended += 1
+    return ended

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from ..base.processes import die_with_parent, watch_parent
+from ..base.processes import die_with_parent, end_helpers, watch_parent
 from .producer_client import ProducerLoader, resolve_key, trainer_layout  # noqa: F401  (the trainers' API)
 from .producer_protocol import FIELDS, Layout, decode_batch, encode_batch, job_identity  # noqa: F401
 from .producer_server import BatchAssembler, ProducerServer, sample_costs  # noqa: F401
@@ -67,7 +67,10 @@ def _spawned(container: dict, key: str, listen: str, ready, parent: int, from_ma
         watch_parent(parent, STOP_SIGNAL)
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.set_num_threads(threads)
-    run_server(typed_config(container), load_key(key), listen, ready)
+    try:
+        run_server(typed_config(container), load_key(key), listen, ready)
+    finally:
+        end_helpers()  # its decode workers ignore the SIGTERM multiprocessing would end them with at exit
 
 
 def stop_local_producer(process, timeout_s: float = 10) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..base.launch_env import LaunchError, cluster_environment, detect
 from ..base.net import is_loopback, outward_address, split_address
+from ..base.processes import end_helpers
 from ..config import Config, cpu_count, determinism
 from ..validation import world_size
 
@@ -129,6 +130,7 @@ def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
         metrics = Trainer(run, fabric, run_dir, stop_request).fit()
     except BaseException as error:
         flight.dump(f"exception: {type(error).__name__}: {error}")
+        end_helpers()  # the decode workers: they ignore the SIGTERM multiprocessing ends them with at exit
         raise
     finally:
         if producer is not None:

@@ -19,6 +19,7 @@ from disttrain_core.data.producer import (
     ProducerServer,
     job_identity,
     start_local_producer,
+    stop_local_producer,
 )
 from disttrain_core.data.transport import GREETING, HEADER, MAGIC, VERSION, client_channel, load_key, new_key
 
@@ -281,11 +282,15 @@ def test_a_dropped_connection_reconnects_to_the_live_producer(compose_cfg, in_pr
 
 
 def test_trainers_continue_the_same_stream_from_a_restarted_producer(compose_cfg):
-    """Kill the producer process after step 2; a new one starts 1 s later on the same address. Both ranks
-    (world=2) reconnect with backoff and continue: the same batches as an uninterrupted stream."""
+    """Kill the producer process after step 2; a new one (with a decode worker) starts 1 s later on the same
+    address. Both ranks (world=2) reconnect with backoff and continue: the same batches as an uninterrupted
+    stream. Asked to stop, the new producer exits cleanly at once (its decode worker ignores SIGTERM)."""
     port = free_port()
     cfg = compose_cfg(f"data.producer.listen=127.0.0.1:{port}")
     container = OmegaConf.to_container(cfg, resolve=True)
+    with_worker = OmegaConf.to_container(
+        compose_cfg(f"data.producer.listen=127.0.0.1:{port}", "data.producer.workers=1")
+    )
     key = new_key()
     layout = layout_for(cfg, world=2)
     expected = keys_of(BatchAssembler(cfg, layout, {}), 5)
@@ -302,7 +307,7 @@ def test_trainers_continue_the_same_stream_from_a_restarted_producer(compose_cfg
 
         def restart():
             time.sleep(1.0)
-            processes.append(start_local_producer(cfg, container, key)[0])
+            processes.append(start_local_producer(cfg, with_worker, key)[0])
 
         restarter = threading.Thread(target=restart)
         restarter.start()
@@ -312,6 +317,9 @@ def test_trainers_continue_the_same_stream_from_a_restarted_producer(compose_cfg
         restarter.join(timeout=60)
         assert (a.reconnects, b.reconnects) == (1, 1)
         assert got["a"] == got["b"] == expected
+        started = time.monotonic()
+        stop_local_producer(processes[-1])
+        assert processes[-1].exitcode == 0 and time.monotonic() - started < 5, processes[-1].exitcode
     finally:
         for each in processes:
             each.kill()

@@ -5,9 +5,11 @@ finally equal, step by step, to the same job run without interruption (losses wi
    while the next step runs), checkpoints, exit 0.
 2. SIGTERM to train.py itself mid-run: forwarded to the ranks; checkpoint at the step reached, exit 0.
 3. SIGKILL while a checkpoint is being written: that checkpoint never becomes ``latest``.
-4. ENOSPC while a checkpoint is being written: one error line on every rank, the previous one stays latest.
+4. ENOSPC while a checkpoint is being written (decode workers running): one error line on every rank, the
+   previous one stays latest.
 5. SIGKILL of a rank mid-step (decode workers running): the job ends within seconds naming the rank and the
-   signal, and no process of the job (decode workers, resource tracker) is left.
+   signal (the other rank leaves on the broken collective, not when trainer.stop_grace_s runs out), and no
+   process of the job (decode workers, resource tracker) is left.
 6. ``trainer.max_restarts=1`` and a rank killed: torch's elastic agent relaunches both ranks from the latest
    checkpoint, they reconnect to the data producer (which outlives the restart) at their resumed position,
    and the job finishes.
@@ -69,9 +71,15 @@ def test_interrupted_job_resumes_exactly(shards, tmp_path, reference_losses):
     assert code != 0 and "rank 1 died (SIGKILL)" in out, out[-3000:]
     assert latest_step(run_dir) == reached  # the interrupted save is not the latest
 
-    # 4. the disk fills while rank 0 writes the checkpoint after that
+    # 4. the disk fills while rank 0 writes the checkpoint after that (decode workers running: a rank that
+    #    raises ends them, they ignore the SIGTERM multiprocessing would end them with at exit)
     _, (code, out, _) = _run(
-        shards, run_dir, "enospc", "trainer.checkpoint.every_n_steps=1", fault=f"enospc@save:rank=0:step={step + 1}"
+        shards,
+        run_dir,
+        "enospc",
+        "trainer.checkpoint.every_n_steps=1",
+        "data.num_workers=1",
+        fault=f"enospc@save:rank=0:step={step + 1}",
     )
     assert code != 0 and "No space left on device" in out, out[-3000:]
     assert latest_step(run_dir) == step
@@ -81,6 +89,7 @@ def test_interrupted_job_resumes_exactly(shards, tmp_path, reference_losses):
         shards, run_dir, "kill_rank", "data.num_workers=1", fault=f"kill@step:rank=1:step={step + 1}"
     )
     assert code == 1 and "error: rank 1 died (SIGKILL)" in out, out[-3000:]
+    assert "no clean stop" not in out, out[-3000:]  # rank 0 left on the broken collective, not on its timer
 
     # 6. restarts: rank 0 killed once; the elastic agent relaunches from the latest checkpoint
     _, (code, out, _) = _run(
