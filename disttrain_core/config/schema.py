@@ -55,6 +55,9 @@ class ProducerConfig:
     prefetch_steps: int = 2  # global batches prepared ahead
     max_connections: int = 256  # the producer closes connections beyond this many at once
     handshake_timeout_s: float = 10.0  # the producer drops a connection that has not authenticated by then
+    # true: each trainer receives only its unit replica's samples of every slot, and a per-sample summary of
+    # the rest (image counts, loss tokens, generation weights); false: every trainer the whole global batch
+    per_rank: bool = True
     reorder: ReorderConfig = field(default_factory=ReorderConfig)
 
 

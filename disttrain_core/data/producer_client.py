@@ -15,7 +15,7 @@ import time
 
 from ..base.net import split_address
 from .batch import Batch
-from .producer_protocol import Layout, decode_batch, job_identity
+from .producer_protocol import Layout, StepSummary, Want, decode_batch, decode_share, job_identity
 from .reorder import canonical_groups
 from .transport import (
     BATCH,
@@ -39,11 +39,29 @@ class Refused(Exception):
 
 
 class ProducerLoader:
-    """The trainer's side: global batches from a producer, split into microbatch slots."""
+    """The trainer's side: global batches from a producer, split into microbatch slots.
 
-    def __init__(self, address: str, key: bytes, layout: Layout, start: dict | None, timeout_s: float, limit: int):
+    With ``block`` (a range of a slot's samples: this trainer's unit replica's) the producer sends only those
+    samples of every slot, of them only ``fields`` (None: all; the others arrive as zeros of their shapes), and
+    a ``StepSummary`` of the whole batch (``summary``); ``next_step`` then returns the block of each slot.
+    Without, every slot whole."""
+
+    def __init__(
+        self,
+        address: str,
+        key: bytes,
+        layout: Layout,
+        start: dict | None,
+        timeout_s: float,
+        limit: int,
+        block: range | None = None,
+        fields: tuple[str, ...] | None = None,
+    ):
         self.address, self.key, self.timeout, self.limit = address, key, float(timeout_s), int(limit)
         self.layout = layout
+        self.want = None if block is None else Want.of(block, fields)
+        self.summary: StepSummary | None = None  # of the last step, with a block
+        self.bytes_received = 0  # frames of the last step, framing included
         self.trainer = os.urandom(8).hex()  # this trainer across reconnects
         self.state = dict(start or {})
         self.step = int(self.state.get("step", 0))
@@ -63,6 +81,8 @@ class ProducerLoader:
             channel = client_channel(sock, self.key, self.limit, timeout=self.timeout, deadline=deadline)
             start = {**self.state, "step": self.step}
             hello = {"layout": self.layout.to_dict(), "job": dict(self.layout.job), "start": start}
+            if self.want is not None:
+                hello.update(self.want.to_hello())
             channel.send(HELLO, {**hello, "trainer": self.trainer})
             kind, meta, _ = channel.recv()
             if kind == ERROR:
@@ -116,7 +136,9 @@ class ProducerLoader:
                 log.warning("reconnected to the data producer at %s after step %d", self.address, self.step)
             try:
                 self.channel.send(REQUEST, {"step": self.step + 1})
+                before = self.channel.bytes_received
                 kind, meta, payload = self.channel.recv()
+                self.bytes_received = self.channel.bytes_received - before
                 break
             except TimeoutError as error:
                 self._drop()
@@ -137,8 +159,13 @@ class ProducerLoader:
         if kind != BATCH or meta.get("step") != self.step + 1 or not isinstance(state, dict):
             self._drop()
             raise RuntimeError(f"the data producer sent frame {kind} for step {meta.get('step')}")
+        per = self.layout.samples_per_slot
         try:
-            batch = decode_batch(meta, payload)
+            if self.want is not None:
+                slots, self.summary = decode_share(meta, payload, self.layout.slots, per, self.want, self.limit)
+            else:
+                batch = decode_batch(meta, payload)
+                slots = [batch.select(range(k * per, (k + 1) * per)) for k in range(self.layout.slots)]
         except ProtocolError as error:
             self._drop()
             raise RuntimeError(f"the data producer sent an invalid batch: {error}") from error
@@ -146,8 +173,7 @@ class ProducerLoader:
         self.state = dict(state)
         self.skipped = dict(self.state.get("skipped", {}))
         self.truncated_images = int(self.state.get("truncated_images", 0))
-        per = self.layout.samples_per_slot
-        return [batch.select(range(k * per, (k + 1) * per)) for k in range(self.layout.slots)]
+        return slots
 
     def state_dict(self) -> dict:
         return dict(self.state)

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .batch import Batch
@@ -140,14 +141,52 @@ def parse_start(raw) -> dict:
     return start
 
 
-def parse_hello(meta: dict) -> tuple[Layout, dict, str, object]:
-    """A trainer's HELLO: its layout, start position, trainer id and job identity (checked by the caller)."""
+def parse_hello(meta: dict) -> tuple[Layout, dict, str, object, Want | None]:
+    """A trainer's HELLO: its layout, start position, trainer id, job identity (checked by the caller) and
+    what it wants of every step (None: the whole global batch)."""
     layout = Layout.from_dict(meta.get("layout"))
     start = parse_start(meta.get("start"))
     trainer = meta.get("trainer")
     if not isinstance(trainer, str) or not 0 < len(trainer) <= 64:
         raise ProtocolError("HELLO without a trainer id")
-    return layout, start, trainer, meta.get("job")
+    block = meta.get("block")
+    if block is not None:
+        if not (
+            isinstance(block, list)
+            and len(block) == 2
+            and all(type(b) is int for b in block)
+            and 0 <= block[0] < block[1] <= layout.samples_per_slot
+        ):
+            raise ProtocolError(f"bad block in HELLO: {block!r} (slots of {layout.samples_per_slot} samples)")
+        block = Want(range(*block), parse_fields(meta.get("fields")))
+    return layout, start, trainer, meta.get("job"), block
+
+
+def parse_fields(raw) -> tuple[str, ...]:
+    """The Batch fields a trainer wants (None: all); ``image_counts`` always comes (a share is cut by it)."""
+    if raw is None:
+        return FIELDS
+    if not isinstance(raw, list) or not all(isinstance(f, str) and f in DTYPES for f in raw):
+        raise ProtocolError(f"bad fields in HELLO: {raw!r} (choose from {', '.join(FIELDS)})")
+    wanted = {"image_counts", *raw}
+    return tuple(f for f in FIELDS if f in wanted)
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one trainer receives of every step: ``block`` of each slot's samples, and of them only ``fields``
+    (a pipeline's middle stage reads no field but the image counts; the others arrive as zeros)."""
+
+    block: range
+    fields: tuple[str, ...] = FIELDS
+
+    @classmethod
+    def of(cls, block: range, fields: tuple[str, ...] | None = None) -> Want:
+        """As the producer reads it back from a HELLO (the fields in FIELDS order, image counts included)."""
+        return cls(block, parse_fields(None if fields is None else list(fields)))
+
+    def to_hello(self) -> dict:
+        return {"block": [self.block.start, self.block.stop], "fields": list(self.fields)}
 
 
 def encode_batch(batch: Batch) -> tuple[dict, bytes]:
@@ -155,12 +194,117 @@ def encode_batch(batch: Batch) -> tuple[dict, bytes]:
     return {"tensors": tables, "keys": list(batch.keys)}, payload
 
 
+@dataclass(frozen=True)
+class StepSummary:
+    """Per sample of a whole global batch, ``[slots, samples_per_slot]`` each: what a trainer that receives only
+    its own block still needs -- the loss normalizers over the global batch (train/step_data.py) and every
+    sample's image count (the broker routes images between units by them)."""
+
+    image_counts: torch.Tensor  # int64
+    loss_tokens: torch.Tensor  # int64, labels that take a loss
+    gen_weight: torch.Tensor  # float32
+
+    @classmethod
+    def of(cls, batch: Batch, slots: int) -> StepSummary:
+        per = batch.size // slots
+        return cls(
+            batch.image_counts.view(slots, per),
+            (batch.labels != -100).sum(dim=1).view(slots, per),
+            batch.gen_weight.view(slots, per),
+        )
+
+    def totals(self, blocks: list[range]) -> list[float]:
+        """Loss tokens, generation samples, sequences and images of the samples ``blocks`` select in every slot
+        (the counts train/step_data.py normalizes the loss by)."""
+        picked = [(self.loss_tokens[:, b], self.gen_weight[:, b], self.image_counts[:, b]) for b in blocks]
+        return [
+            float(sum(int(t.sum()) for t, _, _ in picked)),
+            float(sum(float(g.sum()) for _, g, _ in picked)),
+            float(sum(t.numel() for t, _, _ in picked)),
+            float(sum(int(i.sum()) for _, _, i in picked)),
+        ]
+
+
+SUMMARY = {"summary_image_counts": "int64", "summary_loss_tokens": "int64", "summary_gen_weight": "float32"}
+
+
+def block_of(batch: Batch, slots: int, block: range) -> Batch:
+    """The rows ``block`` of every slot of a global batch, slot after slot, as one Batch."""
+    per = batch.size // slots
+    parts = [batch.select(range(k * per + block.start, k * per + block.stop)) for k in range(slots)]
+    if len(parts) == 1:
+        return parts[0]
+    return Batch(
+        **{name: torch.cat([getattr(p, name) for p in parts]) for name in FIELDS},
+        keys=[key for p in parts for key in p.keys],
+    )
+
+
+def encode_share(batch: Batch, slots: int, want: Want) -> tuple[dict, bytes]:
+    """One trainer's share of a global batch: the fields it wants of its block of every slot (the shapes of
+    the others), and the whole batch's StepSummary."""
+    share = block_of(batch, slots, want.block)
+    summary = StepSummary.of(batch, slots)
+    arrays = {name: getattr(share, name).numpy() for name in want.fields}
+    arrays.update(
+        summary_image_counts=summary.image_counts.numpy(),
+        summary_loss_tokens=summary.loss_tokens.numpy(),
+        summary_gen_weight=summary.gen_weight.numpy(),
+    )
+    tables, payload = pack_arrays(arrays)
+    absent = {name: list(getattr(share, name).shape) for name in FIELDS if name not in want.fields}
+    return {"tensors": tables, "keys": list(share.keys), **want.to_hello(), "absent": absent}, payload
+
+
+def decode_share(
+    meta: dict, payload, slots: int, per_slot: int, want: Want, limit: int
+) -> tuple[list[Batch], StepSummary]:
+    """``encode_share``'s frame: this trainer's block of every slot (one Batch each; the fields it did not want
+    as zeros, at most ``limit`` bytes of them) and the StepSummary."""
+    if meta.get("block") != [want.block.start, want.block.stop] or meta.get("fields") != list(want.fields):
+        raise ProtocolError(
+            f"a share of block {meta.get('block')} fields {meta.get('fields')}, this trainer asked for {want}"
+        )
+    batch, arrays = _decode(meta, payload, extra=SUMMARY, absent=_absent(meta.get("absent"), want, limit))
+    block = want.block
+    width = len(block)
+    if batch.size != slots * width:
+        raise ProtocolError(f"a share of {batch.size} rows, expected {slots} slots x {width}")
+    if any(arrays[name].shape != (slots, per_slot) for name in SUMMARY):
+        raise ProtocolError(f"a step summary not of {slots} slots x {per_slot} samples")
+    summary = StepSummary(*(torch.from_numpy(arrays[name]) for name in SUMMARY))
+    if not torch.equal(summary.image_counts[:, block].reshape(-1), batch.image_counts):
+        raise ProtocolError("the step summary's image counts disagree with the share's")
+    return [batch.select(range(k * width, (k + 1) * width)) for k in range(slots)], summary
+
+
+def _absent(raw, want: Want, limit: int) -> dict[str, np.ndarray]:
+    """Zeros for the fields a share leaves out, of the shapes the producer states (bounded by ``limit``)."""
+    names = [f for f in FIELDS if f not in want.fields]
+    if not isinstance(raw, dict) or sorted(raw) != sorted(names):
+        raise ProtocolError(f"a share that leaves out {raw if not isinstance(raw, dict) else sorted(raw)}")
+    total = 0
+    for name in names:
+        shape = raw[name]
+        if not (isinstance(shape, list) and 0 < len(shape) <= 4 and all(type(n) is int and n >= 0 for n in shape)):
+            raise ProtocolError(f"bad shape of absent field {name}: {shape!r}")
+        total += math.prod(shape) * np.dtype(DTYPES[name]).itemsize
+    if total > limit:
+        raise ProtocolError(f"absent fields of {total} bytes exceed the limit of {limit}")
+    return {name: np.zeros(raw[name], dtype=DTYPES[name]) for name in names}
+
+
 def decode_batch(meta: dict, payload) -> Batch:
-    arrays = unpack_arrays(meta.get("tensors"), payload)
-    missing = [name for name in FIELDS if name not in arrays]
+    return _decode(meta, payload)[0]
+
+
+def _decode(meta: dict, payload, extra: dict | None = None, absent: dict | None = None) -> tuple[Batch, dict]:
+    arrays = {**unpack_arrays(meta.get("tensors"), payload), **(absent or {})}
+    expected = {**DTYPES, **(extra or {})}
+    missing = [name for name in expected if name not in arrays]
     if missing:
         raise ProtocolError(f"batch without {missing}")
-    wrong = [name for name in FIELDS if arrays[name].dtype.name != DTYPES[name]]
+    wrong = [name for name in expected if arrays[name].dtype.name != expected[name]]
     if wrong:
         raise ProtocolError(f"batch tensors of unexpected types: {wrong}")
     rows = arrays["tokens"].shape[0] if arrays["tokens"].ndim == 2 else -1
@@ -173,4 +317,4 @@ def decode_batch(meta: dict, payload) -> Batch:
     counts = arrays["image_counts"]
     if arrays["images"].ndim == 0 or (counts < 0).any() or int(counts.sum()) != arrays["images"].shape[0]:
         raise ProtocolError("batch image counts do not match its images")
-    return Batch(**{name: torch.from_numpy(arrays[name]) for name in FIELDS}, keys=[str(k) for k in keys])
+    return Batch(**{name: torch.from_numpy(arrays[name]) for name in FIELDS}, keys=[str(k) for k in keys]), arrays

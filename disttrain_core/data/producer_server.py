@@ -23,7 +23,7 @@ import time
 
 from ..base.net import split_address
 from .loader import MicrobatchLoader, collate
-from .producer_protocol import Layout, encode_batch, job_identity, job_mismatch, parse_hello
+from .producer_protocol import Layout, Want, encode_batch, encode_share, job_identity, job_mismatch, parse_hello
 from .reader import ShardStream, resolve_shards
 from .reorder import arrange
 from .samples import SampleEncoder
@@ -95,6 +95,27 @@ class BatchAssembler:
         self.loader._items = None  # drops the DataLoader iterator: its decode workers exit
 
 
+class Held:
+    """One assembled step: its global batch, the stream state after it, and the frames made of it -- one per
+    block of the slots trainers asked for (each trainer receives only its block, ``None``: the whole batch)."""
+
+    def __init__(self, step: int, batch, state: dict, slots: int):
+        self.step, self.batch, self.state, self.slots = step, batch, state, slots
+        self.frames: dict[Want | None, tuple[dict, bytes]] = {}
+        self.lock = threading.Lock()
+
+    def frame(self, want: Want | None) -> tuple[dict, bytes]:
+        with self.lock:
+            if want not in self.frames:
+                if want is None:
+                    meta, payload = encode_batch(self.batch)
+                else:
+                    meta, payload = encode_share(self.batch, self.slots, want)
+                meta.update(step=self.step, state=self.state)
+                self.frames[want] = (meta, payload)
+            return self.frames[want]
+
+
 class Session:
     """One job's stream: the batches held, what each trainer asked for, and the failure if any."""
 
@@ -103,7 +124,8 @@ class Session:
         step = start["step"]
         self.first = step + 1  # lowest step still held (or the next to make)
         self.made = step  # last step assembled
-        self.ready: dict[int, tuple[dict, bytes]] = {}
+        self.ready: dict[int, Held] = {}
+        self.wants: set[Want | None] = set()  # what the trainers asked for: the assembler encodes these ahead
         self.position = {step: (start["epoch"], start["index"])}  # stream position after each step
         self.asked: dict[str, int] = {}  # trainer id -> last step it requested
         self.active = 0
@@ -201,10 +223,14 @@ class ProducerServer:
                 raise
             if kind != HELLO:
                 raise ProtocolError("expected HELLO")
-            layout, start, trainer, job = parse_hello(meta)
+            try:
+                layout, start, trainer, job, want = parse_hello(meta)
+            except ProtocolError as error:  # an authenticated trainer: tell it what was wrong
+                channel.send(ERROR, {"error": str(error)})
+                raise
             problem = job_mismatch(self.job, job)
             if problem is None:
-                session, problem = self._join(layout, start, trainer)
+                session, problem = self._join(layout, start, trainer, want)
             if problem is not None:
                 log.warning("refused a trainer: %s", problem)
                 channel.send(ERROR, {"error": problem})
@@ -219,11 +245,11 @@ class ProducerServer:
                     return
                 if kind != REQUEST or meta.get("step") != expected:
                     raise ProtocolError(f"expected REQUEST for step {expected}")
-                frame, problem = self._fetch(session, trainer, expected)
+                held, problem = self._fetch(session, trainer, expected)
                 if problem is not None:
                     channel.send(ERROR, {"error": problem})
                     return
-                channel.send(BATCH, *frame)
+                channel.send(BATCH, *held.frame(want))
                 expected += 1
         except (ProtocolError, TimeoutError) as error:
             with self.lock:
@@ -239,7 +265,7 @@ class ProducerServer:
             conn.close()
 
     # ------------------------------------------------------------------ sessions
-    def _join(self, layout: Layout, start: dict, trainer: str) -> tuple[Session | None, str | None]:
+    def _join(self, layout: Layout, start: dict, trainer: str, want: Want | None) -> tuple[Session | None, str | None]:
         step, position = start["step"], (start["epoch"], start["index"])
         with self.lock:
             current = self.session
@@ -264,9 +290,10 @@ class ProducerServer:
                 log.info("new session: %s from step %d (epoch %d, index %d)", layout.to_dict(), step, *position)
             current.active += 1
             current.asked.setdefault(trainer, step)
+            current.wants.add(want)
             return current, None
 
-    def _fetch(self, session: Session, trainer: str, step: int) -> tuple[tuple | None, str | None]:
+    def _fetch(self, session: Session, trainer: str, step: int) -> tuple[Held | None, str | None]:
         with self.lock:
             session.asked[trainer] = max(session.asked.get(trainer, step), step)
             if session.release():
@@ -292,10 +319,13 @@ class ProducerServer:
                     if session is not self.session:
                         return
                 step, batch, state = assembler.next()
-                meta, payload = encode_batch(batch)
-                meta.update(step=step, state=state)
+                held = Held(step, batch, state, session.layout.slots)
                 with self.lock:
-                    session.ready[step] = (meta, payload)
+                    wants = list(session.wants)
+                for want in wants:  # encoded ahead of the requests, off the trainers' critical path
+                    held.frame(want)
+                with self.lock:
+                    session.ready[step] = held
                     session.position[step] = (state["epoch"], state["index"])
                     session.made = step
                     self.lock.notify_all()

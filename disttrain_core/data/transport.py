@@ -105,6 +105,7 @@ class Channel:
         self.timeout, self.deadline = timeout, deadline
         self.sent = 0
         self.received = 0
+        self.bytes_received = 0  # every byte of every frame read, header and MAC included
         self.peer_authenticated = False
 
     # ------------------------------------------------------------------ socket I/O with deadlines
@@ -167,6 +168,7 @@ class Channel:
         if not hmac.compare_digest(bytes(self._read(MAC_BYTES)), tag.digest()):
             raise AuthenticationError("authentication failed: another key, or a forged or replayed frame")
         self.received += 1
+        self.bytes_received += HEADER.size + meta_len + payload_len + MAC_BYTES
         self.peer_authenticated = True
         try:
             meta = json.loads(meta_raw)

@@ -151,6 +151,11 @@ class Engine:
         """The model modules this process runs."""
         return []
 
+    def batch_fields(self) -> tuple[str, ...] | None:
+        """The Batch fields this process's model reads (None: all of them); a data producer sends it only these
+        (data.producer.per_rank) and the others arrive as zeros of their shapes."""
+        return None
+
     def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
         """Engine-specific metrics of the ``steps`` steps (``seconds`` long) since the last log."""
         return {}

@@ -43,6 +43,7 @@ def build_loader(trainer, data_state: dict | None):
             {**(data_state or {}), "step": trainer.step},
             float(cfg.data.producer.timeout_s),
             int(cfg.data.producer.max_frame_mb) << 20,
+            **_share(trainer),
         )
     if trainer.packing:
         from ..data.packed_loader import packed_loader
@@ -62,6 +63,14 @@ def build_loader(trainer, data_state: dict | None):
         worker_nice=cfg.data.worker_nice,
         state=data_state,
     )
+
+
+def _share(trainer) -> dict:
+    """What this process asks its producer for (data.producer.per_rank): its unit replica's block of every slot,
+    and only the fields its stages read."""
+    if not trainer.cfg.data.producer.per_rank:
+        return {}
+    return {"block": trainer.unit.block(trainer.dp_rank, trainer.slot_samples), "fields": trainer.engine.batch_fields()}
 
 
 def describe_run(trainer) -> str:

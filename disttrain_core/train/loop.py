@@ -256,6 +256,8 @@ class Trainer(StepData, CheckpointIO):
             "data/skipped_samples": float(sum(self.loader.skipped.values())),
             "data/truncated_images": float(self.loader.truncated_images),
         }
+        if self.producer:  # what this process received of the last step (data.producer.per_rank: its share)
+            metrics["data/producer_bytes_per_step"] = float(self.loader.bytes_received)
         if self.cfg.model.generator is not None:
             metrics["train/gen_loss"] = result.gen_loss
         metrics = self.engine.whole_run_metrics(metrics)  # local SGD: counts of one worker -> of all

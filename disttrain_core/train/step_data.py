@@ -17,6 +17,15 @@ class StepData:
         the loss is normalized over -- the global batch, or (local SGD after its warm-up) one worker's share."""
         step = self.step + 1
         group = None
+        summary = self._summary()
+        if summary is not None:  # this process received only its block, and the whole step's per-sample summary
+            replicas = self.engine.loss_replicas(step)
+            if replicas is None:
+                blocks = [range(self.slot_samples)]
+            else:
+                blocks = [self.unit.block(replica, self.slot_samples) for replica in replicas]
+            totals = summary.totals(blocks)
+            return GlobalCounts(to_device(torch.tensor(totals, dtype=torch.float64), self.fabric.device), None, trace)
         if self.global_stream:  # every process holds the whole step: count the normalizing replicas' samples here
             replicas = self.engine.loss_replicas(step)
             if replicas is not None:
@@ -40,8 +49,17 @@ class StepData:
             work = dist.all_reduce(counts, group=group, async_op=True)
         return GlobalCounts(counts, work, trace)
 
+    def _summary(self):
+        """The producer's StepSummary of this step when this process received only its own block (else None)."""
+        return getattr(self.loader, "summary", None) if self.producer else None
+
     def _local_microbatches(self, microbatches: list[Batch]) -> list[Batch]:
         """The samples this process works on: its unit replica's block of every global microbatch."""
+        summary = self._summary()
+        if summary is not None:  # the producer sent this block only
+            if self.broker is not None:
+                self.broker.set_image_counts(summary.image_counts.tolist())
+            return microbatches
         if not self.global_stream:
             return microbatches
         if self.packing and self.cfg.parallel.mode == "hotspa":  # HotSPa splits the buckets per strategy

@@ -256,6 +256,16 @@ class UnitEngine(Engine):
     def models(self) -> list[torch.nn.Module]:
         return [stage.model for stage in self.stages.values()]
 
+    def batch_fields(self) -> tuple[str, ...] | None:
+        """What this rank's stages read (parallel/stages.py): a middle pipeline stage reads no sample data."""
+        fields: dict[str, None] = {}
+        for stage in self.stages.values():
+            declared = getattr(stage, "batch_fields", None)
+            if declared is None:
+                return None
+            fields.update(dict.fromkeys(declared))
+        return tuple(fields)
+
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self) -> ZeroOneOptimizer | ShardedOptimizer:
         if self.unit.fsdp:  # FSDP2 reduces gradients in its own backward hooks

@@ -564,14 +564,16 @@ def test_authenticated_but_malformed_content_raises_protocol_errors():
 
     @settings(max_examples=600, deadline=None, derandomize=True, database=None)
     @given(
-        st.dictionaries(st.sampled_from(["layout", "start", "trainer", "job", "x"]), json_values, max_size=5),
+        st.dictionaries(
+            st.sampled_from(["layout", "start", "trainer", "job", "block", "fields", "x"]), json_values, max_size=7
+        ),
         st.fixed_dictionaries({"tensors": tensor_tables(), "keys": json_values}),
         st.binary(max_size=256),
     )
     def feed(hello, batch_meta, payload):
         nonlocal valid_hello
         try:
-            layout, start, trainer, _ = parse_hello(hello)
+            layout, start, trainer, _, _ = parse_hello(hello)
             assert isinstance(layout, Layout) and isinstance(start["step"], int) and isinstance(trainer, str)
             valid_hello += 1
         except ProtocolError:
