@@ -87,6 +87,23 @@ class PackingConfig:
 
 
 @dataclass
+class BlendSourceConfig:
+    """One source of a blend (data.blend, data/blend.py)."""
+
+    path: str = MISSING  # shards, as data.path takes them
+    weight: float = 1.0  # relative; the weights are normalized over the sources
+    name: Optional[str] = None  # in keys and logs (default: source<index>)
+
+
+@dataclass
+class ValDataConfig:
+    """The held-out split (data/splits.py): shards an evaluation reads and training never does."""
+
+    path: Optional[str] = None  # shards of their own, as data.path takes them
+    holdout_shards: int = 0  # or: hold out the last N of data.path's shards (sorted order)
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     path: str = MISSING  # directory of .tar shards, or a brace pattern like dir/shard-{000..099}.tar
@@ -107,6 +124,10 @@ class DataConfig:
     # (a warning counts the missing ones).
     allow_missing_shards: bool = False
     max_image_pixels: int = 64_000_000  # larger images are skipped and counted
+    # Several shard sources mixed at fixed weights (data/blend.py); set, it replaces data.path, e.g.
+    # 'data.blend=[{path:/data/laion,weight:0.7},{path:/data/mmc4,weight:0.3}]'
+    blend: Optional[list[BlendSourceConfig]] = None
+    val: ValDataConfig = field(default_factory=ValDataConfig)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     producer: ProducerConfig = field(default_factory=ProducerConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)

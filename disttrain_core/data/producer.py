@@ -30,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 import torch
 
@@ -67,10 +68,21 @@ def _spawned(container: dict, key: str, listen: str, ready, parent: int, from_ma
         watch_parent(parent, STOP_SIGNAL)
     threads = max(1, int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.set_num_threads(threads)
+    code = 1
     try:
         run_server(typed_config(container), load_key(key), listen, ready)
+        code = 0
+    except SystemExit as stop:  # STOP_SIGNAL
+        code = 0 if stop.code in (None, 0) else 1
+    except BaseException:
+        traceback.print_exc()
     finally:
         end_helpers()  # its decode workers ignore the SIGTERM multiprocessing would end them with at exit
+        # No interpreter teardown: the assembling thread may be inside torch (collating a batch), and a thread
+        # pool torn down under it aborts the process ("terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def stop_local_producer(process, timeout_s: float = 10) -> None:

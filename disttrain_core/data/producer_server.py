@@ -22,9 +22,10 @@ import threading
 import time
 
 from ..base.net import split_address
+from .blend import open_stream
 from .loader import MicrobatchLoader, collate
 from .producer_protocol import Layout, Want, encode_batch, encode_share, job_identity, job_mismatch, parse_hello
-from .reader import ShardStream, resolve_shards
+from .reader import resolve_shards
 from .reorder import arrange
 from .samples import SampleEncoder
 from .transport import (
@@ -56,10 +57,9 @@ class BatchAssembler:
     def __init__(self, cfg, layout: Layout, start: dict):
         self.cfg, self.layout = cfg, layout
         data, trainer = cfg.data, cfg.trainer
-        shards = resolve_shards(data.path)
-        if not shards:
+        if not data.blend and not resolve_shards(data.path):
             raise FileNotFoundError(f"no .tar shards at data.path={data.path!r} on the producer's host")
-        stream = ShardStream(shards, 0, 1, seed=trainer.seed, shuffle=data.shuffle_shards)
+        stream = open_stream(data, trainer.seed)
         from .tokenizer import build_tokenizer
 
         encoder = SampleEncoder(cfg.model, build_tokenizer(data.tokenizer), trainer.seed, data.max_image_pixels)

@@ -234,6 +234,17 @@ class GeneratorStage(nn.Module):
         return None
 
 
+def fields_read(stages) -> tuple[str, ...] | None:
+    """The Batch fields a rank's stages read, together (None: some stage does not say, so all of them)."""
+    fields: dict[str, None] = {}
+    for stage in stages:
+        declared = getattr(stage, "batch_fields", None)
+        if declared is None:
+            return None
+        fields.update(dict.fromkeys(declared))
+    return tuple(fields)
+
+
 def build_unit_stage(
     cfg: ModelConfig,
     tokenizer: Tokenizer,

@@ -4,8 +4,8 @@ of each data path -- a data producer, packed text, a token file, or decoding in 
 from __future__ import annotations
 
 from ..config import Config
+from ..data.blend import open_stream
 from ..data.loader import MicrobatchLoader
-from ..data.reader import ShardStream, resolve_shards
 from ..data.samples import SampleEncoder
 
 
@@ -14,13 +14,12 @@ def build_stream(cfg: Config, dp_rank: int, dp: int, global_stream: bool, tokeni
     text, token files) and the encoder that turns its samples into tensors."""
     trainer = cfg.trainer
     per_step = cfg.data.packing.enabled or cfg.data.format == "tokens"
-    shards = [] if per_step else resolve_shards(cfg.data.path)
     if per_step:
         stream = None  # built per step (data/packed_loader.py, data/token_file.py)
     elif global_stream:  # every process reads the one canonical stream and keeps its own samples
-        stream = ShardStream(shards, 0, 1, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
+        stream = open_stream(cfg.data, trainer.seed)
     else:  # one stream per data-parallel replica, shards split by replica
-        stream = ShardStream(shards, dp_rank, dp, seed=trainer.seed, shuffle=cfg.data.shuffle_shards)
+        stream = open_stream(cfg.data, trainer.seed, dp_rank, dp)
     encoder = SampleEncoder(cfg.model, tokenizer, seed=trainer.seed, max_image_pixels=cfg.data.max_image_pixels)
     return stream, encoder
 

@@ -256,6 +256,9 @@ class Trainer(StepData, CheckpointIO):
             "data/skipped_samples": float(sum(self.loader.skipped.values())),
             "data/truncated_images": float(self.loader.truncated_images),
         }
+        if self.cfg.data.blend and self.stream is not None:  # each source's share of the samples read so far
+            index = int(self.loader.state_dict().get("index", 0))
+            metrics.update({f"data/blend/{name}": share for name, share in self.stream.shares(index).items()})
         if self.producer:  # what this process received of the last step (data.producer.per_rank: its share)
             metrics["data/producer_bytes_per_step"] = float(self.loader.bytes_received)
         if self.cfg.model.generator is not None:

@@ -85,7 +85,7 @@ class CheckpointIO:
                 )
         replicas = 1 if self.global_stream else self.layout.llm.dp
         counts = None
-        if len(saved_data) != replicas:
+        if len(saved_data) != replicas and not self.cfg.data.blend:  # a blend's positions carry over approximately
             try:
                 counts = shard_sample_counts(self.stream.shards)
             except Exception as error:  # an unreadable shard (the stream skips it): no exact mapping

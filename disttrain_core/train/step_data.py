@@ -19,12 +19,11 @@ class StepData:
         group = None
         summary = self._summary()
         if summary is not None:  # this process received only its block, and the whole step's per-sample summary
-            replicas = self.engine.loss_replicas(step)
-            if replicas is None:
-                blocks = [range(self.slot_samples)]
-            else:
-                blocks = [self.unit.block(replica, self.slot_samples) for replica in replicas]
-            totals = summary.totals(blocks)
+            if self.engine.loss_replicas(step) is not None:  # local SGD, which reads no producer (validation)
+                raise RuntimeError(
+                    "a loss over some replicas' samples needs every sample: data.producer.per_rank=false"
+                )
+            totals = summary.totals()
             return GlobalCounts(to_device(torch.tensor(totals, dtype=torch.float64), self.fabric.device), None, trace)
         if self.global_stream:  # every process holds the whole step: count the normalizing replicas' samples here
             replicas = self.engine.loss_replicas(step)

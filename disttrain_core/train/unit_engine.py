@@ -30,7 +30,7 @@ from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
 from ..parallel.expert_parallel import configure_moe
 from ..parallel.fsdp import ShardedOptimizer, apply_fsdp, unit_meshes
-from ..parallel.stages import build_rank_stages
+from ..parallel.stages import build_rank_stages, fields_read
 from ..parallel.units import ParallelismUnit, UnitLayout
 from ..parallel.zero import ZeroOneOptimizer
 from ..schedule.actions import Schedule
@@ -257,14 +257,7 @@ class UnitEngine(Engine):
         return [stage.model for stage in self.stages.values()]
 
     def batch_fields(self) -> tuple[str, ...] | None:
-        """What this rank's stages read (parallel/stages.py): a middle pipeline stage reads no sample data."""
-        fields: dict[str, None] = {}
-        for stage in self.stages.values():
-            declared = getattr(stage, "batch_fields", None)
-            if declared is None:
-                return None
-            fields.update(dict.fromkeys(declared))
-        return tuple(fields)
+        return fields_read(self.stages.values())
 
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self) -> ZeroOneOptimizer | ShardedOptimizer:

@@ -69,6 +69,84 @@ def check_shards(cfg: Config) -> int:
     return len(found)
 
 
+def check_blend(cfg: Config, dp: int) -> None:
+    """``data.blend``: finite non-negative weights not all zero, distinct names, and every source's shards there
+    (enough for ``dp`` replicas, none missing unless data.allow_missing_shards)."""
+    import math
+
+    from ..data.blend import source_name
+    from ..data.reader import expand_shards
+
+    d = cfg.data
+    sources = list(d.blend)
+    weights = [s.weight for s in sources]
+    if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(
+            f"data.blend weights {weights}: give each source a non-negative weight, not all zero "
+            "(they are normalized, e.g. 0.7 and 0.3)"
+        )
+    names = [source_name(s, i) for i, s in enumerate(sources)]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.blend names {names}: give each source a different name (or none)")
+    for i, (source, name) in enumerate(zip(sources, names, strict=True)):
+        where = f"data.blend[{i}] ({name}) path={str(source.path)!r}"
+        try:
+            found, missing = expand_shards(str(source.path))
+        except ValueError as error:
+            raise ConfigError(f"{where}: {error}") from None
+        if not found:
+            raise ConfigError(f"{where}: no .tar shards found; point it at a directory or brace pattern of shards")
+        if missing and not d.allow_missing_shards:
+            raise ConfigError(
+                f"{where}: {len(missing)} shard(s) it names are missing (first: {missing[0]}); restore them, fix the "
+                "path, or set data.allow_missing_shards=true"
+            )
+        if len(found) < dp:
+            raise ConfigError(
+                f"{where} has {len(found)} shard(s) for {dp} data-parallel ranks; every rank reads every source: "
+                "split it into more shards or use fewer processes"
+            )
+
+
+def check_val(cfg: Config, dp: int) -> None:
+    """``data.val``: one kind of split, shards there, and none of them trained on (data/splits.py)."""
+    from ..data.reader import resolve_shards
+    from ..data.splits import held_out_shards, overlap, training_shards
+
+    d, v = cfg.data, cfg.data.val
+    if v.holdout_shards < 0:
+        raise ConfigError(f"data.val.holdout_shards={v.holdout_shards}: use 0 (none) or a number of shards")
+    if not v.path and not v.holdout_shards:
+        return
+    if v.path and v.holdout_shards:
+        raise ConfigError(
+            f"data.val.path={str(v.path)!r} and data.val.holdout_shards={v.holdout_shards}: set one of them"
+        )
+    if v.holdout_shards and d.blend:
+        raise ConfigError(
+            "data.val.holdout_shards holds out shards of data.path, which a blend does not read: "
+            "give the held-out shards as data.val.path"
+        )
+    if v.holdout_shards:
+        total = len(resolve_shards(str(d.path)))
+        if v.holdout_shards >= total or total - v.holdout_shards < dp:
+            raise ConfigError(
+                f"data.val.holdout_shards={v.holdout_shards} of data.path's {total} shard(s) leaves "
+                f"{max(0, total - v.holdout_shards)} to train {dp} data-parallel rank(s) on: hold out fewer"
+            )
+    held = held_out_shards(d)
+    if not held:
+        raise ConfigError(f"data.val.path={str(v.path)!r}: no .tar shards found")
+    training = [s for source in d.blend for s in resolve_shards(str(source.path))] if d.blend else training_shards(d)
+    both = overlap(held, training)
+    if both:
+        raise ConfigError(
+            f"data.val.path={str(v.path)!r} shares {len(both)} shard(s) with the training data (first: {both[0]}): a "
+            "held-out split is never trained on; point data.val.path at other shards, or hold out shards of "
+            "data.path with data.val.holdout_shards=N"
+        )
+
+
 FORMATS = ("webdataset", "tokens")
 VOCAB_CHECKED_TOKENS = 1 << 20  # the head of a token file checked against the vocabulary before launch
 

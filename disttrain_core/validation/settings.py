@@ -17,7 +17,7 @@ from .common import (
     resolve_accelerator,
     resolve_backend,
 )
-from .data import FORMATS, check_shards, check_token_file
+from .data import FORMATS, check_blend, check_shards, check_token_file, check_val
 from .numbers import check_bounds
 
 
@@ -293,6 +293,21 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
     _require(d.format in FORMATS, f"data.format={d.format!r}: allowed values are {', '.join(FORMATS)}")
+    split = bool(d.val.path or d.val.holdout_shards)
+    _require(
+        not split or (d.format == "webdataset" and not d.packing.enabled),
+        "data.val holds out webdataset shards; it does not apply to data.format=tokens or data.packing: drop it",
+    )
+    if d.blend:
+        _require(
+            d.format == "webdataset" and not d.packing.enabled,
+            "data.blend mixes webdataset shard sources; it does not apply to data.format=tokens or data.packing: "
+            "drop data.blend",
+        )
+
+        check_blend(cfg, dp)
+        check_val(cfg, dp)
+        return
     if d.format == "tokens":  # one pre-tokenized file: no shards are read
         check_token_file(cfg)
         return
@@ -307,6 +322,7 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
         f"data.path={d.path!r} has {shard_count} shard(s) for {dp} data-parallel ranks; every rank needs at "
         "least one shard: split the data into more shards or use fewer processes",
     )
+    check_val(cfg, dp)
 
 
 def validate_planner(cfg: Config) -> None:

@@ -68,13 +68,8 @@ def test_a_share_round_trips_and_its_summary_counts_the_whole_step():
     assert torch.equal(slots[1].tokens, whole.tokens[5:7]) and torch.equal(slots[0].image_counts, torch.tensor([0, 2]))
     assert slots[0].images.shape == (2, 3, 2, 2) and not slots[0].images.any()  # not wanted: zeros, right shape
     assert not slots[0].labels.any() and slots[0].labels.shape == (2, 6)
-    assert summary.totals([range(4)]) == [float((whole.labels != -100).sum()), 4.0, 8.0, 5.0]
-    assert summary.totals([range(1, 3)]) == [
-        float(sum((whole.labels[i] != -100).sum() for i in (1, 2, 5, 6))),
-        2.0,
-        4.0,
-        4.0,
-    ]
+    assert summary.totals() == [float((whole.labels != -100).sum()), 4.0, 8.0, 5.0]
+    assert torch.equal(summary.image_counts, whole.image_counts.view(2, 4))
     assert StepSummary.of(whole, 2).image_counts.shape == (2, 4)
 
 
@@ -94,5 +89,11 @@ def test_a_bad_share_frame_is_a_protocol_error():
     for bad, limit, match in cases:
         with pytest.raises(ProtocolError, match=match):
             decode_share(bad, bytearray(payload), 2, 4, want, limit)
+    tables = [dict(t) for t in meta["tensors"]]
+    bad = bytearray(payload)
+    entry = next(t for t in tables if t["name"] == "summary_image_counts")
+    bad[entry["offset"]] = 9  # one sample's image count no longer adds up to its slot's total
+    with pytest.raises(ProtocolError, match="image counts disagree with its totals"):
+        decode_share(meta, bad, 2, 4, want, 1 << 20)
     with pytest.raises(ProtocolError, match="step summary not of 2 slots x 8"):
         decode_share(meta, bytearray(payload), 2, 8, Want.of(range(0, 2), ("tokens",)), 1 << 20)
