@@ -97,7 +97,7 @@ class BatchAssembler:
 
 class Held:
     """One assembled step: its global batch, the stream state after it, and the frames made of it -- one per
-    block of the slots trainers asked for (each trainer receives only its block, ``None``: the whole batch)."""
+    request trainers made (a Want: their block of every slot and the fields they read; ``None``: the whole batch)."""
 
     def __init__(self, step: int, batch, state: dict, slots: int):
         self.step, self.batch, self.state, self.slots = step, batch, state, slots

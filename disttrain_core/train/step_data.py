@@ -18,7 +18,7 @@ class StepData:
         step = self.step + 1
         group = None
         summary = self._summary()
-        if summary is not None:  # this process received only its block, and the whole step's per-sample summary
+        if summary is not None:  # this process received only its block, and the whole step's summary
             if self.engine.loss_replicas(step) is not None:  # local SGD, which reads no producer (validation)
                 raise RuntimeError(
                     "a loss over some replicas' samples needs every sample: data.producer.per_rank=false"
