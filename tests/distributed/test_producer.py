@@ -25,6 +25,15 @@ from disttrain_core.data.transport import GREETING, HEADER, MAGIC, VERSION, clie
 
 pytestmark = pytest.mark.distributed
 
+# A short fp32 train.py run fed by the producer train.py starts (tests compare losses between such runs)
+PRODUCER_RUN = [
+    "data.producer.workers=1",
+    "trainer.max_steps=3",
+    "trainer.precision=32",
+    "optim.global_batch_size=8",
+    "optim.micro_batch_size=2",
+    "trainer.checkpoint.every_n_steps=0",
+]
 LAYOUT = Layout(slots=2, samples_per_slot=4, groups=2, stages=2, world=1)
 
 
@@ -145,15 +154,7 @@ def test_reordering_keeps_synchronous_semantics_across_units(shards, tmp_path):
     losses (same samples per step; only the summation order changes)."""
     from ..conftest import cli_overrides, read_metrics, run_train
 
-    common = [
-        "parallel=disagg2",
-        "data.producer.workers=1",
-        "trainer.max_steps=3",
-        "trainer.precision=32",
-        "optim.global_batch_size=8",
-        "optim.micro_batch_size=2",
-        "trainer.checkpoint.every_n_steps=0",
-    ]
+    common = ["parallel=disagg2", *PRODUCER_RUN]
     runs = {}
     for flag in ("true", "false"):
         reorder = [f"data.producer.reorder.intra={flag}", f"data.producer.reorder.inter={flag}"]

@@ -15,6 +15,8 @@ from disttrain_core.data.producer import Layout, ProducerLoader, ProducerServer,
 from disttrain_core.data.producer_protocol import FIELDS, StepSummary
 from disttrain_core.data.transport import load_key, new_key
 
+from .test_producer import PRODUCER_RUN
+
 pytestmark = pytest.mark.distributed
 
 FRAMING = 0.05  # what a share may carry beyond its own samples' tensor bytes: headers, tables, keys, summary
@@ -121,15 +123,7 @@ def test_training_on_shares_equals_training_on_whole_batches(shards, tmp_path, l
     each receiving the whole global batch (fp32 losses within 1e-5)."""
     from ..conftest import cli_overrides, read_metrics, run_train
 
-    common = [
-        *layout,
-        "data.producer.workers=1",
-        "trainer.max_steps=3",
-        "trainer.precision=32",
-        "optim.global_batch_size=8",
-        "optim.micro_batch_size=2",
-        "trainer.checkpoint.every_n_steps=0",
-    ]
+    common = [*layout, *PRODUCER_RUN]
     losses, received = {}, {}
     for per_rank in ("true", "false"):
         run_dir = tmp_path / per_rank
