@@ -149,7 +149,7 @@ def parse_hello(meta: dict) -> tuple[Layout, dict, str, object, Want | None]:
     trainer = meta.get("trainer")
     if not isinstance(trainer, str) or not 0 < len(trainer) <= 64:
         raise ProtocolError("HELLO without a trainer id")
-    block = meta.get("block")
+    block, want = meta.get("block"), None
     if block is not None:
         if not (
             isinstance(block, list)
@@ -158,8 +158,8 @@ def parse_hello(meta: dict) -> tuple[Layout, dict, str, object, Want | None]:
             and 0 <= block[0] < block[1] <= layout.samples_per_slot
         ):
             raise ProtocolError(f"bad block in HELLO: {block!r} (slots of {layout.samples_per_slot} samples)")
-        block = Want(range(*block), parse_fields(meta.get("fields")))
-    return layout, start, trainer, meta.get("job"), block
+        want = Want(range(*block), parse_fields(meta.get("fields")))
+    return layout, start, trainer, meta.get("job"), want
 
 
 def parse_fields(raw) -> tuple[str, ...]:
