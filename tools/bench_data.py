@@ -43,17 +43,13 @@ OPTIONS = {
     "format": "table",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_data.json"),
 }
-GENERATION = ("gen_images", "gen_noise", "gen_timesteps", "gen_weight")
 
 
 def stage_fields(stage: int, stages: int) -> tuple[str, ...]:
-    """What a rank of an LLM unit (encoder in its first stage, generator in its last) reads; all for one stage."""
-    fields: list[str] = []
-    if stage == 0:
-        fields += ["tokens", "images"]
-    if stage == stages - 1:
-        fields += ["labels", "tokens", *GENERATION]
-    return tuple(dict.fromkeys(fields))
+    """What a rank of an LLM unit (encoder in its first stage, generator in its last) reads: the runtime's rule."""
+    from disttrain_core.parallel.stages import llm_stage_fields
+
+    return llm_stage_fields(stage == 0, stage == stages - 1, encoder=True, generator=True, sends_queries=False)
 
 
 def _shards() -> Path:
@@ -113,7 +109,7 @@ def measure(dp: int, pp: int, options: dict, per_rank: bool) -> dict:
             block = range(replica * micro, (replica + 1) * micro)
             want = {"block": block, "fields": stage_fields(stage, pp)} if per_rank else {}
             loader = ProducerLoader(address, load_key(key), layout, {}, 120.0, 1 << 30, **want)
-            wanted = ("image_counts", *stage_fields(stage, pp))  # what the rank reads
+            wanted = stage_fields(stage, pp)  # what the rank reads
             for step in range(steps):
                 got = loader.next_step()
                 if not per_rank:
@@ -180,34 +176,45 @@ def predict() -> dict:
     cfg = compose(["model=mllm72b", "cluster=h100_80g", "cluster.num_gpus=1172", *preset.overrides()])
     plan = plan_dict(make_plan(cfg, progress=lambda *_: None, allow_ep=True))
     m = cfg.model
-    row = m.seq_len * 8  # int64 token ids, and labels alike
-    images = preset.images_per_sample * preset.tiles * 3 * preset.encoder_px**2  # uint8 pixels
-    gen = 0.0
+    from disttrain_core.parallel.stages import GeneratorStage, encoder_stage_fields, llm_stage_fields
+
+    size = {  # bytes per sample of each Batch field
+        "tokens": m.seq_len * 8,  # int64
+        "labels": m.seq_len * 8,
+        "images": preset.images_per_sample * preset.tiles * 3 * preset.encoder_px**2,  # uint8 pixels
+        "image_counts": 8,
+    }
     if m.generator is not None:
         side = m.gen_image_size // m.latent_downsample
-        gen = 3 * m.gen_image_size**2 + m.generator.in_channels * side * side * 4 + 8 + 4
-    fields = {"tokens": row, "labels": row, "images": images, "image_counts": 8, "gen": gen}
-    whole = sum(fields.values())
+        size.update(
+            gen_images=3 * m.gen_image_size**2, gen_noise=m.generator.in_channels * side * side * 4, gen_timesteps=8
+        )
+        size["gen_weight"] = 4
+    whole = sum(size.values())
     batch = plan["global_batch"]
+    summary = batch * 4 + plan["microbatches"] * 20  # StepSummary: an int32 image count a sample, 20 bytes a slot
     units, roles = plan["units"], []
-    encoder_in_llm = units.get("encoder", {}).get("colocated", False) or "encoder" not in units
-    for name, u in units.items():
-        if u.get("colocated"):
-            continue
+    separate = {name for name, u in units.items() if not u.get("colocated")}
+    generator = m.generator is not None
+    for name in separate:
+        u = units[name]
         dp, pp, tp, cp = u["dp"], u["pp"], u["tp"], u.get("cp", 1)
-        block = batch / dp
-        for stage in range(pp):
+        for stage in range(pp):  # the runtime's rule of which fields each stage reads (parallel/stages.py)
             if name == "encoder":
-                read = images if stage == 0 else 0.0
+                fields = encoder_stage_fields(stage == 0)
             elif name == "generator":
-                read = gen
+                fields = GeneratorStage.batch_fields
             else:
-                read = 0.0
-                if stage == 0:
-                    read += row + (images if encoder_in_llm else 0.0)
-                if stage == pp - 1:
-                    read += row + (row + gen if m.generator is not None else 0.0)
-            per_rank = block * (read + 8) + batch * 20  # its fields, its image counts, the step summary
+                first, last = stage == 0, stage == pp - 1
+                holds_generator = generator and "generator" not in separate
+                fields = llm_stage_fields(
+                    first,
+                    last,
+                    m.encoder is not None and "encoder" not in separate,
+                    holds_generator,
+                    generator and not holds_generator,
+                )
+            per_rank = batch / dp * sum(size[f] for f in fields) + summary
             roles.append({"unit": name, "stage": stage, "ranks": dp * tp * cp, "bytes_per_rank": per_rank})
     ranks = sum(r["ranks"] for r in roles)
     total = sum(r["ranks"] * r["bytes_per_rank"] for r in roles)

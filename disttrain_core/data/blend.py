@@ -53,10 +53,10 @@ def blend_sources(weights: np.ndarray, start: int, count: int) -> np.ndarray:
     return np.searchsorted(bounds, u, side="right")
 
 
-def blend_counts(weights: np.ndarray, n: int) -> np.ndarray:
-    """Samples each source gave to the blend's first ``n``."""
+def blend_counts(weights: np.ndarray, n: int, start: int = 0) -> np.ndarray:
+    """Samples each source gave to the blend's samples ``start .. n - 1`` (from the first, by default)."""
     counts = np.zeros(len(weights), dtype=np.int64)
-    for first in range(0, n, 1 << 22):  # bounded memory for long runs
+    for first in range(start, n, 1 << 22):  # bounded memory for long runs
         counts += np.bincount(blend_sources(weights, first, min(1 << 22, n - first)), minlength=len(weights))
     return counts
 
@@ -70,6 +70,7 @@ class BlendedStream:
         self.streams, self.names = streams, list(names)
         self.weights = normalized(weights)
         self._epoch_lengths: dict[int, int] = {}
+        self._counted = (0, np.zeros(len(self.weights), dtype=np.int64))  # shares(): counts carried between logs
 
     @property
     def shards(self) -> list[str]:
@@ -117,7 +118,11 @@ class BlendedStream:
 
     def shares(self, consumed: int) -> dict[str, float]:
         """Each source's share of the first ``consumed`` samples (logged as data/blend/<name>)."""
-        counts = blend_counts(self.weights, consumed)
+        counted, counts = self._counted
+        if consumed < counted:  # another position (a resumed run's): count from the start again
+            counted, counts = 0, np.zeros_like(counts)
+        counts = counts + blend_counts(self.weights, consumed, counted)  # only the samples since the last call
+        self._counted = (consumed, counts)
         return {name: float(c) / max(1, consumed) for name, c in zip(self.names, counts, strict=True)}
 
 

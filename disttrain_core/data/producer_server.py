@@ -25,7 +25,6 @@ from ..base.net import split_address
 from .blend import open_stream
 from .loader import MicrobatchLoader, collate
 from .producer_protocol import Layout, Want, encode_batch, encode_share, job_identity, job_mismatch, parse_hello
-from .reader import resolve_shards
 from .reorder import arrange
 from .samples import SampleEncoder
 from .transport import (
@@ -57,9 +56,11 @@ class BatchAssembler:
     def __init__(self, cfg, layout: Layout, start: dict):
         self.cfg, self.layout = cfg, layout
         data, trainer = cfg.data, cfg.trainer
-        if not data.blend and not resolve_shards(data.path):
-            raise FileNotFoundError(f"no .tar shards at data.path={data.path!r} on the producer's host")
-        stream = open_stream(data, trainer.seed)
+        try:
+            stream = open_stream(data, trainer.seed)
+        except ValueError as error:  # ShardStream: no shards to read
+            where = "data.blend's sources" if data.blend else f"data.path={data.path!r}"
+            raise FileNotFoundError(f"no .tar shards at {where} on the producer's host ({error})") from None
         from .tokenizer import build_tokenizer
 
         encoder = SampleEncoder(cfg.model, build_tokenizer(data.tokenizer), trainer.seed, data.max_image_pixels)

@@ -13,16 +13,18 @@ import os
 from .reader import ShardStream, resolve_shards
 
 
-def _held_out_of_path(data) -> list[str]:
+def _split_path(data) -> tuple[list[str], list[str]]:
+    """``data.path``'s shards as (trained, held out by ``data.val.holdout_shards``), resolved once."""
+    shards = resolve_shards(str(data.path))
     count = int(data.val.holdout_shards) if data.val is not None else 0
-    return sorted(resolve_shards(str(data.path)))[-count:] if count > 0 else []
+    held = sorted(shards)[-count:] if count > 0 else []
+    dropped = set(held)
+    return [s for s in shards if s not in dropped], held
 
 
 def training_shards(data) -> list[str]:
     """``data.path``'s shards less those ``data.val.holdout_shards`` holds out."""
-    shards = resolve_shards(str(data.path))
-    held = set(_held_out_of_path(data))
-    return [s for s in shards if s not in held]
+    return _split_path(data)[0]
 
 
 def held_out_shards(data) -> list[str]:
@@ -31,7 +33,7 @@ def held_out_shards(data) -> list[str]:
         return []
     if data.val.path:
         return resolve_shards(str(data.val.path))
-    return _held_out_of_path(data)
+    return _split_path(data)[1]
 
 
 def open_val_stream(data, seed: int) -> ShardStream | None:

@@ -69,20 +69,25 @@ def _keep_blocks(blocks: nn.ModuleDict, keep: range) -> None:
 GENERATION_FIELDS = ("gen_images", "gen_noise", "gen_timesteps", "gen_weight")
 
 
-def _llm_fields(first: bool, last: bool, model: MultimodalLLM, sends_queries: bool) -> tuple[str, ...]:
+def encoder_stage_fields(first: bool) -> tuple[str, ...]:
+    """The Batch fields an encoder stage reads: the images in its first stage, none after."""
+    return ("image_counts", "images") if first else ("image_counts",)
+
+
+def llm_stage_fields(first: bool, last: bool, encoder: bool, generator: bool, sends_queries: bool) -> tuple[str, ...]:
     """The Batch fields an LLM stage reads (``batch_fields``; the data producer sends a trainer only those of its
     stages, data.producer.per_rank): token ids where it embeds them or finds the <gen> queries, images where it
     holds the encoder, labels and generation targets at the end. A middle stage reads none."""
     fields = ["image_counts"]
     if first:
         fields.append("tokens")
-        if model.encoder is not None:
+        if encoder:
             fields.append("images")
     if last:
         fields.append("labels")
-        if model.generator is not None or sends_queries:
+        if generator or sends_queries:
             fields.append("tokens")
-        if model.generator is not None:
+        if generator:
             fields.extend(GENERATION_FIELDS)
     return tuple(dict.fromkeys(fields))
 
@@ -105,7 +110,7 @@ class EncoderStage(nn.Module):
         self.model = model
         self.vit_row = (vit.tokens_per_image, vit.cfg.dim)
         self.splittable_backward = not self.is_first
-        self.batch_fields = ("image_counts", "images") if self.is_first else ("image_counts",)
+        self.batch_fields = encoder_stage_fields(self.is_first)
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
         vit = self.model.encoder
@@ -152,7 +157,9 @@ class LlmStage(nn.Module):
         self.receives_images = self.is_first and cfg.encoder is not None and not holds_encoder
         self.sends_queries = self.is_last and cfg.generator is not None and not holds_generator
         self.splittable_backward = not self.is_first and not (self.is_last and holds_generator)
-        self.batch_fields = _llm_fields(self.is_first, self.is_last, model, self.sends_queries)
+        self.batch_fields = llm_stage_fields(
+            self.is_first, self.is_last, model.encoder is not None, model.generator is not None, self.sends_queries
+        )
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
         m, cp = self.model, self.context

@@ -64,7 +64,10 @@ def test_a_blend_streams_its_sources_and_resumes_exactly_anywhere(sources):
         assert keys(resumed.elements(Position(0, start)), 100 - start) == straight[start:], start
     for source, stream in enumerate(streams):  # from the tar headers, as the stream counts them
         assert blend._epoch_length(source) == sum(1 for _ in stream.epoch_elements(0)) == [16, 24][source]
+    assert blend.shares(40) == {"a": picked[:40].count("a") / 40, "b": picked[:40].count("b") / 40}
+    # counted on from the last call, and from the start again for an earlier position
     assert blend.shares(100) == {"a": picked.count("a") / 100, "b": picked.count("b") / 100}
+    assert blend.shares(7) == {"a": picked[:7].count("a") / 7, "b": picked[:7].count("b") / 7}
     assert all(isinstance(e.item, RawSample) for e in itertools.islice(blend.elements(), 10))
 
 
