@@ -44,8 +44,13 @@ class ReorderConfig:
 class ProducerConfig:
     """Disaggregated preprocessing (docs/DATA.md): decode, tokenize and reorder off the trainers."""
 
-    workers: int = 0  # decode processes of the producer train.py starts (0: decode in the trainers)
-    address: Optional[str] = None  # HOST:PORT of a standalone producer (python -m disttrain_core.launch.producer)
+    workers: int = 0  # decode processes of each producer train.py starts (0: decode in the trainers)
+    # Producers train.py starts (a pool: each serves a fixed share of the data-parallel groups and decodes only
+    # its share; the batches do not depend on the count). At most the number of data-parallel groups.
+    count: int = 1
+    # HOST:PORT of a standalone producer (python -m disttrain_core.launch.producer), or a pool's list in pool order:
+    # data.producer.address=[HOST1:PORT1,HOST2:PORT2] (a string or a list of strings)
+    address: Any = None
     listen: str = "127.0.0.1:0"  # where the producer train.py starts listens (port 0: any free port)
     # Shared key; null: train.py makes one for the producer it starts (never written to disk).
     # Standalone: hex:<64 hex digits>, file:<path>, or the environment variable DISTTRAIN_PRODUCER_KEY.
@@ -123,6 +128,11 @@ class DataConfig:
     # A brace pattern or glob naming shards that do not exist is an error; true: train on those that exist
     # (a warning counts the missing ones).
     allow_missing_shards: bool = False
+    # fsspec options per protocol for shards behind URLs (data/storage.py, docs/DATA.md), e.g.
+    # 'data.storage_options={s3:{endpoint_url:"http://127.0.0.1:9000"}}' or {s3:{anon:true}}. Credentials never go
+    # here (the config is saved with the run): they come from the environment (AWS_ACCESS_KEY_ID, ...).
+    # Typed Any (None: no options): an empty dict default would refuse the keys of an override (struct mode).
+    storage_options: Any = None
     max_image_pixels: int = 64_000_000  # larger images are skipped and counted
     # Several shard sources mixed at fixed weights (data/blend.py); set, it replaces data.path, e.g.
     # 'data.blend=[{path:/data/laion,weight:0.7},{path:/data/mmc4,weight:0.3}]'

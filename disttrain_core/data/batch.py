@@ -64,6 +64,17 @@ class Batch:
         return float(self.gen_weight.sum())
 
 
+def concat(parts: list[Batch]) -> Batch:
+    """The rows of ``parts`` one after the other (batches without document masks)."""
+    if len(parts) == 1:
+        return parts[0]
+    names = ("tokens", "labels", "images", "image_counts", "gen_images", "gen_weight", "gen_noise", "gen_timesteps")
+    return Batch(
+        **{name: torch.cat([getattr(p, name) for p in parts]) for name in names},
+        keys=[key for p in parts for key in p.keys],
+    )
+
+
 def text_rows(
     tokens: torch.Tensor,
     labels: torch.Tensor,

@@ -35,9 +35,10 @@ import traceback
 import torch
 
 from ..base.processes import die_with_parent, end_helpers, watch_parent
+from .producer_assembly import BatchAssembler, sample_costs, share_of  # noqa: F401
 from .producer_client import ProducerLoader, resolve_key, trainer_layout  # noqa: F401  (the trainers' API)
 from .producer_protocol import FIELDS, Layout, decode_batch, encode_batch, job_identity  # noqa: F401
-from .producer_server import BatchAssembler, ProducerServer, sample_costs  # noqa: F401
+from .producer_server import ProducerServer  # noqa: F401
 from .transport import load_key
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,34 @@ def stop_local_producer(process, timeout_s: float = 10) -> None:
         process.join()
 
 
+def start_local_pool(cfg, container: dict, key: str) -> tuple[list, str]:
+    """``data.producer.count`` producer processes for ``train.py``; returns them and their addresses in pool
+    order, comma-separated (what data.producer.address takes)."""
+    starts = [_start(cfg, container, key) for _ in range(int(cfg.data.producer.count))]
+    try:
+        addresses = [_ready(process, ready) for process, ready in starts]
+    except BaseException:
+        stop_local_pool([process for process, _ in starts])
+        raise
+    return [process for process, _ in starts], ",".join(addresses)
+
+
+def stop_local_pool(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, STOP_SIGNAL)
+    for process in processes:
+        stop_local_producer(process)
+
+
 def start_local_producer(cfg, container: dict, key: str):
     """Start a producer process for ``train.py``; returns (process, address)."""
+    process, ready = _start(cfg, container, key)
+    return process, _ready(process, ready)
+
+
+def _start(cfg, container: dict, key: str):
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -115,9 +142,13 @@ def start_local_producer(cfg, container: dict, key: str):
         ),
     )
     process.start()
+    return process, ready
+
+
+def _ready(process, ready) -> str:
     deadline = time.time() + 120
     while ready.empty():
         if not process.is_alive() or time.time() > deadline:
             raise RuntimeError("the data producer did not start (see its log above)")
         time.sleep(0.05)
-    return process, ready.get()
+    return ready.get()

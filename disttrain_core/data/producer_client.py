@@ -12,9 +12,12 @@ import logging
 import os
 import socket
 import time
+from dataclasses import replace
+
+import numpy as np
 
 from ..base.net import split_address
-from .batch import Batch
+from .batch import Batch, concat
 from .producer_protocol import Layout, StepSummary, Want, decode_batch, decode_share, job_identity
 from .reorder import canonical_groups
 from .transport import (
@@ -56,9 +59,10 @@ class ProducerLoader:
         limit: int,
         block: range | None = None,
         fields: tuple[str, ...] | None = None,
+        pool: tuple[int, int] = (0, 1),
     ):
         self.address, self.key, self.timeout, self.limit = address, key, float(timeout_s), int(limit)
-        self.layout = layout
+        self.layout, self.pool = layout, pool
         self.want = None if block is None else Want.of(block, fields)
         self.summary: StepSummary | None = None  # of the last step, with a block
         self.bytes_received = 0  # frames of the last step, framing included
@@ -83,6 +87,8 @@ class ProducerLoader:
             hello = {"layout": self.layout.to_dict(), "job": dict(self.layout.job), "start": start}
             if self.want is not None:
                 hello.update(self.want.to_hello())
+            if self.pool != (0, 1):
+                hello["pool"] = list(self.pool)
             channel.send(HELLO, {**hello, "trainer": self.trainer})
             kind, meta, _ = channel.recv()
             if kind == ERROR:
@@ -185,6 +191,94 @@ class ProducerLoader:
             except OSError:
                 pass
             self._drop()
+
+
+class ProducerPool:
+    """The trainer's side of a pool of producers (data.producer.count, or several addresses): producer p of P
+    serves samples ``share_of(layout, p, P)`` of every slot, so this trainer fetches its block of every slot
+    from the producers whose shares it meets (``connections``: [(producer, its part of the block, trainers that
+    fetch from it)]) and joins the parts. Every producer sends the same stream state and step summary."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        key: bytes,
+        layout: Layout,
+        start: dict | None,
+        timeout_s: float,
+        limit: int,
+        connections: list[tuple[int, range, int]],
+        fields: tuple[str, ...] | None = None,
+    ):
+        count = len(addresses)
+        self.parts = [
+            ProducerLoader(
+                addresses[p], key, replace(layout, world=world), start, timeout_s, limit, part, fields, (p, count)
+            )
+            for p, part, world in connections
+        ]
+        self.layout = layout
+        first = self.parts[0]
+        self.state, self.step = first.state, first.step
+        self.skipped, self.truncated_images = first.skipped, first.truncated_images
+        self.summary: StepSummary | None = None
+        self.bytes_received = 0
+
+    @property
+    def reconnects(self) -> int:
+        return sum(part.reconnects for part in self.parts)
+
+    def next_step(self) -> list[Batch]:
+        shares = [part.next_step() for part in self.parts]
+        first = self.parts[0]
+        for part in self.parts[1:]:
+            if part.state != first.state or not _same_summary(part.summary, first.summary):
+                raise RuntimeError(
+                    f"the data producers at {first.address} and {part.address} disagree on step {first.step} "
+                    f"(stream state {first.state} against {part.state}): do they read the same data?"
+                )
+        self.step, self.state, self.summary = first.step, first.state, first.summary
+        self.skipped, self.truncated_images = first.skipped, first.truncated_images
+        self.bytes_received = sum(part.bytes_received for part in self.parts)
+        return [concat(list(slot)) for slot in zip(*shares, strict=True)]
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def close(self) -> None:
+        for part in self.parts:
+            part.close()
+
+
+def _same_summary(a: StepSummary | None, b: StepSummary | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return all(np.array_equal(x, y) for x, y in zip(a.arrays().values(), b.arrays().values(), strict=True))
+
+
+def pool_connections(
+    addresses: int, layout: Layout, block: range, blocks: list[tuple[range, int]]
+) -> list[tuple[int, range, int]]:
+    """(producer, the part of ``block`` it serves, how many trainers fetch from it) for each producer of a pool of
+    ``addresses`` that serves part of ``block``; ``blocks``: every trainer's block with its number of ranks."""
+    from .producer_assembly import share_of
+
+    shares = [share_of(layout, p, addresses) for p in range(addresses)]
+    out = []
+    for p, own in enumerate(shares):
+        part = range(max(block.start, own.start), min(block.stop, own.stop))
+        if len(part):
+            world = sum(ranks for other, ranks in blocks if max(other.start, own.start) < min(other.stop, own.stop))
+            out.append((p, part, world))
+    return out
+
+
+def pool_addresses(address) -> list[str]:
+    """data.producer.address: one producer's HOST:PORT, or a pool's (a list, or one string comma-separated)."""
+    if address is None:
+        return []
+    items = [address] if isinstance(address, str) else list(address)
+    return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
 
 
 def trainer_layout(cfg, layout, accumulation: int, slot_samples: int, stages: int, costs: tuple) -> Layout:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batch import Batch
+from .batch import Batch, concat
 from .transport import ProtocolError, pack_arrays, unpack_arrays
 
 DTYPES = {
@@ -141,9 +141,10 @@ def parse_start(raw) -> dict:
     return start
 
 
-def parse_hello(meta: dict) -> tuple[Layout, dict, str, object, Want | None]:
-    """A trainer's HELLO: its layout, start position, trainer id, job identity (checked by the caller) and
-    what it wants of every step (None: the whole global batch)."""
+def parse_hello(meta: dict) -> tuple[Layout, dict, str, object, Want | None, tuple[int, int]]:
+    """A trainer's HELLO: its layout, start position, trainer id, job identity (checked by the caller), what it
+    wants of every step (None: the whole global batch) and the producer's place in its pool ([index, count]:
+    the share of every slot it serves, data/producer_assembly.py)."""
     layout = Layout.from_dict(meta.get("layout"))
     start = parse_start(meta.get("start"))
     trainer = meta.get("trainer")
@@ -159,7 +160,15 @@ def parse_hello(meta: dict) -> tuple[Layout, dict, str, object, Want | None]:
         ):
             raise ProtocolError(f"bad block in HELLO: {block!r} (slots of {layout.samples_per_slot} samples)")
         want = Want(range(*block), parse_fields(meta.get("fields")))
-    return layout, start, trainer, meta.get("job"), want
+    pool = meta.get("pool", [0, 1])
+    if not (
+        isinstance(pool, list)
+        and len(pool) == 2
+        and all(type(n) is int for n in pool)
+        and 0 <= pool[0] < pool[1] <= layout.groups
+    ):
+        raise ProtocolError(f"bad pool in HELLO: {pool!r} ([index, count], at most {layout.groups} producers)")
+    return layout, start, trainer, meta.get("job"), want, (pool[0], pool[1])
 
 
 def parse_fields(raw) -> tuple[str, ...]:
@@ -251,20 +260,17 @@ SUMMARY = {"summary_image_counts": "int32", "summary_counts": "int64", "summary_
 def block_of(batch: Batch, slots: int, block: range) -> Batch:
     """The rows ``block`` of every slot of a global batch, slot after slot, as one Batch."""
     per = batch.size // slots
-    parts = [batch.select(range(k * per + block.start, k * per + block.stop)) for k in range(slots)]
-    if len(parts) == 1:
-        return parts[0]
-    return Batch(
-        **{name: torch.cat([getattr(p, name) for p in parts]) for name in FIELDS},
-        keys=[key for p in parts for key in p.keys],
-    )
+    return concat([batch.select(range(k * per + block.start, k * per + block.stop)) for k in range(slots)])
 
 
-def encode_share(batch: Batch, slots: int, want: Want) -> tuple[dict, bytes]:
+def encode_share(
+    batch: Batch, slots: int, want: Want, summary: StepSummary | None = None, offset: int = 0
+) -> tuple[dict, bytes]:
     """One trainer's share of a global batch: the fields it wants of its block of every slot (the shapes of
-    the others), and the whole batch's StepSummary."""
-    share = block_of(batch, slots, want.block)
-    summary = StepSummary.of(batch, slots)
+    the others), and the whole batch's StepSummary. ``batch`` may hold only samples ``offset`` on of every slot
+    (a pool's producer holds its share), with the whole batch's ``summary`` given."""
+    share = block_of(batch, slots, range(want.block.start - offset, want.block.stop - offset))
+    summary = summary if summary is not None else StepSummary.of(batch, slots)
     arrays = {name: getattr(share, name).numpy() for name in want.fields}
     arrays.update(summary.arrays())
     tables, payload = pack_arrays(arrays)

@@ -22,11 +22,8 @@ import threading
 import time
 
 from ..base.net import split_address
-from .blend import open_stream
-from .loader import MicrobatchLoader, collate
+from .producer_assembly import Assembled, BatchAssembler, share_of
 from .producer_protocol import Layout, Want, encode_batch, encode_share, job_identity, job_mismatch, parse_hello
-from .reorder import arrange
-from .samples import SampleEncoder
 from .transport import (
     BATCH,
     BYE,
@@ -43,65 +40,14 @@ from .transport import (
 log = logging.getLogger("disttrain_core.data.producer")
 
 
-def sample_costs(costs: tuple, samples) -> list[float]:
-    """Training work per sample in FLOPs from the trainers' per-item ``costs`` (Layout.costs): its images
-    through the encoder, the LLM row, the generation target."""
-    per_image, per_row, per_target = costs
-    return [per_row + per_image * len(s.images) + per_target * float(s.gen_weight) for s in samples]
-
-
-class BatchAssembler:
-    """Global batches in stream order, reordered, with the state after each."""
-
-    def __init__(self, cfg, layout: Layout, start: dict):
-        self.cfg, self.layout = cfg, layout
-        data, trainer = cfg.data, cfg.trainer
-        try:
-            stream = open_stream(data, trainer.seed)
-        except ValueError as error:  # ShardStream: no shards to read
-            where = "data.blend's sources" if data.blend else f"data.path={data.path!r}"
-            raise FileNotFoundError(f"no .tar shards at {where} on the producer's host ({error})") from None
-        from .tokenizer import build_tokenizer
-
-        encoder = SampleEncoder(cfg.model, build_tokenizer(data.tokenizer), trainer.seed, data.max_image_pixels)
-        self.batch_size = layout.slots * layout.samples_per_slot
-        self.loader = MicrobatchLoader(
-            stream,
-            encoder,
-            self.batch_size,
-            1,
-            num_workers=int(data.producer.workers),
-            prefetch_steps=int(data.producer.prefetch_steps),
-            state=start,
-        )
-        self.step = int(start.get("step", 0))
-
-    def next(self):
-        samples = [self.loader.next_sample() for _ in range(self.batch_size)]
-        reorder = self.cfg.data.producer.reorder
-        order = arrange(
-            sample_costs(self.layout.costs, samples),
-            self.layout.slots,
-            self.layout.samples_per_slot,
-            self.layout.groups,
-            self.layout.stages,
-            intra=bool(reorder.intra),
-            inter=bool(reorder.inter),
-        )
-        batch = collate([samples[i] for i in order])
-        self.step += 1
-        return self.step, batch, {**self.loader.state_dict(), "step": self.step}
-
-    def close(self) -> None:
-        self.loader._items = None  # drops the DataLoader iterator: its decode workers exit
-
-
 class Held:
-    """One assembled step: its global batch, the stream state after it, and the frames made of it -- one per
-    request trainers made (a Want: their block of every slot and the fields they read; ``None``: the whole batch)."""
+    """One assembled step: this producer's share of its global batch (``own``: those samples of every slot), the
+    stream state after it, the whole batch's summary, and the frames made of it -- one per request trainers made
+    (a Want: their block of every slot and the fields they read; ``None``: the whole batch)."""
 
-    def __init__(self, step: int, batch, state: dict, slots: int):
-        self.step, self.batch, self.state, self.slots = step, batch, state, slots
+    def __init__(self, assembled: Assembled, slots: int, own: range):
+        self.step, self.batch, self.state = assembled.step, assembled.batch, assembled.state
+        self.summary, self.slots, self.own = assembled.summary, slots, own
         self.frames: dict[Want | None, tuple[dict, bytes]] = {}
         self.lock = threading.Lock()
 
@@ -111,7 +57,7 @@ class Held:
                 if want is None:
                     meta, payload = encode_batch(self.batch)
                 else:
-                    meta, payload = encode_share(self.batch, self.slots, want)
+                    meta, payload = encode_share(self.batch, self.slots, want, self.summary, self.own.start)
                 meta.update(step=self.step, state=self.state)
                 self.frames[want] = (meta, payload)
             return self.frames[want]
@@ -120,8 +66,9 @@ class Held:
 class Session:
     """One job's stream: the batches held, what each trainer asked for, and the failure if any."""
 
-    def __init__(self, layout: Layout, start: dict):
-        self.layout, self.start = layout, start
+    def __init__(self, layout: Layout, start: dict, share: tuple[int, int] = (0, 1)):
+        self.layout, self.start, self.share = layout, start, share
+        self.own = share_of(layout, *share)
         step = start["step"]
         self.first = step + 1  # lowest step still held (or the next to make)
         self.made = step  # last step assembled
@@ -225,13 +172,13 @@ class ProducerServer:
             if kind != HELLO:
                 raise ProtocolError("expected HELLO")
             try:
-                layout, start, trainer, job, want = parse_hello(meta)
+                layout, start, trainer, job, want, share = parse_hello(meta)
             except ProtocolError as error:  # an authenticated trainer: tell it what was wrong
                 channel.send(ERROR, {"error": str(error)})
                 raise
             problem = job_mismatch(self.job, job)
             if problem is None:
-                session, problem = self._join(layout, start, trainer, want)
+                session, problem = self._join(layout, start, trainer, want, share)
             if problem is not None:
                 log.warning("refused a trainer: %s", problem)
                 channel.send(ERROR, {"error": problem})
@@ -266,17 +213,30 @@ class ProducerServer:
             conn.close()
 
     # ------------------------------------------------------------------ sessions
-    def _join(self, layout: Layout, start: dict, trainer: str, want: Want | None) -> tuple[Session | None, str | None]:
+    def _join(
+        self, layout: Layout, start: dict, trainer: str, want: Want | None, share: tuple[int, int]
+    ) -> tuple[Session | None, str | None]:
         step, position = start["step"], (start["epoch"], start["index"])
+        own = share_of(layout, *share)
+        if (want is None and len(own) < layout.samples_per_slot) or (
+            want is not None and not own.start <= want.block.start < want.block.stop <= own.stop
+        ):
+            asked = "the whole batch" if want is None else f"samples {want.block.start}-{want.block.stop - 1}"
+            return None, (
+                f"this producer (share {share[0]} of a pool of {share[1]}) serves samples {own.start}-{own.stop - 1} "
+                f"of every slot; the trainer asked for {asked}"
+            )
         with self.lock:
             current = self.session
             if current is not None and current.active > 0:
                 if current.failure is not None:
                     return None, current.failure
-                if current.layout != layout:
+                if current.layout != layout or current.share != share:
+                    layout_text = f"{layout.to_dict()} as share {share[0]} of {share[1]}"
                     return None, (
                         f"the producer serves another layout to {current.active} connected trainer(s) "
-                        f"({current.layout.to_dict()}; this trainer has {layout.to_dict()})"
+                        f"({current.layout.to_dict()} as share {current.share[0]} of {current.share[1]}; this trainer "
+                        f"has {layout_text})"
                     )
                 if not current.servable(step, position):
                     return None, (
@@ -284,9 +244,14 @@ class ProducerServer:
                         f"the producer serves steps {current.first}-{current.made + 1} to {current.active} "
                         "other trainer(s) of its job"
                     )
-            elif current is None or current.failure or current.layout != layout or not current.servable(step, position):
+            elif (
+                current is None
+                or current.failure
+                or (current.layout, current.share) != (layout, share)
+                or not current.servable(step, position)
+            ):
                 # a new job, one resumed after all its trainers left, or another try after a failure
-                current = self.session = Session(layout, start)
+                current = self.session = Session(layout, start, share)
                 threading.Thread(target=self._assemble, args=(current,), daemon=True).start()
                 log.info("new session: %s from step %d (epoch %d, index %d)", layout.to_dict(), step, *position)
             current.active += 1
@@ -312,15 +277,16 @@ class ProducerServer:
     def _assemble(self, session: Session) -> None:
         assembler = None
         try:
-            assembler = BatchAssembler(self.cfg, session.layout, session.start)
+            assembler = BatchAssembler(self.cfg, session.layout, session.start, session.share)
             while True:
                 with self.lock:
                     while len(session.ready) > self.prefetch and session is self.session:
                         self.lock.wait(timeout=1.0)
                     if session is not self.session:
                         return
-                step, batch, state = assembler.next()
-                held = Held(step, batch, state, session.layout.slots)
+                assembled = assembler.next()
+                step, state = assembled.step, assembled.state
+                held = Held(assembled, session.layout.slots, session.own)
                 with self.lock:
                     wants = list(session.wants)
                 for want in wants:  # encoded ahead of the requests, off the trainers' critical path

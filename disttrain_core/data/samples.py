@@ -68,6 +68,20 @@ class EncodedSample:
     truncated_images: int = 0
 
 
+@dataclass
+class PlannedSample:
+    """A sample read and tokenized whose images were checked from their headers but not decoded: what
+    reordering and the loss normalizers need (its cost, image count, loss tokens). ``SampleEncoder.finish``
+    decodes it into an EncodedSample; a producer pool plans every sample of a step and decodes its share."""
+
+    key: str
+    tokens: np.ndarray  # [S] int64
+    labels: np.ndarray  # [S] int64
+    images: list[bytes]  # the images the row keeps, encoded
+    gen_weight: float
+    truncated_images: int = 0
+
+
 def parse_segments(members: dict[str, bytes]) -> list[tuple[str, object]]:
     """Ordered ``("text", str)`` / ``("image", bytes)`` segments of a raw sample."""
     meta = None
@@ -107,13 +121,22 @@ def parse_segments(members: dict[str, bytes]) -> list[tuple[str, object]]:
     return segments
 
 
+def image_size_of(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """(width, height) from the image's header alone (no pixels decoded); BadSample if unreadable or too big."""
+    try:
+        width, height = Image.open(io.BytesIO(data)).size
+    except Exception as error:  # PIL raises many types for corrupt data
+        raise BadSample("bad_image", f"{type(error).__name__}: {error}") from error
+    if width * height > max_pixels:
+        raise BadSample("huge_image", f"{width}x{height} > data.max_image_pixels={max_pixels}")
+    return width, height
+
+
 def decode_image(data: bytes, sizes: tuple[int, ...], max_pixels: int) -> list[np.ndarray]:
     """Decode once, resize to each square size; uint8 [3, s, s] arrays."""
+    image_size_of(data, max_pixels)
     try:
         image = Image.open(io.BytesIO(data))
-        width, height = image.size
-        if width * height > max_pixels:
-            raise BadSample("huge_image", f"{width}x{height} > data.max_image_pixels={max_pixels}")
         image.draft("RGB", (max(sizes), max(sizes)))  # JPEG: decode at reduced scale when possible
         image = image.convert("RGB")
         resized: dict[int, np.ndarray] = {}
@@ -122,8 +145,6 @@ def decode_image(data: bytes, sizes: tuple[int, ...], max_pixels: int) -> list[n
                 pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.uint8)
                 resized[size] = np.ascontiguousarray(pixels.transpose(2, 0, 1))
         return [resized[size] for size in sizes]
-    except BadSample:
-        raise
     except Exception as error:  # PIL raises many types for corrupt data
         raise BadSample("bad_image", f"{type(error).__name__}: {error}") from error
 
@@ -153,13 +174,15 @@ class SampleEncoder:
         self.timesteps = int(model.generator.num_train_timesteps) if self.has_generator else 0
 
     def encode(self, key: str, members: dict[str, bytes]) -> EncodedSample:
+        return self.finish(self.plan(key, members))
+
+    def plan(self, key: str, members: dict[str, bytes]) -> PlannedSample:
+        """Everything but the pixels: the row's tokens and labels, the images it keeps (checked from their
+        headers), its generation weight. BadSample for what a header read can tell is unusable."""
         segments = parse_segments(members)
         if not self.multimodal:
             text = "\n".join(str(v) for kind, v in segments if kind == "text")
-            return self._row(key, [("text", text)], [], None, 0)
-        return self._multimodal_row(key, segments)
-
-    def _multimodal_row(self, key: str, segments: list[tuple[str, object]]) -> EncodedSample:
+            return self._planned(key, [("text", self.tokenizer.encode(text))], 0)
         budget = self.seq_len - 2 - self.gen_tokens
         kept: list[tuple[str, object]] = []
         total_images = sum(kind == "image" for kind, _ in segments)
@@ -170,25 +193,55 @@ class SampleEncoder:
                     kept.append(("text", ids))
                     budget -= len(ids)
             elif self.has_encoder and budget >= self.patches:
+                image_size_of(value, self.max_image_pixels)  # type: ignore[arg-type]
                 kept.append(("image", value))
                 budget -= self.patches
             if budget <= 0:
                 break
-        images = [seg for seg in kept if seg[0] == "image"]
+        kept_images = sum(kind == "image" for kind, _ in kept)
+        return self._planned(key, kept, total_images - kept_images)
+
+    def finish(self, planned: PlannedSample) -> EncodedSample:
+        """The planned row with its images decoded and its generation noise drawn; BadSample if a pixel decode
+        fails (a header that reads, a body that does not)."""
         decoded = []
         gen_image = None
-        for index, (_, data) in enumerate(images):
-            last = index == len(images) - 1
+        for index, data in enumerate(planned.images):
             sizes = [self.image_size]
-            if last and self.has_generator:
+            if index == len(planned.images) - 1 and self.has_generator:
                 sizes.append(self.gen_image_size)
             tensors = decode_image(data, tuple(sizes), self.max_image_pixels)
             decoded.append(tensors[0])
             if len(tensors) > 1:
                 gen_image = tensors[1]
-        return self._row(key, kept, decoded, gen_image, total_images - len(images))
+        size = self.image_size
+        image_array = np.stack(decoded) if decoded else np.zeros((0, 3, size, size), dtype=np.uint8)
+        if self.has_generator:
+            # Diffusion noise and timestep are seeded by the sample, not by the process that
+            # happens to train on it, so every parallel layout sees the same targets.
+            generator = torch.Generator().manual_seed(sample_seed(self.seed, planned.key))
+            side = self.latent_side
+            noise = torch.randn(self.latent_channels, side, side, generator=generator).numpy()
+            timestep = int(torch.randint(0, self.timesteps, (1,), generator=generator))
+            size = self.gen_image_size
+            gen_image = gen_image if gen_image is not None else np.zeros((3, size, size), dtype=np.uint8)
+        else:
+            noise, timestep = np.zeros(0, dtype=np.float32), 0
+            gen_image = np.zeros(0, dtype=np.uint8)
+        return EncodedSample(
+            planned.key,
+            planned.tokens,
+            planned.labels,
+            image_array,
+            gen_image,
+            planned.gen_weight,
+            noise,
+            timestep,
+            planned.truncated_images,
+        )
 
-    def _row(self, key, kept, images, gen_image, truncated_images) -> EncodedSample:
+    def _planned(self, key: str, kept: list[tuple[str, object]], truncated_images: int) -> PlannedSample:
+        """The row of ``kept`` segments (token-id lists and image bytes): tokens, labels, and the images it keeps."""
         tok = self.tokenizer
         seq_len = self.seq_len
         tokens = [tok.bos_id]
@@ -198,7 +251,7 @@ class SampleEncoder:
             if i == gen_before and self.has_generator:
                 tokens += [tok.gen_id] * self.gen_tokens
             if kind == "text":
-                tokens += value if isinstance(value, list) else tok.encode(value)
+                tokens += value  # type: ignore[operator]
             else:
                 tokens += [tok.image_id] * self.patches
         if self.has_generator and gen_before is None:
@@ -212,22 +265,6 @@ class SampleEncoder:
         following = np.append(token_array[1:], tok.pad_id)
         is_text = (np.arange(seq_len) < length - 1) & (following != tok.image_id) & (following != tok.gen_id)
         labels = np.where(is_text, following, -100).astype(np.int64)
-
-        size = self.image_size
-        image_array = np.stack(images) if images else np.zeros((0, 3, size, size), dtype=np.uint8)
-        if self.has_generator:
-            # Diffusion noise and timestep are seeded by the sample, not by the process that
-            # happens to train on it, so every parallel layout sees the same targets.
-            generator = torch.Generator().manual_seed(sample_seed(self.seed, key))
-            side = self.latent_side
-            noise = torch.randn(self.latent_channels, side, side, generator=generator).numpy()
-            timestep = int(torch.randint(0, self.timesteps, (1,), generator=generator))
-            size = self.gen_image_size
-            weight = 1.0 if gen_image is not None else 0.0
-            gen_image = gen_image if gen_image is not None else np.zeros((3, size, size), dtype=np.uint8)
-        else:
-            noise, timestep, weight = np.zeros(0, dtype=np.float32), 0, 0.0
-            gen_image = np.zeros(0, dtype=np.uint8)
-        return EncodedSample(
-            key, token_array, labels, image_array, gen_image, weight, noise, timestep, truncated_images
-        )
+        images = [value for kind, value in kept if kind == "image"]
+        weight = 1.0 if self.has_generator and images else 0.0
+        return PlannedSample(key, token_array, labels, images, weight, truncated_images)  # type: ignore[arg-type]

@@ -34,9 +34,10 @@ log = logging.getLogger("disttrain")
 
 def prepare_data(cfg: Config) -> None:
     from ..data.reader import resolve_shards
+    from ..data.storage import is_url
 
-    if cfg.data.format == "tokens" or cfg.data.packing.enabled:
-        return
+    if cfg.data.format == "tokens" or cfg.data.packing.enabled or is_url(str(cfg.data.path)):
+        return  # nothing to generate: a URL's shards are there (validation checked) or the run is refused
     if resolve_shards(cfg.data.path) or not cfg.data.generate_if_missing:
         return
     import fcntl
@@ -136,12 +137,12 @@ def launch(cfg: DictConfig) -> float | None:
             dry_run(run, run_dir)
         return None
     prepare_data(cfg)
-    producer = None
+    producers: list = []
     if producer_started_by_launcher(cfg, environment):
         # Disaggregated preprocessing on this host: a producer process on 127.0.0.1 with a fresh key
         # that only this job's processes know (environment, never the saved config). It outlives
         # rank restarts (trainer.max_restarts).
-        producer, container = start_producer(cfg, run.container)
+        producers, container = start_producer(cfg, run.container)
         run = run.with_container(container)
     try:
         if environment.external or world_size(cfg) == 1:
@@ -150,15 +151,15 @@ def launch(cfg: DictConfig) -> float | None:
             job_id = environment.job_id or f"local-{os.getpid()}-{run_dir.name}"
             rendezvous = node_rendezvous(environment) if environment.kind == "node" else {}
             with scoped_environment(rendezvous):
-                start_ranks(run, str(run_dir), job_id, exclude={producer.pid} if producer else set())
+                start_ranks(run, str(run_dir), job_id, exclude={p.pid for p in producers})
     except RankFailed as error:
         print(f"error: {error} (logs: {run_dir})", file=sys.stderr)
         sys.exit(1)
     finally:
-        if producer is not None:
-            from ..data.producer import stop_local_producer
+        if producers:
+            from ..data.producer import stop_local_pool
 
-            stop_local_producer(producer)
+            stop_local_pool(producers)
     summary = run_dir / SUMMARY_FILE
     if not summary.is_file():
         return None
@@ -221,16 +222,21 @@ def producer_started_by_launcher(cfg: Config, environment) -> bool:
 
 
 def start_producer(cfg: Config, container: dict):
-    from ..data.producer import start_local_producer
+    from ..data.producer import start_local_pool
     from ..data.transport import new_key
 
     key = cfg.data.producer.key or new_key()
     os.environ["DISTTRAIN_PRODUCER_KEY"] = key
-    producer, address = start_local_producer(cfg, container, key)
-    log.info("data producer with %d decode worker(s) on %s", cfg.data.producer.workers, address)
+    producers, address = start_local_pool(cfg, container, key)
+    log.info("%s with %d decode worker(s) each on %s", _producers(cfg), cfg.data.producer.workers, address)
     container = {**container, "data": {**container["data"], "producer": {**container["data"]["producer"]}}}
     container["data"]["producer"]["address"] = address
-    return producer, container
+    return producers, container
+
+
+def _producers(cfg: Config) -> str:
+    count = int(cfg.data.producer.count)
+    return "data producer" if count == 1 else f"a pool of {count} data producers"
 
 
 def start_ranks(run, run_dir: str, job_id: str, exclude: set[int]) -> None:

@@ -121,10 +121,10 @@ def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
     if fabric is None:
         fabric = _attach_fabric(run, environment)
     fabric.seed_everything(trainer.seed, verbose=False)
-    producer = None
+    producers: list = []
     try:
         if cfg.data.producer.workers > 0 and cfg.data.producer.address is None:
-            producer, container = share_producer(cfg, run.container, fabric)
+            producers, container = share_producer(cfg, run.container, fabric)
             run = run.with_container(container)
             cfg = run.cfg
         metrics = Trainer(run, fabric, run_dir, stop_request).fit()
@@ -133,10 +133,10 @@ def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
         end_helpers()  # the decode workers: they ignore the SIGTERM multiprocessing ends them with at exit
         raise
     finally:
-        if producer is not None:
-            from ..data.producer import stop_local_producer
+        if producers:
+            from ..data.producer import stop_local_pool
 
-            stop_local_producer(producer)
+            stop_local_pool(producers)
     if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
         from ..planner.api import annotate_memory_report
 
@@ -199,32 +199,36 @@ def _init_elastic_attempt(backend: str, timeout) -> None:
 
 
 def share_producer(cfg: Config, container: dict, fabric):
-    """Rank 0 starts the job's one producer; every rank learns its address and key from rank 0 (raw bytes
-    over a host-side group, never pickled)."""
+    """Rank 0 starts the job's producers (data.producer.count); every rank learns their addresses and the key
+    from rank 0 (raw bytes over a host-side group, never pickled)."""
     import torch
     import torch.distributed as dist
 
-    from ..data.producer import start_local_producer
+    from ..data.producer import start_local_pool
     from ..data.transport import new_key
 
-    producer, text = None, b""
+    producers, text = [], b""
     if fabric.global_rank == 0:
         key = cfg.data.producer.key or new_key()
         listen = cfg.data.producer.listen
-        producer, address = start_local_producer(cfg, container, key)
-        host, port = split_address(address)
-        if host in ("0.0.0.0", "::"):  # the address other nodes reach this one by: toward rank 0's peers
-            host = outward_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-        if cfg.trainer.num_nodes > 1 and is_loopback(host):
-            raise LaunchError(
-                f"the data producer would be advertised as {host}, which other nodes cannot reach; set "
-                "data.producer.listen=<this node's address>:0"
-            )
-        text = f"{host}:{port} {key}".encode()
+        producers, addresses = start_local_pool(cfg, container, key)
+        advertised = []
+        for address in addresses.split(","):
+            host, port = split_address(address)
+            if host in ("0.0.0.0", "::"):  # the address other nodes reach this one by: toward rank 0's peers
+                host = outward_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+            if cfg.trainer.num_nodes > 1 and is_loopback(host):
+                raise LaunchError(
+                    f"the data producer would be advertised as {host}, which other nodes cannot reach; set "
+                    "data.producer.listen=<this node's address>:0"
+                )
+            advertised.append(f"{host}:{port}")
+        text = f"{','.join(advertised)} {key}".encode()
         log.info(
-            "data producer with %d decode worker(s) on %s (listening on %s)",
+            "%d data producer(s) with %d decode worker(s) each on %s (listening on %s)",
+            len(producers),
             cfg.data.producer.workers,
-            f"{host}:{port}",
+            ",".join(advertised),
             listen,
         )
     group = dist.new_group(backend="gloo")
@@ -238,4 +242,4 @@ def share_producer(cfg: Config, container: dict, fabric):
     address, key = bytes(buffer.tolist()).decode().split(" ", 1)
     os.environ["DISTTRAIN_PRODUCER_KEY"] = key
     producer_cfg = {**container["data"]["producer"], "address": address}
-    return producer, {**container, "data": {**container["data"], "producer": producer_cfg}}
+    return producers, {**container, "data": {**container["data"], "producer": producer_cfg}}

@@ -29,21 +29,30 @@ def build_loader(trainer, data_state: dict | None):
     cfg = trainer.cfg
     if trainer.producer:
         from ..data.producer import ProducerLoader, resolve_key, trainer_layout
+        from ..data.producer_client import pool_addresses
         from ..models.flops import flops_per_item
 
         rows = sum(u.pp for u in trainer.layout.units)
         layout = trainer_layout(
             cfg, trainer.layout, trainer.accumulation, trainer.slot_samples, rows, flops_per_item(cfg.model)
         )
-        return ProducerLoader(
-            cfg.data.producer.address,
-            resolve_key(cfg),
-            layout,
-            {**(data_state or {}), "step": trainer.step},
-            float(cfg.data.producer.timeout_s),
-            int(cfg.data.producer.max_frame_mb) << 20,
-            **_share(trainer),
-        )
+        addresses = pool_addresses(cfg.data.producer.address)
+        start = {**(data_state or {}), "step": trainer.step}
+        timeout, limit = float(cfg.data.producer.timeout_s), int(cfg.data.producer.max_frame_mb) << 20
+        if len(addresses) > 1:
+            from ..data.producer_client import ProducerPool, pool_connections
+
+            share = _share(trainer)
+            blocks = [
+                (unit.block(r, trainer.slot_samples), unit.size // unit.dp)
+                for unit in trainer.layout.units
+                for r in range(unit.dp)
+            ]
+            connections = pool_connections(len(addresses), layout, share["block"], blocks)
+            return ProducerPool(
+                addresses, resolve_key(cfg), layout, start, timeout, limit, connections, share["fields"]
+            )
+        return ProducerLoader(addresses[0], resolve_key(cfg), layout, start, timeout, limit, **_share(trainer))
     if trainer.packing:
         from ..data.packed_loader import packed_loader
 

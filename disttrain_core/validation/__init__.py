@@ -30,6 +30,7 @@ from .common import (
 from .hotspa import check_hotspa_layouts, validate_hotspa
 from .layout import check_layout, reads_global_stream, validate_layout_settings
 from .local_sgd import validate_optimizer
+from .producer import check_producer_pool
 from .schedule import check_pipeline, validate_run_schedules, validate_schedule_config
 from .settings import (
     validate_cluster,
@@ -112,6 +113,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
             check_hotspa_layouts(run)
         else:
             check_layout(cfg, run.layout)
+            check_producer_pool(cfg, run.layout)
             validate_optimizer(cfg, run.layout)
     dp = 1 if run is None else run.layout.llm.dp
     validate_data(cfg, 1 if run is None or reads_global_stream(run.layout) else dp)

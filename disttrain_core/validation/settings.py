@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import os
 
+from omegaconf import OmegaConf
+
 from ..config import Config, cpu_count, determinism
 from .cluster_fit import launches_elsewhere
 from .common import (
@@ -19,6 +21,7 @@ from .common import (
 )
 from .data import FORMATS, check_blend, check_shards, check_token_file, check_val
 from .numbers import check_bounds
+from .producer import check_pool_settings
 
 
 def _tokenizer(cfg: Config):
@@ -283,13 +286,22 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
         p.handshake_timeout_s > 0,
         f"data.producer.handshake_timeout_s={p.handshake_timeout_s}: use a positive number of seconds",
     )
-    for name, value in (("address", p.address), ("listen", p.listen)):
-        if value is not None:
-            host, sep, port = str(value).rpartition(":")
-            _require(
-                bool(sep and host and port.isdigit() and int(port) < 65536),
-                f"data.producer.{name}={value!r}: use HOST:PORT, e.g. 127.0.0.1:7070",
-            )
+    from ..data.producer_client import pool_addresses
+
+    _require(
+        p.address is None or isinstance(p.address, str) or OmegaConf.is_list(p.address) or isinstance(p.address, list),
+        f"data.producer.address={p.address!r}: use HOST:PORT, or a pool's list [HOST1:PORT1,HOST2:PORT2]",
+    )
+    addresses = pool_addresses(p.address)
+    for name, value in [("address", a) for a in addresses] + [("listen", p.listen)]:
+        host, sep, port = str(value).rpartition(":")
+        _require(
+            bool(sep and host and port.isdigit() and int(port) < 65536),
+            f"data.producer.{name}={value!r}: use HOST:PORT, e.g. 127.0.0.1:7070"
+            + (" (a pool: data.producer.address=[HOST1:PORT1,HOST2:PORT2])" if name == "address" else ""),
+        )
+    _require(p.address is None or bool(addresses), f"data.producer.address={p.address!r}: name at least one HOST:PORT")
+    check_pool_settings(p, addresses)
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
     _require(d.format in FORMATS, f"data.format={d.format!r}: allowed values are {', '.join(FORMATS)}")

@@ -74,7 +74,7 @@ def keys(slots) -> list[str]:
 
 
 def keys_of(assembler: BatchAssembler, steps: int) -> list[list[str]]:
-    return [assembler.next()[1].keys for _ in range(steps)]
+    return [assembler.next().batch.keys for _ in range(steps)]
 
 
 def test_global_batches_do_not_depend_on_workers_or_reordering_and_resume_exactly(compose_cfg):
@@ -89,7 +89,7 @@ def test_global_batches_do_not_depend_on_workers_or_reordering_and_resume_exactl
 
     straight = BatchAssembler(reordered, LAYOUT, {})
     for _ in range(3):
-        _, _, state = straight.next()
+        state = straight.next().state
     resumed = BatchAssembler(reordered, LAYOUT, state)
     assert keys_of(resumed, 5) == keys_of(straight, 5)
 
@@ -251,7 +251,7 @@ def test_a_producer_that_cannot_make_batches_tells_the_trainers_why(compose_cfg,
     def crash(self, key, members):
         raise MemoryError("decoder ran out of memory on " + key)
 
-    monkeypatch.setattr(SampleEncoder, "encode", crash)
+    monkeypatch.setattr(SampleEncoder, "plan", crash)
     good = compose_cfg()
     address = in_process(good, key)
     loader = ProducerLoader(address, load_key(key), layout_for(good), {}, 5.0, 1 << 26)
@@ -397,8 +397,8 @@ def test_the_trainers_sample_costs_cross_the_hello_and_weigh_samples():
     """The producer does not know the model's FLOPs (data/ sits below models/): the trainers send them."""
     from types import SimpleNamespace
 
+    from disttrain_core.data.producer_assembly import sample_costs
     from disttrain_core.data.producer_protocol import ProtocolError
-    from disttrain_core.data.producer_server import sample_costs
 
     layout = replace(LAYOUT, costs=(3.0, 2.0, 1.0))
     assert Layout.from_dict(layout.to_dict()).costs == (3.0, 2.0, 1.0)

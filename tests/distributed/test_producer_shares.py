@@ -125,14 +125,20 @@ def test_training_on_shares_equals_training_on_whole_batches(shards, tmp_path, l
 
     common = [*layout, *PRODUCER_RUN]
     losses, received = {}, {}
-    for per_rank in ("true", "false"):
-        run_dir = tmp_path / per_rank
-        result = run_train(cli_overrides(shards, run_dir) + common + [f"data.producer.per_rank={per_rank}"])
+    runs = {"true": ["data.producer.per_rank=true"], "false": ["data.producer.per_rank=false"]}
+    if layout[0] == "parallel=disagg2":  # and from a pool of two producers, a data-parallel group each
+        runs["pool"] = ["data.producer.count=2"]
+    for name, overrides in runs.items():
+        run_dir = tmp_path / name
+        result = run_train(cli_overrides(shards, run_dir) + common + overrides)
         assert result.returncode == 0, result.stderr[-3000:]
         metrics = [m for m in read_metrics(run_dir) if "loss" in m]
-        losses[per_rank] = [m["loss"] for m in metrics]
-        received[per_rank] = metrics[-1]["data/producer_bytes_per_step"]
+        losses[name] = [m["loss"] for m in metrics]
+        received[name] = metrics[-1]["data/producer_bytes_per_step"]
     assert len(losses["true"]) == 3
-    assert losses["true"] == pytest.approx(losses["false"], abs=1e-5)
+    for name in runs:
+        assert losses[name] == pytest.approx(losses["false"], abs=1e-5), name
+    if "pool" in runs:
+        assert received["pool"] == pytest.approx(received["true"], rel=0.01)  # the same block, from its producer
     # rank 0 (an encoder replica; a first stage) reads half of each slot and not every field
     assert received["true"] < 0.5 * received["false"], received

@@ -573,7 +573,7 @@ def test_authenticated_but_malformed_content_raises_protocol_errors():
     def feed(hello, batch_meta, payload):
         nonlocal valid_hello
         try:
-            layout, start, trainer, _, _ = parse_hello(hello)
+            layout, start, trainer, _, _, _ = parse_hello(hello)
             assert isinstance(layout, Layout) and isinstance(start["step"], int) and isinstance(trainer, str)
             valid_hello += 1
         except ProtocolError:
