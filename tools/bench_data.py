@@ -11,6 +11,12 @@ batch run's. For ``data.producer.per_rank`` true and false: bytes per rank per s
 against the rank's own samples' tensor bytes), steps/s and samples/s delivered to the ranks, and the producer
 process's peak resident memory.
 
+(c) A pool of producers (``data.producer.count``): 1, 2 and 4 producer processes serving ``pool_dp`` replicas, each
+producer planning every sample and decoding its share. Decoding is made to cost ``decode_ms`` a sample by a sleep
+(this machine has 2 cores: a sleep is what 4 producers on 4 hosts would do in parallel, whatever the cores here),
+so samples/s measures how the pool divides the decoding, and what planning every sample in every producer costs
+on top. The replicas check that every pool size delivers the same batches.
+
 (b) Predicted for the paper's scale: the planner's layout for mllm72b on 1,172 H100s with the OBELICS workload
 preset (planner/presets.py: 2.5 images of 448 px per sample), each rank receiving its block's fields (the same
 rule as (a)) against every rank receiving the whole global batch; no network is simulated, bytes only.
@@ -39,6 +45,11 @@ OPTIONS = {
     "workers": "1",  # the producer's decode workers
     "seq_len": "2048",  # mllm_tiny's rows and images, enlarged towards a real sample (256 and 32 px by default)
     "image_size": "64",
+    "producers": "1,2,4",  # (c) pool sizes, each producer decoding at decode_ms a sample (a sleep) ...
+    "pool_dp": "8",  # ... for this many replicas (one rank each) of pool_micro samples per slot
+    "pool_micro": "2",
+    "pool_steps": "4",
+    "decode_ms": "20",
     "predict": "true",
     "format": "table",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_data.json"),
@@ -165,6 +176,93 @@ def measure(dp: int, pp: int, options: dict, per_rank: bool) -> dict:
     }
 
 
+def _slow_producer(container: dict, key: str, decode_s: float, ready) -> None:
+    """A producer process whose decoding costs ``decode_s`` a sample more (a sleep)."""
+    from disttrain_core.config import typed_config
+    from disttrain_core.data.producer import run_server
+    from disttrain_core.data.samples import SampleEncoder
+    from disttrain_core.data.transport import load_key
+
+    finish = SampleEncoder.finish
+
+    def slow(self, planned):
+        time.sleep(decode_s)
+        return finish(self, planned)
+
+    SampleEncoder.finish = slow  # type: ignore[method-assign]
+    run_server(typed_config(container), load_key(key), "127.0.0.1:0", ready)
+
+
+def measure_pool(count: int, options: dict) -> dict:
+    """``count`` producers, ``pool_dp`` replicas of one rank each (threads), ``pool_steps`` steps; the first is
+    left out of the rate (start-up)."""
+    import multiprocessing as mp
+
+    from omegaconf import OmegaConf
+
+    from disttrain_core.config import compose
+    from disttrain_core.data.producer import Layout, job_identity
+    from disttrain_core.data.producer_client import ProducerPool, pool_connections
+    from disttrain_core.data.transport import load_key, new_key
+
+    dp, micro, steps = int(options["pool_dp"]), int(options["pool_micro"]), int(options["pool_steps"])
+    cfg = compose(
+        [
+            f"data.path={_shards()}",
+            "data.generate_if_missing=false",
+            "data.producer.workers=0",
+            f"paths.output_dir={REPO_ROOT / 'outputs' / 'bench_data'}",
+        ]
+    )
+    container, key = OmegaConf.to_container(cfg, resolve=True), new_key()
+    ctx = mp.get_context("spawn")
+    ready = ctx.SimpleQueue()
+    processes = [
+        ctx.Process(target=_slow_producer, args=(container, key, float(options["decode_ms"]) / 1e3, ready))
+        for _ in range(count)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        addresses = [ready.get() for _ in processes]
+        layout = Layout(2, dp * micro, dp, 1, dp, tuple(sorted(job_identity(cfg).items())))
+        blocks = [range(r * micro, (r + 1) * micro) for r in range(dp)]
+        keys: list[list[list[str]]] = [[] for _ in blocks]
+        times: list[float] = []
+
+        def rank(r: int) -> None:
+            conns = pool_connections(count, layout, blocks[r], [(b, 1) for b in blocks])
+            loader = ProducerPool(addresses, load_key(key), layout, {}, 120.0, 1 << 30, conns)
+            for _ in range(steps):
+                keys[r].append([k for slot in loader.next_step() for k in slot.keys])
+                if r == 0:
+                    times.append(time.perf_counter())
+            loader.close()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        peak = max(_peak_rss_mb(p.pid) for p in processes)
+    finally:
+        for process in processes:
+            process.kill()
+            process.join()
+    if any(len(k) != steps for k in keys):
+        raise RuntimeError(f"{count} producers: a replica did not receive every step")
+    seconds = times[-1] - times[0]
+    return {
+        "producers": count,
+        "replicas": dp,
+        "global_batch": 2 * dp * micro,
+        "decode_ms_per_sample": float(options["decode_ms"]),
+        "samples_per_s": (steps - 1) * 2 * dp * micro / seconds,
+        "producer_peak_rss_mb": peak,
+        "batches": [[k[step] for k in keys] for step in range(steps)],
+    }
+
+
 def predict() -> dict:
     """Bytes per rank per step for the planner's 1,172-GPU mllm72b plan on the OBELICS preset."""
     from disttrain_core.config import compose
@@ -256,7 +354,19 @@ def main(argv: list[str]) -> int:
             f"{pair[0]['samples_per_s']:,.0f} against {pair[1]['samples_per_s']:,.0f} samples/s",
             file=sys.stderr,
         )
-    result = {"options": options, "measured": measured}
+    pool = [measure_pool(int(count), options) for count in options["producers"].split(",") if count]
+    if any(run.pop("batches") != pool[0]["batches"] for run in pool[1:]):
+        raise RuntimeError("pools of different sizes delivered different batches")
+    if pool:
+        pool[0].pop("batches")
+    for run in pool:
+        run["speedup"] = run["samples_per_s"] / pool[0]["samples_per_s"]
+        print(
+            f"{run['producers']} producer(s), decoding {run['decode_ms_per_sample']:.0f} ms a sample: "
+            f"{run['samples_per_s']:,.0f} samples/s ({run['speedup']:.2f}x one producer)",
+            file=sys.stderr,
+        )
+    result = {"options": options, "measured": measured, "pool": pool}
     if options["predict"] == "true":
         result["predicted"] = predict()
     out = Path(options["out"])

@@ -1,24 +1,26 @@
 """Disaggregated data preprocessing: a producer service and the trainers' client.
 
-The producer reads the one canonical sample stream (all shards, seeded shard order), decodes
-and tokenizes in ``data.producer.workers`` worker processes, assembles each global batch in
-stream order (so the batches do not depend on how many workers decode them), reorders it
-(data/reorder.py: Algorithm 2 over the canonical DP grid, Algorithm 3 over the microbatch
-slots), and serves it to every trainer rank over the authenticated transport
-(data/transport.py), ``prefetch_steps`` batches ahead. A trainer rank keeps its unit
-replica's block of every slot (docs/UNITS.md); the sample -> replica mapping is the order the
-producer sends, which every unit reads alike.
+The producer reads the one canonical sample stream (all shards, seeded shard order), plans
+(parses and tokenizes) every sample in ``data.producer.workers`` worker processes, assembles
+each global batch in stream order (so the batches do not depend on how many workers plan them),
+reorders it (data/reorder.py: Algorithm 2 over the canonical DP grid, Algorithm 3 over the
+microbatch slots), decodes the images of its share of the data-parallel groups (all of them
+unless it is one of a pool: data/producer_assembly.py) and serves each trainer rank its unit
+replica's block over the authenticated transport (data/transport.py), ``prefetch_steps``
+batches ahead (docs/UNITS.md).
 
 State: each batch comes with the stream position after it and the skip counters; trainers
 save that with their checkpoints and tell a (re)started producer where to begin, so a resumed
 run sees exactly the next global batches, and so does a run whose producer was restarted.
 
     train.py data.producer.workers=2                 # train.py starts a producer on 127.0.0.1
+    train.py data.producer.workers=2 data.producer.count=2   # a pool of two, each decoding half
     python -m disttrain_core.launch.producer --listen 10.0.0.5:7070 --key file:/secrets/key [overrides]
     train.py data.producer.address=10.0.0.5:7070 data.producer.key=file:/secrets/key
 
-The pieces: producer_protocol.py (layout, identity, batch frames), producer_server.py (the
-service), producer_client.py (the trainers' ``ProducerLoader``).
+The pieces: producer_protocol.py (layout, identity, batch frames), producer_assembly.py (plan,
+reorder, decode a share), producer_server.py (the service), producer_client.py (the trainers'
+``ProducerLoader`` and ``ProducerPool``).
 """
 
 from __future__ import annotations

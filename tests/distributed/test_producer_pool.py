@@ -209,3 +209,40 @@ def test_a_pool_that_cannot_work_is_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as error:
         validate_run(typed_config(compose([*DISAGG, "data.producer.workers=1", *overrides])))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_sample_whose_pixels_do_not_decode_keeps_its_place_with_no_loss(compose_cfg, tmp_path):
+    """Its header read (so every producer planned the step with it), its body did not: it stays, zeroed and
+    without loss, counted in the producer's log."""
+    import io
+
+    from PIL import Image
+
+    from disttrain_core.data.producer import BatchAssembler
+
+    from ..conftest import write_tar
+
+    def jpeg(seed: int) -> bytes:  # noise: a long scan after the headers
+        import numpy as np
+
+        pixels = np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="JPEG")
+        return buffer.getvalue()
+
+    data = tmp_path / "broken"
+    data.mkdir()
+    samples = [(f"{i:03d}", {"jpg": jpeg(i), "txt": f"sample {i}".encode()}) for i in range(8)]
+    body = samples[3][1]["jpg"]
+    samples[3][1]["jpg"] = body[: len(body) // 2]  # the headers, then half the scan
+    write_tar(data / "a.tar", samples)
+    cfg = compose_cfg(f"data.path={data}", "data.producer.workers=0")
+    layout = Layout(slots=1, samples_per_slot=8, groups=2, stages=1, world=1)
+    assembled = BatchAssembler(cfg, layout, {}, (1, 2)).next()
+    whole = BatchAssembler(cfg, layout, {}).next()
+    broken = whole.batch.keys.index("a.tar/003")
+    assert whole.batch.image_counts[broken] == 1 and not whole.batch.images[broken].any()
+    assert (whole.batch.labels[broken] == -100).all() and whole.batch.gen_weight[broken] == 0
+    assert torch.equal(assembled.summary.image_counts, whole.summary.image_counts)
+    assert assembled.batch.keys == whole.batch.keys[4:]  # the second producer's half
+    assert torch.equal(assembled.batch.tokens, whole.batch.tokens[4:])

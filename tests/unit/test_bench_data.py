@@ -8,9 +8,10 @@ from ..conftest import REPO, run_script
 TOOL = REPO / "tools" / "bench_data.py"
 
 
-def test_shares_cost_their_samples_and_the_same_batches_reach_the_ranks(tmp_path):
+def test_shares_cost_their_samples_and_the_same_batches_reach_the_ranks_from_a_pool_too(tmp_path):
     out = tmp_path / "data.json"
-    result = run_script(TOOL, ["ranks=6", "dp=2", "micro=2", "slots=1", "steps=2", f"out={out}"], timeout=180)
+    pool = ["producers=1,2", "pool_dp=4", "pool_micro=2", "pool_steps=3", "decode_ms=25"]
+    result = run_script(TOOL, ["ranks=6", "dp=2", "micro=2", "slots=1", "steps=2", *pool, f"out={out}"], timeout=180)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
     shares, whole = report["measured"]
@@ -19,6 +20,9 @@ def test_shares_cost_their_samples_and_the_same_batches_reach_the_ranks(tmp_path
     assert whole["first_stage_bytes_over_own"] > 1.5  # whole batches: the other replica's samples too
     assert shares["bytes_per_step_all_ranks"] < 0.5 * whole["bytes_per_step_all_ranks"]
     assert shares["samples_per_s"] > 0 and shares["producer_peak_rss_mb"] > 0
+    one, two = report["pool"]  # the same batches (checked by the tool), decoded by two producers in half the time
+    assert (one["producers"], two["producers"]) == (1, 2)
+    assert two["speedup"] > 1.5, report["pool"]
     p = report["predicted"]
     assert p["gpus"] <= 1172 and p["global_batch"] > 0
     assert sum(r["ranks"] for r in p["per_rank_roles"]) == p["gpus"]
