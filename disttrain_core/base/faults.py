@@ -8,11 +8,13 @@
     DISTTRAIN_FAULT="raise@step:rank=0:step=2"     # an exception in rank 0
     DISTTRAIN_FAULT="kill@save:rank=0:step=4"      # SIGKILL while checkpoint 4 is being written
     DISTTRAIN_FAULT="enospc@save:rank=1:step=4"    # the disk is full while checkpoint 4 is written
+    DISTTRAIN_FAULT="kill@produce:rank=1:step=2"   # SIGKILL data producer 1 (of a pool) once it made step 2
 
 Points are ``step`` (start of a training step, before its data and collectives), ``save``
-(after a rank has written part of a checkpoint's files) and ``restart=N`` qualifiers limit a
-fault to the Nth run of an elastic job (default 0: the first), so a relaunched job does not
-meet the same fault again. Nothing happens unless the variable is set.
+(after a rank has written part of a checkpoint's files) and ``produce`` (a data producer has
+assembled a step; ``rank`` is its place in the pool). ``restart=N`` qualifiers limit a fault to
+the Nth run of an elastic job, or the Nth start of a producer (default 0: the first), so a
+relaunched job does not meet the same fault again. Nothing happens unless the variable is set.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 ENV = "DISTTRAIN_FAULT"
 KINDS = ("kill", "term", "hang", "raise", "enospc")
-POINTS = ("step", "save")
+POINTS = ("step", "save", "produce")
 
 
 class InjectedFault(RuntimeError):
@@ -65,11 +67,13 @@ def _active() -> list[Fault]:
     return parse(text) if text else []
 
 
-def inject(point: str, rank: int, step: int) -> None:
-    """Carry out the faults planned for this point, rank and step (a no-op without DISTTRAIN_FAULT)."""
+def inject(point: str, rank: int, step: int, restart: int | None = None) -> None:
+    """Carry out the faults planned for this point, rank and step (a no-op without DISTTRAIN_FAULT); ``restart``:
+    which start of the process this is (default: the elastic agent's restart count)."""
     if ENV not in os.environ:
         return
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart is None:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     for fault in _active():
         if (fault.point, fault.rank, fault.step, fault.restart) != (point, rank, step, restart):
             continue

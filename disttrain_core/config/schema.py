@@ -48,6 +48,7 @@ class ProducerConfig:
     # Producers train.py starts (a pool: each serves a fixed share of the data-parallel groups and decodes only
     # its share; the batches do not depend on the count). At most the number of data-parallel groups.
     count: int = 1
+    restarts: int = 3  # a local producer that dies is started again on its address, at most this many times each
     # HOST:PORT of a standalone producer (python -m disttrain_core.launch.producer), or a pool's list in pool order:
     # data.producer.address=[HOST1:PORT1,HOST2:PORT2] (a string or a list of strings)
     address: Any = None

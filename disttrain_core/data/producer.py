@@ -47,17 +47,20 @@ log = logging.getLogger(__name__)
 STOP_SIGNAL = signal.SIGUSR2
 
 
-def run_server(cfg, key: bytes, listen: str, ready=None) -> None:
-    """Entry point of the producer process (``ready`` gets the bound address)."""
+def run_server(cfg, key: bytes, listen: str, ready=None, restart: int = 0) -> None:
+    """Entry point of the producer process (``ready`` gets the bound address; ``restart``: which start)."""
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][producer][%(levelname)s] - %(message)s")
     server = ProducerServer(cfg, key, listen)
+    server.restart = restart
     if ready is not None:
         ready.put(server.address)
     log.info("serving global batches on %s", server.address)
     server.serve_forever()
 
 
-def _spawned(container: dict, key: str, listen: str, ready, parent: int, from_main_thread: bool) -> None:
+def _spawned(
+    container: dict, key: str, listen: str, ready, parent: int, from_main_thread: bool, restart: int = 0
+) -> None:
     from ..config import typed_config
 
     # SIGUSR2 stops the producer cleanly (its decode workers die with it); the kernel sends it when the
@@ -73,7 +76,7 @@ def _spawned(container: dict, key: str, listen: str, ready, parent: int, from_ma
     torch.set_num_threads(threads)
     code = 1
     try:
-        run_server(typed_config(container), load_key(key), listen, ready)
+        run_server(typed_config(container), load_key(key), listen, ready, restart)
         code = 0
     except SystemExit as stop:  # STOP_SIGNAL
         code = 0 if stop.code in (None, 0) else 1
@@ -97,6 +100,56 @@ def stop_local_producer(process, timeout_s: float = 10) -> None:
     if process.is_alive():
         process.kill()
         process.join()
+
+
+class LocalPool:
+    """The producers ``train.py`` (or rank 0) starts (``data.producer.count``), supervised: one that dies is
+    started again on its address (the trainers reconnect and continue from their position), at most
+    ``data.producer.restarts`` times each; then its trainers stop after data.producer.timeout_s with the reason."""
+
+    def __init__(self, cfg, container: dict, key: str):
+        self.cfg, self.container, self.key = cfg, container, key
+        self.processes, address = start_local_pool(cfg, container, key)
+        self.address = address
+        self.addresses = address.split(",")
+        self.pids = {p.pid for p in self.processes}  # a live view (launchers.forward_stop_signals skips them)
+        self.restarts = [0] * len(self.processes)
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="producer-pool", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        limit = int(self.cfg.data.producer.restarts)
+        while not self._stopping.wait(0.5):
+            for index, process in enumerate(self.processes):
+                if process.is_alive() or self._stopping.is_set() or self.restarts[index] >= limit:
+                    continue
+                self.restarts[index] += 1
+                where = self.addresses[index]
+                log.warning(
+                    "data producer %d of %d (pid %d) ended with exit code %s: starting it again on %s (restart %d of "
+                    "%d, data.producer.restarts)",
+                    index,
+                    len(self.processes),
+                    process.pid,
+                    process.exitcode,
+                    where,
+                    self.restarts[index],
+                    limit,
+                )
+                try:
+                    new, ready = _start(self.cfg, self.container, self.key, where, self.restarts[index])
+                    _ready(new, ready)
+                except RuntimeError as error:
+                    log.error("data producer %d did not start again on %s: %s", index, where, error)
+                    continue
+                self.pids.add(new.pid)
+                self.processes[index] = new
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._watcher.join(timeout=10)
+        stop_local_pool(self.processes)
 
 
 def start_local_pool(cfg, container: dict, key: str) -> tuple[list, str]:
@@ -126,7 +179,7 @@ def start_local_producer(cfg, container: dict, key: str):
     return process, _ready(process, ready)
 
 
-def _start(cfg, container: dict, key: str):
+def _start(cfg, container: dict, key: str, listen: str | None = None, restart: int = 0):
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -137,10 +190,11 @@ def _start(cfg, container: dict, key: str):
         args=(
             container,
             key,
-            cfg.data.producer.listen,
+            listen or cfg.data.producer.listen,
             ready,
             os.getpid(),
             threading.current_thread() is threading.main_thread(),
+            restart,
         ),
     )
     process.start()

@@ -7,10 +7,14 @@ Sessions: one job's stream at a time. A HELLO carries the trainer's layout, iden
 position (the step it last consumed and the stream position after it). It joins the current
 session when the producer still holds (or is about to make) the step after that position and
 agrees on the stream position; that covers a fresh job (all trainers send the same start),
-all trainers reconnecting to a restarted producer (the first starts the stream at their common
-position, the rest join), and one trainer reconnecting to a live producer. Otherwise it starts
-a new session from its position when no trainer is connected (a job resumed from a checkpoint),
-and is refused with the reason while other trainers are. A step's batch is dropped once
+all trainers reconnecting to a restarted producer, and one trainer reconnecting to a live
+producer. Otherwise it starts a new session from its position when no trainer is connected (a
+job resumed from a checkpoint), and is refused with the reason while other trainers are.
+
+A new session assembles nothing until its ``world`` trainers have joined (or ``START_GRACE_S``
+after the first): the trainers of a restarted producer come back one step apart (some fetched
+the step it died after, some not), and the stream starts at the earliest; a trainer ahead of it
+is checked against the stream when the session gets to its step. A step's batch is dropped once
 ``world`` trainers have asked for a later step: synchronous training means every rank then has it.
 """
 
@@ -21,6 +25,7 @@ import socket
 import threading
 import time
 
+from ..base.faults import inject
 from ..base.net import split_address
 from .producer_assembly import Assembled, BatchAssembler, share_of
 from .producer_protocol import Layout, Want, encode_batch, encode_share, job_identity, job_mismatch, parse_hello
@@ -38,6 +43,8 @@ from .transport import (
 )
 
 log = logging.getLogger("disttrain_core.data.producer")
+START_GRACE_S = 3.0  # a new session waits this long for all its trainers before assembling from the earliest
+MAX_AHEAD = 2  # steps a trainer may be ahead of what its session made (synchronous ranks are within one)
 
 
 class Held:
@@ -76,12 +83,45 @@ class Session:
         self.wants: set[Want | None] = set()  # what the trainers asked for: the assembler encodes these ahead
         self.position = {step: (start["epoch"], start["index"])}  # stream position after each step
         self.asked: dict[str, int] = {}  # trainer id -> last step it requested
+        self.ahead: dict[str, tuple[int, tuple]] = {}  # trainer id -> (step, position) to check once made
+        self.joined: dict[str, tuple[int, tuple]] = {}  # trainer id -> (step, position) it joined at
+        self.started = False  # assembling: once ``world`` trainers joined, or START_GRACE_S after the first
+        self.opened = time.monotonic()
         self.active = 0
         self.failure: str | None = None
 
-    def servable(self, step: int, position: tuple) -> bool:
-        """Can a trainer that consumed ``step`` (stream at ``position``) continue in this session?"""
+    def servable(self, step: int, position: tuple, ahead: bool = False) -> bool:
+        """Can a trainer that consumed ``step`` (stream at ``position``) continue in this session? With ``ahead``,
+        also one past what the session made (trainers of a restarted producer do not all reconnect at the same
+        step): its position is checked when the session gets there."""
+        if ahead and self.made < step <= self.made + MAX_AHEAD:
+            return True
         return self.first <= step + 1 <= self.made + 1 and self.position.get(step) == position
+
+    def add(self, trainer: str, start: dict) -> str | None:
+        """Count a trainer in; None, or why its position contradicts the session's. Until the session starts
+        assembling, a trainer behind its start moves the start back to it (the others are then ahead)."""
+        step, position = start["step"], (start["epoch"], start["index"])
+        if not self.started and step < self.made:
+            for other, (at, where) in self.joined.items():
+                if at > step:
+                    self.ahead[other] = (at, where)
+            self.start, self.first, self.made, self.position = start, step + 1, step, {step: position}
+        elif step == self.made and self.position.get(step) != position:
+            return (
+                f"this trainer continues after step {step} at stream position {position}, but the producer's other "
+                f"trainers are at {self.position.get(step)} there"
+            )
+        elif step > self.made + MAX_AHEAD:
+            return (
+                f"this trainer continues after step {step}, but the producer's other trainers continue after step "
+                f"{self.made}"
+            )
+        elif step > self.made:
+            self.ahead[trainer] = (step, position)
+        self.joined[trainer] = (step, position)
+        self.asked.setdefault(trainer, step)
+        return None
 
     def release(self) -> bool:
         """Drop the steps every trainer has moved past; True if any was dropped."""
@@ -111,6 +151,7 @@ class ProducerServer:
         self.session: Session | None = None
         self.connections: set[socket.socket] = set()
         self.closed = False
+        self.restart = 0  # which start of this producer (base/faults.py: a drill's fault hits one start)
         self.rejected = 0  # connections dropped for a protocol error or a missed deadline
         self.refused = 0  # connections closed at once (max_connections reached)
         self._quiet_until = 0.0
@@ -238,7 +279,7 @@ class ProducerServer:
                         f"({current.layout.to_dict()} as share {current.share[0]} of {current.share[1]}; this trainer "
                         f"has {layout_text})"
                     )
-                if not current.servable(step, position):
+                if current.started and not current.servable(step, position, ahead=True):
                     return None, (
                         f"this trainer continues after step {step} (epoch {position[0]}, index {position[1]}), but "
                         f"the producer serves steps {current.first}-{current.made + 1} to {current.active} "
@@ -252,12 +293,19 @@ class ProducerServer:
             ):
                 # a new job, one resumed after all its trainers left, or another try after a failure
                 current = self.session = Session(layout, start, share)
-                threading.Thread(target=self._assemble, args=(current,), daemon=True).start()
                 log.info("new session: %s from step %d (epoch %d, index %d)", layout.to_dict(), step, *position)
+            problem = current.add(trainer, start)
+            if problem is not None:
+                return None, problem
             current.active += 1
-            current.asked.setdefault(trainer, step)
             current.wants.add(want)
+            if not current.started and len(current.joined) >= layout.world:
+                self._start_assembly(current)
             return current, None
+
+    def _start_assembly(self, session: Session) -> None:
+        session.started = True
+        threading.Thread(target=self._assemble, args=(session,), daemon=True).start()
 
     def _fetch(self, session: Session, trainer: str, step: int) -> tuple[Held | None, str | None]:
         with self.lock:
@@ -265,6 +313,8 @@ class ProducerServer:
             if session.release():
                 self.lock.notify_all()
             while step not in session.ready and session.failure is None:
+                if not session.started and time.monotonic() - session.opened > START_GRACE_S:
+                    self._start_assembly(session)  # not every trainer came back: start with those that did
                 if session is not self.session:
                     return None, "the producer began a new session (another job) and stopped this one"
                 if step < session.first:
@@ -272,6 +322,13 @@ class ProducerServer:
                 self.lock.wait(timeout=1.0)
             if session.failure is not None:
                 return None, session.failure
+            if trainer in session.ahead:  # it joined ahead of the session: was its stream this one?
+                joined, position = session.ahead.pop(trainer)
+                if session.position.get(joined) != position:
+                    return None, (
+                        f"this trainer continues after step {joined} at stream position {position}, but the "
+                        f"producer's stream was at {session.position.get(joined)} there"
+                    )
             return session.ready[step], None
 
     def _assemble(self, session: Session) -> None:
@@ -296,6 +353,7 @@ class ProducerServer:
                     session.position[step] = (state["epoch"], state["index"])
                     session.made = step
                     self.lock.notify_all()
+                inject("produce", session.share[0], step, self.restart)
         except Exception as error:  # reported to every trainer of the session instead of a silent stall
             log.exception("the producer cannot assemble batches")
             with self.lock:

@@ -137,12 +137,12 @@ def launch(cfg: DictConfig) -> float | None:
             dry_run(run, run_dir)
         return None
     prepare_data(cfg)
-    producers: list = []
+    pool = None
     if producer_started_by_launcher(cfg, environment):
         # Disaggregated preprocessing on this host: a producer process on 127.0.0.1 with a fresh key
         # that only this job's processes know (environment, never the saved config). It outlives
         # rank restarts (trainer.max_restarts).
-        producers, container = start_producer(cfg, run.container)
+        pool, container = start_producer(cfg, run.container)
         run = run.with_container(container)
     try:
         if environment.external or world_size(cfg) == 1:
@@ -151,15 +151,13 @@ def launch(cfg: DictConfig) -> float | None:
             job_id = environment.job_id or f"local-{os.getpid()}-{run_dir.name}"
             rendezvous = node_rendezvous(environment) if environment.kind == "node" else {}
             with scoped_environment(rendezvous):
-                start_ranks(run, str(run_dir), job_id, exclude={p.pid for p in producers})
+                start_ranks(run, str(run_dir), job_id, exclude=pool.pids if pool else set())
     except RankFailed as error:
         print(f"error: {error} (logs: {run_dir})", file=sys.stderr)
         sys.exit(1)
     finally:
-        if producers:
-            from ..data.producer import stop_local_pool
-
-            stop_local_pool(producers)
+        if pool is not None:
+            pool.stop()
     summary = run_dir / SUMMARY_FILE
     if not summary.is_file():
         return None
@@ -222,16 +220,17 @@ def producer_started_by_launcher(cfg: Config, environment) -> bool:
 
 
 def start_producer(cfg: Config, container: dict):
-    from ..data.producer import start_local_pool
+    from ..data.producer import LocalPool
     from ..data.transport import new_key
 
     key = cfg.data.producer.key or new_key()
     os.environ["DISTTRAIN_PRODUCER_KEY"] = key
-    producers, address = start_local_pool(cfg, container, key)
+    pool = LocalPool(cfg, container, key)
+    address = pool.address
     log.info("%s with %d decode worker(s) each on %s", _producers(cfg), cfg.data.producer.workers, address)
     container = {**container, "data": {**container["data"], "producer": {**container["data"]["producer"]}}}
     container["data"]["producer"]["address"] = address
-    return producers, container
+    return pool, container
 
 
 def _producers(cfg: Config) -> str:

@@ -121,10 +121,10 @@ def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
     if fabric is None:
         fabric = _attach_fabric(run, environment)
     fabric.seed_everything(trainer.seed, verbose=False)
-    producers: list = []
+    pool = None
     try:
         if cfg.data.producer.workers > 0 and cfg.data.producer.address is None:
-            producers, container = share_producer(cfg, run.container, fabric)
+            pool, container = share_producer(cfg, run.container, fabric)
             run = run.with_container(container)
             cfg = run.cfg
         metrics = Trainer(run, fabric, run_dir, stop_request).fit()
@@ -133,10 +133,8 @@ def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
         end_helpers()  # the decode workers: they ignore the SIGTERM multiprocessing ends them with at exit
         raise
     finally:
-        if producers:
-            from ..data.producer import stop_local_pool
-
-            stop_local_pool(producers)
+        if pool is not None:
+            pool.stop()
     if trainer.memory_report_step:  # the planner's prediction for this rank's role, beside what it counted
         from ..planner.api import annotate_memory_report
 
@@ -204,16 +202,16 @@ def share_producer(cfg: Config, container: dict, fabric):
     import torch
     import torch.distributed as dist
 
-    from ..data.producer import start_local_pool
+    from ..data.producer import LocalPool
     from ..data.transport import new_key
 
-    producers, text = [], b""
+    pool, text = None, b""
     if fabric.global_rank == 0:
         key = cfg.data.producer.key or new_key()
         listen = cfg.data.producer.listen
-        producers, addresses = start_local_pool(cfg, container, key)
+        pool = LocalPool(cfg, container, key)
         advertised = []
-        for address in addresses.split(","):
+        for address in pool.addresses:
             host, port = split_address(address)
             if host in ("0.0.0.0", "::"):  # the address other nodes reach this one by: toward rank 0's peers
                 host = outward_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
@@ -226,7 +224,7 @@ def share_producer(cfg: Config, container: dict, fabric):
         text = f"{','.join(advertised)} {key}".encode()
         log.info(
             "%d data producer(s) with %d decode worker(s) each on %s (listening on %s)",
-            len(producers),
+            len(pool.addresses),
             cfg.data.producer.workers,
             ",".join(advertised),
             listen,
@@ -242,4 +240,4 @@ def share_producer(cfg: Config, container: dict, fabric):
     address, key = bytes(buffer.tolist()).decode().split(" ", 1)
     os.environ["DISTTRAIN_PRODUCER_KEY"] = key
     producer_cfg = {**container["data"]["producer"], "address": address}
-    return producers, {**container, "data": {**container["data"], "producer": producer_cfg}}
+    return pool, {**container, "data": {**container["data"], "producer": producer_cfg}}

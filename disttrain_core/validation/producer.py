@@ -10,6 +10,7 @@ from .common import _require
 def check_pool_settings(p, addresses: list[str]) -> None:
     """data.producer.count against the addresses, the listen port and per_rank (the layout's groups: layout.py)."""
     _require(p.count >= 1, f"data.producer.count={p.count}: use 1 or more producers")
+    _require(p.restarts >= 0, f"data.producer.restarts={p.restarts}: use 0 (never start a dead producer again) or more")
     if addresses:
         _require(
             p.count in (1, len(addresses)),

@@ -134,28 +134,42 @@ def test_a_resumed_run_with_another_number_of_producers_continues_exactly(compos
 
 
 def test_a_producer_that_dies_and_returns_on_its_address_loses_and_repeats_nothing(compose_cfg):
-    """Producer 1 of 2 closes after step 2 and a new one listens on its port 0.5 s later: the trainers it served
-    reconnect with their position and the run continues with the same samples."""
+    """Producer 1 of 2 (samples 2-5 of every slot) closes when two of its three trainers have fetched step 3, and
+    listens again on its port 0.5 s later. Its trainers come back one step apart: the two that had step 3 first,
+    then the one that had not. The new producer starts the stream at the earliest (step 2) and checks the others
+    against it; every trainer receives the uninterrupted run's samples."""
     cfg = compose_cfg("data.producer.timeout_s=20", "data.producer.workers=0")
     reference, _ = run_pool(cfg, 1, 5)
     layout = replace(LAYOUT, job=tuple(sorted(job_identity(cfg).items())))
     pool = Pool(cfg, new_key(), 2)
     try:
         trainers = pool.trainers(layout)
-        got = steps(trainers, 2)
+        got: list[list] = [[t.next_step() for _ in range(2)] for t in trainers]
+        for i in (0, 1, 3):  # trainer 2 has not fetched step 3 yet
+            got[i].append(trainers[i].next_step())
         pool.servers[1].close()
+        time.sleep(0.5)
+        pool.servers[1] = pool.start(1)
+        errors = []
 
-        def restart():
-            time.sleep(0.5)
-            pool.servers[1] = pool.start(1)
+        def finish(i: int, delay: float) -> None:
+            try:
+                time.sleep(delay)
+                while len(got[i]) < 5:
+                    got[i].append(trainers[i].next_step())
+            except Exception as error:  # reported below
+                errors.append(f"trainer {i}: {error}")
 
-        restarter = threading.Thread(target=restart)
-        restarter.start()
-        got += steps(trainers, 3)
-        restarter.join(timeout=30)
-        assert sum(t.reconnects for t in trainers) >= 1
-        for step, ref in zip(got, reference, strict=True):
-            assert same(flat(step), flat(ref))
+        threads = [threading.Thread(target=finish, args=(i, 0.0 if i != 2 else 0.3)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not errors, errors
+        assert sum(t.reconnects for t in trainers) >= 3
+        for step, ref in enumerate(reference):
+            joined = [[got[r][step][k] for r in range(3)] for k in range(LAYOUT.slots)]
+            assert same(flat((joined, got[3][step])), flat(ref)), step
     finally:
         pool.close()
 

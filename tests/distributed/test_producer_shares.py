@@ -118,9 +118,11 @@ def test_a_block_outside_the_slot_is_refused(compose_cfg):
     ],
     ids=["disagg_enc2_llm2", "pp2_dp2"],
 )
-def test_training_on_shares_equals_training_on_whole_batches(shards, tmp_path, layout):
+def test_training_on_shares_equals_training_on_whole_batches(shards, tmp_path, layout, monkeypatch):
     """4 processes fed by a producer: each receiving only its block (and its stages' fields) trains exactly as
-    each receiving the whole global batch (fp32 losses within 1e-5)."""
+    each receiving the whole global batch (fp32 losses within 1e-5). In the disaggregated layout, also from a
+    pool of two producers, one of which is killed once it has made step 2 (train.py starts it again on its
+    address; the trainers reconnect from their positions)."""
     from ..conftest import cli_overrides, read_metrics, run_train
 
     common = [*layout, *PRODUCER_RUN]
@@ -130,8 +132,14 @@ def test_training_on_shares_equals_training_on_whole_batches(shards, tmp_path, l
         runs["pool"] = ["data.producer.count=2"]
     for name, overrides in runs.items():
         run_dir = tmp_path / name
+        if name == "pool":
+            monkeypatch.setenv("DISTTRAIN_FAULT", "kill@produce:rank=1:step=2")
         result = run_train(cli_overrides(shards, run_dir) + common + overrides)
+        monkeypatch.delenv("DISTTRAIN_FAULT", raising=False)
         assert result.returncode == 0, result.stderr[-3000:]
+        if name == "pool":
+            output = result.stdout + result.stderr
+            assert "data producer 1 of 2 (pid" in output and "starting it again on" in output, output[-3000:]
         metrics = [m for m in read_metrics(run_dir) if "loss" in m]
         losses[name] = [m["loss"] for m in metrics]
         received[name] = metrics[-1]["data/producer_bytes_per_step"]
