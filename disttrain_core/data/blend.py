@@ -33,6 +33,7 @@ from .reader import (
     shard_sample_counts,
 )
 from .splits import training_shards
+from .storage import configure
 
 PHI = (math.sqrt(5.0) - 1.0) / 2.0  # the golden ratio's fractional part: the lowest-discrepancy rotation
 CHUNK = 4096  # sources computed at a time while streaming
@@ -132,7 +133,9 @@ def source_name(source, index: int) -> str:
 
 def open_stream(data, seed: int, dp_rank: int = 0, dp_size: int = 1) -> ShardStream | BlendedStream:
     """The training stream of replica ``dp_rank`` of ``dp_size`` (0 of 1: the one canonical stream): ``data.path``'s
-    shards (less a held-out split, data/splits.py), or the blend ``data.blend`` names."""
+    shards (less a held-out split, data/splits.py), or the blend ``data.blend`` names. ``data.storage_options`` is
+    applied first (data/storage.py: shards behind URLs), here and in the processes started from here."""
+    configure(data)
     if not data.blend:
         return ShardStream(training_shards(data), dp_rank, dp_size, seed=seed, shuffle=data.shuffle_shards)
     streams = [

@@ -25,12 +25,14 @@ their headers), so the interleaved order does not depend on the bound. Running
 out of file descriptors is an error (``FileDescriptorsExhausted``), never a
 skipped shard. Samples are grouped as webdataset groups them: members whose
 names share the part before the first dot of the file name, extensions
-lower-cased, ``__meta__`` members skipped.
+lower-cased, ``__meta__`` members skipped. Shards may also be URLs (``s3://``, ``gs://``, ``http(s)://``,
+``file://``, ``pipe:CMD``): data/storage.py names and opens them; local paths never go through it.
 """
 
 from __future__ import annotations
 
 import bz2
+import contextlib
 import errno
 import glob
 import gzip
@@ -46,6 +48,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from braceexpand import braceexpand
+
+from . import storage
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +106,25 @@ def _files_in(directory: str, listings: dict[str, set[str]]) -> set[str]:
     return listings[directory]
 
 
-def expand_shards(path: str) -> tuple[list[str], list[str]]:
-    """(shard files, names that are missing) of a directory, a file, a glob, or a brace pattern. A missing
-    name is a file of the pattern that does not exist, or a glob in it that matches no file."""
-    if os.path.isdir(path):
-        return sorted(glob.glob(os.path.join(path, "*.tar"))), []
-    names = 1  # braceexpand holds every range in memory: count the names of the integer ranges first
+def check_name_count(path: str) -> None:
+    """ValueError if a brace pattern names more than MAX_SHARD_NAMES files: braceexpand holds every range in
+    memory, so the names of the integer ranges are counted first."""
+    names = 1
     for first, last, step in _INT_RANGE.findall(path):
         names *= abs(int(last) - int(first)) // max(1, abs(int(step or 1))) + 1
     if names > MAX_SHARD_NAMES:
         raise ValueError(f"the pattern names {names} shard files, more than {MAX_SHARD_NAMES}: check its braces")
+
+
+def expand_shards(path: str) -> tuple[list[str], list[str]]:
+    """(shard files, names that are missing) of a directory, a file, a glob, or a brace pattern. A missing
+    name is a file of the pattern that does not exist, or a glob in it that matches no file. URLs: storage.py."""
+    url = storage.is_url(path)
+    if not url and os.path.isdir(path):
+        return sorted(glob.glob(os.path.join(path, "*.tar"))), []
+    check_name_count(path)
+    if url:
+        return storage.expand(path)
     found: list[str] = []
     missing: list[str] = []
     listings: dict[str, set[str]] = {}
@@ -166,6 +179,8 @@ class _Tail:
 
 
 def _open_file(path: str) -> BinaryIO:
+    if storage.is_url(path):
+        return storage.open_binary(path)
     try:
         return open(path, "rb")  # noqa: SIM115  closed by _ShardCursor.park
     except OSError as error:
@@ -187,7 +202,7 @@ class _ShardCursor:
 
     def __init__(self, path: str):
         self.path = path
-        self.name = os.path.basename(path)
+        self.name = storage.shard_name(path) if storage.is_url(path) else os.path.basename(path)
         self.offset = 0  # archive offset of the next unread member header
         self.done = False
         self._file: BinaryIO | None = None
@@ -305,6 +320,8 @@ class ShardStream:
         self.seed = seed
         self.shuffle = shuffle
         self.max_open = max(1, max_open)  # shard files open at once
+        if warning := storage.reopen_warning(self.shards, len(range(dp_rank, len(shards), dp_size)), self.max_open):
+            log.warning(warning)
 
     def shards_for_epoch(self, epoch: int) -> list[str]:
         order = list(self.shards)
@@ -365,7 +382,8 @@ def shard_sample_counts(shards: list[str]) -> list[int]:
     counts = []
     for path in shards:
         keys = set()
-        with tarfile.open(path) as archive:
+        file = storage.open_binary(path) if storage.is_url(path) else None  # a URL: read front to back
+        with contextlib.nullcontext() if file is None else file, tarfile.open(path, fileobj=file) as archive:
             for member in archive:
                 if member.isfile():
                     base = member.name.rsplit("/", 1)[-1]

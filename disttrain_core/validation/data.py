@@ -5,6 +5,9 @@ Generation rule: with no shards at ``data.path``, the embedded data is generated
 the data group's own location, ``paths.data_dir/<data.name>`` (``conf/data/synthetic_laion.yaml``: the
 default, and wherever ``paths.data_dir`` moves it), or a directory that exists and is empty (the user made
 it for this). Any other path is an error: a mistyped path must not fill a new directory with synthetic data.
+
+A URL (``s3://``, ``gs://``, ``http(s)://``, ``file://``, ``pipe:``; data/storage.py) is never generated into: one
+that names no shards is an error, and one whose storage does not answer is one line naming the fix.
 """
 
 from __future__ import annotations
@@ -33,18 +36,73 @@ def may_generate_into(cfg: Config, path: str) -> bool:
     return os.path.isdir(path) and not os.listdir(path)
 
 
+def configure_storage(cfg: Config) -> None:
+    """``data.storage_options`` applied to fsspec here and in the processes started later (data/storage.py);
+    ConfigError unless it maps protocols to options, or if it holds credentials."""
+    from ..data import storage
+
+    try:
+        options = storage.storage_options(cfg.data)
+    except ValueError as error:
+        raise ConfigError(f"data.storage_options={cfg.data.storage_options!r}: {error}") from None
+    secrets = storage.secret_options(options)
+    if secrets:
+        raise ConfigError(
+            f"data.storage_options.{secrets[0]}: credentials do not go in the config (it is saved with the run); "
+            "drop it and set them in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY for s3, "
+            "GOOGLE_APPLICATION_CREDENTIALS for gs)"
+        )
+    storage.configure(cfg.data)
+
+
+def _reach_fix(path: str) -> str:
+    from ..data.storage import protocol
+
+    proto = protocol(path)
+    if proto in ("s3", "s3a"):
+        return "check the bucket name, data.storage_options.s3.endpoint_url and the AWS_* credentials"
+    if proto in ("gs", "gcs"):
+        return "check the bucket name, data.storage_options.gs and GOOGLE_APPLICATION_CREDENTIALS"
+    if proto in ("http", "https"):
+        return "check the URL and that the server is up and serves the shards"
+    return f"check the URL and data.storage_options.{proto}"
+
+
+def check_url(where: str, path: str) -> None:
+    """A shard URL's storage answers (its bucket or directory exists; http: the first shard is there); ConfigError
+    naming the reason and the fix otherwise. Local paths pass. Call it after the brace pattern's size check."""
+    from ..data.storage import check_reachable, is_url
+
+    if not is_url(path):
+        return
+    reason = check_reachable(path)
+    if reason is not None:
+        raise ConfigError(f"{where}: cannot reach it ({reason}); {_reach_fix(path)}")
+
+
 def check_shards(cfg: Config) -> int:
     """The number of shards the run will read (generated ones included); ConfigError if there are none,
     if some are missing, or if generation would write somewhere it should not."""
-    from ..data.reader import expand_shards
+    from ..data.reader import check_name_count, expand_shards
+    from ..data.storage import is_url
 
     d = cfg.data
     path = str(d.path)
+    configure_storage(cfg)
     try:
+        check_name_count(path)  # a pattern that names too many files, before any URL is reached
+        check_url(f"data.path={path!r}", path)
         found, missing = expand_shards(path)
-    except ValueError as error:  # a pattern that names too many files
+    except ConfigError:
+        raise
+    except ValueError as error:  # too many names, unbalanced braces
         raise ConfigError(f"data.path={path!r}: {error}") from None
     if not found:
+        if is_url(path):
+            raise ConfigError(
+                f"data.path={path!r}: no .tar shards found there; point it at a directory, glob or brace pattern "
+                "of shards (data.generate_if_missing generates local data only)"
+            )
         if not d.generate_if_missing:
             raise ConfigError(
                 f"data.path={path!r}: no .tar shards found; point data.path at a directory or brace pattern of "
@@ -75,9 +133,10 @@ def check_blend(cfg: Config, dp: int) -> None:
     import math
 
     from ..data.blend import source_name
-    from ..data.reader import expand_shards
+    from ..data.reader import check_name_count, expand_shards
 
     d = cfg.data
+    configure_storage(cfg)
     sources = list(d.blend)
     weights = [s.weight for s in sources]
     if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
@@ -91,7 +150,11 @@ def check_blend(cfg: Config, dp: int) -> None:
     for i, (source, name) in enumerate(zip(sources, names, strict=True)):
         where = f"data.blend[{i}] ({name}) path={str(source.path)!r}"
         try:
+            check_name_count(str(source.path))
+            check_url(where, str(source.path))
             found, missing = expand_shards(str(source.path))
+        except ConfigError:
+            raise
         except ValueError as error:
             raise ConfigError(f"{where}: {error}") from None
         if not found:
@@ -110,10 +173,11 @@ def check_blend(cfg: Config, dp: int) -> None:
 
 def check_val(cfg: Config, dp: int) -> None:
     """``data.val``: one kind of split, shards there, and none of them trained on (data/splits.py)."""
-    from ..data.reader import resolve_shards
+    from ..data.reader import check_name_count, resolve_shards
     from ..data.splits import held_out_shards, overlap, training_shards
 
     d, v = cfg.data, cfg.data.val
+    configure_storage(cfg)
     if v.holdout_shards < 0:
         raise ConfigError(f"data.val.holdout_shards={v.holdout_shards}: use 0 (none) or a number of shards")
     if not v.path and not v.holdout_shards:
@@ -134,6 +198,14 @@ def check_val(cfg: Config, dp: int) -> None:
                 f"data.val.holdout_shards={v.holdout_shards} of data.path's {total} shard(s) leaves "
                 f"{max(0, total - v.holdout_shards)} to train {dp} data-parallel rank(s) on: hold out fewer"
             )
+    if v.path:
+        try:
+            check_name_count(str(v.path))
+            check_url(f"data.val.path={str(v.path)!r}", str(v.path))
+        except ConfigError:
+            raise
+        except ValueError as error:
+            raise ConfigError(f"data.val.path={str(v.path)!r}: {error}") from None
     held = held_out_shards(d)
     if not held:
         raise ConfigError(f"data.val.path={str(v.path)!r}: no .tar shards found")
