@@ -357,3 +357,33 @@ def test_a_server_that_never_answers_is_given_up_on(monkeypatch):
         silent.listen()  # never accepted: the kernel completes the handshake, nobody answers
         url = f"http://127.0.0.1:{silent.getsockname()[1]}/shard-{{0..3}}.tar"
         assert "cannot reach it (no answer within 1 s)" in _refusal(_data_cfg(url))
+
+
+# ----------------------------------------------------------------------------------------------- training
+def test_training_reads_the_same_shards_from_http_s3_and_disk_with_the_same_losses(shard_dir, http_url, s3, tmp_path):
+    """train.py for 3 steps of 4 samples (3 from each shard): the local directory, the HTTP server and the S3
+    server give the same fp32 losses and skip the same bad sample (shard 1's third, not an image)."""
+    from ..conftest import cli_overrides, read_metrics, run_train
+
+    names = f"shard-{{0..{SHARDS - 1}}}.tar"
+    paths = {"local": str(shard_dir), "http": f"{http_url}/{names}", "s3": f"s3://{BUCKET}/shards/{names}"}
+    common = [
+        "trainer.devices=1",
+        "trainer.max_steps=3",
+        "trainer.precision=32",
+        "optim.global_batch_size=4",
+        "optim.micro_batch_size=2",
+        "trainer.checkpoint.every_n_steps=0",
+        "data.shuffle_shards=false",
+        f"data.storage_options={{s3:{{endpoint_url:'{s3}'}}}}",
+    ]
+    runs = {}
+    for kind, path in paths.items():
+        run_dir = tmp_path / kind
+        overrides = [o for o in cli_overrides(shard_dir, run_dir) if not o.startswith("data.path=")]
+        result = run_train([*overrides, f"data.path='{path}'", *common], timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        metrics = [m for m in read_metrics(run_dir) if "loss" in m]
+        runs[kind] = ([m["loss"] for m in metrics], metrics[-1]["data/skipped_samples"])
+    assert len(runs["local"][0]) == 3 and runs["local"][1] >= 1, runs
+    assert runs["http"] == runs["local"] and runs["s3"] == runs["local"], runs
