@@ -58,6 +58,7 @@ bench: $(STAMP) $(DATA)
 	$(BIN)/python tools/bench_pipeline.py model=llama_tiny out=docs/results/bench_pipeline_llama.json
 	$(BIN)/python tools/bench_layouts.py
 	$(BIN)/python tools/bench_data.py
+	$(BIN)/python tools/bench_kernels.py
 	$(BIN)/python tools/bench_layouts.py processes=4 out=docs/results/bench_layouts_4.json
 	$(BIN)/python tools/bench_train.py litgpt=only steps=10 warmup=5 litgpt_repeats=6
 	$(BIN)/python tools/bench_planner.py

@@ -111,6 +111,9 @@ class ModelConfig:
     name: str = MISSING
     family: str = "mllm"  # mllm | llama
     seq_len: int = 2048  # tokens per training sequence (one sample per row, padded)
+    # Positions per chunk of the LM head and its loss (models/chunked_loss.py): the full logits are never held;
+    # backward computes each chunk's again. 0: the whole microbatch at once.
+    loss_chunk: int = 0
     llm: LlamaConfig = field(default_factory=LlamaConfig)
     encoder: Optional[VitConfig] = None
     generator: Optional[UNetConfig] = None

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LlamaConfig
+from .chunked_loss import LMHead
 from .common import SwiGLU
 from .moe import MoeFeedForward
 
@@ -153,7 +154,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = LMHead(cfg.dim, cfg.vocab_size, bias=False)  # a Linear; with labels, the loss (chunked)
         # The sequence positions this module's inputs hold, in order; None: 0, 1, ..., S-1. Context
         # parallelism sets them (each rank holds a permuted slice of every sequence), so the rotary table
         # row i is the angle of the i-th position held and ``apply_rope`` needs no positions argument.

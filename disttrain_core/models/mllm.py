@@ -19,7 +19,6 @@ over processes and microbatches.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -49,6 +48,7 @@ class MultimodalLLM(nn.Module):
         self.image_token_id = image_token_id
         self.gen_token_id = gen_token_id
         self.llm = Llama(cfg.llm, cfg.seq_len)
+        self.llm.output.chunk = int(cfg.loss_chunk)
         self.encoder = self.encoder_projector = None
         self.generator = self.generator_projector = self.latent_encoder = None
         if cfg.encoder is not None:
@@ -81,8 +81,9 @@ class MultimodalLLM(nn.Module):
         return h
 
     def lm_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self.llm.logits(hidden)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        """The summed next-token loss of the normed final states (the head's logits in chunks of model.loss_chunk
+        positions when set: models/chunked_loss.py)."""
+        return self.llm.output(hidden, labels)
 
     def generation_queries(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The final hidden states at the <gen> positions: [B, gen_tokens, D] (every sample has gen_tokens)."""

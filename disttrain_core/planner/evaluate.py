@@ -311,5 +311,9 @@ class LayoutModel:
         )
 
     def logits(self, samples: float, cp: int = 1) -> float:
-        """Logits and loss temporaries of the last LLM stage: its 1/cp of each sequence's positions."""
-        return samples * self.w.seq_len / cp * self.w.vocab * (self.c.settings.act_bytes + 8)
+        """Logits and loss temporaries of the last LLM stage: its 1/cp of each sequence's positions, or one chunk of
+        model.loss_chunk positions of them (models/chunked_loss.py)."""
+        positions = samples * self.w.seq_len / cp
+        if self.w.loss_chunk > 0:
+            positions = min(positions, self.w.loss_chunk)
+        return positions * self.w.vocab * (self.c.settings.act_bytes + 8)

@@ -101,6 +101,7 @@ class Workload:
     vocab: int
     llm_dim: int
     units: dict[str, UnitWork]
+    loss_chunk: int = 0  # model.loss_chunk: positions of logits held at once (0: all of them)
 
     def get(self, name: str) -> UnitWork | None:
         return self.units.get(name)
@@ -159,7 +160,7 @@ def _build(cfg: ModelConfig) -> Workload:
         units["encoder"] = _encoder_work(cfg, model, flops)
     if cfg.generator is not None:
         units["generator"] = _generator_work(cfg, model, flops)
-    return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units)
+    return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units, int(cfg.loss_chunk))
 
 
 def _llm_work(cfg: ModelConfig, model, flops) -> UnitWork:

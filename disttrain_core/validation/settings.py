@@ -60,6 +60,10 @@ def validate_model(cfg: Config) -> None:
         f"model.llm head size {llm.dim // llm.n_heads} must be even for rotary embeddings",
     )
     _require(m.seq_len >= 8, f"model.seq_len={m.seq_len}: use at least 8 tokens")
+    _require(
+        m.loss_chunk >= 0,
+        f"model.loss_chunk={m.loss_chunk}: use 0 (the head's logits whole) or a number of positions, e.g. 1024",
+    )
     vocab = _tokenizer(cfg).vocab_size
     _require(
         llm.vocab_size >= vocab,
