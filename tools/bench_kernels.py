@@ -5,8 +5,11 @@ once) against chunks of ``chunks`` positions (models/chunked_loss.py). For ``mod
 ``vocab``-token vocabulary and rows of ``positions`` tokens (``rows`` per microbatch), each setting runs the
 model's forward and backward ``repeats`` times, alternating settings: the peak live tensor bytes of a step (the
 allocator's events through torch.profiler, train/memory_report.py) and the time of a step (median and spread
-over the repeats). The full fp32 logits' size is printed beside the saving. Compiled against eager engines,
-block-mask against dense-mask attention: not built yet (issue 39).
+over the repeats). The full fp32 logits' size is printed beside the saving. **(b) MoE experts**: one MoE layer
+(``experts`` SwiGLU experts of width ``expert_ffn`` on ``dim``, top-2, ``tokens`` tokens) forward and backward
+with ``moe.experts_kernel=grouped`` (torch._grouped_mm, no host sync) against ``loop`` (a matmul per expert),
+fp32, alternating, median and spread. Compiled against eager engines, block-mask against dense-mask attention:
+not built yet (issue 39).
 
     python tools/bench_kernels.py                         # about a minute here
     python tools/bench_kernels.py vocab=32768 positions=2048 chunks=0,256,1024 format=json
@@ -29,6 +32,10 @@ OPTIONS = {
     "rows": "1",
     "chunks": "0,256,1024",  # 0: the plain head
     "repeats": "3",
+    "experts": "8",
+    "dim": "256",
+    "expert_ffn": "512",
+    "tokens": "4096",
     "format": "table",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_kernels.json"),
 }
@@ -91,10 +98,46 @@ def loss_head(options: dict) -> list[dict]:
     ]
 
 
+def moe_experts(options: dict) -> list[dict]:
+    import torch
+
+    from disttrain_core.config.model import MoeConfig
+    from disttrain_core.models.common import init_weights
+    from disttrain_core.models.moe import MoeFeedForward
+
+    dim, tokens = int(options["dim"]), int(options["tokens"])
+    layers = {}
+    for kernel in ("loop", "grouped"):
+        cfg = MoeConfig(num_experts=int(options["experts"]), top_k=2, expert_ffn_dim=int(options["expert_ffn"]))
+        cfg.experts_kernel = kernel
+        layers[kernel] = MoeFeedForward(dim, cfg, int(options["expert_ffn"]))
+        init_weights(layers[kernel], 0, std=0.02)
+    x = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(0))
+    grad = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(1))
+    times: dict[str, list[float]] = {k: [] for k in layers}
+    for _ in range(int(options["repeats"]) + 1):  # the first round warms up
+        for kernel, layer in layers.items():
+            started = time.perf_counter()
+            layer(x.requires_grad_()).backward(grad)
+            times[kernel].append(time.perf_counter() - started)
+            layer.zero_grad(set_to_none=True)
+    loop = statistics.median(times["loop"][1:])
+    return [
+        {
+            "experts_kernel": kernel,
+            "step_s_median": statistics.median(t[1:]),
+            "step_s_range": [min(t[1:]), max(t[1:])],
+            "against_loop": statistics.median(t[1:]) / loop,
+        }
+        for kernel, t in times.items()
+    ]
+
+
 def main(argv: list[str]) -> int:
     options = tool_options(argv, OPTIONS)
     rows = loss_head(options)
-    result = {"options": options, "loss_head": rows}
+    experts = moe_experts(options)
+    result = {"options": options, "loss_head": rows, "moe_experts": experts}
     out = Path(options["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -109,6 +152,11 @@ def main(argv: list[str]) -> int:
             f"are {row['full_fp32_logits_bytes'] / 1e6:,.0f} MB), step {row['step_s_median']:.3f} s "
             f"({row['step_s_range'][0]:.3f}-{row['step_s_range'][1]:.3f}; "
             f"{row['step_s_median'] / base['step_s_median']:.2f}x)"
+        )
+    for row in experts:
+        print(
+            f"experts_kernel={row['experts_kernel']}: {row['step_s_median'] * 1e3:.1f} ms forward+backward "
+            f"({row['step_s_range'][0] * 1e3:.1f}-{row['step_s_range'][1] * 1e3:.1f}; {row['against_loop']:.2f}x loop)"
         )
     return 0
 

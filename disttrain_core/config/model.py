@@ -58,6 +58,9 @@ class MoeConfig:
     router: str = "aux_loss"
     bias_update_rate: float = 0.001  # aux_free: bias += rate * sign(mean load - expert load) per optimizer step
     expert_ffn_dim: Optional[int] = None  # hidden width of each expert; None: the llm's ffn_dim
+    # How a rank's experts run (models/grouped_experts.py): auto -- one grouped matmul per projection over all of
+    # them (torch._grouped_mm) where the device runs it, else a loop; grouped (insist); loop (one matmul per expert)
+    experts_kernel: str = "auto"
 
 
 @dataclass

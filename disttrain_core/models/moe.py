@@ -24,12 +24,17 @@ from torch import nn
 from ..base.torch_compat import current_graph_task_id
 from ..config.model import MoeConfig
 from .common import SwiGLU
+from .grouped_experts import KERNELS, run_experts_grouped, use_grouped
 
 ROUTERS = ("aux_loss", "aux_free")
 
 
-def check_routing(num_experts: int, top_k: int, capacity_factor: float = 0.0, router: str = "aux_loss") -> None:
+def check_routing(
+    num_experts: int, top_k: int, capacity_factor: float = 0.0, router: str = "aux_loss", kernel: str = "auto"
+) -> None:
     """Raise ValueError naming the bad routing setting and its fix (the parallel checks: validate_moe)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"moe.experts_kernel={kernel!r} is unknown: choose one of {', '.join(KERNELS)}")
     if num_experts < 1:
         raise ValueError(f"moe.num_experts={num_experts}: needs at least 1 expert")
     if top_k < 1:
@@ -92,10 +97,13 @@ def kept_assignments(expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def run_experts(experts: nn.ModuleDict, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Row ``i`` of the result is ``experts[str(ids[i])](rows[i])``.
 
-    Rows are sorted by expert (stable) so each expert runs one matmul on its contiguous block. Every expert
+    In grouped matmuls where ``experts.kernel`` (moe.experts_kernel) allows (models/grouped_experts.py); else
+    rows are sorted by expert (stable) so each expert runs one matmul on its contiguous block. Every expert
     runs, even on zero rows, so all of its parameters get a (zero) gradient: data-parallel gradient
     reduction then sees the same parameter set on every rank.
     """
+    if use_grouped(getattr(experts, "kernel", "loop"), experts, rows):
+        return run_experts_grouped(experts, rows, ids)
     keys = sorted(int(key) for key in experts.keys())
     order = torch.argsort(ids, stable=True)
     counts = torch.bincount(ids, minlength=keys[-1] + 1)[keys].tolist()  # host sync: block sizes
@@ -127,6 +135,16 @@ class LocalDispatcher:
     def __call__(
         self, experts: nn.ModuleDict, tokens: torch.Tensor, expert_ids: torch.Tensor, gates: torch.Tensor
     ) -> torch.Tensor:
+        if use_grouped(getattr(experts, "kernel", "loop"), experts, tokens):
+            # No host sync: a dropped assignment (-1) runs on the first expert with gate 0 instead of being
+            # filtered out by a data-dependent nonzero.
+            flat, k = expert_ids.reshape(-1), expert_ids.shape[1]
+            kept = flat >= 0
+            token_index = torch.arange(flat.numel(), device=flat.device) // k
+            ids = torch.where(kept, flat, int(min(int(key) for key in experts.keys())))
+            outputs = run_experts_grouped(experts, tokens.index_select(0, token_index), ids)
+            kept_gates = torch.where(kept, gates.reshape(-1), torch.zeros((), dtype=gates.dtype, device=gates.device))
+            return combine(outputs, token_index, kept_gates, tokens.shape[0])
         assignments, token_index = kept_assignments(expert_ids)
         ids = expert_ids.reshape(-1).index_select(0, assignments)
         outputs = run_experts(experts, tokens.index_select(0, token_index), ids)
@@ -160,13 +178,14 @@ class MoeFeedForward(nn.Module):
 
     def __init__(self, dim: int, cfg: MoeConfig, ffn_dim: int):
         super().__init__()
-        check_routing(cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.router)
+        check_routing(cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.router, cfg.experts_kernel)
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.capacity_factor, self.aux_loss_coef = cfg.capacity_factor, cfg.aux_loss_coef
         self.router_kind, self.bias_update_rate = cfg.router, cfg.bias_update_rate
         hidden = cfg.expert_ffn_dim or ffn_dim
         self.router = nn.Linear(dim, cfg.num_experts, bias=False)
         self.experts = nn.ModuleDict({str(e): SwiGLU(dim, hidden) for e in range(cfg.num_experts)})
+        self.experts.kernel = cfg.experts_kernel  # run_experts: grouped matmuls or a loop (grouped_experts.py)
         self.shared = SwiGLU(dim, hidden * cfg.shared_experts) if cfg.shared_experts > 0 else None
         aux_free = cfg.router == "aux_free"
         # Persistent: a resumed run must keep steering with the bias it had learnt.

@@ -68,7 +68,7 @@ def _validate_moe(cfg: Config, unit) -> None:
 
     moe = cfg.model.llm.moe
     try:
-        check_routing(moe.num_experts, moe.top_k, moe.capacity_factor, moe.router)
+        check_routing(moe.num_experts, moe.top_k, moe.capacity_factor, moe.router, moe.experts_kernel)
     except ValueError as error:
         raise ConfigError(f"model.llm.{error}") from None
     _require(

@@ -13,7 +13,8 @@ from .test_units import assert_same_run, train
 
 pytestmark = pytest.mark.distributed
 
-MOE = ["model=llama_moe_tiny", "optim.global_batch_size=16"]
+# the grouped expert matmuls (auto takes them on CUDA only): expert parallelism against one process with them
+MOE = ["model=llama_moe_tiny", "optim.global_batch_size=16", "model.llm.moe.experts_kernel=grouped"]
 DP4_EP2 = ["parallel=zero1", "parallel.ep=2", "trainer.devices=4", "optim.micro_batch_size=2"]
 
 

@@ -1,4 +1,5 @@
-"""tools/bench_kernels.py (issue 39, the loss part): the plain head against chunks, peak bytes and times."""
+"""tools/bench_kernels.py (issue 39, its first parts): the plain head against chunks (peak bytes and times), and
+grouped expert matmuls against the per-expert loop."""
 
 import json
 
@@ -9,11 +10,15 @@ TOOL = REPO / "tools" / "bench_kernels.py"
 
 def test_chunks_lower_the_peak_and_the_report_keeps_its_spread(tmp_path):
     out = tmp_path / "kernels.json"
-    args = ["vocab=8192", "positions=512", "chunks=0,128", "repeats=2", f"out={out}"]
+    moe = ["experts=4", "dim=64", "expert_ffn=64", "tokens=256"]
+    args = ["vocab=8192", "positions=512", "chunks=0,128", "repeats=2", *moe, f"out={out}"]
     result = run_script(TOOL, args, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    plain, chunked = json.loads(out.read_text())["loss_head"]
+    report = json.loads(out.read_text())
+    plain, chunked = report["loss_head"]
     assert (plain["loss_chunk"], chunked["loss_chunk"]) == (0, 128)
     assert chunked["peak_saved_bytes"] >= plain["full_fp32_logits_bytes"] == 512 * 8192 * 4
     low, high = chunked["step_s_range"]
     assert low <= chunked["step_s_median"] <= high
+    loop, grouped = report["moe_experts"]
+    assert (loop["experts_kernel"], grouped["experts_kernel"]) == ("loop", "grouped") and loop["against_loop"] == 1

@@ -300,3 +300,52 @@ def test_recomputed_forward_is_counted_once():
     (dropped, load), (dropped_again, load_again) = plain.take_step_stats(), recomputed.take_step_stats()
     assert dropped > 0 and dropped_again == dropped and torch.equal(load_again, load)
     assert torch.equal(recomputed.pending_load, plain.pending_load) and plain.pending_load.sum() == 16 * 2
+
+
+def _grouped_pair(**moe):
+    """The same fp32 layer (widths that suit grouped matmuls) with the grouped and the loop kernel."""
+    layers = []
+    for kernel in ("grouped", "loop"):
+        layer = MoeFeedForward(16, MoeConfig(**{"num_experts": 4, "top_k": 2, **moe, "experts_kernel": kernel}), 24)
+        init_weights(layer, 0, std=0.3)
+        layer.aux_scale = 0.0
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("moe", [{}, {"capacity_factor": 0.5}, {"num_experts": 8, "top_k": 1}])
+def test_grouped_experts_match_the_per_expert_loop(moe):
+    """One grouped matmul per projection (torch._grouped_mm) against a matmul per expert: outputs and every
+    gradient within 1e-5 (fp32), with dropped assignments (capacity) and with experts that get no rows."""
+    grouped, loop = _grouped_pair(**moe)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for layer in (grouped, loop):
+        inp = x.clone().requires_grad_()
+        out = layer(inp)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out.detach(), inp.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    (out_g, dx_g, grads_g), (out_l, dx_l, grads_l) = results
+    torch.testing.assert_close(out_g, out_l, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx_g, dx_l, rtol=1e-5, atol=1e-5)
+    assert grads_g.keys() == grads_l.keys()
+    for name in grads_l:
+        assert grads_g[name] is not None, name  # every expert gets a gradient, zero when it had no rows
+        torch.testing.assert_close(grads_g[name], grads_l[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_grouped_experts_under_bf16_autocast_follow_the_loop():
+    grouped, loop = _grouped_pair()
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_g, out_l = grouped(x), loop(x)
+    torch.testing.assert_close(out_g.float(), out_l.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_grouped_experts_where_they_cannot_run_are_one_line():
+    layer = make_layer(experts_kernel="grouped")  # float64, widths 6 and 10: not what grouped_mm takes
+    with pytest.raises(ValueError, match=r"^moe.experts_kernel=grouped: .*; use moe.experts_kernel=auto or loop$"):
+        layer(torch.randn(4, DIM, dtype=torch.float64))
+    assert make_layer(experts_kernel="auto")(torch.randn(4, DIM, dtype=torch.float64)).shape == (4, DIM)
+    with pytest.raises(ValueError, match="moe.experts_kernel='fast' is unknown: choose one of auto, grouped, loop"):
+        make_layer(experts_kernel="fast")
