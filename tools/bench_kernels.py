@@ -8,8 +8,10 @@ allocator's events through torch.profiler, train/memory_report.py) and the time 
 over the repeats). The full fp32 logits' size is printed beside the saving. **(b) MoE experts**: one MoE layer
 (``experts`` SwiGLU experts of width ``expert_ffn`` on ``dim``, top-2, ``tokens`` tokens) forward and backward
 with ``moe.experts_kernel=grouped`` (torch._grouped_mm, no host sync) against ``loop`` (a matmul per expert),
-fp32, alternating, median and spread. Compiled against eager engines, block-mask against dense-mask attention:
-not built yet (issue 39).
+fp32, alternating, median and spread. **(c) packed-document attention**: one attention call (q/k/v of ``heads``
+heads of 64 on rows of ``positions`` tokens holding documents of ``doc_lengths``) forward and backward,
+``model.document_attention=dense`` (an [S, S] mask) against ``varlen`` (one causal SDPA per document): time and
+peak live bytes. Compiled against eager engines: not built yet (issue 39).
 
     python tools/bench_kernels.py                         # about a minute here
     python tools/bench_kernels.py vocab=32768 positions=2048 chunks=0,256,1024 format=json
@@ -36,6 +38,8 @@ OPTIONS = {
     "dim": "256",
     "expert_ffn": "512",
     "tokens": "4096",
+    "heads": "8",
+    "doc_lengths": "1024,512,256,128,64,64",  # one row's documents (positions: their sum)
     "format": "table",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_kernels.json"),
 }
@@ -133,11 +137,53 @@ def moe_experts(options: dict) -> list[dict]:
     ]
 
 
+def packed_attention(options: dict) -> list[dict]:
+    import torch
+
+    from disttrain_core.models.document_attention import dense_attention, segments_of, varlen_attention
+    from disttrain_core.train.memory_report import allocation_peak
+
+    lengths = [int(n) for n in options["doc_lengths"].split(",")]
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None].expand(2, -1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, int(options["heads"]), ids.shape[1], 64, generator=g) for _ in range(3))
+    kernels = {
+        "dense": lambda a, b, c: dense_attention(a, b, c, ids, False),
+        "varlen": lambda a, b, c: varlen_attention(a, b, c, segments_of(ids), False),
+    }
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    peaks: dict[str, list[int]] = {k: [] for k in kernels}
+    for round_ in range(int(options["repeats"]) + 1):  # the first round warms up
+        for name, fn in kernels.items():
+            tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+            result: dict = {}
+            started = time.perf_counter()
+            with allocation_peak(result):
+                fn(*tensors).sum().backward()
+            if round_:
+                times[name].append(time.perf_counter() - started)
+                peaks[name].append(result["peak_delta"])
+    dense = statistics.median(times["dense"])
+    return [
+        {
+            "document_attention": name,
+            "positions": int(ids.shape[1]),
+            "documents": len(lengths),
+            "step_s_median": statistics.median(times[name]),
+            "step_s_range": [min(times[name]), max(times[name])],
+            "against_dense": statistics.median(times[name]) / dense,
+            "peak_bytes_median": statistics.median(peaks[name]),
+        }
+        for name in kernels
+    ]
+
+
 def main(argv: list[str]) -> int:
     options = tool_options(argv, OPTIONS)
     rows = loss_head(options)
     experts = moe_experts(options)
-    result = {"options": options, "loss_head": rows, "moe_experts": experts}
+    attention = packed_attention(options)
+    result = {"options": options, "loss_head": rows, "moe_experts": experts, "packed_attention": attention}
     out = Path(options["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -157,6 +203,12 @@ def main(argv: list[str]) -> int:
         print(
             f"experts_kernel={row['experts_kernel']}: {row['step_s_median'] * 1e3:.1f} ms forward+backward "
             f"({row['step_s_range'][0] * 1e3:.1f}-{row['step_s_range'][1] * 1e3:.1f}; {row['against_loop']:.2f}x loop)"
+        )
+    for row in attention:
+        print(
+            f"document_attention={row['document_attention']}: {row['step_s_median'] * 1e3:.1f} ms forward+backward "
+            f"({row['step_s_range'][0] * 1e3:.1f}-{row['step_s_range'][1] * 1e3:.1f}; {row['against_dense']:.2f}x "
+            f"dense), peak {row['peak_bytes_median'] / 1e6:,.1f} MB"
         )
     return 0
 

@@ -117,6 +117,9 @@ class ModelConfig:
     # Positions per chunk of the LM head and its loss (models/chunked_loss.py): the full logits are never held;
     # backward computes each chunk's again. 0: the whole microbatch at once.
     loss_chunk: int = 0
+    # Attention inside packed documents (models/document_attention.py): auto (= varlen), varlen (one causal SDPA per
+    # document), flex (FlexAttention block masks; CUDA only for training), dense (an [S, S] mask; the reference)
+    document_attention: str = "auto"
     llm: LlamaConfig = field(default_factory=LlamaConfig)
     encoder: Optional[VitConfig] = None
     generator: Optional[UNetConfig] = None

@@ -110,7 +110,7 @@ def use_grouped(kernel: str, experts: nn.ModuleDict, rows: torch.Tensor) -> bool
     """``moe.experts_kernel``: auto takes the grouped matmuls on a CUDA device that runs them when the shapes suit
     them (contiguous expert ids; rows of a multiple of 16 bytes, grouped_mm's alignment), grouped insists on any
     device (ValueError naming why not), loop never. Not auto on the CPU: torch 2.13's CPU grouped_mm is no faster
-    than the loop there, and the stacked weights cost copies (tools/bench_kernels.py: 1.21x the loop's time)."""
+    than the loop there, and the stacked weights cost copies (tools/bench_kernels.py: 1.21-1.27x the loop's time)."""
     if kernel == "loop" or (kernel == "auto" and rows.device.type != "cuda"):
         return False
     keys = sorted(int(key) for key in experts.keys())

@@ -12,7 +12,7 @@ tensor-parallel plan that shards the projections needs no change here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from torch import nn
 from ..config import LlamaConfig
 from .chunked_loss import LMHead
 from .common import SwiGLU
+from .document_attention import document_attention, segments_of
 from .moe import MoeFeedForward
 
 
@@ -38,11 +39,14 @@ class Documents:
     ids: torch.Tensor
     positions: torch.Tensor
     row_ids: torch.Tensor | None = None
+    _segments: list | None = field(default=None, repr=False, compare=False)
 
-
-def document_mask(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
-    """[B, Sq, Sk] True where query and key belong to the same document (causality is the caller's)."""
-    return q_ids[:, :, None] == k_ids[:, None, :]
+    def segments(self) -> list[list[tuple[int, int]]]:
+        """Each row's runs of one document id, (start, stop): read from ``ids`` once (a host read), then kept for
+        every layer of the forward (models/document_attention.py ``varlen``)."""
+        if self._segments is None:
+            self._segments = segments_of(self.ids)
+        return self._segments
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling) -> torch.Tensor:
@@ -99,6 +103,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.document_kernel = "varlen"  # packed documents: model.document_attention (models/document_attention.py)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         return self.wo(self.attend(self.wq(x), self.wk(x), self.wv(x), rope, documents))
@@ -122,10 +127,7 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if documents is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        seq_len = q.shape[2]
-        causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=q.device).tril()
-        mask = (document_mask(documents.ids, documents.ids) & causal)[:, None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return document_attention(self.document_kernel, q, k, v, documents, gqa)
 
 
 class DecoderBlock(nn.Module):

@@ -49,6 +49,9 @@ class MultimodalLLM(nn.Module):
         self.gen_token_id = gen_token_id
         self.llm = Llama(cfg.llm, cfg.seq_len)
         self.llm.output.chunk = int(cfg.loss_chunk)
+        kernel = "varlen" if cfg.document_attention == "auto" else str(cfg.document_attention)
+        for layer in self.llm.layers.values():
+            layer.attention.document_kernel = kernel
         self.encoder = self.encoder_projector = None
         self.generator = self.generator_projector = self.latent_encoder = None
         if cfg.encoder is not None:

@@ -60,6 +60,12 @@ def validate_model(cfg: Config) -> None:
         f"model.llm head size {llm.dim // llm.n_heads} must be even for rotary embeddings",
     )
     _require(m.seq_len >= 8, f"model.seq_len={m.seq_len}: use at least 8 tokens")
+    from ..models.document_attention import KERNELS
+
+    _require(
+        m.document_attention in KERNELS,
+        f"model.document_attention={m.document_attention!r}: allowed values are {', '.join(KERNELS)}",
+    )
     _require(
         m.loss_chunk >= 0,
         f"model.loss_chunk={m.loss_chunk}: use 0 (the head's logits whole) or a number of positions, e.g. 1024",
@@ -258,6 +264,11 @@ def validate_device_contract(cfg: Config) -> None:
         "parallel.comm.collectives=ring drives gloo point-to-point rings from a CPU thread; NCCL runs its own "
         "rings on a communication stream: use parallel.comm.collectives=auto (or native) with NCCL",
     )
+    _require(
+        not (cfg.model.document_attention == "flex" and accelerator != "cuda"),
+        f"model.document_attention=flex trains on CUDA only (torch {torch_version()} has no FlexAttention backward "
+        f"on {accelerator}); use model.document_attention=varlen (or auto)",
+    )
     if accelerator == "cuda" and determinism(t.deterministic, accelerator) is True:
         from ..models.kernels import nondeterministic_cuda_ops
 
@@ -268,6 +279,12 @@ def validate_device_contract(cfg: Config) -> None:
             "has no deterministic CUDA kernel and would fail at its first call; use trainer.deterministic=warn "
             "(run it anyway, with a warning) or false",
         )
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
 
 
 def validate_data(cfg: Config, dp: int = 1) -> None:

@@ -31,6 +31,8 @@ CASES = [
     (["optim.lr=1e-3,3e-4"], "Ambiguous value"),
     (["model.seq_len=16"], "model.seq_len=16 cannot hold one image"),
     (["model.loss_chunk=-1"], "model.loss_chunk=-1: use 0 (the head's logits whole) or a number of positions"),
+    (["model.document_attention=sparse"], "model.document_attention='sparse': allowed values are auto, dense, varlen"),
+    (["model.document_attention=flex"], "model.document_attention=flex trains on CUDA only (torch"),
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0"),
     (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
     (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),

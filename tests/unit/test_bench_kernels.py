@@ -1,5 +1,5 @@
 """tools/bench_kernels.py (issue 39, its first parts): the plain head against chunks (peak bytes and times), and
-grouped expert matmuls against the per-expert loop."""
+grouped expert matmuls against the per-expert loop, and packed-document attention without the dense mask."""
 
 import json
 
@@ -10,7 +10,7 @@ TOOL = REPO / "tools" / "bench_kernels.py"
 
 def test_chunks_lower_the_peak_and_the_report_keeps_its_spread(tmp_path):
     out = tmp_path / "kernels.json"
-    moe = ["experts=4", "dim=64", "expert_ffn=64", "tokens=256"]
+    moe = ["experts=4", "dim=64", "expert_ffn=64", "tokens=256", "heads=2", "doc_lengths=64,32,32"]
     args = ["vocab=8192", "positions=512", "chunks=0,128", "repeats=2", *moe, f"out={out}"]
     result = run_script(TOOL, args, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -22,3 +22,6 @@ def test_chunks_lower_the_peak_and_the_report_keeps_its_spread(tmp_path):
     assert low <= chunked["step_s_median"] <= high
     loop, grouped = report["moe_experts"]
     assert (loop["experts_kernel"], grouped["experts_kernel"]) == ("loop", "grouped") and loop["against_loop"] == 1
+    dense, varlen = report["packed_attention"]
+    assert (dense["document_attention"], varlen["document_attention"]) == ("dense", "varlen")
+    assert varlen["positions"] == 128 and varlen["documents"] == 3 and varlen["peak_bytes_median"] > 0

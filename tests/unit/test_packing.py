@@ -106,13 +106,17 @@ def _llama(seq_len):
     return model
 
 
-def test_a_packed_document_has_the_loss_and_gradients_it_has_alone():
+@pytest.mark.parametrize("kernel", ["dense", "varlen"])
+def test_a_packed_document_has_the_loss_and_gradients_it_has_alone(kernel):
+    """model.document_attention: the dense [S, S] mask and one causal SDPA per document."""
     from disttrain_core.models.llama import Documents
 
     g = torch.Generator().manual_seed(0)
     lengths = [7, 12, 3, 30, 9, 5]
     docs = [torch.randint(0, 64, (n,), generator=g) for n in lengths]
     alone_model, packed_model = _llama(32), _llama(32)
+    for layer in packed_model.layers.values():
+        layer.attention.document_kernel = kernel
     alone_total = 0.0
     for doc in docs:
         alone_total = alone_total + F.cross_entropy(alone_model(doc[None])[0, :-1], doc[1:], reduction="sum")
