@@ -1,19 +1,19 @@
 """Packed-document attention: what the Llama's dense document mask costs against the kernels that need none.
 
 One attention core, forward + backward, on [batch, heads, seq, head_dim] queries (GQA keys/values) whose rows
-pack ``docs`` documents of equal length, three ways:
+pack ``docs`` documents of equal length, four ways (models/document_attention.py, ``model.document_attention``):
 
-* ``dense_mask``: what ``models/llama.py: Attention.core_attention`` runs today for packed rows (the module's
-  own method): a [B, 1, S, S] boolean document-and-causal mask handed to SDPA, which rules out the flash
-  kernel;
-* ``flex``: FlexAttention (compiled) with a block mask of the same documents: the path issue 39 asks for;
+* ``dense_mask``: ``dense``, a [B, 1, S, S] boolean document-and-causal mask handed to SDPA, which rules out the
+  flash kernel (what packed rows ran before ``varlen``);
+* ``varlen``: one causal SDPA per document of each row (the default, ``auto``);
+* ``flex``: FlexAttention (compiled) with a block mask of the same documents;
 * ``causal_unpacked``: causal SDPA on the same shape with no documents (the flash kernel on CUDA): the floor
   a document mask could reach, not the same function.
 
 Per variant: the median forward + backward time after ``warmup`` (CUDA events on a GPU, ``perf_counter`` on
-a CPU), the allocator's peak bytes above the inputs (CUDA only), and for ``flex`` the largest difference from
-``dense_mask`` (output and input gradients). FlexAttention has no backward on a CPU (torch 2.13 refuses it):
-there it is reported as unsupported.
+a CPU), the allocator's peak bytes above the inputs (CUDA only), and for ``varlen`` and ``flex`` the largest
+difference from ``dense_mask`` (output and input gradients). FlexAttention has no backward on a CPU (torch 2.13
+refuses it): there it is reported as unsupported.
 
     python tools/bench_attention.py                                  # CUDA: seq 8192, 32/8 heads of 128, bf16
     python tools/bench_attention.py device=cpu seq=256 heads=4 kv_heads=2 head_dim=16 dtype=float32 repeats=3
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from disttrain_core.config import REPO_ROOT
 from disttrain_core.launch.cli import tool_main, tool_options
-from disttrain_core.models.llama import Attention, Documents
+from disttrain_core.models.document_attention import dense_attention, segments_of, varlen_attention
 
 OPTIONS = {
     "device": "auto",
@@ -60,15 +60,18 @@ def _inputs(o: dict, device: torch.device, dtype: torch.dtype):
 
 
 def _variants(ids: torch.Tensor, o: dict):
-    documents = Documents(ids=ids, positions=torch.zeros_like(ids))
+    segments = segments_of(ids)
 
     def dense(q, k, v):
-        return Attention.core_attention(None, q, k, v, documents)
+        return dense_attention(q, k, v, ids, q.shape[1] != k.shape[1])
+
+    def varlen(q, k, v):
+        return varlen_attention(q, k, v, segments, q.shape[1] != k.shape[1])
 
     def causal(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
-    out = {"dense_mask": dense, "causal_unpacked": causal}
+    out = {"dense_mask": dense, "varlen": varlen, "causal_unpacked": causal}
     if ids.device.type == "cpu":
         return out, {"flex": "FlexAttention has no backward on a CPU (torch refuses requires_grad inputs)"}
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -126,12 +129,14 @@ def bench(o: dict) -> dict:
     functions, unsupported = _variants(ids, o)
     results = {name: _time(fn, (q, k, v, upstream), o, cuda) for name, fn in functions.items()}
     results.update({name: {"unsupported": why} for name, why in unsupported.items()})
-    if "flex" in functions:
-        ref_out, ref_grads = _step(functions["dense_mask"], q, k, v, upstream)
-        out, grads = _step(functions["flex"], q, k, v, upstream)
-        pairs = zip((out, *grads), (ref_out, *ref_grads), strict=True)
-        worst = max((a.float() - b.float()).abs().max().item() for a, b in pairs)
-        results["flex"]["max_abs_difference_from_dense"] = worst
+    ref_out, ref_grads = _step(functions["dense_mask"], q, k, v, upstream)
+    for name in ("varlen", "flex"):
+        if name in functions:
+            out, grads = _step(functions[name], q, k, v, upstream)
+            pairs = zip((out, *grads), (ref_out, *ref_grads), strict=True)
+            results[name]["max_abs_difference_from_dense"] = max(
+                (a.float() - b.float()).abs().max().item() for a, b in pairs
+            )
     dense = results["dense_mask"]["median_s"]
     for result in results.values():
         if "median_s" in result:

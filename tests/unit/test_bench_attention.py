@@ -19,6 +19,7 @@ def test_the_attention_bench_times_the_dense_mask_path_and_names_what_a_cpu_cann
     assert report["settings"]["seq"] == 64 and report["settings"]["docs"] == 4
     assert variants["dense_mask"]["median_s"] > 0 and variants["dense_mask"]["speed_over_dense_mask"] == 1.0
     assert variants["causal_unpacked"]["median_s"] > 0
+    assert variants["varlen"]["median_s"] > 0 and variants["varlen"]["max_abs_difference_from_dense"] < 1e-5
     assert "backward" in variants["flex"]["unsupported"]
 
 
