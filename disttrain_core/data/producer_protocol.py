@@ -152,23 +152,19 @@ def parse_hello(meta: dict) -> tuple[Layout, dict, str, object, Want | None, tup
         raise ProtocolError("HELLO without a trainer id")
     block, want = meta.get("block"), None
     if block is not None:
-        if not (
-            isinstance(block, list)
-            and len(block) == 2
-            and all(type(b) is int for b in block)
-            and 0 <= block[0] < block[1] <= layout.samples_per_slot
-        ):
+        if not _ordered_pair(block, layout.samples_per_slot):
             raise ProtocolError(f"bad block in HELLO: {block!r} (slots of {layout.samples_per_slot} samples)")
         want = Want(range(*block), parse_fields(meta.get("fields")))
     pool = meta.get("pool", [0, 1])
-    if not (
-        isinstance(pool, list)
-        and len(pool) == 2
-        and all(type(n) is int for n in pool)
-        and 0 <= pool[0] < pool[1] <= layout.groups
-    ):
+    if not _ordered_pair(pool, layout.groups):
         raise ProtocolError(f"bad pool in HELLO: {pool!r} ([index, count], at most {layout.groups} producers)")
     return layout, start, trainer, meta.get("job"), want, (pool[0], pool[1])
+
+
+def _ordered_pair(raw, bound: int) -> bool:
+    """A JSON ``[a, b]`` of two ints with ``0 <= a < b <= bound`` (a block of a slot, a place in a pool)."""
+    pair = isinstance(raw, list) and len(raw) == 2 and all(type(n) is int for n in raw)
+    return pair and 0 <= raw[0] < raw[1] <= bound
 
 
 def parse_fields(raw) -> tuple[str, ...]:
