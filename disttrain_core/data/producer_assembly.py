@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -72,13 +71,18 @@ def _init_decoder(parent: int, encoder: SampleEncoder) -> None:
     _ENCODER = encoder
 
 
-def _finish(planned: PlannedSample) -> EncodedSample | str:
+def _finish_with(encoder: SampleEncoder, planned: PlannedSample) -> EncodedSample | str:
     """The decoded sample, or why its pixels did not decode."""
-    assert _ENCODER is not None
     try:
-        return _ENCODER.finish(planned)
+        return encoder.finish(planned)
     except BadSample as error:
         return str(error)
+
+
+def _finish(planned: PlannedSample) -> EncodedSample | str:
+    """``_finish_with`` in a decode worker (its encoder came with ``_init_decoder``)."""
+    assert _ENCODER is not None
+    return _finish_with(_ENCODER, planned)
 
 
 def blank(encoder: SampleEncoder, planned: PlannedSample) -> EncodedSample:
@@ -133,7 +137,6 @@ class BatchAssembler:
                 initializer=_init_decoder,
                 initargs=(os.getpid(), self.encoder),
             )
-        self.undecodable: Counter[str] = Counter()
         self.step = int(start.get("step", 0))
 
     def next(self) -> Assembled:
@@ -158,17 +161,14 @@ class BatchAssembler:
         return Assembled(self.step, batch, state, planned_summary(arranged, layout.slots))
 
     def _decode(self, planned: list[PlannedSample]) -> list[EncodedSample]:
-        global _ENCODER
         if self.pool is None:
-            _ENCODER = self.encoder
-            results = [_finish(p) for p in planned]
+            results = [_finish_with(self.encoder, p) for p in planned]
         else:
             chunk = max(1, len(planned) // (4 * int(self.cfg.data.producer.workers)))
             results = list(self.pool.map(_finish, planned, chunksize=chunk))
         decoded = []
         for plan, result in zip(planned, results, strict=True):
             if isinstance(result, str):
-                self.undecodable[result.split(":", 1)[0]] += 1
                 log.warning("sample %s kept with no loss: its pixels do not decode (%s)", plan.key, result)
                 result = blank(self.encoder, plan)
             decoded.append(result)

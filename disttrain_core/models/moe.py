@@ -141,7 +141,7 @@ class LocalDispatcher:
             flat, k = expert_ids.reshape(-1), expert_ids.shape[1]
             kept = flat >= 0
             token_index = torch.arange(flat.numel(), device=flat.device) // k
-            ids = torch.where(kept, flat, int(min(int(key) for key in experts.keys())))
+            ids = torch.where(kept, flat, min(int(key) for key in experts.keys()))
             outputs = run_experts_grouped(experts, tokens.index_select(0, token_index), ids)
             kept_gates = torch.where(kept, gates.reshape(-1), torch.zeros((), dtype=gates.dtype, device=gates.device))
             return combine(outputs, token_index, kept_gates, tokens.shape[0])
