@@ -22,6 +22,9 @@ os.environ.setdefault(
     "DISTTRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"disttrain-test-cache-{_WORKER}")
 )
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# trainer.compile's kernels (tests/distributed/test_compile.py): one inductor cache for the session's runs, so a
+# block graph compiled by one test (a cold compile: tens of seconds on two cores) is loaded by the next
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(os.environ["DISTTRAIN_CACHE"]) / "inductor"))
 # More threads than cores whenever two tests (pytest-xdist) or several ranks share the two cores: OpenMP's
 # default spin-wait then burns the cores the other processes need (two parity files ran 149 s with it, 42 s
 # without). Waiting threads sleep instead; no kernel computes differently. Read when libgomp loads: here,

@@ -100,6 +100,20 @@ def plan_buckets(sizes: list[int], bucket_numel: float, dp: int, graded: bool = 
     return buckets
 
 
+def _rebind_dtensor(param, local: torch.Tensor) -> None:
+    """Make the DTensor parameter ``param`` hold ``local`` (a view of a flat buffer) as its shard, in place:
+    the same Python object (optimizers and hooks keep their references) with new contents. Setting
+    ``param._local_tensor.data`` does the same in eager mode, but TorchDynamo cannot trace a DTensor whose
+    inner tensor was re-pointed that way (trainer.compile fails while faking it, torch 2.13); a DTensor built
+    from the view and swapped in traces like any other parameter."""
+    from torch.distributed.tensor import DTensor
+
+    rebuilt = DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    torch.utils.swap_tensors(param, torch.nn.Parameter(rebuilt, requires_grad=param.requires_grad))
+
+
 class FlatBuckets:
     """One flat, bucketed fp32 layout of a list of (possibly tensor-parallel) parameters.
 
@@ -204,8 +218,11 @@ class FlatBuckets:
             for index, (_, param) in enumerate(self.params):
                 grad = self.parameter_slice(grad_flat, index)
                 if param_flat is not None:
-                    target = param._local_tensor if isinstance(param, DTensor) else param
-                    target.data = self.parameter_slice(param_flat, index)
+                    view = self.parameter_slice(param_flat, index)
+                    if isinstance(param, DTensor):
+                        _rebind_dtensor(param, view)
+                    else:
+                        param.data = view
                 if isinstance(param, DTensor):
                     param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
                 else:

@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -126,6 +127,8 @@ def spawn_with_fabric(cfg, fabric_kwargs: dict, fn: Callable, args: tuple, job_i
             fabric.launch(fn, *args)
     except ProcessRaisedException as error:
         rank = node * cfg.trainer.devices + error.error_index
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the rank's whole traceback, as Hydra's own errors
+            print(str(error), file=sys.stderr)
         raise RankFailed(f"rank {rank} failed: {_last_line(str(error))}") from None
     except ProcessExitedException as error:
         rank = node * cfg.trainer.devices + error.error_index

@@ -10,6 +10,9 @@
   there (validation); its forward is checked against the dense mask on the CPU.
 * ``auto``: ``varlen``.
 
+Under ``trainer.compile`` (parallel/compile.py) ``dense`` and ``flex`` are traced into the block's graph and
+``varlen`` runs eagerly between two compiled pieces of the block.
+
 All three give the same result: a query attends to the earlier positions of its own document.
 """
 
@@ -99,4 +102,13 @@ def document_attention(kernel: str, q, k, v, documents, gqa: bool) -> torch.Tens
         return dense_attention(q, k, v, documents.ids, gqa)
     if kernel == "flex" and flex_available():
         return flex_attention_documents(q, k, v, documents.ids, gqa)
+    return _varlen_outside_graphs(q, k, v, documents, gqa)
+
+
+@torch.compiler.disable
+def _varlen_outside_graphs(q, k, v, documents, gqa: bool) -> torch.Tensor:
+    """``varlen`` runs eagerly inside a compiled block (trainer.compile): its segments are host integers that
+    change with every batch, which a graph would specialize on (a recompile per batch, then eager once the
+    recompile limit is hit) or trace into ever longer symbolic expressions. The block's graph stops before
+    and resumes after it; the projections, rotary embedding and MLP around it stay compiled."""
     return varlen_attention(q, k, v, documents.segments(), gqa)

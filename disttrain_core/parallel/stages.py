@@ -285,6 +285,7 @@ def build_rank_stages(
     shard=None,
     context: SequenceSlices | None = None,
     experts=None,
+    compile_blocks: bool = False,
 ) -> dict[int, nn.Module]:
     """The materialized stage modules of one schedule row, keyed by schedule stage.
 
@@ -292,6 +293,7 @@ def build_rank_stages(
     rank's shards (and the replicated weights) get memory and their seeded values -- never the whole stage.
     """
     from ..models.common import init_weights
+    from .compile import apply_compile
     from .context_parallel import apply_context_parallel
     from .expert_parallel import apply_expert_parallel
     from .recompute import apply_recompute
@@ -309,6 +311,8 @@ def build_rank_stages(
         if experts is not None and unit.name == "llm":  # this rank's experts only, tokens exchanged all-to-all
             apply_expert_parallel(module.model, experts)
         apply_recompute(module.model, unit.recompute, unit.recompute_every)
+        if compile_blocks:  # before FSDP2, as TorchTitan orders them (parallel/compile.py)
+            apply_compile(module.model)
         if shard is not None:  # FSDP2 (parallel/fsdp.py), still on meta: only this rank's shards get memory
             shard(module)
         module.to_empty(device=device)

@@ -27,6 +27,7 @@ from ..config import Config, training_precision
 from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
 from ..models import build_model, materialize
+from ..parallel.compile import apply_compile
 from ..parallel.expert_parallel import configure_moe, moe_step_stats, update_biases
 from ..parallel.recompute import apply_recompute
 from ..schedule.executor import StepRecord
@@ -249,6 +250,8 @@ class DataParallelEngine(Engine):
         self.loss_group = group
         self.loss_multiplier = 1.0  # local SGD's injected spikes scale a worker's loss (the logged sums are not)
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
+        if cfg.trainer.compile:  # per block, before sharding (parallel/compile.py): DDP/FSDP2 keep their overlap
+            apply_compile(self.raw_model)
         # local SGD's sharded workers: FSDP2 over the group (on meta, before materialize) or ZeRO-1's optimizer
         self.sharded = self.shard_model(self.raw_model)
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
@@ -275,10 +278,6 @@ class DataParallelEngine(Engine):
                 broadcast_buffers=False,
                 process_group=group,
             )
-        if cfg.trainer.compile:
-            # compile the DDP module, not DDP around a compiled one: TorchDynamo's DDP optimizer then splits the
-            # graph at the gradient buckets, so their all-reduces still overlap the backward
-            self.model = torch.compile(self.model)
         mixed = training_precision(cfg.trainer.precision, fabric.device.type) != "32"
         self.autocast = fabric.autocast if mixed else nullcontext
         self.named_parameters = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]

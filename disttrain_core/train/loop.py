@@ -30,6 +30,7 @@ from ..config import training_precision
 from ..data.tokenizer import build_tokenizer
 from ..models import build_model
 from ..models.flops import batch_flops, document_flops, llm_flop_terms
+from ..parallel.compile import CompileWatch
 from ..parallel.resolved import ResolvedRun
 from .checkpoint import CheckpointManager
 from .engines import build_engine
@@ -102,6 +103,7 @@ class Trainer(StepData, CheckpointIO):
         self.stop_request.attach(control)
         self.engine.stop_request = self.stop_request
         self.straggler = Straggler(trainer.straggler, self.rank)
+        self.compile_watch = CompileWatch(self.rank) if trainer.compile else None  # graph breaks, recompiles
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints",
             rank=self.rank,
@@ -295,6 +297,8 @@ class Trainer(StepData, CheckpointIO):
         while self.engine.keep_going(self.step, stop_at):
             window.append(self.train_step())
             progress.update(1)
+            if self.compile_watch is not None:
+                self.compile_watch.after_step(self.step)
             if self._logs(self.step):  # the only place step results are read back from the device
                 values = read_results(window, weight)
                 last_metrics = self._metrics(values[-1], values)
@@ -303,6 +307,8 @@ class Trainer(StepData, CheckpointIO):
                     last_metrics.update({"moe/dropped_assignments": dropped, "moe/max_load_ratio": load})
                 if self.sync_guard.enabled:
                     last_metrics.update(self.sync_guard.summary())
+                if self.compile_watch is not None:
+                    last_metrics.update(self.compile_watch.metrics())
                 self.metrics.log(self.step, last_metrics)
                 progress.set_postfix(loss=f"{values[-1].loss:.3f}", refresh=False)
                 if self.rank == 0:

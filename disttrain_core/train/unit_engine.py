@@ -24,12 +24,11 @@ from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
 from ..config import Config, training_precision, wire_format
 from ..data.tokenizer import Tokenizer
-from ..models.llama import DecoderBlock
 from ..models.moe import moe_layers
-from ..models.vit import VitBlock
 from ..parallel.broker import CommBroker
 from ..parallel.expert_parallel import configure_moe
 from ..parallel.fsdp import ShardedOptimizer, apply_fsdp, unit_meshes
+from ..parallel.recompute import BLOCKS
 from ..parallel.stages import build_rank_stages, fields_read
 from ..parallel.units import ParallelismUnit, UnitLayout
 from ..parallel.zero import ZeroOneOptimizer
@@ -250,6 +249,7 @@ class UnitEngine(Engine):
             shard=shard,
             context=context,
             experts=self.groups.expert_parallel,
+            compile_blocks=cfg.trainer.compile,
         )
         return mesh
 
@@ -300,7 +300,8 @@ class UnitEngine(Engine):
             self.optimizer.experts = ExpertOptimizer(
                 experts, self.cfg.optim, self.groups.expert_data, len(members), index, self.cfg.parallel.comm
             )
-        self.optimizer.sync.install_forward_hooks(self.stages.values(), atomic=(DecoderBlock, VitBlock))
+        # each block (parallel/recompute.py BLOCKS) waits for its whole subtree's gathers
+        self.optimizer.sync.install_forward_hooks(self.stages.values(), atomic=BLOCKS)
         self.executor.grad_sync = self.optimizer.sync
         return self.optimizer
 

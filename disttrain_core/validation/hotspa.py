@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..config import Config
 from .common import ConfigError, _require
-from .layout import _NO_COMPILE, check_layout, validate_layout_settings
+from .layout import check_layout, validate_layout_settings
 
 
 def _check_hotspa_settings(cfg: Config) -> None:
@@ -56,7 +56,6 @@ def validate_hotspa(cfg: Config) -> None:
     from .local_sgd import validate_optimizer
 
     validate_optimizer(cfg)
-    _require(not cfg.trainer.compile, _NO_COMPILE.format(engine="parallel=hotspa's strategies (units engine)"))
     h = cfg.parallel.hotspa
     _check_hotspa_settings(cfg)
     if list(h.strategies) == ["auto"]:  # train.py chooses buckets and strategies before launch

@@ -5,11 +5,6 @@ from __future__ import annotations
 from ..config import Config
 from .common import ConfigError, _require, world_size
 
-# trainer.compile where the engine would not use it: one line instead of an eager run that looks compiled
-_NO_COMPILE = (
-    "trainer.compile=true compiles the data-parallel engine only (parallel=dp, ddp layouts, local_sgd); {engine} "
-    "runs eager: unset trainer.compile"
-)
 MAX_PARALLEL_SIZE = 65_536  # dp, tp or pp beyond this (and the world size) is a typo
 
 
@@ -334,14 +329,10 @@ def _validate_unit(cfg: Config, unit) -> None:
 
 
 def check_layout(cfg: Config, layout) -> None:
-    """The resolved layout (parallel/resolved.py): compile, interleaved collectives, process count, then each
+    """The resolved layout (parallel/resolved.py): interleaved collectives, process count, then each
     unit. ``validate_layout_settings`` has passed."""
     p = cfg.parallel
     world = world_size(cfg)
-    _require(
-        not cfg.trainer.compile or p.mode == "local_sgd" or layout.trains_with_ddp(),
-        _NO_COMPILE.format(engine=f"this layout ({_unit_formula(layout.units)}; units engine)"),
-    )
     if p.comm.interleave_modes:
         _validate_interleave_modes(p, layout)
     _require(

@@ -121,8 +121,6 @@ def test_cuda_launch_variables_are_named_for_the_launcher_to_set_before_any_cont
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["parallel=disagg2", "trainer.compile=true"], "units engine) runs eager: unset trainer.compile"),
-        (["parallel=zero1", "trainer.compile=true"], "units engine) runs eager: unset trainer.compile"),
         (
             ["trainer.accelerator=cuda", "trainer.threads_per_rank=1", "trainer.straggler.ranks=[0]"],
             "on CUDA it would delay the launches, not the device",
