@@ -120,6 +120,9 @@ class ModelConfig:
     # Attention inside packed documents (models/document_attention.py): auto (= varlen), varlen (one causal SDPA per
     # document), flex (FlexAttention block masks; CUDA only for training), dense (an [S, S] mask; the reference)
     document_attention: str = "auto"
+    # FP8 matmuls in the LLM blocks' linears through torchao (parallel/float8.py): none | tensorwise | rowwise.
+    # NVIDIA GPUs with FP8 tensor cores only (compute capability 8.9+); refused elsewhere before launch.
+    float8: str = "none"
     llm: LlamaConfig = field(default_factory=LlamaConfig)
     encoder: Optional[VitConfig] = None
     generator: Optional[UNetConfig] = None

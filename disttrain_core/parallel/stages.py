@@ -286,6 +286,7 @@ def build_rank_stages(
     context: SequenceSlices | None = None,
     experts=None,
     compile_blocks: bool = False,
+    float8: str = "none",
 ) -> dict[int, nn.Module]:
     """The materialized stage modules of one schedule row, keyed by schedule stage.
 
@@ -296,6 +297,7 @@ def build_rank_stages(
     from .compile import apply_compile
     from .context_parallel import apply_context_parallel
     from .expert_parallel import apply_expert_parallel
+    from .float8 import apply_float8
     from .recompute import apply_recompute
     from .tensor_parallel import apply_tensor_parallel
 
@@ -304,6 +306,8 @@ def build_rank_stages(
     for stage in schedule.stages_of(row):
         index = unit_stages.index(stage)
         module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, index, len(unit_stages), context)
+        # model.float8 first, as TorchTitan converts at build: FSDP2 then all-gathers the FP8 weights
+        apply_float8(module.model, float8, fsdp_all_gather=shard is not None)
         if tp_mesh is not None:
             apply_tensor_parallel(module.model, tp_mesh, sequence_overlap=sequence_overlap)
         if context is not None:

@@ -29,6 +29,7 @@ from ..data.tokenizer import Tokenizer
 from ..models import build_model, materialize
 from ..parallel.compile import apply_compile
 from ..parallel.expert_parallel import configure_moe, moe_step_stats, update_biases
+from ..parallel.float8 import apply_float8, precompute_fp8_scales
 from ..parallel.recompute import apply_recompute
 from ..schedule.executor import StepRecord
 from .optim import build_optimizer
@@ -107,6 +108,7 @@ class Engine:
     named_parameters: list[tuple[str, torch.nn.Parameter]]
     optimizer: object | None = None
     stop_request = None  # the trainer's (train/stop.py), for engines that agree on stopping themselves
+    float8_scales = False  # model.float8=tensorwise under FSDP2: weights' FP8 scales computed after each step
 
     def build_optimizer(self):
         """Plain AdamW over this process's parameters (the unit engine shards it: ZeRO-1)."""
@@ -193,8 +195,11 @@ class Engine:
         return step
 
     def after_step(self) -> None:
-        """After the optimizer step: aux-loss-free MoE routers move their expert biases."""
+        """After the optimizer step: aux-loss-free MoE routers move their expert biases; FSDP2's FP8 weights
+        get their scales for the next all-gather (parallel/float8.py)."""
         update_biases(self.models())
+        if self.float8_scales:
+            precompute_fp8_scales(self.models())
 
     def moe_stats(self) -> torch.Tensor | None:
         """[assignments dropped for capacity over the world, worst max/mean expert load] of the step (on the
@@ -250,6 +255,7 @@ class DataParallelEngine(Engine):
         self.loss_group = group
         self.loss_multiplier = 1.0  # local SGD's injected spikes scale a worker's loss (the logged sums are not)
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
+        apply_float8(self.raw_model, cfg.model.float8)  # model.float8: the LLM blocks' linears (parallel/float8.py)
         if cfg.trainer.compile:  # per block, before sharding (parallel/compile.py): DDP/FSDP2 keep their overlap
             apply_compile(self.raw_model)
         # local SGD's sharded workers: FSDP2 over the group (on meta, before materialize) or ZeRO-1's optimizer

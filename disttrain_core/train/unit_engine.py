@@ -250,7 +250,9 @@ class UnitEngine(Engine):
             context=context,
             experts=self.groups.expert_parallel,
             compile_blocks=cfg.trainer.compile,
+            float8=cfg.model.float8,
         )
+        self.float8_scales = cfg.model.float8 == "tensorwise" and shard is not None
         return mesh
 
     def models(self) -> list[torch.nn.Module]:

@@ -27,6 +27,7 @@ from .common import (
     resolve_backend,
     world_size,
 )
+from .float8 import check_float8_device
 from .hotspa import check_hotspa_layouts, validate_hotspa
 from .layout import check_layout, reads_global_stream, validate_layout_settings
 from .local_sgd import validate_optimizer
@@ -95,6 +96,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
         raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")
     validate_model(cfg)
     validate_device_contract(cfg)
+    check_float8_device(cfg)
     # the cluster and planner settings first: later checks read them
     validate_cluster(cfg)
     validate_planner(cfg)

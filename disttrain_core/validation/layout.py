@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..config import Config
 from .common import ConfigError, _require, world_size
+from .float8 import check_float8_layout
 
 MAX_PARALLEL_SIZE = 65_536  # dp, tp or pp beyond this (and the world size) is a typo
 
@@ -342,6 +343,7 @@ def check_layout(cfg: Config, layout) -> None:
     )
     for unit in layout.units:
         _validate_unit(cfg, unit)
+    check_float8_layout(cfg, layout)
 
 
 def validate_layout_settings(cfg: Config) -> None:

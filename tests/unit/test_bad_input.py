@@ -33,6 +33,8 @@ CASES = [
     (["model.loss_chunk=-1"], "model.loss_chunk=-1: use 0 (the head's logits whole) or a number of positions"),
     (["model.document_attention=sparse"], "model.document_attention='sparse': allowed values are auto, dense, varlen"),
     (["model.document_attention=flex"], "model.document_attention=flex trains on CUDA only (torch"),
+    (["model.float8=tensorwise"], "model.float8=tensorwise runs FP8 matmuls on NVIDIA GPUs with FP8 tensor cores"),
+    (["model.float8=fp4"], "model.float8='fp4': allowed values are none, tensorwise, rowwise"),
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0"),
     (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
     (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),

@@ -22,10 +22,12 @@ def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_pat
         "recompute_memory",
         "fsdp2_async_dcp",
         "weight_materialization",
+        "float8",
     }
     assert all(phase["ok"] for phase in phases.values()) and report["passed"] and report["complete"]
     assert phases["ring_attention"]["memory_at_recipe_block"]["ratio"] <= 2.0
     assert phases["fsdp2_async_dcp"]["max_abs_difference"] == 0.0
+    assert "model.float8=tensorwise runs FP8 matmuls on NVIDIA GPUs" in phases["float8"]["refused"]
 
 
 def test_without_a_gpu_the_default_device_says_what_to_type_instead():
