@@ -11,9 +11,12 @@ with ``moe.experts_kernel=grouped`` (torch._grouped_mm, no host sync) against ``
 fp32, alternating, median and spread. **(c) packed-document attention**: one attention call (q/k/v of ``heads``
 heads of 64 on rows of ``positions`` tokens holding documents of ``doc_lengths``) forward and backward,
 ``model.document_attention=dense`` (an [S, S] mask) against ``varlen`` (one causal SDPA per document): time and
-peak live bytes. Compiled against eager engines: not built yet (issue 39).
+peak live bytes. **(d) trainer.compile against eager** engine by engine (``compile_layouts``: the DDP engine, a
+pipeline, a disaggregated layout, FSDP2; tools/bench_compile.py, whose options ``compile_steps``,
+``compile_window`` and ``compile_repeats`` are passed on): tokens/s per round, the ratio's median and range.
+``compile_layouts=`` (empty) skips it.
 
-    python tools/bench_kernels.py                         # about a minute here
+    python tools/bench_kernels.py                         # about a minute here, plus (d): about 10 minutes
     python tools/bench_kernels.py vocab=32768 positions=2048 chunks=0,256,1024 format=json
 """
 
@@ -40,6 +43,10 @@ OPTIONS = {
     "tokens": "4096",
     "heads": "8",
     "doc_lengths": "1024,512,256,128,64,64",  # one row's documents (positions: their sum)
+    "compile_layouts": "ddp,pp2,disagg2,fsdp2",  # (d); empty: skip
+    "compile_steps": "16",
+    "compile_window": "4",
+    "compile_repeats": "3",
     "format": "table",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_kernels.json"),
 }
@@ -183,7 +190,25 @@ def main(argv: list[str]) -> int:
     rows = loss_head(options)
     experts = moe_experts(options)
     attention = packed_attention(options)
-    result = {"options": options, "loss_head": rows, "moe_experts": experts, "packed_attention": attention}
+    compiled = []
+    if options["compile_layouts"]:
+        from bench_compile import compiled_engines  # tools/bench_compile.py, beside this file
+
+        compiled = compiled_engines(
+            {
+                "layouts": options["compile_layouts"],
+                "steps": options["compile_steps"],
+                "window": options["compile_window"],
+                "repeats": options["compile_repeats"],
+            }
+        )
+    result = {
+        "options": options,
+        "loss_head": rows,
+        "moe_experts": experts,
+        "packed_attention": attention,
+        "compiled_engines": compiled,
+    }
     out = Path(options["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -210,6 +235,10 @@ def main(argv: list[str]) -> int:
             f"({row['step_s_range'][0] * 1e3:.1f}-{row['step_s_range'][1] * 1e3:.1f}; {row['against_dense']:.2f}x "
             f"dense), peak {row['peak_bytes_median'] / 1e6:,.1f} MB"
         )
+    if compiled:
+        from bench_compile import describe
+
+        print("\n".join(describe(compiled)))
     return 0
 
 

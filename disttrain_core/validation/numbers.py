@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from .common import ConfigError
 
 LAYERS_MAX = 4096  # transformer blocks (Llama-3.1 405B has 126)
+SEQ_MAX = 2**24  # tokens per sequence: 16.8M, past any model's context (the rotary tables are built at this length)
 SEED_MAX = 2**32 - 1  # numpy (and Lightning's seed_everything) accept seeds in [0, 2**32 - 1]
 
 
@@ -68,6 +69,7 @@ def each(rule: Rule, advice: str, allow_empty: bool = False) -> Rule:
 def _model_rules() -> list[Rule]:
     llm, vit, unet = "model.llm", "model.encoder", "model.generator"
     rules = [
+        within("model.seq_len", 8, SEQ_MAX),
         at_least("model.gen_image_size", 1),
         at_least("model.latent_downsample", 1, "use 1 or more pixels per latent cell (SD's VAE: 8)"),
         at_least("model.gen_loss_weight", 0, "use 0 (no generation loss) or a positive weight"),

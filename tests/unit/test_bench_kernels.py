@@ -11,7 +11,8 @@ TOOL = REPO / "tools" / "bench_kernels.py"
 def test_chunks_lower_the_peak_and_the_report_keeps_its_spread(tmp_path):
     out = tmp_path / "kernels.json"
     moe = ["experts=4", "dim=64", "expert_ffn=64", "tokens=256", "heads=2", "doc_lengths=64,32,32"]
-    args = ["vocab=8192", "positions=512", "chunks=0,128", "repeats=2", *moe, f"out={out}"]
+    # (d) compiled engines: tools/bench_compile.py, run by hand (about 10 minutes); its options below
+    args = ["vocab=8192", "positions=512", "chunks=0,128", "repeats=2", *moe, "compile_layouts=", f"out={out}"]
     result = run_script(TOOL, args, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
@@ -25,3 +26,8 @@ def test_chunks_lower_the_peak_and_the_report_keeps_its_spread(tmp_path):
     dense, varlen = report["packed_attention"]
     assert (dense["document_attention"], varlen["document_attention"]) == ("dense", "varlen")
     assert varlen["positions"] == 128 and varlen["documents"] == 3 and varlen["peak_bytes_median"] > 0
+
+
+def test_bench_compile_names_an_unknown_layout_and_its_choices():
+    result = run_script(REPO / "tools" / "bench_compile.py", ["layouts=ddp,tp8"], timeout=60)
+    assert result.returncode == 2 and "unknown ['tp8']; allowed: ddp, pp2, disagg2, fsdp2" in result.stderr
