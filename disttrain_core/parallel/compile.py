@@ -26,6 +26,8 @@ import functools
 import logging
 from collections import Counter
 
+import torch
+import torch._dynamo
 from torch import nn
 
 from ..models.unet import ResBlock, SpatialTransformer
@@ -47,15 +49,12 @@ def apply_compile(module: nn.Module, backend: str = "inductor") -> int:
     static graph per distinct shape is the fast kernel), so the limit is raised to the number of blocks of the
     most numerous class, plus headroom for the shapes that vary by batch.
     """
-    import torch
-    import torch._dynamo
-
     blocks = [m for m in module.modules() if isinstance(m, BLOCKS)]
     per_class = Counter(type(block) for block in blocks)
     needed = max(per_class.values(), default=0) + 8
     if torch._dynamo.config.recompile_limit < needed:
         torch._dynamo.config.recompile_limit = needed
-    # Only the dimensions the models mark (images and generation targets per batch) are dynamic: a size that
+    # Only the batch dimension of VARYING_BATCH blocks (images, generation targets) is dynamic: a size that
     # changes otherwise (a HotSPa bucket's length, a U-Net level's channels) gets a static graph of its own
     # instead of a symbolic one (torch 2.13 cannot trace a tensor-parallel block with a symbolic sequence
     # length: the backward's trace overflows the recursion limit).
@@ -68,8 +67,6 @@ def apply_compile(module: nn.Module, backend: str = "inductor") -> int:
 
 
 def _compiled_forward(block: nn.Module, backend: str):
-    import torch
-
     compiled = torch.compile(block.forward, backend=backend)
     if not isinstance(block, VARYING_BATCH):
         return compiled
