@@ -30,6 +30,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
+from ..models.moe import MoeFeedForward
 from ..models.unet import ResBlock, SpatialTransformer
 from ..models.vit import VitBlock
 from .recompute import BLOCKS
@@ -59,6 +60,10 @@ def apply_compile(module: nn.Module, backend: str = "inductor") -> int:
     # instead of a symbolic one (torch 2.13 cannot trace a tensor-parallel block with a symbolic sequence
     # length: the backward's trace overflows the recursion limit).
     torch._dynamo.config.automatic_dynamic_shapes = False
+    for layer in [m for m in module.modules() if isinstance(m, MoeFeedForward)]:
+        # routed experts stay eager between the block's compiled pieces: host-side routing counts, the
+        # expert-parallel all-to-all, and the router's top-k (whose near-ties a fused softmax could flip)
+        layer.forward = torch.compiler.disable(layer.forward)
     for block in blocks:
         # the block's forward (after recompute's wrapper, if any), not its __call__: hooks on the block --
         # FSDP2's all-gathers and reduce-scatters, ZeRO-1's waits for gathered parameters -- stay eager

@@ -147,7 +147,8 @@ def apply_context_parallel(module: nn.Module, slices: SequenceSlices) -> int:
     count = 0
     for child in module.modules():
         if isinstance(child, Attention):
-            child.core_attention = _ring_core(ring, slices.layout)
+            # eager inside a compiled block (trainer.compile): the ring's sends and receives are not traced
+            child.core_attention = torch.compiler.disable(_ring_core(ring, slices.layout))
             count += 1
         elif isinstance(child, Llama):
             child.rope_positions = slices.positions

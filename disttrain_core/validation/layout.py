@@ -344,6 +344,12 @@ def check_layout(cfg: Config, layout) -> None:
     for unit in layout.units:
         _validate_unit(cfg, unit)
     check_float8_layout(cfg, layout)
+    _require(
+        not (cfg.trainer.compile and p.comm.tp_overlap and any(unit.tp > 1 for unit in layout.units)),
+        "trainer.compile=true with parallel.comm.tp_overlap=true is not built: the chunked sequence-parallel blocks "
+        "issue all-gathers and reduce-scatters between their matmuls, which are not traced; unset one of them "
+        "(compile with plain tensor parallelism works)",
+    )
 
 
 def validate_layout_settings(cfg: Config) -> None:

@@ -5,7 +5,8 @@ gradient reduce-scatters and parameter gathers overlapped -- per-step losses and
 strategies: tests/distributed/test_hotspa.py.
 
 Compiling a block's forward leaves the hooks around it eager, so the ZeRO-1 run's trace still shows
-reduce-scatters issued while the backward runs (docs/COMM.md)."""
+reduce-scatters issued while the backward runs (docs/COMM.md). Context and expert parallelism compiled:
+make test-slow, below."""
 
 import json
 
@@ -64,3 +65,19 @@ def test_compiled_blocks_train_like_eager(layout, reference, shards, tmp_path):
         for rank in range(2):
             trace = json.loads((run / "comm_trace" / f"rank{rank:05d}.json").read_text())
             assert issued_during_backward(trace) > 0, rank
+
+
+@pytest.mark.slow  # 2 runs on 4 processes and a reference, about 70 s; make test-slow
+def test_compiled_context_and_expert_parallelism_train_like_eager(shards, tmp_path):
+    """Ring attention (cp=2) and routed experts (ep=2, all-to-all) run eagerly between a block's compiled
+    pieces (parallel/compile.py): one graph break each, and the losses and parameters of one eager process."""
+    text = ["model=llama_tiny", *SMALL]
+    reference = train(shards, tmp_path / "text", *text)
+    cp = train(shards, tmp_path / "cp2", *text, "parallel=dp", "parallel.cp=2", "trainer.devices=4", *COMPILE)
+    assert_same_run(cp, reference)
+    moe = ["model=llama_moe_tiny", "optim.global_batch_size=16", "model.llm.moe.experts_kernel=grouped"]
+    one = train(shards, tmp_path / "moe", *moe, "optim.micro_batch_size=8")
+    ep = ["parallel=zero1", "parallel.ep=2", "trainer.devices=4", "optim.micro_batch_size=2"]
+    assert_same_run(train(shards, tmp_path / "ep2", *moe, *ep, *COMPILE), one)
+    for run in (cp, tmp_path / "ep2"):
+        assert read_metrics(run)[-1]["compile/eager_fallbacks"] == 0

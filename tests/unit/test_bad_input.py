@@ -35,6 +35,11 @@ CASES = [
     (["model.document_attention=flex"], "model.document_attention=flex trains on CUDA only (torch"),
     (["model.float8=tensorwise"], "model.float8=tensorwise runs FP8 matmuls on NVIDIA GPUs with FP8 tensor cores"),
     (["model.float8=fp4"], "model.float8='fp4': allowed values are none, tensorwise, rowwise"),
+    (
+        ["model=llama_tiny", "parallel=megatron_tp2", "trainer.devices=2", "schedule=none", "trainer.compile=true"]
+        + ["parallel.comm.tp_overlap=true"],
+        "trainer.compile=true with parallel.comm.tp_overlap=true is not built",
+    ),
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0"),
     (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
     (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),
