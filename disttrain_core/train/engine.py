@@ -256,13 +256,13 @@ class DataParallelEngine(Engine):
         self.loss_multiplier = 1.0  # local SGD's injected spikes scale a worker's loss (the logged sums are not)
         self.raw_model = build_model(cfg.model, tokenizer, device="meta")
         apply_float8(self.raw_model, cfg.model.float8)  # model.float8: the LLM blocks' linears (parallel/float8.py)
-        if cfg.trainer.compile:  # per block, before sharding (parallel/compile.py): DDP/FSDP2 keep their overlap
-            apply_compile(self.raw_model)
         # local SGD's sharded workers: FSDP2 over the group (on meta, before materialize) or ZeRO-1's optimizer
         self.sharded = self.shard_model(self.raw_model)
         materialize(self.raw_model, fabric.device, seed=cfg.trainer.seed, std=cfg.model.init_std)
         import_pretrained(cfg, tokenizer, [self.raw_model])
         apply_recompute(self.raw_model, unit.recompute, unit.recompute_every)
+        if cfg.trainer.compile:  # per block, around recompute's wrapper (parallel/compile.py): the hooks of DDP
+            apply_compile(self.raw_model)  # and a local-SGD worker's FSDP2 stay eager and keep their overlap
         module = self.raw_model
         self.model = module
         comm = cfg.parallel.comm
