@@ -10,10 +10,12 @@ over the repeats). The full fp32 logits' size is printed beside the saving. **(b
 with ``moe.experts_kernel=grouped`` (torch._grouped_mm, no host sync) against ``loop`` (a matmul per expert),
 fp32, alternating, median and spread. **(c) packed-document attention**: one attention call (q/k/v of ``heads``
 heads of 64 on rows of ``positions`` tokens holding documents of ``doc_lengths``) forward and backward,
-``model.document_attention=dense`` (an [S, S] mask) against ``varlen`` (one causal SDPA per document): time and
-peak live bytes. **(d) trainer.compile against eager** engine by engine (``compile_layouts``: the DDP engine, a
-pipeline, a disaggregated layout, FSDP2; tools/bench_compile.py, whose options ``compile_steps``,
-``compile_window`` and ``compile_repeats`` are passed on): tokens/s per round, the ratio's median and range.
+``model.document_attention=dense`` (an [S, S] mask) against ``varlen`` (one causal SDPA per document), and the
+same under context parallelism (``cp2_*``: ring attention at cp=2, both ranks emulated in this process; the
+per-block mask against the same-document runs, comm/ring_documents.py): time and peak live bytes.
+**(d) trainer.compile against eager** engine by engine (``compile_layouts``: the DDP engine, a pipeline, a
+disaggregated layout, FSDP2; tools/bench_compile.py, whose options ``compile_steps``, ``compile_window`` and
+``compile_repeats`` are passed on): tokens/s per round, the ratio's median and range.
 ``compile_layouts=`` (empty) skips it.
 
     python tools/bench_kernels.py                         # about a minute here, plus (d): about 10 minutes
@@ -147,6 +149,7 @@ def moe_experts(options: dict) -> list[dict]:
 def packed_attention(options: dict) -> list[dict]:
     import torch
 
+    from disttrain_core.comm.ring_attention import emulated_ring_attention
     from disttrain_core.models.document_attention import dense_attention, segments_of, varlen_attention
     from disttrain_core.train.memory_report import allocation_peak
 
@@ -157,6 +160,9 @@ def packed_attention(options: dict) -> list[dict]:
     kernels = {
         "dense": lambda a, b, c: dense_attention(a, b, c, ids, False),
         "varlen": lambda a, b, c: varlen_attention(a, b, c, segments_of(ids), False),
+        # context parallelism's ring, both ranks of cp=2 in this process (comm/ring_documents.py)
+        "cp2_dense": lambda a, b, c: emulated_ring_attention(a, b, c, 2, doc_ids=ids, doc_kernel="dense"),
+        "cp2_varlen": lambda a, b, c: emulated_ring_attention(a, b, c, 2, doc_ids=ids, doc_kernel="varlen"),
     }
     times: dict[str, list[float]] = {k: [] for k in kernels}
     peaks: dict[str, list[int]] = {k: [] for k in kernels}
@@ -170,7 +176,6 @@ def packed_attention(options: dict) -> list[dict]:
             if round_:
                 times[name].append(time.perf_counter() - started)
                 peaks[name].append(result["peak_delta"])
-    dense = statistics.median(times["dense"])
     return [
         {
             "document_attention": name,
@@ -178,7 +183,8 @@ def packed_attention(options: dict) -> list[dict]:
             "documents": len(lengths),
             "step_s_median": statistics.median(times[name]),
             "step_s_range": [min(times[name]), max(times[name])],
-            "against_dense": statistics.median(times[name]) / dense,
+            # against the dense mask of the same path (one call, or the ring's per-block mask)
+            "against_dense": statistics.median(times[name]) / statistics.median(times[name.replace("varlen", "dense")]),
             "peak_bytes_median": statistics.median(peaks[name]),
         }
         for name in kernels

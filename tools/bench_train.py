@@ -52,6 +52,9 @@ OPTIONS = {
     # first use from tools/requirements-litgpt.txt) on the Llama shape below, alternating in one run
     "litgpt": "false",
     "litgpt_precision": "32",
+    # tokens: the framework reads the pre-tokenized windows it hands LitGPT (data=tokens); default: it reads its
+    # default webdataset shards through its decode worker, LitGPT still the windows in memory
+    "litgpt_data": "tokens",
     "litgpt_repeats": "5",
     "litgpt_out": str(REPO_ROOT / "docs" / "results" / "bench_train_litgpt.json"),
 }
@@ -167,8 +170,9 @@ def litgpt_python() -> Path:
 
 
 def litgpt_comparison(options: dict, steps: int, warmup: int, threads: int) -> dict:
-    """train.py and LitGPT on the same Llama shape, precision and token windows, alternating; the framework reads
-    the windows from a pre-tokenized file (data=tokens, memory-mapped), LitGPT from memory."""
+    """train.py and LitGPT on the same Llama shape and precision, alternating. LitGPT reads token windows from
+    memory; the framework reads the same windows from a pre-tokenized file (``litgpt_data=tokens``: data=tokens,
+    memory-mapped) or its default shards, decoded by its worker process (``litgpt_data=default``)."""
     import numpy as np
 
     from disttrain_core.data.token_file import TokenFileLoader
@@ -178,15 +182,16 @@ def litgpt_comparison(options: dict, steps: int, warmup: int, threads: int) -> d
     with tempfile.TemporaryDirectory() as tmp:
         tokens = Path(tmp) / "tokens.npy"
         np.save(tokens, np.random.default_rng(0).integers(0, 384, 1 << 20).astype(np.uint16))
+        data = ("data=tokens", f"data.path={tokens}")
         extra = (
             *(f"model.llm.{k}={v}" for k, v in LITGPT_SHAPE.items() if k != "seq_len"),
             f"model.seq_len={LITGPT_SHAPE['seq_len']}",
-            "data=tokens",
-            f"data.path={tokens}",
             f"optim.micro_batch_size={LITGPT_MICRO}",
             f"optim.global_batch_size={LITGPT_MICRO * LITGPT_ACCUMULATION}",
         )
-        cfg = compose(_overrides("llama_tiny", precision, Path(tmp), warmup + steps) + list(extra))
+        cfg = compose(_overrides("llama_tiny", precision, Path(tmp), warmup + steps) + list(extra + data))
+        if options["litgpt_data"] == "tokens":
+            extra += data
         loader = TokenFileLoader(
             tokens, cfg.model.seq_len, LITGPT_MICRO, LITGPT_ACCUMULATION, cfg.model.llm.vocab_size, cfg.trainer.seed
         )
@@ -232,6 +237,7 @@ def litgpt_comparison(options: dict, steps: int, warmup: int, threads: int) -> d
     return {
         "shape": {**LITGPT_SHAPE, "micro_batch": LITGPT_MICRO, "accumulation": LITGPT_ACCUMULATION},
         "precision": precision,
+        "framework_data": options["litgpt_data"],
         "steps": steps,
         "warmup": warmup,
         "litgpt": subprocess.run(
@@ -256,6 +262,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"error: steps={steps} and warmup={warmup} must be positive multiples of {LOG_EVERY}")
     if options["litgpt"] not in ("true", "false", "only"):
         raise SystemExit(f"error: litgpt={options['litgpt']!r}: use true, false or only")
+    if options["litgpt_data"] not in ("tokens", "default"):
+        raise SystemExit(f"error: litgpt_data={options['litgpt_data']!r}: use tokens or default")
     threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
     torch.set_num_threads(threads)
     if options["litgpt"] != "false":

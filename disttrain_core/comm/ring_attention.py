@@ -21,15 +21,17 @@ their own outputs are discarded (their labels are ignored).
 
 Packed documents: given every position's document id (each rank knows the whole row's ids), a query
 also ignores keys of other documents, so attention never crosses a document boundary; a block where a
-query's document has no key contributes nothing to it (log-sum-exp -inf, merged away).
+query's document has no key contributes nothing to it (log-sum-exp -inf, merged away). By default a block
+runs one unmasked kernel call per pair of same-document runs; ``dense`` (one additive mask per block) is
+the reference (comm/ring_documents.py).
 
 Grouped-query attention: keys and values travel with their own (fewer) heads; query head h attends with
 key/value head h // (query heads / key heads), as in ``F.scaled_dot_product_attention(enable_gqa=True)``.
 
 Each block runs on a fused attention kernel that returns its log-sum-exp (comm/attention_blocks.py: the
 CPU flash kernel; FlashAttention-2 or the memory-efficient kernel on CUDA), so no S_local x S_local score
-matrix exists (packed documents: one additive mask per block). The merged output and log-sum-exp are fp32,
-with autocast off inside (the kernels take the inputs' dtype and accumulate in fp32).
+matrix exists (packed documents under ``dense``: one additive mask per block). The merged output and
+log-sum-exp are fp32, with autocast off inside (the kernels take the inputs' dtype and accumulate in fp32).
 
 Backward is a second ring (the FlashAttention-2 recurrences per block, from the saved output and
 log-sum-exp: each block's kernel backward given the *whole* attention's output and log-sum-exp yields that
@@ -42,8 +44,10 @@ from __future__ import annotations
 
 import torch
 
-from .attention_blocks import NEG_INF, block_backward, block_forward, document_mask
 from .ring import Ring, _wait
+from .ring_documents import DocumentRuns, MaskedDocuments, Unpacked
+
+DOCUMENT_KERNELS = {"dense": MaskedDocuments, "varlen": DocumentRuns}
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -116,34 +120,36 @@ def owner_positions(seq_len: int, world: int, owner: int, layout: str, device: t
     return _POSITIONS[key]
 
 
-class _Documents:
-    """Packed-document masks of the blocks a rank computes: its queries' document ids and the whole padded
-    row's, from which the ids of any rank's keys follow (every CP rank holds the whole row's ids)."""
+def _owner_ids(row_ids: torch.Tensor, world: int, layout: str) -> list[torch.Tensor]:
+    """The document ids of every rank's keys, from the whole padded row's ids [B, S_padded]."""
+    return [
+        row_ids.index_select(1, owner_positions(row_ids.shape[1], world, owner, layout, row_ids.device))
+        for owner in range(world)
+    ]
 
-    def __init__(self, q_ids: torch.Tensor, row_ids: torch.Tensor, world: int, rank: int, layout: str):
-        self.q_ids = q_ids
-        self.k_ids = [
-            row_ids.index_select(1, owner_positions(row_ids.shape[1], world, owner, layout, row_ids.device))
-            for owner in range(world)
-        ]
-        self.rank, self.world = rank, world
 
-    def mask(self, step: int, rows: slice, cols: slice, causal: bool, dtype: torch.dtype):
-        """(additive mask [B, 1, S_q, S_k], queries with no key in the block [B, S_q]) of step ``step``'s
-        block; causality folded in on a rank's own block."""
-        keys = self.k_ids[(self.rank - step) % self.world][:, cols]
-        same = self.q_ids[:, rows, None] == keys[:, None, :]
-        if causal:
-            same &= torch.ones(same.shape[-2:], dtype=torch.bool, device=same.device).tril()
-        return document_mask(same, dtype), ~same.any(-1)
+def documents_of(docs, world: int, rank: int, layout: str):
+    """How the blocks keep to packed documents (comm/ring_documents.py): ``docs`` is None (no documents), or
+    (this rank's ids [B, S_local], the whole padded row's [B, S_padded], kernel), kernel ``dense`` (one
+    additive mask per block) or ``varlen`` (one unmasked call per same-document pair), or an object built
+    before (the runs of a batch, shared by its layers)."""
+    if docs is None:
+        return Unpacked()
+    if not isinstance(docs, tuple):
+        return docs
+    q_ids, row_ids, kernel = docs if len(docs) == 3 else (*docs, "varlen")
+    if kernel not in DOCUMENT_KERNELS:
+        raise ValueError(f"ring attention's document kernel {kernel!r}: allowed values are dense, varlen")
+    return DOCUMENT_KERNELS[kernel](q_ids, _owner_ids(row_ids, world, layout), world, rank)
 
 
 class _RankForward:
     """One rank's queries attending to the ring's blocks one at a time; output and log-sum-exp merged in
     fp32 (the first block, the rank's own, starts them; every other block merges in place)."""
 
-    def __init__(self, q, plan: _Plan, documents: _Documents | None, counter: WorkCounter | None):
-        self.q, self.plan, self.documents, self.counter = q, plan, documents, counter
+    def __init__(self, q, plan: _Plan, documents, counter: WorkCounter | None):
+        self.q, self.plan, self.counter = q, plan, counter
+        self.documents = documents if documents is not None else Unpacked()
         self.scale = q.shape[-1] ** -0.5
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
@@ -154,17 +160,10 @@ class _RankForward:
         if todo is None:
             return
         rows, cols, causal = todo
-        mask = empty = None
-        if self.documents is not None:
-            mask, empty = self.documents.mask(step, rows, cols, causal, self.q.dtype)
-            causal = False
-        q, k, v = self.q[:, :, rows], k[:, :, cols], v[:, :, cols]
-        out, lse, kernel = block_forward(q, k, v, causal, mask, self.scale)
-        del mask
-        if empty is not None:  # the kernels give such rows log-sum-exp 0; they hold no key here
-            lse = lse.masked_fill(empty[:, None], NEG_INF)
+        out, lse, kernel = self.documents.forward(step, rows, cols, causal, self.q, k, v, self.scale)
         if self.counter is not None:
-            self.counter.add(q.shape[2], k.shape[2], causal or step == 0, q.shape[1] * q.shape[0])
+            q_rows, k_rows = len(range(*rows.indices(self.q.shape[2]))), len(range(*cols.indices(k.shape[2])))
+            self.counter.add(q_rows, k_rows, causal, self.q.shape[1] * self.q.shape[0])
         if self.out is None:  # step 0: the rank's own block, every query row (each sees itself)
             self.out, self.lse, self.kernel = out.float(), lse, kernel
             return
@@ -179,9 +178,10 @@ class _RankBackward:
     """One rank's share of the backward: each block's gradients from the whole attention's output and
     log-sum-exp; dq accumulated here in fp32, each block's dk/dv returned for its owner."""
 
-    def __init__(self, q, out, lse, grad_out, plan: _Plan, documents: _Documents | None, kernel):
-        self.q, self.out, self.lse, self.grad_out = q, out, lse, grad_out
-        self.plan, self.documents, self.kernel = plan, documents, kernel
+    def __init__(self, q, out, lse, grad_out, plan: _Plan, documents, kernel):
+        self.saved = (grad_out, q, None, None, out, lse)
+        self.plan, self.kernel = plan, kernel
+        self.documents = documents if documents is not None else Unpacked()
         self.scale = q.shape[-1] ** -0.5
         self.dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
@@ -191,25 +191,9 @@ class _RankBackward:
         if todo is None:
             return
         rows, cols, causal = todo
-        mask = None
-        if self.documents is not None:
-            mask, _ = self.documents.mask(step, rows, cols, causal, self.q.dtype)
-            causal = False
-        dq, dk_block, dv_block = block_backward(
-            self.grad_out[:, :, rows],
-            self.q[:, :, rows],
-            k[:, :, cols],
-            v[:, :, cols],
-            self.out[:, :, rows],
-            self.lse[..., rows],
-            causal,
-            mask,
-            self.scale,
-            self.kernel,
-        )
-        self.dq[:, :, rows] += dq
-        dk[:, :, cols] += dk_block
-        dv[:, :, cols] += dv_block
+        grad_out, q, _, _, out, lse = self.saved
+        saved = (grad_out, q, k, v, out, lse)
+        self.documents.backward(step, rows, cols, causal, (self.dq, dk, dv), saved, self.scale, self.kernel)
 
 
 def _no_autocast(device: torch.device):
@@ -227,7 +211,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: Ring, layout: str, counter: WorkCounter | None, docs=None):
         with _no_autocast(q.device):
             plan = _Plan(layout, ring.size, ring.rank, q.shape[2])
-            documents = None if docs is None else _Documents(docs[0], docs[1], ring.size, ring.rank, layout)
+            documents = documents_of(docs, ring.size, ring.rank, layout)
             rank = _RankForward(q, plan, documents, counter)
             k_cur, v_cur = k.contiguous(), v.contiguous()
             for step in range(ring.size):
@@ -294,7 +278,7 @@ class _EmulatedRing(torch.autograd.Function):
             ranks, outs = [], []
             for rank in range(world):
                 plan = _Plan(layout, world, rank, q[rank].shape[2])
-                documents = None if docs is None else _Documents(docs[0][rank], docs[1], world, rank, layout)
+                documents = documents_of(None if docs is None else (docs[0][rank], *docs[1:]), world, rank, layout)
                 state = _RankForward(q[rank], plan, documents, None)
                 for step in range(world):
                     owner = (rank - step) % world
@@ -322,11 +306,14 @@ class _EmulatedRing(torch.autograd.Function):
         return torch.stack(dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def emulated_ring_attention(q, k, v, world: int, layout: str = "zigzag", doc_ids=None) -> torch.Tensor:
+def emulated_ring_attention(
+    q, k, v, world: int, layout: str = "zigzag", doc_ids=None, doc_kernel: str = "varlen"
+) -> torch.Tensor:
     """Context parallelism of ``world`` ranks inside one process (tools/gpu_check.py runs it on CUDA, where a
     process has one GPU): whole sequences q [B, H, S, D], k/v [B, Hk, S, D], S a multiple of the layout's
-    chunks, ``doc_ids`` [B, S] or None; returns the attention of the whole sequence in position order, with
-    gradients, computed rank by rank through the ring's own per-block kernels, merge and backward."""
+    chunks, ``doc_ids`` [B, S] or None (kept to with ``doc_kernel``: varlen or dense); returns the attention of
+    the whole sequence in position order, with gradients, computed rank by rank through the ring's own
+    per-block kernels, merge and backward."""
     seq = q.shape[2]
     positions = [owner_positions(seq, world, r, layout, q.device) for r in range(world)]
 
@@ -335,7 +322,7 @@ def emulated_ring_attention(q, k, v, world: int, layout: str = "zigzag", doc_ids
 
     docs = None
     if doc_ids is not None:
-        docs = (torch.stack([doc_ids.index_select(1, p) for p in positions]), doc_ids)
+        docs = (torch.stack([doc_ids.index_select(1, p) for p in positions]), doc_ids, doc_kernel)
     local = _EmulatedRing.apply(split(q), split(k), split(v), world, layout, docs)  # [W, B, H, S_local, D]
     out = torch.empty_like(q)
     order = torch.cat(positions)

@@ -13,6 +13,10 @@
 Under ``trainer.compile`` (parallel/compile.py) ``dense`` and ``flex`` are traced into the block's graph and
 ``varlen`` runs eagerly between two compiled pieces of the block.
 
+Under context parallelism ring attention replaces this call (parallel/context_parallel.py): ``auto``/``varlen``
+run one unmasked call per pair of same-document runs of each ring block, ``dense`` one additive mask per block
+(comm/ring_documents.py), and ``flex`` is refused.
+
 All three give the same result: a query attends to the earlier positions of its own document.
 """
 

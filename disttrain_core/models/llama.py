@@ -34,12 +34,14 @@ class Documents:
 
     Under context parallelism each rank holds a slice of the row: ``ids``/``positions`` are then the rank's
     own positions and ``row_ids`` the whole padded row's ids, from which the ring finds the documents of
-    every other rank's keys (parallel/context_parallel.py)."""
+    every other rank's keys (parallel/context_parallel.py), which keeps the ring's per-batch document runs in
+    ``cache``."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     row_ids: torch.Tensor | None = None
     _segments: list | None = field(default=None, repr=False, compare=False)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)  # per-batch state of attention kernels
 
     def segments(self) -> list[list[tuple[int, int]]]:
         """Each row's runs of one document id, (start, stop): read from ``ids`` once (a host read), then kept for

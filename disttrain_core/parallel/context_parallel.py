@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.ring import Ring
-from ..comm.ring_attention import local_positions, padded_length, ring_attention
+from ..comm.ring_attention import documents_of, local_positions, padded_length, ring_attention
 from ..models.llama import Attention, Documents, Llama
 
 LAYOUT = "zigzag"
@@ -132,9 +132,18 @@ def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:
     return _ScaleGradient.apply(x, factor)
 
 
-def _ring_core(ring: Ring, layout: str):
+def _ring_core(ring: Ring, layout: str, kernel: str):
+    """Ring attention for one attention module; packed documents keep to ``kernel`` (``dense``: one additive
+    mask per block; ``varlen``: one unmasked call per same-document pair), their runs read once per batch and
+    kept on the batch's ``Documents`` for every layer (comm/ring_documents.py)."""
+
     def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        docs = None if documents is None else (documents.ids, documents.row_ids)
+        docs = None
+        if documents is not None:
+            key = ("ring", kernel, ring.size, ring.rank, layout)
+            if key not in documents.cache:
+                documents.cache[key] = documents_of((documents.ids, documents.row_ids, kernel), *key[2:])
+            docs = documents.cache[key]
         return ring_attention(q, k, v, ring, layout, docs=docs)
 
     return core
@@ -148,7 +157,8 @@ def apply_context_parallel(module: nn.Module, slices: SequenceSlices) -> int:
     for child in module.modules():
         if isinstance(child, Attention):
             # eager inside a compiled block (trainer.compile): the ring's sends and receives are not traced
-            child.core_attention = torch.compiler.disable(_ring_core(ring, slices.layout))
+            kernel = "dense" if child.document_kernel == "dense" else "varlen"  # flex: refused with cp > 1
+            child.core_attention = torch.compiler.disable(_ring_core(ring, slices.layout, kernel))
             count += 1
         elif isinstance(child, Llama):
             child.rope_positions = slices.positions

@@ -104,6 +104,11 @@ def _validate_context_unit(cfg: Config, unit) -> None:
         f"{where}: parallel.comm.tp_overlap=true splits sequences over the TP group as well; use tp_overlap=false "
         "with cp",
     )
+    _require(
+        cfg.model.document_attention != "flex",
+        f"{where}: model.document_attention=flex; ring attention computes each block with its own kernel (the "
+        "same-document runs, or a mask): use model.document_attention=auto (runs) or dense",
+    )
 
 
 def _validate_shard_settings(p) -> None:

@@ -108,9 +108,10 @@ def test_context_parallel_llama_matches_one_process(tmp_path, world):
             assert sliced <= 0.35 * whole, (rank, whole, sliced, sliced / whole)
 
 
-def _packed_worker(rank: int, world: int, store: str, out_dir: str) -> None:
-    """Packed documents under cp = world: every document's loss equals its loss alone (one process), and the
-    gradients summed over the CP ranks equal those of the unsliced packed rows."""
+def _packed_worker(rank: int, world: int, store: str, out_dir: str, recompute: str) -> None:
+    """Packed documents under cp = world, with the ring's same-document runs (varlen) and its per-block mask
+    (dense): every document's loss equals its loss alone (one process), the gradients summed over the CP ranks
+    equal those of the unsliced packed rows, and the two kernels agree."""
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group(
         "gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=90)
@@ -118,6 +119,7 @@ def _packed_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     from disttrain_core.data.packing import pack_rows
     from disttrain_core.models.llama import Documents
     from disttrain_core.parallel.context_parallel import SequenceSlices, apply_context_parallel
+    from disttrain_core.parallel.recompute import apply_recompute
 
     g = torch.Generator().manual_seed(0)
     lengths = [7, 12, 3, 5, 9, 2, 13]  # rows of 30 and 29 tokens, padded by the ring to 32
@@ -128,37 +130,55 @@ def _packed_worker(rank: int, world: int, store: str, out_dir: str) -> None:
     h = reference.logits(reference.final_norm(reference.run_layers(reference.embed(rows.tokens), whole)))
     ref_loss = F.cross_entropy(h.flatten(0, 1), rows.labels.flatten(), ignore_index=-100, reduction="sum")
     ref_loss.backward()
-    model = _llama(2, 30)
-    slices = SequenceSlices(dist.group.WORLD, 30)
-    apply_context_parallel(model, slices)
-    local = slices.documents(whole)
-    h = model.run_layers(slices.slice(model.embed(rows.tokens)), local)
-    logits = model.logits(model.final_norm(h))
-    labels = slices.slice(rows.labels, fill=-100)
-    per_position = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
-    per_position = per_position.view(labels.shape)
-    per_doc = torch.stack([per_position[local.ids == i].sum() for i in range(len(docs))])
-    per_position.sum().backward()
-    dist.all_reduce(per_doc)
+    results = {}
+    for kernel in ("varlen", "dense"):
+        model = _llama(2, 30)
+        for layer in model.layers.values():
+            layer.attention.document_kernel = kernel
+        slices = SequenceSlices(dist.group.WORLD, 30)
+        apply_context_parallel(model, slices)
+        apply_recompute(model, recompute)
+        local = slices.documents(whole)
+        h = model.run_layers(slices.slice(model.embed(rows.tokens)), local)
+        logits = model.logits(model.final_norm(h))
+        labels = slices.slice(rows.labels, fill=-100)
+        per_position = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+        per_position = per_position.view(labels.shape)
+        per_doc = torch.stack([per_position[local.ids == i].sum() for i in range(len(docs))])
+        per_position.sum().backward()
+        dist.all_reduce(per_doc)
+        grads = [p.grad.clone() for p in model.parameters()]
+        for grad in grads:
+            dist.all_reduce(grad)
+        results[kernel] = (per_doc, grads, logits.detach())
+    per_doc, grads, logits = results["varlen"]
     worst_doc = 0.0
     for i, doc in enumerate(docs):
         alone = F.cross_entropy(reference(doc[None])[0, :-1], doc[1:], reduction="sum").item()
         copies = sum(row.count(i) for row in ([0, 1, 2, 3], [4, 5, 6, 2]))
         worst_doc = max(worst_doc, abs(per_doc[i].item() / copies - alone) / alone)
-    worst_grad = 0.0
-    for (_, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        grad = p.grad.clone()
-        dist.all_reduce(grad)
-        worst_grad = max(worst_grad, (grad - q.grad).abs().max().item())
+    worst_grad = max((grad - q.grad).abs().max().item() for grad, q in zip(grads, reference.parameters(), strict=True))
+    dense_doc, dense_grads, dense_logits = results["dense"]
+    kernels = max(
+        (logits - dense_logits).abs().max().item(),
+        *((a - b).abs().max().item() for a, b in zip(grads, dense_grads, strict=True)),
+    )
     torch.save(
-        {"doc": worst_doc, "grad": worst_grad, "loss": (per_doc.sum() - ref_loss).abs().item() / ref_loss.item()},
+        {
+            "doc": worst_doc,
+            "grad": worst_grad,
+            "loss": (per_doc.sum() - ref_loss).abs().item() / ref_loss.item(),
+            "kernels": kernels,
+        },
         os.path.join(out_dir, f"{rank}.pt"),
     )
     dist.destroy_process_group()
 
 
-def test_packed_documents_under_context_parallelism_keep_their_own_loss(tmp_path):
-    start_processes(_packed_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_packed_documents_under_context_parallelism_keep_their_own_loss(tmp_path, recompute):
+    start_processes(_packed_worker, args=(2, str(tmp_path / "store"), str(tmp_path), recompute), nprocs=2, join=True)
     for rank in range(2):
         result = torch.load(tmp_path / f"{rank}.pt", weights_only=True)
         assert result["doc"] < 1e-5 and result["loss"] < 1e-6 and result["grad"] < 1e-5, (rank, result)
+        assert result["kernels"] < 1e-5, (rank, result)  # the same-document runs equal the per-block mask

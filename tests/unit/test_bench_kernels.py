@@ -23,9 +23,11 @@ def test_chunks_lower_the_peak_and_the_report_keeps_its_spread(tmp_path):
     assert low <= chunked["step_s_median"] <= high
     loop, grouped = report["moe_experts"]
     assert (loop["experts_kernel"], grouped["experts_kernel"]) == ("loop", "grouped") and loop["against_loop"] == 1
-    dense, varlen = report["packed_attention"]
+    dense, varlen, ring_dense, ring_varlen = report["packed_attention"]
     assert (dense["document_attention"], varlen["document_attention"]) == ("dense", "varlen")
+    assert (ring_dense["document_attention"], ring_varlen["document_attention"]) == ("cp2_dense", "cp2_varlen")
     assert varlen["positions"] == 128 and varlen["documents"] == 3 and varlen["peak_bytes_median"] > 0
+    assert ring_dense["against_dense"] == 1 and ring_varlen["peak_bytes_median"] > 0
 
 
 def test_bench_compile_names_an_unknown_layout_and_its_choices():

@@ -5,7 +5,7 @@ tries and picks. Analytic costs only (cluster presets): deterministic, no profil
 import pytest
 import torch
 
-from disttrain_core.config import compose
+from disttrain_core.config import compose, typed_config
 from disttrain_core.planner import (
     COLOCATED,
     CostModel,
@@ -189,3 +189,17 @@ def test_a_configured_cp_layout_is_seen_by_the_planner():
     llm, enc, gen = choices_of_config(cfg)
     assert (llm.tp, llm.cp, llm.dp, llm.gpus) == (2, 2, 2, 8) and enc is None and gen is None
     assert COLOCATED.gpus == 0
+
+
+def test_flex_document_attention_is_refused_under_context_parallelism():
+    """Only reachable on CUDA (flex is refused elsewhere first): the ring runs its blocks with its own kernel."""
+    from disttrain_core.parallel.resolved import resolve_units
+    from disttrain_core.validation import ConfigError
+    from disttrain_core.validation.layout import check_layout
+
+    overrides = ["model=llama_tiny", "parallel=dp", "parallel.cp=2", "trainer.devices=4", "parallel.shard=zero1"]
+    cfg = typed_config(compose(overrides))
+    check_layout(cfg, resolve_units(cfg))
+    cfg = typed_config(compose([*overrides, "model.document_attention=flex"]))
+    with pytest.raises(ConfigError, match="model.document_attention=flex; ring attention computes each block"):
+        check_layout(cfg, resolve_units(cfg))
