@@ -6,8 +6,15 @@ disttrain_core's Llama, ``impl=litgpt`` (.venv-litgpt, tools/bench_train.py litg
 both with the shape of tools/bench_train.py (LITGPT_SHAPE), AdamW and gradient clipping at 1.0, on the same
 random token rows. Prints JSON: milliseconds per step in total and per operator (top ``top``).
 
+``impl=train_py`` (.venv) and ``impl=litgpt_loop`` (.venv-litgpt) profile instead a whole run of ``steps`` steps,
+start-up included, as tools/bench_train.py's LitGPT comparison times them: ``train.py``'s launcher on a token
+file, or LitGPT's training loop (tools/litgpt_step_timer.py). ``operators_ms_per_step`` is every operator's self
+time over the run divided by its steps: what the two spend in kernels, whatever runs around them.
+
     .venv/bin/python tools/profile_llama_step.py impl=disttrain
     .venv-litgpt/bin/python tools/profile_llama_step.py impl=litgpt
+    .venv/bin/python tools/profile_llama_step.py impl=train_py precision=bf16-mixed steps=10
+    .venv-litgpt/bin/python tools/profile_llama_step.py impl=litgpt_loop precision=bf16-mixed steps=10
 """
 
 import json
@@ -48,6 +55,38 @@ def build(impl: str):
     return net, lambda x, y: F.cross_entropy(net(x).float().flatten(0, 1), y.flatten(), reduction="sum") / y.numel()
 
 
+def whole_run(impl: str, precision: str, steps: int):
+    """The profiler around a whole run of ``steps`` steps, start-up included: ``train.py``'s (``impl=train_py``:
+    its launcher in this process, data=tokens, bench_train's overrides) or LitGPT's loop (``impl=litgpt_loop``:
+    tools/litgpt_step_timer.py on random windows)."""
+    import tempfile
+
+    import numpy as np
+
+    tmp = Path(tempfile.mkdtemp())
+    if impl == "litgpt_loop":
+        from litgpt_step_timer import main as litgpt_main  # tools/, beside this file
+
+        windows = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (steps, 1, MICRO, SEQ + 1))
+        np.save(tmp / "windows.npy", windows)
+        spec = {"windows": str(tmp / "windows.npy"), "warmup": 1, "log_every": 5, "threads": torch.get_num_threads()}
+        spec.update(seed=0, precision={"32": "32-true"}.get(precision, precision), lr=3e-4, weight_decay=0.1)
+        spec.update(betas=[0.9, 0.95], shape=SHAPE)
+        return lambda: litgpt_main(spec)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench_train import LITGPT_SHAPE, _overrides  # tools/, beside this file
+
+    from disttrain_core.config import compose
+    from disttrain_core.launch.entry import launch
+
+    np.save(tmp / "tokens.npy", np.random.default_rng(0).integers(0, SHAPE["vocab_size"], 1 << 20).astype(np.uint16))
+    extra = [f"model.llm.{k}={v}" for k, v in LITGPT_SHAPE.items() if k != "seq_len"]
+    extra += [f"model.seq_len={SEQ}", f"optim.micro_batch_size={MICRO}", f"optim.global_batch_size={MICRO}"]
+    extra += ["data=tokens", f"data.path={tmp / 'tokens.npy'}"]
+    cfg = compose(_overrides("llama_tiny", precision, tmp / "run", steps) + extra)
+    return lambda: launch(cfg)
+
+
 def main(argv: list[str]) -> int:
     options = {"impl": "disttrain", "precision": "32", "warmup": "3", "steps": "3", "top": "15"}
     for arg in argv:
@@ -56,6 +95,14 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"error: unknown option {key!r}; options: {', '.join(options)}")
         options[key] = value
     torch.manual_seed(0)
+    if options["impl"] in ("train_py", "litgpt_loop"):
+        steps = int(options["steps"])
+        run = whole_run(options["impl"], options["precision"], steps)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            run()
+            wall = time.perf_counter() - started
+        return report(options, prof, steps, wall)
     net, loss_of = build(options["impl"])
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-4, weight_decay=0.1)
     x = torch.randint(0, SHAPE["vocab_size"], (MICRO, SEQ))
@@ -78,6 +125,10 @@ def main(argv: list[str]) -> int:
         for _ in range(steps):
             step()
         wall = time.perf_counter() - started
+    return report(options, prof, steps, wall)
+
+
+def report(options: dict, prof, steps: int, wall: float) -> int:
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     top = [
         {"op": e.key, "ms_per_step": round(e.self_cpu_time_total / 1e3 / steps, 2), "calls": e.count // steps}
@@ -89,6 +140,7 @@ def main(argv: list[str]) -> int:
                 "impl": options["impl"],
                 "precision": options["precision"],
                 "ms_per_step": round(wall / steps * 1e3, 1),
+                "operators_ms_per_step": round(sum(e.self_cpu_time_total for e in ops) / 1e3 / steps, 1),
                 "top": top,
             }
         )
