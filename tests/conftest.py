@@ -101,6 +101,19 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def val_shards(shards) -> Path:
+    """The held-out split beside ``shards`` (data.val.path's default: <data.path>_val): 1 shard x 24 other
+    samples of the same generator."""
+    from disttrain_core.config import SyntheticDataConfig
+    from disttrain_core.data.synthetic import generate_shards
+
+    out = Path(f"{shards}_val")
+    config = SyntheticDataConfig(num_shards=4, samples_per_shard=24, image_side_max=128, val_shards=1)
+    generate_shards(config, out, processes=1, held_out=True)
+    return out
+
+
 def base_overrides(shards: Path, run_dir: Path) -> list[str]:
     return [
         f"data.path={shards}",

@@ -22,6 +22,7 @@ class SyntheticDataConfig:
 
     num_shards: int = 8
     samples_per_shard: int = 512
+    val_shards: int = 1  # the held-out split beside the data (data.val.path: <data.path>_val), generated on use
     seed: int = 1234
     text_only_fraction: float = 0.05
     images_geometric_p: float = 0.45  # P(k images) ~ Geometric(p) on k >= 1, truncated
@@ -195,6 +196,11 @@ class TrainerConfig:
     max_steps: int = 300
     exit_after_step: Optional[int] = None  # stop cleanly after this step (preemption drills)
     log_every_n_steps: int = 10
+    # Validation on the held-out split (data.val; train/evaluation.py): every this many steps and after the last
+    # step (0: off); each evaluation reads the split's first val_batches global batches, the same every time.
+    val_every_n_steps: int = 0
+    val_batches: int = 4
+    eval_only: bool = False  # evaluate the resumed model once on data.val and stop (tools/evaluate.py)
     seed: int = 42
     # auto (on for CPU, off on CUDA) | true | false | warn. true: torch.use_deterministic_algorithms, and an
     # operator without a deterministic kernel fails (checked before launch); warn: such operators only warn.

@@ -182,12 +182,16 @@ def _write_shard(args: tuple[SyntheticDataConfig, str, int]) -> str:
     return path
 
 
-def generate_shards(cfg: SyntheticDataConfig, out_dir: str | os.PathLike, processes: int = 2) -> list[str]:
-    """Write ``cfg.num_shards`` shards into ``out_dir`` atomically (temp dir, then rename)."""
+def generate_shards(
+    cfg: SyntheticDataConfig, out_dir: str | os.PathLike, processes: int = 2, held_out: bool = False
+) -> list[str]:
+    """Write ``cfg.num_shards`` shards into ``out_dir`` atomically (temp dir, then rename). ``held_out``: the
+    held-out split instead, ``cfg.val_shards`` shards of the samples after the training shards' (data.val)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    jobs = [(cfg, str(tmp / f"shard-{s:06d}.tar"), s) for s in range(cfg.num_shards)]
+    numbers = range(cfg.num_shards, cfg.num_shards + cfg.val_shards) if held_out else range(cfg.num_shards)
+    jobs = [(cfg, str(tmp / f"shard-{s:06d}.tar"), s) for s in numbers]
     try:
         if processes > 1 and len(jobs) > 1:
             with Pool(min(processes, len(jobs))) as pool:

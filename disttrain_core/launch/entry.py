@@ -33,34 +33,43 @@ log = logging.getLogger("disttrain")
 
 
 def prepare_data(cfg: Config) -> None:
-    from ..data.reader import resolve_shards
     from ..data.storage import is_url
 
     if cfg.data.format == "tokens" or cfg.data.packing.enabled or is_url(str(cfg.data.path)):
         return  # nothing to generate: a URL's shards are there (validation checked) or the run is refused
-    if resolve_shards(cfg.data.path) or not cfg.data.generate_if_missing:
+    if not cfg.data.generate_if_missing:
         return
+    _generate_once(str(cfg.data.path), cfg, held_out=False)
+    val = cfg.data.val.path
+    used = cfg.trainer.val_every_n_steps > 0 or cfg.trainer.eval_only
+    if used and val and not is_url(str(val)):  # its held-out split, when validation reads it
+        _generate_once(str(val), cfg, held_out=True)
+
+
+def _generate_once(path: str, cfg: Config, held_out: bool) -> None:
+    """The embedded synthetic data (or its held-out split) at ``path`` unless shards are there."""
     import fcntl
 
-    # Under torchrun or srun every rank gets here: one generates, the others wait and find the shards.
-    Path(cfg.data.path).parent.mkdir(parents=True, exist_ok=True)
-    with open(str(Path(cfg.data.path)) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if resolve_shards(cfg.data.path):
-            return
-        _generate(cfg)
-
-
-def _generate(cfg: Config) -> None:
+    from ..data.reader import resolve_shards
     from ..data.synthetic import generate_shards
 
-    log.info(
-        "no shards in %s: generating the embedded synthetic data (%d shards x %d samples)",
-        cfg.data.path,
-        cfg.data.synthetic.num_shards,
-        cfg.data.synthetic.samples_per_shard,
-    )
-    generate_shards(cfg.data.synthetic, cfg.data.path)
+    if resolve_shards(path):
+        return
+    # Under torchrun or srun every rank gets here: one generates, the others wait and find the shards.
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(str(Path(path)) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if resolve_shards(path):
+            return
+        synthetic = cfg.data.synthetic
+        log.info(
+            "no shards in %s: generating the embedded synthetic data%s (%d shards x %d samples)",
+            path,
+            "'s held-out split" if held_out else "",
+            synthetic.val_shards if held_out else synthetic.num_shards,
+            synthetic.samples_per_shard,
+        )
+        generate_shards(synthetic, path, held_out=held_out)
 
 
 def with_device_defaults(container: dict) -> dict:

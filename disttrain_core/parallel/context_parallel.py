@@ -14,7 +14,7 @@ sequence: the sequence, padded to a multiple of 2cp, is cut into 2cp chunks and 
 
 Gradients. Each CP rank's loss terms cover disjoint positions, so every parameter's gradient is a sum
 over the CP ranks, exactly as over data-parallel replicas: the unit reduces gradients over the
-data x context group (units.py ``UnitGroups.gradient``). Modules every CP rank runs whole follow the same
+data x context group (train/unit_groups.py ``UnitGroups.gradient``). Modules every CP rank runs whole follow the same
 rule when their losses are split: a colocated encoder contributes through the positions each rank keeps;
 the generation loss, which needs the hidden states of every position, is computed from the all-gathered
 sequence by every CP rank and counted 1/cp on each. Image embeddings received from an encoder unit get

@@ -151,6 +151,27 @@ class PipelineExecutor:
         ]
         return result
 
+    def evaluate(self, microbatches: list[Microbatch]) -> dict[str, torch.Tensor]:
+        """The loss sums of ``microbatches`` without a backward: the schedule's forwards in its order (no
+        gradient actions, so no gradient transfers), under ``torch.no_grad``; nothing is kept for later."""
+        forward_only = Schedule(
+            f"{self.schedule.name} (forward only)",
+            self.schedule.num_microbatches,
+            self.schedule.stage_to_rank,
+            [[a for a in row if a is not None and a.kind == Kind.F] for row in self.schedule.actions],
+        )
+        state = _StepState(self, microbatches)
+        sums: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for step in plan_rank(forward_only, self.routing, self.row, self.rank):
+                state.receive(step)
+                produced = self._forward(state, step.action, lambda _: None, sums)
+                state.saved.pop((step.action.stage, step.action.microbatch))
+                if produced is not None:
+                    state.send(step, produced)
+            state.finish()
+        return sums
+
     def _forward(self, state: _StepState, action: Action, loss_fn, sums) -> torch.Tensor | None:
         stage, k = action.stage, action.microbatch
         module = self.stages[stage]

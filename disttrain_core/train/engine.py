@@ -130,6 +130,24 @@ class Engine:
     def after_backward(self) -> None:
         """Make gradients global (sum over data-parallel replicas) if the engine has not already."""
 
+    def evaluate(self, microbatches: list[Batch]) -> torch.Tensor:
+        """[lm, gen] loss sums (fp64, on the device) of ``microbatches`` -- this process's share of a held-out
+        global batch -- summed over the data-parallel replicas, one copy each: forwards only, every module in
+        eval mode (MoE routers count no load), no gradients, no optimizer or data state touched."""
+        flags = [(m, m.training) for root in self.models() for m in root.modules()]
+        for module, _ in flags:
+            module.training = False
+        try:
+            with torch.no_grad():
+                return self.loss_sums(microbatches)
+        finally:
+            for module, flag in flags:
+                module.training = flag
+
+    def loss_sums(self, microbatches: list[Batch]) -> torch.Tensor:
+        """:meth:`evaluate`'s forwards (under no_grad, in eval mode)."""
+        raise NotImplementedError
+
     def count_group(self, step: int, default):
         """The group step ``step``'s loss counts are summed over when each replica reads its own samples
         (``default``: the trainer's for this layout; local SGD: one worker's after its warm-up)."""
@@ -338,6 +356,20 @@ class DataParallelEngine(Engine):
             return {"lm_loss_sum": totals[0], "gen_loss_sum": totals[1]}
 
         return StepRecord(pending_sums=reduced)
+
+    def loss_sums(self, microbatches: list[Batch]) -> torch.Tensor:
+        device = self.fabric.device
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        for microbatch in microbatches:  # the model itself: DDP's hooks are for training's gradients
+            with self.autocast():
+                out = self.raw_model(batch_to_device(microbatch, device))
+            for position, name in enumerate(("lm_loss_sum", "gen_loss_sum")):
+                if name in out:
+                    sums[position] += out[name].double()
+        size = dist.get_world_size(self.loss_group) if self.loss_group is not None else self.fabric.world_size
+        if size > 1:
+            dist.all_reduce(sums, group=self.loss_group)
+        return sums
 
     def after_backward(self) -> None:
         comm = self.cfg.parallel.comm

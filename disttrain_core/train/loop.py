@@ -34,6 +34,7 @@ from ..parallel.compile import CompileWatch
 from ..parallel.resolved import ResolvedRun
 from .checkpoint import CheckpointManager
 from .engines import build_engine
+from .evaluation import Evaluation
 from .host_sync import HostSyncGuard
 from .inputs import build_loader, build_stream, describe_run
 from .memory_report import MemoryReport, allocation_peak
@@ -57,7 +58,7 @@ def _dump_flight(reason: str) -> None:
     flight.dump(reason)
 
 
-class Trainer(StepData, CheckpointIO):
+class Trainer(StepData, CheckpointIO, Evaluation):
     def __init__(self, run: ResolvedRun, fabric: Fabric, run_dir: str | Path, stop_request: StopRequest | None = None):
         """``run``: the launcher's resolved run (parallel/resolved.py): its config and layout."""
         cfg = run.cfg
@@ -215,7 +216,8 @@ class Trainer(StepData, CheckpointIO):
         )
 
     def _logs(self, step: int) -> bool:
-        return step % self.cfg.trainer.log_every_n_steps == 0 or step == self.stop_at
+        """A logging step: every log_every_n_steps, the last, and every validation step (its record holds both)."""
+        return step % self.cfg.trainer.log_every_n_steps == 0 or step == self.stop_at or self.validation_due(step)
 
     def _checks_host_syncs(self, step: int) -> bool:
         """trainer.sync_debug checks this step: not the first, a logging or a checkpoint step (timelines are
@@ -280,6 +282,8 @@ class Trainer(StepData, CheckpointIO):
             log.warning(
                 "parallel.comm: collectives are skipped (compute only): gradients are not reduced; for timing only"
             )
+        if trainer.eval_only:  # tools/evaluate.py: the resumed model on data.val, nothing trained
+            return self._evaluate_only()
         if self.rank == 0:
             log.info("training %s for %d steps: %s", self.cfg.model.name, stop_at, describe_run(self))
         progress = tqdm(
@@ -309,6 +313,8 @@ class Trainer(StepData, CheckpointIO):
                     last_metrics.update(self.sync_guard.summary())
                 if self.compile_watch is not None:
                     last_metrics.update(self.compile_watch.metrics())
+                if self.validation_due(self.step):
+                    last_metrics.update(self.validate())
                 self.metrics.log(self.step, last_metrics)
                 progress.set_postfix(loss=f"{values[-1].loss:.3f}", refresh=False)
                 if self.rank == 0:
@@ -342,11 +348,25 @@ class Trainer(StepData, CheckpointIO):
         self.metrics.close()
         return last_metrics
 
+    def _evaluate_only(self) -> dict[str, float]:
+        metrics = self.validate()
+        self.metrics.log(self.step, metrics)
+        if self.rank == 0:
+            log.info(
+                "step %d: val/loss %.6f (val/lm_loss %.6f)", self.step, metrics["val/loss"], metrics["val/lm_loss"]
+            )
+        self.checkpoints.wait()
+        self.stop_request.close()
+        self.engine.close()
+        self.metrics.close()
+        return metrics
+
     def _format(self, m: dict[str, float]) -> str:
         gen = f" gen {m['train/gen_loss']:.3f}" if "train/gen_loss" in m else ""
+        val = f" | val {m['val/loss']:.4f} (ppl {m['val/ppl']:.2f})" if "val/loss" in m else ""
         return (
             f"step {self.step:>6} | loss {m['train/loss']:.4f} (lm {m['train/lm_loss']:.3f}{gen}) | "
             f"lr {m['train/lr']:.2e} | grad {m['train/grad_norm']:.2f} | {m['perf/tokens_per_s']:,.0f} tok/s | "
             f"mfu {100 * m['perf/mfu']:.1f}% | data wait {100 * m['perf/data_wait_fraction']:.1f}% | "
-            f"mem {m['perf/peak_memory_gib']:.2f} GiB"
+            f"mem {m['perf/peak_memory_gib']:.2f} GiB{val}"
         )

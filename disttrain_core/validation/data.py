@@ -171,20 +171,42 @@ def check_blend(cfg: Config, dp: int) -> None:
             )
 
 
+def check_validation_run(cfg: Config) -> None:
+    """Validation during training (train/evaluation.py) where it is built, and ``trainer.eval_only`` with a
+    checkpoint to evaluate."""
+    t = cfg.trainer
+    unbuilt = {"hotspa": "parallel=hotspa", "local_sgd": "parallel=local_sgd"}.get(cfg.parallel.mode)
+    if cfg.data.producer.address is not None:
+        unbuilt = "a data producer (data.producer.address)"
+    what = f"trainer.val_every_n_steps={t.val_every_n_steps}" if t.val_every_n_steps else "trainer.eval_only=true"
+    if (t.val_every_n_steps or t.eval_only) and unbuilt:
+        raise ConfigError(
+            f"{what} with {unbuilt}: validation is not built there yet (train/evaluation.py); use "
+            "trainer.val_every_n_steps=0"
+        )
+    if t.eval_only and t.resume == "none":
+        raise ConfigError(
+            "trainer.eval_only=true evaluates a checkpoint: set trainer.resume=<checkpoint or run directory> "
+            "(python tools/evaluate.py path=<run directory> does)"
+        )
+
+
 def check_val(cfg: Config, dp: int) -> None:
-    """``data.val``: one kind of split, shards there, and none of them trained on (data/splits.py)."""
+    """``data.val``: one kind of split; held-out shards of data.path always (they change what trains); the
+    split's shards, when validation reads them (trainer.val_every_n_steps), there and none of them trained on
+    (data/splits.py)."""
     from ..data.reader import check_name_count, resolve_shards
     from ..data.splits import held_out_shards, overlap, training_shards
+    from ..data.storage import is_url
 
     d, v = cfg.data, cfg.data.val
     configure_storage(cfg)
     if v.holdout_shards < 0:
         raise ConfigError(f"data.val.holdout_shards={v.holdout_shards}: use 0 (none) or a number of shards")
-    if not v.path and not v.holdout_shards:
-        return
     if v.path and v.holdout_shards:
         raise ConfigError(
-            f"data.val.path={str(v.path)!r} and data.val.holdout_shards={v.holdout_shards}: set one of them"
+            f"data.val.path={str(v.path)!r} and data.val.holdout_shards={v.holdout_shards}: set one of them "
+            "(data.val.path=null holds out shards of data.path)"
         )
     if v.holdout_shards and d.blend:
         raise ConfigError(
@@ -198,6 +220,15 @@ def check_val(cfg: Config, dp: int) -> None:
                 f"data.val.holdout_shards={v.holdout_shards} of data.path's {total} shard(s) leaves "
                 f"{max(0, total - v.holdout_shards)} to train {dp} data-parallel rank(s) on: hold out fewer"
             )
+    every = cfg.trainer.val_every_n_steps
+    if every <= 0 and not cfg.trainer.eval_only:
+        return  # nothing reads data.val.path
+    what = f"trainer.val_every_n_steps={every}" if every > 0 else "trainer.eval_only=true"
+    if not v.path and not v.holdout_shards:
+        raise ConfigError(
+            f"{what} evaluates on held-out data, and data.val names none: set "
+            "data.val.path=<held-out shards> or data.val.holdout_shards=N (the last N shards of data.path)"
+        )
     if v.path:
         try:
             check_name_count(str(v.path))
@@ -208,7 +239,9 @@ def check_val(cfg: Config, dp: int) -> None:
             raise ConfigError(f"data.val.path={str(v.path)!r}: {error}") from None
     held = held_out_shards(d)
     if not held:
-        raise ConfigError(f"data.val.path={str(v.path)!r}: no .tar shards found")
+        if v.path and d.generate_if_missing and not is_url(str(v.path)):
+            return  # the embedded data's held-out split, generated before launch (launch/entry.py)
+        raise ConfigError(f"data.val.path={str(v.path)!r}: no .tar shards found ({what} reads them)")
     training = [s for source in d.blend for s in resolve_shards(str(source.path))] if d.blend else training_shards(d)
     both = overlap(held, training)
     if both:

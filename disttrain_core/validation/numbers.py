@@ -134,6 +134,8 @@ def _run_rules() -> list[Rule]:
         at_least(f"{t}.max_steps", 1),
         optional(at_least(f"{t}.exit_after_step", 1), "use null or a step >= 1"),
         at_least(f"{t}.log_every_n_steps", 1),
+        at_least(f"{t}.val_every_n_steps", 0, "use 0 (no validation) or a number of steps"),
+        at_least(f"{t}.val_batches", 1, "evaluate at least 1 global batch"),
         within(f"{t}.seed", 0, SEED_MAX),
         at_least(f"{t}.threads_per_rank", 0, "use 0 (auto) or more"),
         at_least(f"{t}.dist_timeout_s", 1, "use a positive number of seconds, e.g. 300"),
@@ -147,6 +149,7 @@ def _run_rules() -> list[Rule]:
         # data (data.* and data.producer.* are checked in settings.validate_data)
         at_least(f"{s}.num_shards", 1),
         at_least(f"{s}.samples_per_shard", 1),
+        at_least(f"{s}.val_shards", 1),
         within(f"{s}.text_only_fraction", 0, 1),
         within(f"{s}.images_geometric_p", 0, 1, open_low=True),
         at_least(f"{s}.max_images", 1),

@@ -19,7 +19,7 @@ from .common import (
     resolve_accelerator,
     resolve_backend,
 )
-from .data import FORMATS, check_blend, check_shards, check_token_file, check_val
+from .data import FORMATS, check_blend, check_shards, check_token_file, check_val, check_validation_run
 from .numbers import check_bounds
 from .producer import check_pool_settings
 
@@ -179,6 +179,7 @@ def validate_optim(cfg: Config, dp: int = 1) -> None:
 
 def validate_trainer(cfg: Config) -> None:
     t = cfg.trainer  # single-setting bounds (choices, counts, steps, timeouts): numbers.check_bounds
+    check_validation_run(cfg)
     _require(
         0 <= t.memory_report_step <= t.max_steps,
         f"trainer.memory_report_step={t.memory_report_step}: use 0 (off) or a step from 1 to trainer.max_steps "
@@ -326,10 +327,11 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
     _require(d.format in FORMATS, f"data.format={d.format!r}: allowed values are {', '.join(FORMATS)}")
-    split = bool(d.val.path or d.val.holdout_shards)
+    split = bool(d.val.holdout_shards or (d.val.path and (cfg.trainer.val_every_n_steps > 0 or cfg.trainer.eval_only)))
     _require(
         not split or (d.format == "webdataset" and not d.packing.enabled),
-        "data.val holds out webdataset shards; it does not apply to data.format=tokens or data.packing: drop it",
+        "data.val holds out webdataset shards; it does not apply to data.format=tokens or data.packing "
+        "(validation of packed or pre-tokenized text is not built yet): drop it, and trainer.val_every_n_steps",
     )
     if d.blend:
         _require(

@@ -99,6 +99,13 @@ ELSEWHERE = {
     "python train.py hparams_search=optuna": (
         "tests/distributed/test_sweeps.py::test_optuna_sweeper_runs_trials_and_reports_the_best"
     ),
+    # validation needs the held-out split beside the test shards (tests/conftest.py val_shards)
+    "python train.py trainer.val_every_n_steps=5 trainer.max_steps=20": (
+        "tests/distributed/test_validation.py::test_validation_is_logged_and_leaves_training_bit_equal"
+    ),
+    "python tools/evaluate.py path=outputs/exp1 trainer.devices=1": (
+        "tests/distributed/test_validation.py::test_a_layouts_validation_loss_equals_one_process"
+    ),
 }
 # One run directory through three commands, then the checkpoint tool on it (test_resume_chain).
 RESUME_CHAIN = [

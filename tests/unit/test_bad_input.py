@@ -41,6 +41,17 @@ CASES = [
         "trainer.compile=true with parallel.comm.tp_overlap=true is not built",
     ),
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps=0"),
+    (["trainer.val_every_n_steps=-1"], "trainer.val_every_n_steps=-1: use 0 (no validation) or a number of steps"),
+    (["trainer.val_batches=0"], "trainer.val_batches=0: evaluate at least 1 global batch"),
+    (
+        ["trainer.val_every_n_steps=5", "data.val.path=null"],
+        "trainer.val_every_n_steps=5 evaluates on held-out data, and data.val names none: set data.val.path",
+    ),
+    (["trainer.eval_only=true"], "trainer.eval_only=true evaluates a checkpoint: set trainer.resume="),
+    (
+        ["parallel=local_sgd", "trainer.val_every_n_steps=5"],
+        "trainer.val_every_n_steps=5 with parallel=local_sgd: validation is not built there yet",
+    ),
     (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
     (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),
     # pipeline layouts and schedules

@@ -1,0 +1,64 @@
+"""Validation during training: the loss on the held-out split (``data.val``) every ``trainer.val_every_n_steps``
+steps and after the last step.
+
+Every evaluation reads the same samples: the split's first ``trainer.val_batches`` global batches, in a fixed
+order (data/splits.py ``open_val_stream``: no shuffling), decoded in this process (no worker). Each process reads
+the whole of each global batch, keeps its replica's block of every microbatch slot, as a training step of a
+multi-unit layout does (train/step_data.py), and the engine runs forwards only (train/engine.py
+``Engine.evaluate``: the DDP engine's model, or the schedule's forward actions with no gradient transfers, in
+eval mode under ``torch.no_grad``). The loss sums are summed over the replicas; the token and generation-sample
+counts come from the batches on the host, the same on every process.
+
+Logged: ``val/loss`` (LM loss plus ``model.gen_loss_weight`` times the denoising loss, as training's),
+``val/lm_loss`` (mean over the held-out tokens), ``val/ppl`` (its exponential) and, with a generator,
+``val/gen_loss``. Evaluation leaves training as it was: it draws no random numbers (the denoising noise is
+seeded by the sample), touches no optimizer, data or MoE-balancing state, and the training losses with and
+without it are bit-equal (tests/distributed/test_validation.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..data.loader import MicrobatchLoader
+from ..data.splits import open_val_stream
+
+
+class Evaluation:
+    """Mixed into the Trainer (train/loop.py), whose attributes it reads."""
+
+    def validation_due(self, step: int) -> bool:
+        every = self.cfg.trainer.val_every_n_steps
+        return every > 0 and (step % every == 0 or step == self.stop_at)
+
+    def validate(self) -> dict[str, float]:
+        """The held-out loss of the model as it is now (a collective: every process calls it)."""
+        started = time.perf_counter()
+        cfg = self.cfg
+        loader = MicrobatchLoader(
+            open_val_stream(cfg.data, cfg.trainer.seed), self.encoder, self.slot_samples, self.accumulation
+        )
+        self.engine.synchronize()  # parameter gathers still in flight from the last optimizer step
+        sums = torch.zeros(2, dtype=torch.float64, device=self.fabric.device)
+        tokens = samples = 0.0
+        for _ in range(cfg.trainer.val_batches):
+            microbatches = loader.next_step()  # the whole global batch: its counts are the same everywhere
+            tokens += sum(mb.loss_tokens() for mb in microbatches)
+            samples += sum(mb.gen_samples() for mb in microbatches)
+            if self.broker is not None:
+                self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
+            sums += self.engine.evaluate(self._replica_share(microbatches, self.dp_rank))
+        lm_sum, gen_sum = sums.tolist()  # a host read, off the training steps
+        lm = lm_sum / max(tokens, 1.0)
+        metrics = {"val/lm_loss": lm, "val/ppl": math.exp(min(lm, 80.0))}
+        loss = lm
+        if cfg.model.generator is not None:
+            metrics["val/gen_loss"] = gen_sum / max(samples, 1.0)
+            loss += cfg.model.gen_loss_weight * metrics["val/gen_loss"]
+        metrics["val/loss"] = loss
+        metrics["val/seconds"] = time.perf_counter() - started
+        metrics["val/skipped_samples"] = float(sum(loader.skipped.values()))
+        return metrics

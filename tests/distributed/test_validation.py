@@ -1,0 +1,79 @@
+"""Validation during training (train/evaluation.py): the held-out loss every trainer.val_every_n_steps and after
+the last step, logged to metrics.jsonl and TensorBoard; the training run is bit-equal with and without it; every
+engine's validation loss equals one process's (fp32)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from ..conftest import REPO, read_metrics, run_script
+from .test_units import SMALL, parameters, train
+
+pytestmark = pytest.mark.distributed
+
+VAL = ["trainer.val_every_n_steps=2", "trainer.val_batches=2"]  # 5 steps: evaluations after steps 2, 4 and 5
+
+
+def validation(run_dir) -> dict[int, dict]:
+    return {m["step"]: m for m in read_metrics(run_dir) if "val/loss" in m}
+
+
+@pytest.fixture(scope="module")
+def reference(shards, val_shards, tmp_path_factory):
+    return train(shards, tmp_path_factory.mktemp("validation") / "one", *SMALL, *VAL)
+
+
+def test_validation_is_logged_and_leaves_training_bit_equal(reference, shards, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    plain = train(shards, tmp_path / "plain", *SMALL)
+    assert [(m["step"], m["loss"]) for m in read_metrics(plain)] == [
+        (m["step"], m["loss"]) for m in read_metrics(reference)
+    ]  # bit-equal, not approximately
+    ours, theirs = parameters(reference), parameters(plain)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    found = validation(reference)
+    assert sorted(found) == [2, 4, 5]
+    for record in found.values():
+        assert record["val/ppl"] == pytest.approx(math.exp(record["val/lm_loss"]), rel=1e-9)
+        assert record["val/loss"] == pytest.approx(record["val/lm_loss"] + record["val/gen_loss"], rel=1e-9)
+    assert found[5]["val/lm_loss"] < found[2]["val/lm_loss"]  # it learns on samples it never trained on
+    events = {p.parent for p in (reference / "tensorboard").rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(events.pop()))
+    accumulator.Reload()
+    curve = {event.step: event.value for event in accumulator.Scalars("val/loss")}
+    assert sorted(curve) == [2, 4, 5]
+    assert all(curve[s] == pytest.approx(found[s]["val/loss"], rel=1e-6) for s in curve)
+
+
+ONE = ["parallel=dp", "schedule=none", "trainer.devices=1"]  # tools/evaluate.py's layout below
+
+
+@pytest.mark.parametrize(
+    "layout, evaluated_on",
+    [
+        (["parallel=dp", "trainer.devices=2"], ONE),
+        (["parallel=pp2", "schedule=1f1b", "trainer.devices=2"], ONE),
+        (["parallel=disagg2"], None),
+        (["parallel=dp", "parallel.shard=zero3", "trainer.devices=2"], None),
+    ],
+    ids=["ddp", "pp2", "disagg2", "zero3"],
+)
+def test_a_layouts_validation_loss_equals_one_process(layout, evaluated_on, reference, shards, tmp_path):
+    run = train(shards, tmp_path / "run", *layout, *SMALL, *VAL)
+    ours, theirs = validation(run), validation(reference)
+    assert sorted(ours) == sorted(theirs) == [2, 4, 5]
+    for step, record in theirs.items():
+        for key in ("val/loss", "val/lm_loss", "val/gen_loss"):
+            assert abs(ours[step][key] - record[key]) < 1e-5, (step, key, ours[step][key], record[key])
+    if evaluated_on is None:
+        return
+    # tools/evaluate.py: the 2-process run's last checkpoint (step 5) on one process, resharded by name
+    done = run_script(REPO / "tools" / "evaluate.py", [f"path={run}", *evaluated_on], timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluated = json.loads(done.stdout.strip().splitlines()[-1])
+    assert evaluated["step"] == 5
+    for key in ("val/loss", "val/lm_loss", "val/gen_loss"):
+        assert abs(evaluated[key] - ours[5][key]) < 1e-6, (key, evaluated[key], ours[5][key])
