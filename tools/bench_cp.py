@@ -6,8 +6,8 @@ For each length in ``lengths`` and CP size in ``cps``, cp spawned processes (glo
   queries: ``ring_attention`` for cp > 1 (each of ``layouts``), causal SDPA for cp = 1. Per rank, medians
   after ``warmup``: wall time, the CPU time of the rank's thread (its own computation: a rank blocked on a
   transfer uses none), the wall time blocked in ring_attention's waits and the CPU time of its block
-  computations by kind (these processes wrap ring_attention's ``block_forward``, ``block_backward``
-  and ``_wait``; the module itself is unchanged).
+  computations by kind (these processes wrap ``block_forward`` and ``block_backward`` where comm/ring_documents.py
+  calls them, and ``_wait``; the modules themselves are unchanged).
 * activations: bytes of the distinct non-parameter tensors autograd saves in the forward and loss of a
   small Llama (MEMORY_MODEL) through ``apply_context_parallel``, over those of one process.
 
@@ -41,6 +41,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from disttrain_core.comm import ring_attention as ring_module
+from disttrain_core.comm import ring_documents  # where the ring's blocks call the kernels
 from disttrain_core.comm.ring import Ring
 from disttrain_core.config import REPO_ROOT, LlamaConfig
 from disttrain_core.launch.cli import split_tool_args, tool_main
@@ -101,8 +102,8 @@ class BlockTimer:
         self.local_len = 0
         self.reset()
         # block_forward(q, k, v, causal, ...), block_backward(grad_out, q, k, v, out, lse, causal, ...)
-        ring_module.block_forward = self._timed(ring_module.block_forward, "forward", 0, 3)
-        ring_module.block_backward = self._timed(ring_module.block_backward, "backward", 1, 6)
+        ring_documents.block_forward = self._timed(ring_documents.block_forward, "forward", 0, 3)
+        ring_documents.block_backward = self._timed(ring_documents.block_backward, "backward", 1, 6)
         original_wait = ring_module._wait
 
         def wait(works: list) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from disttrain_core.comm import ring_attention as ring_module
+from disttrain_core.comm.attention_blocks import block_forward
 from disttrain_core.config import REPO_ROOT
 
 KIND_LABELS = {
@@ -53,7 +54,7 @@ def block_cpu_times(length: int, world: int, settings: dict) -> dict[str, float]
             q = torch.randn(1, heads, rows, dim)
             k, v = (torch.randn(1, kv_heads, cols, dim) for _ in range(2))
             started = time.thread_time()
-            ring_module.block_forward(q, k, v, causal, None, dim**-0.5)
+            block_forward(q, k, v, causal, None, dim**-0.5)
             samples[kind].append(time.thread_time() - started)
     torch.set_num_threads(threads)
     return {kind: statistics.median(times[-settings["repeats"] :]) for kind, times in samples.items()}

@@ -38,15 +38,20 @@ class Unpacked:
         return block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, None, scale)
 
     def backward(self, step, rows, cols, causal, grads, saved, scale, kernel) -> None:
-        grad_out, q, k, v, out, lse = saved
-        dq, dk, dv = grads
-        block = block_backward(
-            grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[..., rows],
-            causal, None, scale, kernel,
-        )  # fmt: skip
-        dq[:, :, rows] += block[0]
-        dk[:, :, cols] += block[1]
-        dv[:, :, cols] += block[2]
+        _add_block_grads(rows, cols, causal, None, grads, saved, scale, kernel)
+
+
+def _add_block_grads(rows, cols, causal, mask, grads, saved, scale, kernel) -> None:
+    """One block's backward (one kernel call) added into the accumulators ``grads`` (dq, dk, dv)."""
+    grad_out, q, k, v, out, lse = saved
+    dq, dk, dv = grads
+    block = block_backward(
+        grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[..., rows],
+        causal, mask, scale, kernel,
+    )  # fmt: skip
+    dq[:, :, rows] += block[0]
+    dk[:, :, cols] += block[1]
+    dv[:, :, cols] += block[2]
 
 
 class MaskedDocuments(Unpacked):
@@ -70,16 +75,8 @@ class MaskedDocuments(Unpacked):
         return out, lse.masked_fill(empty[:, None], NEG_INF), kernel  # the kernels give such rows 0
 
     def backward(self, step, rows, cols, causal, grads, saved, scale, kernel) -> None:
-        grad_out, q, k, v, out, lse = saved
-        dq, dk, dv = grads
-        mask, _ = self.mask(step, rows, cols, causal, q.dtype)
-        block = block_backward(
-            grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[..., rows],
-            False, mask, scale, kernel,
-        )  # fmt: skip
-        dq[:, :, rows] += block[0]
-        dk[:, :, cols] += block[1]
-        dv[:, :, cols] += block[2]
+        mask, _ = self.mask(step, rows, cols, causal, saved[1].dtype)
+        _add_block_grads(rows, cols, False, mask, grads, saved, scale, kernel)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:

@@ -171,6 +171,8 @@ class CheckpointConfig:
     keep_last: int = 2
     async_save: bool = True  # write in a background thread after a CPU snapshot
     save_last: bool = True  # also save when training ends
+    # also save at every validation that lowers val/loss, and never prune the best one (<checkpoints>/best names it)
+    keep_best: bool = False
 
 
 @dataclass

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -277,7 +278,7 @@ def pool_addresses(address) -> list[str]:
     """data.producer.address: one producer's HOST:PORT, or a pool's (a list, or one string comma-separated)."""
     if address is None:
         return []
-    items = [address] if isinstance(address, str) else list(address)
+    items = [address] if isinstance(address, str) or not isinstance(address, Sequence) else list(address)
     return [part.strip() for item in items for part in str(item).split(",") if part.strip()]
 
 

@@ -147,6 +147,7 @@ def check_overrides(argv: list[str], on_composed: Callable | None = None) -> Non
     called with each variant's typed config before it is validated."""
     from ..config import typed_config
     from ..planner.fit import check_state_fits, validate_run
+    from ..validation.common import check_references
 
     multirun = "-m" in argv or "--multirun" in argv
     for overrides in _variants(argv, multirun):
@@ -155,6 +156,7 @@ def check_overrides(argv: list[str], on_composed: Callable | None = None) -> Non
         except Exception as error:
             raise PreflightError(describe_compose_error(error, overrides)) from error
         try:
+            check_references(composed)  # before the schema merge, which would raise a bare OmegaConf error
             cfg = typed_config(composed)
             if on_composed is not None:
                 on_composed(cfg)

@@ -160,15 +160,18 @@ class CheckpointManager:
         final = self.root / step_dir_name(step)
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
-        latest_tmp = self.root / "latest.tmp"
-        latest_tmp.write_text(final.name)
-        os.replace(latest_tmp, self.root / "latest")
+        for pointer in ("latest", "best") if "best" in meta else ("latest",):  # best: trainer.checkpoint.keep_best
+            (self.root / f"{pointer}.tmp").write_text(final.name)
+            os.replace(self.root / f"{pointer}.tmp", self.root / pointer)
         self._prune()
 
     def _prune(self) -> None:
+        """Keep the newest ``keep_last`` checkpoints, and the one ``best`` names."""
+        best = (self.root / "best").read_text().strip() if (self.root / "best").is_file() else None
         complete = sorted(_step_dirs(self.root))
         for old in complete[: max(0, len(complete) - self.keep_last)]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name != best:
+                shutil.rmtree(old, ignore_errors=True)
 
     def supersede_after(self, step: int) -> list[str]:
         """A run that resumed from ``step`` while newer checkpoints exist (a fallback past damaged ones, or a

@@ -9,6 +9,10 @@ multi-unit layout does (train/step_data.py), and the engine runs forwards only (
 eval mode under ``torch.no_grad``). The loss sums are summed over the replicas; the token and generation-sample
 counts come from the batches on the host, the same on every process.
 
+With ``trainer.checkpoint.keep_best`` every evaluation that lowers ``val/loss`` below the best so far (read back
+from the checkpoint ``<checkpoints>/best`` names, so it survives a resume) saves a checkpoint at that step, which
+pruning never removes.
+
 Logged: ``val/loss`` (LM loss plus ``model.gen_loss_weight`` times the denoising loss, as training's),
 ``val/lm_loss`` (mean over the held-out tokens), ``val/ppl`` (its exponential) and, with a generator,
 ``val/gen_loss``. Evaluation leaves training as it was: it draws no random numbers (the denoising noise is
@@ -18,6 +22,7 @@ without it are bit-equal (tests/distributed/test_validation.py).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -29,6 +34,12 @@ from ..data.splits import open_val_stream
 
 class Evaluation:
     """Mixed into the Trainer (train/loop.py), whose attributes it reads."""
+
+    def best_so_far(self) -> float:
+        """The val/loss of the checkpoint ``<checkpoints>/best`` names (trainer.checkpoint.keep_best), or inf."""
+        pointer = self.checkpoints.root / "best"
+        meta = pointer.parent / (pointer.read_text().strip() if pointer.is_file() else "-") / "meta.json"
+        return float(json.loads(meta.read_text())["best"]["val_loss"]) if meta.is_file() else math.inf
 
     def validation_due(self, step: int) -> bool:
         every = self.cfg.trainer.val_every_n_steps

@@ -297,8 +297,10 @@ class Trainer(StepData, CheckpointIO, Evaluation):
         window: list[StepResult] = []
         last_metrics: dict[str, float] = {}
         saved_at = self.step
+        best = self.best_so_far() if trainer.checkpoint.keep_best else None
         weight = self.cfg.model.gen_loss_weight
         while self.engine.keep_going(self.step, stop_at):
+            improved = None  # the val/loss of a new best model (trainer.checkpoint.keep_best)
             window.append(self.train_step())
             progress.update(1)
             if self.compile_watch is not None:
@@ -315,14 +317,16 @@ class Trainer(StepData, CheckpointIO, Evaluation):
                     last_metrics.update(self.compile_watch.metrics())
                 if self.validation_due(self.step):
                     last_metrics.update(self.validate())
+                    if best is not None and last_metrics["val/loss"] < best:
+                        best = improved = last_metrics["val/loss"]
                 self.metrics.log(self.step, last_metrics)
                 progress.set_postfix(loss=f"{values[-1].loss:.3f}", refresh=False)
                 if self.rank == 0:
                     progress.write(self._format(last_metrics))
                 window = []
             every = trainer.checkpoint.every_n_steps
-            if self.engine.checkpoint_due(self.step, every):
-                self.save_checkpoint()
+            if self.engine.checkpoint_due(self.step, every) or improved is not None:
+                self.save_checkpoint(improved)
                 saved_at = self.step
             if self.engine.stop_agreed(self.stop_request):
                 last_metrics = {**last_metrics, "stopped_at_step": float(self.step)}

@@ -95,7 +95,8 @@ class CheckpointIO:
             (log.info if carried.exact else log.warning)(carried.message)
         return carried.states[0 if self.global_stream else self.dp_rank]
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, best: float | None = None) -> None:
+        """``best``: the val/loss this checkpoint is kept for (trainer.checkpoint.keep_best)."""
         files: dict = {}
         state = self.engine.checkpoint_state(saving=True)
         owns_data = (
@@ -117,4 +118,6 @@ class CheckpointIO:
             "model": {"name": self.cfg.model.name, "fingerprint": self.fingerprint},
             "torch": torch.__version__,
         }
+        if best is not None:
+            meta["best"] = {"val_loss": best}
         self.checkpoints.save(named, state, files, meta)

@@ -184,6 +184,11 @@ def check_validation_run(cfg: Config) -> None:
             f"{what} with {unbuilt}: validation is not built there yet (train/evaluation.py); use "
             "trainer.val_every_n_steps=0"
         )
+    if t.checkpoint.keep_best and t.val_every_n_steps <= 0:
+        raise ConfigError(
+            "trainer.checkpoint.keep_best=true keeps the checkpoint of the lowest val/loss: set "
+            "trainer.val_every_n_steps=N (validation every N steps)"
+        )
     if t.eval_only and t.resume == "none":
         raise ConfigError(
             "trainer.eval_only=true evaluates a checkpoint: set trainer.resume=<checkpoint or run directory> "

@@ -22,7 +22,9 @@ def validation(run_dir) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def reference(shards, val_shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("validation") / "one", *SMALL, *VAL)
+    # keep_best saves at every evaluation that improves val/loss: saving changes nothing in training
+    best = ["trainer.checkpoint.keep_best=true", "trainer.checkpoint.keep_last=1"]
+    return train(shards, tmp_path_factory.mktemp("validation") / "one", *SMALL, *VAL, *best)
 
 
 def test_validation_is_logged_and_leaves_training_bit_equal(reference, shards, tmp_path):
@@ -40,6 +42,9 @@ def test_validation_is_logged_and_leaves_training_bit_equal(reference, shards, t
         assert record["val/ppl"] == pytest.approx(math.exp(record["val/lm_loss"]), rel=1e-9)
         assert record["val/loss"] == pytest.approx(record["val/lm_loss"] + record["val/gen_loss"], rel=1e-9)
     assert found[5]["val/lm_loss"] < found[2]["val/lm_loss"]  # it learns on samples it never trained on
+    lowest = min(found, key=lambda s: found[s]["val/loss"])  # keep_best: its checkpoint is kept and named
+    assert (reference / "checkpoints" / "best").read_text() == f"step_{lowest:08d}"
+    assert (reference / "checkpoints" / f"step_{lowest:08d}" / "meta.json").is_file()
     events = {p.parent for p in (reference / "tensorboard").rglob("events.out.tfevents.*")}
     accumulator = EventAccumulator(str(events.pop()))
     accumulator.Reload()

@@ -47,6 +47,7 @@ CASES = [
         ["trainer.val_every_n_steps=5", "data.val.path=null"],
         "trainer.val_every_n_steps=5 evaluates on held-out data, and data.val names none: set data.val.path",
     ),
+    (["trainer.checkpoint.keep_best=true"], "trainer.checkpoint.keep_best=true keeps the checkpoint of the lowest"),
     (["trainer.eval_only=true"], "trainer.eval_only=true evaluates a checkpoint: set trainer.resume="),
     (
         ["parallel=local_sgd", "trainer.val_every_n_steps=5"],

@@ -87,6 +87,23 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
     assert sorted(p.name for p in (tmp_path / "c").glob("step_*")) == ["step_00000003", "step_00000004"]
 
 
+def test_the_best_checkpoint_outlives_pruning(tmp_path):
+    """trainer.checkpoint.keep_best: a checkpoint saved with meta["best"] is named by <root>/best and kept while
+    newer ones rotate; a newer best replaces it (and the old one is pruned as usual)."""
+    m = manager(tmp_path / "c", keep_last=1)
+    best = {"model": {"fingerprint": "f"}, "best": {"val_loss": 2.0}}
+    m.save(1, {"model.w": torch.ones(1)}, {"trainer.json": {"step": 1}}, best)
+    m.wait()
+    for step in (2, 3):
+        save(m, step, torch.ones(1))
+    assert sorted(p.name for p in (tmp_path / "c").glob("step_*")) == ["step_00000001", "step_00000003"]
+    assert (tmp_path / "c" / "best").read_text() == "step_00000001"
+    m.save(4, {"model.w": torch.ones(1)}, {"trainer.json": {"step": 4}}, {**best, "best": {"val_loss": 1.0}})
+    m.wait()
+    assert sorted(p.name for p in (tmp_path / "c").glob("step_*")) == ["step_00000004"]
+    assert (tmp_path / "c" / "best").read_text() == "step_00000004"
+
+
 def _damage(path, how):
     data = next(f for f in path.iterdir() if f.name.endswith(".distcp"))
     if how == "truncated":
