@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from .ring import Ring, _wait
-from .ring_documents import DocumentRuns, MaskedDocuments, Unpacked
+from .ring_documents import DocumentRuns, MaskedDocuments, Unpacked, merge_block
 
 DOCUMENT_KERNELS = {"dense": MaskedDocuments, "varlen": DocumentRuns}
 
@@ -167,11 +167,7 @@ class _RankForward:
         if self.out is None:  # step 0: the rank's own block, every query row (each sees itself)
             self.out, self.lse, self.kernel = out.float(), lse, kernel
             return
-        merged = torch.logaddexp(self.lse[..., rows], lse)
-        acc = self.out[:, :, rows]
-        acc.mul_(torch.exp(self.lse[..., rows] - merged).unsqueeze(-1))
-        acc.addcmul_(out, torch.exp(lse - merged).unsqueeze(-1))
-        self.lse[..., rows] = merged
+        merge_block(self.out[:, :, rows], self.lse[..., rows], out, lse)
 
 
 class _RankBackward:

@@ -30,6 +30,8 @@ import torch
 
 from .attention_blocks import NEG_INF, BlockKernel, block_backward, block_forward, document_mask, kernel_kind
 
+ALL = slice(None)
+
 
 class Unpacked:
     """No packed documents: the block is one kernel call."""
@@ -38,20 +40,29 @@ class Unpacked:
         return block_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal, None, scale)
 
     def backward(self, step, rows, cols, causal, grads, saved, scale, kernel) -> None:
-        _add_block_grads(rows, cols, causal, None, grads, saved, scale, kernel)
+        _add_block_grads((ALL, ALL, rows), (ALL, ALL, cols), causal, None, grads, saved, scale, kernel)
 
 
-def _add_block_grads(rows, cols, causal, mask, grads, saved, scale, kernel) -> None:
-    """One block's backward (one kernel call) added into the accumulators ``grads`` (dq, dk, dv)."""
+def _add_block_grads(queries, keys, causal, mask, grads, saved, scale, kernel) -> None:
+    """One block's backward (one kernel call) added into the accumulators ``grads`` (dq, dk, dv); ``queries``
+    and ``keys`` index the block's rows of the saved tensors ([B, H, S(, D)]: batch, head, position)."""
     grad_out, q, k, v, out, lse = saved
     dq, dk, dv = grads
     block = block_backward(
-        grad_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows], lse[..., rows],
-        causal, mask, scale, kernel,
-    )  # fmt: skip
-    dq[:, :, rows] += block[0]
-    dk[:, :, cols] += block[1]
-    dv[:, :, cols] += block[2]
+        grad_out[queries], q[queries], k[keys], v[keys], out[queries], lse[queries], causal, mask, scale, kernel
+    )
+    dq[queries] += block[0]
+    dk[keys] += block[1]
+    dv[keys] += block[2]
+
+
+def merge_block(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge one block's attention (``out``, ``lse``) into the fp32 accumulators (views written in place) by their
+    log-sum-exp: the online softmax. An accumulator that holds nothing yet has log-sum-exp -inf."""
+    merged = torch.logaddexp(acc_lse, lse)
+    acc.mul_(torch.exp(acc_lse - merged).unsqueeze(-1))
+    acc.addcmul_(out, torch.exp(lse - merged).unsqueeze(-1))
+    acc_lse.copy_(merged)
 
 
 class MaskedDocuments(Unpacked):
@@ -76,7 +87,7 @@ class MaskedDocuments(Unpacked):
 
     def backward(self, step, rows, cols, causal, grads, saved, scale, kernel) -> None:
         mask, _ = self.mask(step, rows, cols, causal, saved[1].dtype)
-        _add_block_grads(rows, cols, False, mask, grads, saved, scale, kernel)
+        _add_block_grads((ALL, ALL, rows), (ALL, ALL, cols), False, mask, grads, saved, scale, kernel)
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
@@ -100,8 +111,9 @@ class DocumentRuns:
 
     def __init__(self, q_ids: torch.Tensor, k_ids: list[torch.Tensor], world: int, rank: int):
         self.rank, self.world, self.local = rank, world, q_ids.shape[1]
-        self.q_runs = [_runs(row) for row in q_ids.tolist()]
-        self.k_runs = [[_runs(row) for row in ids.tolist()] for ids in k_ids]
+        q_rows, *k_rows = torch.stack([q_ids, *k_ids]).tolist()  # one device-to-host read
+        self.q_runs = [_runs(row) for row in q_rows]
+        self.k_runs = [[_runs(row) for row in rows] for rows in k_rows]
         self._pairs: dict[tuple, list] = {}
 
     def pairs(self, step: int, rows: slice, cols: slice, causal: bool) -> list[tuple]:
@@ -129,24 +141,12 @@ class DocumentRuns:
             part, part_lse, kernel = block_forward(
                 q[b : b + 1, :, qa:qb], k[b : b + 1, :, ka:kb], v[b : b + 1, :, ka:kb], diagonal, None, scale
             )
-            acc, acc_lse = out[b : b + 1, :, qa:qb], lse[b : b + 1, :, qa:qb]
-            merged = torch.logaddexp(acc_lse, part_lse)
-            acc.mul_(torch.exp(acc_lse - merged).unsqueeze(-1))  # 0 while nothing is there yet (lse -inf)
-            acc.addcmul_(part, torch.exp(part_lse - merged).unsqueeze(-1))
-            acc_lse.copy_(merged)
+            merge_block(out[b : b + 1, :, qa:qb], lse[b : b + 1, :, qa:qb], part, part_lse)
         return out, lse, kernel
 
     def backward(self, step, rows, cols, causal, grads, saved, scale, kernel) -> None:
-        grad_out, q, k, v, out, lse = saved
-        grad_out, q, out, lse = grad_out[:, :, rows], q[:, :, rows], out[:, :, rows], lse[:, :, rows]
-        k, v = k[:, :, cols], v[:, :, cols]
-        dq, dk, dv = grads[0][:, :, rows], grads[1][:, :, cols], grads[2][:, :, cols]
+        r0, c0 = rows.indices(self.local)[0], cols.indices(self.local)[0]  # pairs are in block coordinates
         for b, qa, qb, ka, kb, diagonal in self.pairs(step, rows, cols, causal):
-            block = block_backward(
-                grad_out[b : b + 1, :, qa:qb], q[b : b + 1, :, qa:qb], k[b : b + 1, :, ka:kb],
-                v[b : b + 1, :, ka:kb], out[b : b + 1, :, qa:qb], lse[b : b + 1, :, qa:qb], diagonal, None, scale,
-                kernel,
-            )  # fmt: skip
-            dq[b : b + 1, :, qa:qb] += block[0]
-            dk[b : b + 1, :, ka:kb] += block[1]
-            dv[b : b + 1, :, ka:kb] += block[2]
+            queries = (slice(b, b + 1), ALL, slice(r0 + qa, r0 + qb))
+            keys = (slice(b, b + 1), ALL, slice(c0 + ka, c0 + kb))
+            _add_block_grads(queries, keys, diagonal, None, grads, saved, scale, kernel)
