@@ -1,6 +1,6 @@
 """Every CUDA path one GPU can reach, in one command: a PASS/FAIL table and a JSON of the numbers.
 
-    python tools/gpu_check.py                    # on a CUDA machine (about 5 minutes on one H100)
+    python tools/gpu_check.py                    # on a CUDA machine (about 3 minutes on one H100)
     python tools/gpu_check.py device=cpu         # every phase with tiny shapes on the CPU (make test runs it)
     python tools/gpu_check.py phases=api,ring_attention out=/tmp/gpu_check.json
 

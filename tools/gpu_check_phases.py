@@ -124,8 +124,13 @@ def _reference(q, k, v, docs, upstream):
     return out.detach().float(), [g.float() for g in grads]
 
 
-def _sdpa_error(q, k, v, reference):
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+def _sdpa_error(q, k, v, reference, docs=None):
+    """One bf16 SDPA call's error against the fp64 reference (causal, or causal within ``docs``' documents)."""
+    mask = None
+    if docs is not None:
+        causal = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
+        mask = ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
     return (out.float() - reference).abs().max().item()
 
 
@@ -156,13 +161,15 @@ def phase_ring_attention(check: Check) -> dict:
             errors[f"fp32 cp{world}{' packed' if packed else ''}"] = err
             ok &= err < 1e-4
         low = [t.bfloat16() for t in (q, k, v)]
-        ref_out, _ = _reference(q, k, v, None, upstream)
-        with torch.autocast(check.device, dtype=torch.bfloat16):
-            out, _ = _attention_pair(*low, None, world, upstream)
-        sdpa = _sdpa_error(*low, ref_out)
-        errors[f"bf16 cp{world}"] = (out - ref_out).abs().max().item()
-        errors["bf16 sdpa (same inputs)"] = sdpa
-        ok &= errors[f"bf16 cp{world}"] <= 2 * sdpa + 1e-6
+        for packed in (False, True):  # packed: one unmasked (FlashAttention) call per pair of same-document runs
+            ids, tag = (docs, " packed") if packed else (None, "")
+            ref_out, _ = _reference(q, k, v, ids, upstream)
+            with torch.autocast(check.device, dtype=torch.bfloat16):
+                out, _ = _attention_pair(*low, ids, world, upstream)
+            sdpa = _sdpa_error(*low, ref_out, ids)
+            errors[f"bf16 cp{world}{tag}"] = (out - ref_out).abs().max().item()
+            errors[f"bf16 sdpa{tag} (same inputs)"] = sdpa
+            ok &= errors[f"bf16 cp{world}{tag}"] <= 2 * sdpa + 1e-6
     memory = _ring_memory(check)
     ok &= memory["ratio"] <= 2.0
     return {"ok": ok, "max_abs_error": errors, "memory_at_recipe_block": memory}

@@ -1,9 +1,10 @@
 """The wheels a machine with torch but no package index needs to run this project (docs/GPU.md).
 
 GPU images usually carry torch, numpy, scipy, pillow, tensorboard, matplotlib, tqdm, safetensors, tokenizers
-and lightning-utilities, but not the configuration and data libraries. On a machine with internet this
-downloads them for the target Python (pure-Python wheels, no dependencies pulled in) and builds the one PyPI
-has no wheel of (antlr4-python3-runtime, omegaconf's parser runtime):
+and lightning-utilities, but not the configuration and data libraries, nor torchao (model.float8). On a machine
+with internet this downloads them for the target Python (pure-Python wheels, and torchao's x86-64 Linux wheel; no
+dependencies pulled in) and builds the one PyPI has no wheel of (antlr4-python3-runtime, omegaconf's parser
+runtime):
 
     python tools/prepare_wheels.py                       # .whl/ for Python 3.12
     python tools/prepare_wheels.py out=/tmp/wheels python=3.11
@@ -20,15 +21,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OPTIONS = {"out": str(REPO / ".whl"), "python": "3.12"}
-# (package, built here from its source distribution)
+# (package, how it is fetched: "py" a pure-Python wheel, "build" built here from its source, "linux" the
+# x86-64 Linux wheel for the target Python)
 PACKAGES = (
-    ("hydra-core", False),
-    ("omegaconf", False),
-    ("antlr4-python3-runtime", True),
-    ("lightning-fabric", False),
-    ("webdataset", False),
-    ("braceexpand", False),
+    ("hydra-core", "py"),
+    ("omegaconf", "py"),
+    ("antlr4-python3-runtime", "build"),
+    ("lightning-fabric", "py"),
+    ("webdataset", "py"),
+    ("braceexpand", "py"),
+    ("torchao", "linux"),
 )
+LINUX = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
 def pinned(name: str) -> str:
@@ -50,13 +54,17 @@ def main(argv: list[str]) -> int:
     out = Path(options["out"])
     out.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
-    for name, build in PACKAGES:
+    for name, how in PACKAGES:
         requirement = pinned(name)
-        if build:  # a pure-Python package: the wheel built here serves every Python 3
+        if how == "build":  # a pure-Python package: the wheel built here serves every Python 3
             command = [*pip, "wheel", "--no-deps", "--no-binary", name, "-w", str(out), requirement]
         else:
             command = [*pip, "download", "--no-deps", "--only-binary=:all:", "--python-version", options["python"]]
-            command += ["--implementation", "py", "-d", str(out), requirement]
+            if how == "linux":
+                command += ["--implementation", "cp", *(f"--platform={tag}" for tag in LINUX)]
+            else:
+                command += ["--implementation", "py"]
+            command += ["-d", str(out), requirement]
         print("+", " ".join(command), flush=True)
         subprocess.run(command, check=True)
     wheels = sorted(p.name for p in out.glob("*.whl"))
