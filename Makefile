@@ -29,6 +29,12 @@ $(STAMP): requirements.txt pyproject.toml
 		$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+# The optional trackers (W&B, MLflow: the .[trackers] extra) for the suite, which reads each one back
+TRACKERS := $(VENV)/.trackers
+$(TRACKERS): $(STAMP) requirements-trackers.txt
+	$(BIN)/python -m pip install --quiet -r requirements-trackers.txt
+	touch $(TRACKERS)
+
 $(DATA): | $(STAMP)
 	$(BIN)/python tools/make_shards.py
 
@@ -39,12 +45,12 @@ train: $(STAMP) $(DATA)
 
 # pytest exits 5 when nothing was collected: an empty default suite is a failure,
 # an empty slow selection is not.
-test: $(STAMP)
+test: $(STAMP) $(TRACKERS)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile -q --durations=20 \
 		--junitxml=outputs/tests/junit.xml
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(TRACKERS)
 	$(BIN)/python -m pytest -m slow -q; status=$$?; [ $$status -eq 5 ] && exit 0; exit $$status
 
 lint: $(STAMP)

@@ -189,6 +189,30 @@ class StragglerConfig:
 
 
 @dataclass
+class SamplesConfig:
+    """What ``trainer.sample_every_n_steps`` generates (train/sampling.py): each prompt continued by the LLM, and,
+    for a model with a generator, an image per caption (the captions' LLM states at <gen> condition the
+    sampler)."""
+
+    prompts: list[str] = field(default_factory=lambda: ["photo of a red", "drawing of a"])
+    captions: list[str] = field(
+        default_factory=lambda: [
+            "photo of a red circle on white",
+            "drawing of a blue square on yellow",
+            "painting of a green triangle on black",
+            "icon of a yellow ring on blue",
+        ]
+    )
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling (temperature > 0); 1 keeps every token
+    images: Optional[bool] = None  # null: when the model has a generator whose latents decode to pixels
+    steps: int = 25  # denoising steps per image
+    sampler: str = "ddim"  # ddim (eta 0) | ddpm (eta 1)
+    seed: int = 0
+
+
+@dataclass
 class TrainerConfig:
     accelerator: str = "auto"  # auto | cpu | cuda
     devices: int = 1  # processes per node
@@ -203,6 +227,10 @@ class TrainerConfig:
     val_every_n_steps: int = 0
     val_batches: int = 4
     eval_only: bool = False  # evaluate the resumed model once on data.val and stop (tools/evaluate.py)
+    # Samples to look at (train/sampling.py): text, and images from a generator, every this many steps and after
+    # the last step (0: off), to <run>/samples/ and every tracker
+    sample_every_n_steps: int = 0
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
     seed: int = 42
     # auto (on for CPU, off on CUDA) | true | false | warn. true: torch.use_deterministic_algorithms, and an
     # operator without a deterministic kernel fails (checked before launch); warn: such operators only warn.
@@ -296,9 +324,19 @@ class ScheduleConfig:
 # ---------------------------------------------------------------------- logger/paths
 @dataclass
 class LoggerConfig:
-    name: str = MISSING
-    tensorboard: bool = True
+    """Experiment trackers (train/trackers.py), several at once: ``logger=[tensorboard,csv,wandb,mlflow]``
+    merges each choice's conf/logger/<name>.yaml, which turns its own tracker on."""
+
+    tensorboard: bool = False  # <run>/tensorboard event files
+    csv: bool = False  # <run>/csv/metrics.csv (Fabric's CSVLogger): scalars only
+    wandb: bool = False  # Weights & Biases (pip install -e .[trackers])
+    mlflow: bool = False  # MLflow (pip install -e .[trackers])
     jsonl: bool = True  # metrics.jsonl in the run directory (always readable by scripts)
+    wandb_project: str = "disttrain"
+    wandb_mode: str = "offline"  # offline (files under <run>/wandb, no network; `wandb sync` uploads) | online
+    # None: a SQLite store in <run>/mlflow.db (MLflow 3 keeps its plain-file store in maintenance mode)
+    mlflow_tracking_uri: Optional[str] = None
+    mlflow_experiment: str = "disttrain"
 
 
 @dataclass

@@ -95,7 +95,7 @@ def describe_compose_error(error: BaseException, overrides: list[str]) -> str:
 
 def _check_group_choice(group: str, value: str) -> None:
     options = group_options(group)
-    if value in options or value in ("null", "None"):
+    if value in options or value in ("null", "None") or value.startswith("["):  # a list: its elements are checked
         return
     if group == "hparams_search" or group == "recipe":
         kind = "recipe (recipes/*.yaml)" if group == "recipe" else "hparams_search preset"
@@ -132,6 +132,9 @@ def _variants(argv: list[str], multirun: bool) -> list[list[str]]:
             for value in values:
                 if value is not None:
                     _check_group_choice(key, value)
+            if not override.is_sweep_override() and isinstance(override.value(), list):  # logger=[a,b]: each
+                for value in override.value():
+                    _check_group_choice(key, str(value))
         prefix = text.split("=", 1)[0]
         choices.append([text] if values == [None] else [f"{prefix}={v}" for v in values])
     base = [options[0] for options in choices]

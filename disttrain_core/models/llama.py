@@ -107,17 +107,29 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.document_kernel = "varlen"  # packed documents: model.document_attention (models/document_attention.py)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        return self.wo(self.attend(self.wq(x), self.wk(x), self.wv(x), rope, documents))
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None, cache=None
+    ) -> torch.Tensor:
+        return self.wo(self.attend(self.wq(x), self.wk(x), self.wv(x), rope, documents, cache))
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: torch.Tensor,
+        documents: Documents | None = None,
+        cache=None,
     ) -> torch.Tensor:
-        """Causal attention of projected ``[B, S, heads * head_dim]`` q/k/v (any local head count)."""
+        """Causal attention of projected ``[B, S, heads * head_dim]`` q/k/v (any local head count). With
+        ``cache`` (a models/generation.py ``LayerCache``: generation) the new keys and values are appended to
+        the earlier positions' and the queries attend to all of them."""
         batch, seq_len, _ = q.shape
         q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if cache is not None:
+            return cache.attend(q, k, v).transpose(1, 2).reshape(batch, seq_len, -1)
         return self.core_attention(q, k, v, documents).transpose(1, 2).reshape(batch, seq_len, -1)
 
     def core_attention(
@@ -143,8 +155,10 @@ class DecoderBlock(nn.Module):
         else:
             self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, documents)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None, cache=None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, documents, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 from lightning_fabric import Fabric
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from ..base.clock import DeviceClock
@@ -43,6 +44,7 @@ from .optim import build_scheduler
 from .perf import peak_flops_per_device, peak_memory_gib
 from .results import StepResult, StepValues, read_results
 from .resume import CheckpointIO
+from .sampling import Samples
 from .state import model_fingerprint
 from .step_data import StepData
 from .stop import StopRequest
@@ -58,7 +60,7 @@ def _dump_flight(reason: str) -> None:
     flight.dump(reason)
 
 
-class Trainer(StepData, CheckpointIO, Evaluation):
+class Trainer(StepData, CheckpointIO, Evaluation, Samples):
     def __init__(self, run: ResolvedRun, fabric: Fabric, run_dir: str | Path, stop_request: StopRequest | None = None):
         """``run``: the launcher's resolved run (parallel/resolved.py): its config and layout."""
         cfg = run.cfg
@@ -122,9 +124,8 @@ class Trainer(StepData, CheckpointIO, Evaluation):
     def _build_reporting(self) -> None:
         """Metrics, pipeline timelines, the device clock and host-sync guard, the memory report, MFU's peak."""
         cfg, trainer, fabric = self.cfg, self.cfg.trainer, self.fabric
-        self.metrics = MetricsLogger(
-            self.run_dir, enabled=self.rank == 0, tensorboard=cfg.logger.tensorboard, jsonl=cfg.logger.jsonl
-        )
+        config = OmegaConf.to_container(cfg, resolve=True) if self.rank == 0 else None
+        self.metrics = MetricsLogger(self.run_dir, self.rank == 0, cfg.logger, config)
         self.timelines = None
         if trainer.record_timeline and self.schedule is not None:
             first_pipeline = [unit.rank(0, 0, pp) for unit, pp in self.broker.row_places]
@@ -216,8 +217,10 @@ class Trainer(StepData, CheckpointIO, Evaluation):
         )
 
     def _logs(self, step: int) -> bool:
-        """A logging step: every log_every_n_steps, the last, and every validation step (its record holds both)."""
-        return step % self.cfg.trainer.log_every_n_steps == 0 or step == self.stop_at or self.validation_due(step)
+        """A logging step: every log_every_n_steps, the last, and every validation or sampling step (its record
+        holds both)."""
+        every = self.cfg.trainer.log_every_n_steps
+        return step % every == 0 or step == self.stop_at or self.validation_due(step) or self.samples_due(step)
 
     def _checks_host_syncs(self, step: int) -> bool:
         """trainer.sync_debug checks this step: not the first, a logging or a checkpoint step (timelines are
@@ -319,6 +322,8 @@ class Trainer(StepData, CheckpointIO, Evaluation):
                     last_metrics.update(self.validate())
                     if best is not None and last_metrics["val/loss"] < best:
                         best = improved = last_metrics["val/loss"]
+                if self.samples_due(self.step):
+                    last_metrics.update(self.write_samples())
                 self.metrics.log(self.step, last_metrics)
                 progress.set_postfix(loss=f"{values[-1].loss:.3f}", refresh=False)
                 if self.rank == 0:

@@ -32,6 +32,7 @@ from .hotspa import check_hotspa_layouts, validate_hotspa
 from .layout import check_layout, reads_global_stream, validate_layout_settings
 from .local_sgd import validate_optimizer
 from .producer import check_producer_pool
+from .sampling import check_sampling, check_sampling_layout, check_trackers
 from .schedule import check_pipeline, validate_run_schedules, validate_schedule_config
 from .settings import (
     validate_cluster,
@@ -97,6 +98,8 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
     validate_model(cfg)
     validate_device_contract(cfg)
     check_float8_device(cfg)
+    check_trackers(cfg)
+    check_sampling(cfg)
     # the cluster and planner settings first: later checks read them
     validate_cluster(cfg)
     validate_planner(cfg)
@@ -111,6 +114,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
     planned = mode == "auto" or (hotspa and list(cfg.parallel.hotspa.strategies) == ["auto"])
     run = None if planned else resolve_run(cfg, container, plan)
     if run is not None:
+        check_sampling_layout(cfg, run.layout)
         if hotspa:
             check_hotspa_layouts(run)
         else:

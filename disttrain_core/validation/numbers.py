@@ -188,7 +188,22 @@ def _run_rules() -> list[Rule]:
     ]
 
 
-RULES: tuple[Rule, ...] = (*_model_rules(), *_run_rules())
+def _sample_rules() -> list[Rule]:
+    """trainer.sample_every_n_steps and what it generates (train/sampling.py), and the trackers' settings."""
+    t = "trainer"
+    return [
+        at_least(f"{t}.sample_every_n_steps", 0, "use 0 (no samples) or a number of steps"),
+        at_least(f"{t}.samples.max_new_tokens", 1),
+        at_least(f"{t}.samples.temperature", 0, "use 0 (greedy) or a positive temperature"),
+        within(f"{t}.samples.top_p", 0, 1, open_low=True),
+        at_least(f"{t}.samples.steps", 1, "use at least 1 denoising step, e.g. 25"),
+        one_of(f"{t}.samples.sampler", ("ddim", "ddpm")),
+        within(f"{t}.samples.seed", 0, SEED_MAX),
+        one_of("logger.wandb_mode", ("offline", "online")),
+    ]
+
+
+RULES: tuple[Rule, ...] = (*_model_rules(), *_run_rules(), *_sample_rules())
 
 
 def _group(rules: Iterable[Rule]) -> list[tuple[tuple[str, ...], list[tuple[str, Rule]]]]:

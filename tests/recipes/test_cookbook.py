@@ -106,6 +106,13 @@ ELSEWHERE = {
     "python tools/evaluate.py path=outputs/exp1 trainer.devices=1": (
         "tests/distributed/test_validation.py::test_a_layouts_validation_loss_equals_one_process"
     ),
+    # samples and the four trackers (W&B, MLflow: the .[trackers] extra the suite installs), then generation
+    "python train.py trainer.sample_every_n_steps=50 logger=[tensorboard,csv,wandb,mlflow]": (
+        "tests/distributed/test_sampling.py::test_every_tracker_holds_the_same_series_and_the_samples"
+    ),
+    "python tools/generate.py path=outputs/exp1 prompt=photo of a red temperature=0.8 top_p=0.9 samples=4": (
+        "tests/distributed/test_sampling.py::test_generate_tool_reads_the_checkpoint_and_its_cache_changes_no_token"
+    ),
 }
 # One run directory through three commands, then the checkpoint tool on it (test_resume_chain).
 RESUME_CHAIN = [

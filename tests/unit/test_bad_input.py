@@ -53,6 +53,20 @@ CASES = [
         ["parallel=local_sgd", "trainer.val_every_n_steps=5"],
         "trainer.val_every_n_steps=5 with parallel=local_sgd: validation is not built there yet",
     ),
+    # samples and trackers (issue 40)
+    (["logger=[tensorboard,foo]"], "logger=foo is not a known logger option"),
+    (
+        ["model=llama_tiny", "trainer.samples.images=true"],
+        "trainer.samples.images=true: model llama_tiny has no generator to sample images from",
+    ),
+    (
+        ["trainer.sample_every_n_steps=5", "parallel=pp2", "schedule=1f1b", "trainer.devices=2"],
+        "trainer.sample_every_n_steps=5: samples are drawn from rank 0's whole model",
+    ),
+    (["trainer.samples.top_p=0"], "trainer.samples.top_p=0.0: use a value in (0, 1]"),
+    (["trainer.samples.steps=5000"], "trainer.samples.steps=5000: the generator's schedule has 1000 timesteps"),
+    (["trainer.samples.sampler=euler"], "trainer.samples.sampler='euler': allowed values are ddim, ddpm"),
+    (["logger.wandb_mode=cloud"], "logger.wandb_mode='cloud': allowed values are offline, online"),
     (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
     (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),
     # pipeline layouts and schedules
@@ -359,3 +373,18 @@ def test_generate_if_missing_writes_only_where_the_data_group_generates(shards, 
 def test_a_value_inside_a_null_block_is_one_line_naming_it(override, named, shards, tmp_path):
     with pytest.raises(PreflightError, match=f"^{named} is \\(or is inside\\) a block that is null"):
         check_overrides(base_overrides(shards, tmp_path / "run") + ["model=llama_tiny", override])
+
+
+@pytest.mark.parametrize("logger, package", [("wandb", "wandb"), ("mlflow", "mlflow")])
+def test_a_tracker_that_is_not_installed_is_one_line_with_the_install_command(
+    logger, package, shards, tmp_path, monkeypatch
+):
+    import disttrain_core.train.trackers as trackers
+
+    monkeypatch.setattr(trackers, "_has", lambda module: module != package)
+    with pytest.raises(PreflightError) as error:
+        check_overrides(base_overrides(shards, tmp_path) + [f"logger=[tensorboard,{logger}]"])
+    assert str(error.value) == (
+        f"logger={logger} needs the {package} package, which is not installed: pip install -e .[trackers] "
+        f"(or pip install {trackers.OPTIONAL[logger][1]})"
+    )
