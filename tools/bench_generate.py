@@ -71,11 +71,7 @@ def main(argv: list[str]) -> int:
     result = {"model": options["model"], "device": str(device), "torch": torch.__version__, "near": list(NEAR)}
     for name, cached, stop in (("cache", True, positions), ("no_cache", False, uncached_to)):
         times = _times(llm, stop, cached, device)
-        medians = {
-            str(p): statistics.median(times[i] for i in range(p - 16, p + 16))
-            for p in NEAR
-            if p + 16 <= stop
-        }
+        medians = {str(p): statistics.median(times[i] for i in range(p - 16, p + 16)) for p in NEAR if p + 16 <= stop}
         result[name] = {"median_seconds_per_token": medians}
         if len(medians) == 2:
             result[name]["ratio_512_over_64"] = medians["512"] / medians["64"]
