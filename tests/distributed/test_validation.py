@@ -82,3 +82,35 @@ def test_a_layouts_validation_loss_equals_one_process(layout, evaluated_on, refe
     assert evaluated["step"] == 5
     for key in ("val/loss", "val/lm_loss", "val/gen_loss"):
         assert abs(evaluated[key] - ours[5][key]) < 1e-6, (key, evaluated[key], ours[5][key])
+
+
+# Local SGD: 2 workers of 1 process, a synchronous first step, then a sync every 2 steps (after steps 3 and 5):
+# evaluations after steps 3 and 5, when every worker holds the synced model.
+LOCAL_SGD = [
+    "parallel=local_sgd",
+    "trainer.devices=2",
+    "parallel.local_sgd.warmup_steps=1",
+    "parallel.local_sgd.sync_every=2",
+]
+
+
+@pytest.mark.parametrize("method", ["diloco", "edit"])  # edit: its layer-wise sync completes before evaluating
+def test_local_sgd_evaluates_the_synced_model(method, shards, val_shards, tmp_path):
+    settings = [*LOCAL_SGD, f"parallel.local_sgd.method={method}", *SMALL]
+    evaluations = ["trainer.val_every_n_steps=3", "trainer.val_batches=2", "trainer.checkpoint.every_n_steps=3"]
+    run = train(shards, tmp_path / "run", *settings, *evaluations)
+    plain = train(shards, tmp_path / "plain", *settings)
+    assert [(m["step"], m["loss"]) for m in read_metrics(run)] == [(m["step"], m["loss"]) for m in read_metrics(plain)]
+    ours, theirs = parameters(run), parameters(plain)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    found = validation(run)
+    assert sorted(found) == [3, 5]
+    # the synced models of steps 3 (edit: applied layer by layer in the next forward, completed before the
+    # evaluation) and 5, checkpointed and evaluated on one process, give the logged numbers
+    for step in (3, 5):
+        checkpoint = run / "checkpoints" / f"step_{step:08d}"
+        done = run_script(REPO / "tools" / "evaluate.py", [f"path={checkpoint}", *ONE], timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        evaluated = json.loads(done.stdout.strip().splitlines()[-1])
+        for key in ("val/loss", "val/lm_loss", "val/gen_loss"):
+            assert abs(evaluated[key] - found[step][key]) < 1e-6, (step, key, evaluated[key], found[step][key])

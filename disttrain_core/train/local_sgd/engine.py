@@ -173,6 +173,16 @@ class LocalSgdEngine(DataParallelEngine):
         self.spiked_since_sync |= {w for w in range(self.workers) if self.spiked(step, w)}
         return super().forward_backward(microbatches, counts, record)
 
+    def loss_sums(self, microbatches) -> torch.Tensor:
+        """Validation of the synced model (validation/data.py lets it run only after a warm-up or sync step, and
+        the trainer's ``synchronize`` completes a layer-wise sync first): every worker holds the same
+        parameters, so each process evaluates its own share and the sums add over every process."""
+        group, self.loss_group = self.loss_group, None
+        try:
+            return super().loss_sums(microbatches)
+        finally:
+            self.loss_group = group
+
     def build_optimizer(self):
         """The inner optimizer: torch's (over whole parameters, or FSDP2's shards), or ZeRO-1's over the worker
         group (its fp32 master shards and moments split over the worker's processes)."""
