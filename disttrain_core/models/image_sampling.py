@@ -12,10 +12,13 @@ closed form (Gaussian data): tests/unit/test_generation.py.
 
 Decoding: the default ``pixel`` latent encoder is a fixed channel mixing of average-pooled pixels
 (models/latents.py), inverted here exactly on its pooled image (the mixing's pseudo-inverse), then upsampled.
-The ``sd_vae`` encoder has no decoder in this repository yet: sampling images from it is refused in one line.
+``sd_vae`` latents go through the same VAE's decoder, read from the encoder's directory
+(models/vae_decoder.py). Other registered latent encoders have no decoder: images from them are refused.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +61,25 @@ def sample_latents(
     return x
 
 
-def can_decode(latent_encoder) -> bool:
-    return isinstance(latent_encoder, PixelLatentEncoder)
+DECODABLE = ("pixel", "sd_vae")  # model.latent_encoder values whose latents decode to images
+
+
+@functools.lru_cache(maxsize=2)
+def _vae_decoder(directory: str, device: str):
+    from .vae_decoder import StableDiffusionVAEDecoder
+
+    return StableDiffusionVAEDecoder(directory).to(device)
+
+
+def decode_latents(latent_encoder, latents: torch.Tensor) -> torch.Tensor:
+    """uint8 images of latents written by ``latent_encoder`` (``pixel`` or ``sd_vae``)."""
+    from .vae import StableDiffusionVAEEncoder
+
+    if isinstance(latent_encoder, PixelLatentEncoder):
+        return decode_pixel_latents(latent_encoder, latents)
+    if isinstance(latent_encoder, StableDiffusionVAEEncoder):
+        return _vae_decoder(str(latent_encoder.directory), str(latents.device))(latents)
+    raise ValueError(f"{type(latent_encoder).__name__} latents have no decoder (only {', '.join(DECODABLE)})")
 
 
 def decode_pixel_latents(encoder: PixelLatentEncoder, latents: torch.Tensor) -> torch.Tensor:
@@ -85,10 +105,10 @@ def generate_images(
     """uint8 images [B, 3, H, W] for ``captions`` from a MultimodalLLM with a generator (in eval mode)."""
     if model.generator is None:
         raise ValueError(f"model {model.cfg.name!r} has no generator: it cannot sample images")
-    if not can_decode(model.latent_encoder):
+    if model.cfg.latent_encoder not in DECODABLE:
         raise ValueError(
-            f"model.latent_encoder={model.cfg.latent_encoder!r} has no decoder here (only 'pixel' latents decode "
-            "to images)"
+            f"model.latent_encoder={model.cfg.latent_encoder!r} has no decoder here (only {', '.join(DECODABLE)} "
+            "latents decode to images)"
         )
     cfg = model.cfg
     device = model.llm.tok_embeddings.weight.device
@@ -103,7 +123,7 @@ def generate_images(
         return generator.unet(x, t, context)
 
     latents = sample_latents(denoise, generator.alphas_cumprod, shape, steps, SAMPLERS[sampler], seed, device)
-    return decode_pixel_latents(model.latent_encoder, latents)
+    return decode_latents(model.latent_encoder, latents)
 
 
 def image_grid(images: torch.Tensor, columns: int = 4, gap: int = 2) -> torch.Tensor:

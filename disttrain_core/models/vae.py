@@ -183,7 +183,58 @@ def read_vae_config(directory: str | Path) -> tuple[Path, dict[str, Any]]:
     return directory, config
 
 
-class StableDiffusionVAEEncoder(nn.Module):
+class FrozenVAEPart(nn.Module):
+    """A half of a diffusers AutoencoderKL whose frozen buffers are named as the directory's safetensors keys
+    (``encoder.*``/``quant_conv.*`` here, ``decoder.*``/``post_quant_conv.*`` in models/vae_decoder.py), read
+    onto the buffers' device by :meth:`reset_buffers`; ``latents_mean``/``latents_std`` come from the config."""
+
+    directory: Path
+    latent_stats: tuple[list[float], list[float]] | None
+
+    def _weights_file(self) -> Path:
+        preferred = self.directory / "diffusion_pytorch_model.safetensors"
+        if preferred.is_file():
+            return preferred
+        files = sorted(self.directory.glob("*.safetensors"))
+        full = [f for f in files if ".fp16." not in f.name] or files  # a variant only when nothing else
+        if not full:
+            raise PretrainedError(
+                f"model.latent_encoder_path={self.directory}: no *.safetensors file (convert .bin weights first)"
+            )
+        return full[0]
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Read the weights onto the buffers' device (nothing on the meta device)."""
+        if self.latents_mean.device.type == "meta":
+            return
+        if self.latent_stats is not None:
+            self.latents_mean.copy_(torch.tensor(self.latent_stats[0]))
+            self.latents_std.copy_(torch.tensor(self.latent_stats[1]))
+        from safetensors import safe_open
+
+        file = self._weights_file()
+        where = f"model.latent_encoder_path={self.directory} ({file.name})"
+        with safe_open(str(file), framework="pt", device="cpu") as stored:
+            keys = set(stored.keys())
+            for name, buffer in self.named_buffers():
+                if name in ("latents_mean", "latents_std"):
+                    continue
+                key = name
+                if key not in keys:  # an older checkpoint's attention names
+                    for new, old in LEGACY_ATTENTION.items():
+                        key = key.replace(f".{new}.", f".{old}.")
+                if key not in keys:
+                    raise PretrainedError(f"{where}: tensor {name!r} is missing")
+                tensor = stored.get_tensor(key)
+                if tensor.numel() != buffer.numel() or tensor.squeeze().shape != buffer.squeeze().shape:
+                    raise PretrainedError(
+                        f"{where}: {key} has shape {list(tensor.shape)}, the config implies {list(buffer.shape)}"
+                    )
+                buffer.copy_(tensor.reshape(buffer.shape))  # old attention weights: [C, C, 1, 1] convolutions
+
+
+class StableDiffusionVAEEncoder(FrozenVAEPart):
     """uint8 images [B, 3, H, W] -> latents [B, latent_channels, H / 2**(levels-1), W / same].
 
     Deterministic: the output is the posterior *mean* (the encoder's first ``latent_channels`` channels),
@@ -229,48 +280,6 @@ class StableDiffusionVAEEncoder(nn.Module):
         _frozen(self, "latents_mean", channels)
         _frozen(self, "latents_std", channels)
         self.reset_buffers()
-
-    def _weights_file(self) -> Path:
-        preferred = self.directory / "diffusion_pytorch_model.safetensors"
-        if preferred.is_file():
-            return preferred
-        files = sorted(self.directory.glob("*.safetensors"))
-        full = [f for f in files if ".fp16." not in f.name] or files  # a variant only when nothing else
-        if not full:
-            raise PretrainedError(
-                f"model.latent_encoder_path={self.directory}: no *.safetensors file (convert .bin weights first)"
-            )
-        return full[0]
-
-    @torch.no_grad()
-    def reset_buffers(self) -> None:
-        """Read the weights onto the buffers' device (nothing on the meta device)."""
-        if self.latents_mean.device.type == "meta":
-            return
-        if self.latent_stats is not None:
-            self.latents_mean.copy_(torch.tensor(self.latent_stats[0]))
-            self.latents_std.copy_(torch.tensor(self.latent_stats[1]))
-        from safetensors import safe_open
-
-        file = self._weights_file()
-        where = f"model.latent_encoder_path={self.directory} ({file.name})"
-        with safe_open(str(file), framework="pt", device="cpu") as stored:
-            keys = set(stored.keys())
-            for name, buffer in self.named_buffers():
-                if name in ("latents_mean", "latents_std"):
-                    continue
-                key = name
-                if key not in keys:  # an older checkpoint's attention names
-                    for new, old in LEGACY_ATTENTION.items():
-                        key = key.replace(f".{new}.", f".{old}.")
-                if key not in keys:
-                    raise PretrainedError(f"{where}: tensor {name!r} is missing")
-                tensor = stored.get_tensor(key)
-                if tensor.numel() != buffer.numel() or tensor.squeeze().shape != buffer.squeeze().shape:
-                    raise PretrainedError(
-                        f"{where}: {key} has shape {list(tensor.shape)}, the config implies {list(buffer.shape)}"
-                    )
-                buffer.copy_(tensor.reshape(buffer.shape))  # old attention weights: [C, C, 1, 1] convolutions
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:

@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 
 from ..models.generation import Sampling, generate
-from ..models.image_sampling import generate_images, image_grid
+from ..models.image_sampling import DECODABLE, generate_images, image_grid
 
 
 def sample_images(cfg) -> bool:
     """Whether samples include images: ``trainer.samples.images`` (null: when the model has a generator whose
-    latents decode to pixels)."""
+    latents decode to pixels: ``pixel`` or ``sd_vae``)."""
     images = cfg.trainer.samples.images
     if images is None:
-        return cfg.model.generator is not None and cfg.model.latent_encoder == "pixel"
+        return cfg.model.generator is not None and cfg.model.latent_encoder in DECODABLE
     return bool(images)
 
 

@@ -23,6 +23,7 @@ def check_trackers(cfg: Config) -> None:
 def check_sampling(cfg: Config) -> None:
     """Settings that relate to the model: images need a generator with decodable latents, and at most as many
     denoising steps as its schedule has."""
+    from ..models.image_sampling import DECODABLE
     from ..train.sampling import sample_images
 
     s, m = cfg.trainer.samples, cfg.model
@@ -31,10 +32,10 @@ def check_sampling(cfg: Config) -> None:
             f"trainer.samples.images=true: model {m.name} has no generator to sample images from; use "
             "trainer.samples.images=false (text samples only) or a model with one (model=mllm_tiny)"
         )
-    if s.images and m.latent_encoder != "pixel":
+    if s.images and m.latent_encoder not in DECODABLE:
         raise ConfigError(
             f"trainer.samples.images=true with model.latent_encoder={m.latent_encoder}: its latents have no decoder "
-            "here yet (only 'pixel' latents decode to images); use trainer.samples.images=false"
+            f"(only {', '.join(DECODABLE)} latents decode to images); use trainer.samples.images=false"
         )
     if sample_images(cfg) and s.steps > m.generator.num_train_timesteps:
         steps = m.generator.num_train_timesteps

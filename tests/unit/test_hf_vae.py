@@ -117,3 +117,38 @@ def test_mismatches_and_missing_path_are_one_line_errors(tmp_path):
     with pytest.raises(PretrainedError, match="needs model.latent_encoder_path") as error:
         build_model(compose(["model=mllm_tiny", "model.latent_encoder=sd_vae"]).model, ByteTokenizer(), "meta")
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"shift_factor": 0.1, "scaling_factor": 0.5, "use_quant_conv": False, "mid_block_add_attention": False},
+        {"latents_mean": [0.1, -0.2, 0.3, 0.0], "latents_std": [0.5, 1.5, 1.0, 2.0]},
+    ],
+)
+def test_decoder_matches_diffusers(tmp_path, config):
+    from disttrain_core.models.vae_decoder import StableDiffusionVAEDecoder
+
+    vae = _save_vae(tmp_path, **config)
+    ours = StableDiffusionVAEDecoder(tmp_path)
+    assert not list(ours.parameters()) and not ours.state_dict()
+    latents = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = vae.decode(ours.unscaled(latents)).sample  # what diffusers' pipelines decode
+    pixels = ours.pixels(latents)
+    assert pixels.shape == (2, 3, 32, 32)
+    assert (pixels - expected).abs().max() < 1e-5
+    images = ours(latents)
+    assert images.dtype == torch.uint8 and torch.equal(images, ((expected.clamp(-1, 1) + 1) * 127.5).round().byte())
+
+
+def test_images_sampled_through_the_vae_decoder(tmp_path):
+    from disttrain_core.models.image_sampling import generate_images
+
+    _save_vae(tmp_path, block_out_channels=(16, 32, 32))  # downsamples by 4: mllm_tiny's latent_downsample
+    model = build_model(_tiny(tmp_path).model, ByteTokenizer(), "meta")
+    materialize(model, "cpu", seed=0, std=0.02)
+    images = generate_images(model.eval(), ByteTokenizer(), ["photo of a red circle"], steps=3)
+    assert images.shape == (1, 3, 32, 32) and images.dtype == torch.uint8
+    assert images.float().std() > 0  # decoded pixels, not a constant
