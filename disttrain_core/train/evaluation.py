@@ -45,13 +45,24 @@ class Evaluation:
         every = self.cfg.trainer.val_every_n_steps
         return every > 0 and (step % every == 0 or step == self.stop_at)
 
+    def _val_loader(self):
+        """The held-out split's loader, from its start: its shards in a fixed order, or its token file's windows
+        in the order (seed, epoch 0) gives them."""
+        cfg = self.cfg
+        if self.token_file:
+            from ..data.token_file import TokenFileLoader
+
+            m = cfg.model
+            path, seed = cfg.data.val.path, cfg.trainer.seed
+            return TokenFileLoader(path, m.seq_len, self.slot_samples, self.accumulation, m.llm.vocab_size, seed)
+        stream = open_val_stream(cfg.data, cfg.trainer.seed)
+        return MicrobatchLoader(stream, self.encoder, self.slot_samples, self.accumulation)
+
     def validate(self) -> dict[str, float]:
         """The held-out loss of the model as it is now (a collective: every process calls it)."""
         started = time.perf_counter()
         cfg = self.cfg
-        loader = MicrobatchLoader(
-            open_val_stream(cfg.data, cfg.trainer.seed), self.encoder, self.slot_samples, self.accumulation
-        )
+        loader = self._val_loader()
         self.engine.synchronize()  # parameter gathers still in flight from the last optimizer step
         sums = torch.zeros(2, dtype=torch.float64, device=self.fabric.device)
         tokens = samples = 0.0

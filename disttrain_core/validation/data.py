@@ -13,6 +13,7 @@ that names no shards is an error, and one whose storage does not answer is one l
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from ..config import Config
 from .common import ConfigError
@@ -283,6 +284,32 @@ def check_val(cfg: Config, dp: int) -> None:
             f"data.val.path={str(v.path)!r} shares {len(both)} shard(s) with the training data (first: {both[0]}): a "
             "held-out split is never trained on; point data.val.path at other shards, or hold out shards of "
             "data.path with data.val.holdout_shards=N"
+        )
+
+
+def check_val_tokens(cfg: Config) -> None:
+    """``data.format=tokens`` with validation: ``data.val.path`` a token file of its own, with a window."""
+    from ..data.token_file import open_tokens, window_count
+
+    d, every = cfg.data, cfg.trainer.val_every_n_steps
+    if every <= 0 and not cfg.trainer.eval_only:
+        return
+    what = f"trainer.val_every_n_steps={every}" if every > 0 else "trainer.eval_only=true"
+    if not d.val.path:
+        raise ConfigError(f"{what} evaluates on held-out data: set data.val.path=<held-out token .npy file>")
+    if Path(str(d.val.path)).resolve() == Path(str(d.path)).resolve():
+        raise ConfigError(
+            f"data.val.path={str(d.val.path)!r} is the training file: a held-out split is never trained on; "
+            "write the held-out tokens to a file of their own"
+        )
+    try:
+        tokens = open_tokens(d.val.path)
+    except ValueError as error:
+        raise ConfigError(str(error).replace("data.path=", "data.val.path=")) from None
+    if window_count(tokens, cfg.model.seq_len) < 1:
+        raise ConfigError(
+            f"data.val.path={str(d.val.path)!r} has {len(tokens)} tokens, fewer than model.seq_len + 1 = "
+            f"{cfg.model.seq_len + 1}"
         )
 
 

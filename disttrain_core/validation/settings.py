@@ -19,7 +19,7 @@ from .common import (
     resolve_accelerator,
     resolve_backend,
 )
-from .data import FORMATS, check_blend, check_shards, check_token_file, check_val, check_validation_run
+from .data import FORMATS, check_blend, check_shards, check_token_file, check_val, check_val_tokens, check_validation_run
 from .numbers import check_bounds
 from .producer import check_pool_settings
 
@@ -329,9 +329,14 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
     _require(d.format in FORMATS, f"data.format={d.format!r}: allowed values are {', '.join(FORMATS)}")
     split = bool(d.val.holdout_shards or (d.val.path and (cfg.trainer.val_every_n_steps > 0 or cfg.trainer.eval_only)))
     _require(
-        not split or (d.format == "webdataset" and not d.packing.enabled),
-        "data.val holds out webdataset shards; it does not apply to data.format=tokens or data.packing "
-        "(validation of packed or pre-tokenized text is not built yet): drop it, and trainer.val_every_n_steps",
+        not split or not d.packing.enabled,
+        "data.val holds out shards or a token file; it does not apply to data.packing (validation of packed "
+        "documents is not built yet): drop it, and trainer.val_every_n_steps",
+    )
+    _require(
+        not (d.format == "tokens" and d.val.holdout_shards),
+        f"data.val.holdout_shards={d.val.holdout_shards} holds out webdataset shards; with data.format=tokens give "
+        "the held-out windows as a token file of their own: data.val.path=<held-out .npy>",
     )
     if d.blend:
         _require(
@@ -345,6 +350,7 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
         return
     if d.format == "tokens":  # one pre-tokenized file: no shards are read
         check_token_file(cfg)
+        check_val_tokens(cfg)
         return
     if d.packing.enabled:  # documents are built per step: no shards are read
         from .packing import validate_packing

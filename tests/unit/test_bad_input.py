@@ -393,3 +393,21 @@ def test_a_tracker_that_is_not_installed_is_one_line_with_the_install_command(
         f"logger={logger} needs the {package} package, which is not installed: pip install -e .[trackers] "
         f"(or pip install {trackers.OPTIONAL[logger][1]})"
     )
+
+
+def test_token_file_validation_needs_a_held_out_file_of_its_own(shards, tmp_path):
+    import numpy as np
+
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(2000, dtype=np.uint16) % 300)
+    base = base_overrides(shards, tmp_path) + ["model=llama_tiny", "data=tokens", f"data.path={tokens}"]
+    cases = [
+        (["trainer.val_every_n_steps=2"], "trainer.val_every_n_steps=2 evaluates on held-out data: set data.val.path"),
+        ([f"data.val.path={tokens}", "trainer.val_every_n_steps=2"], "is the training file"),
+        (["data.val.holdout_shards=1"], "with data.format=tokens give the held-out windows as a token file"),
+        ([f"data.val.path={tmp_path}/none.npy", "trainer.val_every_n_steps=2"], "data.val.path="),
+    ]
+    for overrides, expected in cases:
+        with pytest.raises(PreflightError) as error:
+            check_overrides(base + overrides)
+        assert expected in str(error.value) and "\n" not in str(error.value), (overrides, str(error.value))
