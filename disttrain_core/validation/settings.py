@@ -19,7 +19,15 @@ from .common import (
     resolve_accelerator,
     resolve_backend,
 )
-from .data import FORMATS, check_blend, check_shards, check_token_file, check_val, check_val_tokens, check_validation_run
+from .data import (
+    FORMATS,
+    check_blend,
+    check_shards,
+    check_token_file,
+    check_val,
+    check_val_tokens,
+    check_validation_run,
+)
 from .numbers import check_bounds
 from .producer import check_pool_settings
 
