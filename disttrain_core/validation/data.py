@@ -287,6 +287,22 @@ def check_val(cfg: Config, dp: int) -> None:
         )
 
 
+def check_val_kind(cfg: Config) -> None:
+    """A held-out split where the data path has one: shards (webdataset) or a token file (data.format=tokens)."""
+    d = cfg.data
+    split = bool(d.val.holdout_shards or (d.val.path and (cfg.trainer.val_every_n_steps > 0 or cfg.trainer.eval_only)))
+    if split and d.packing.enabled:
+        raise ConfigError(
+            "data.val holds out shards or a token file; it does not apply to data.packing (validation of packed "
+            "documents is not built yet): drop it, and trainer.val_every_n_steps"
+        )
+    if d.format == "tokens" and d.val.holdout_shards:
+        raise ConfigError(
+            f"data.val.holdout_shards={d.val.holdout_shards} holds out webdataset shards; with data.format=tokens "
+            "give the held-out windows as a token file of their own: data.val.path=<held-out .npy>"
+        )
+
+
 def check_val_tokens(cfg: Config) -> None:
     """``data.format=tokens`` with validation: ``data.val.path`` a token file of its own, with a window."""
     from ..data.token_file import open_tokens, window_count

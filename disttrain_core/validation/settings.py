@@ -25,6 +25,7 @@ from .data import (
     check_shards,
     check_token_file,
     check_val,
+    check_val_kind,
     check_val_tokens,
     check_validation_run,
 )
@@ -335,17 +336,7 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
     _require(d.prefetch_steps >= 1, f"data.prefetch_steps={d.prefetch_steps}: use 1 or more")
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
     _require(d.format in FORMATS, f"data.format={d.format!r}: allowed values are {', '.join(FORMATS)}")
-    split = bool(d.val.holdout_shards or (d.val.path and (cfg.trainer.val_every_n_steps > 0 or cfg.trainer.eval_only)))
-    _require(
-        not split or not d.packing.enabled,
-        "data.val holds out shards or a token file; it does not apply to data.packing (validation of packed "
-        "documents is not built yet): drop it, and trainer.val_every_n_steps",
-    )
-    _require(
-        not (d.format == "tokens" and d.val.holdout_shards),
-        f"data.val.holdout_shards={d.val.holdout_shards} holds out webdataset shards; with data.format=tokens give "
-        "the held-out windows as a token file of their own: data.val.path=<held-out .npy>",
-    )
+    check_val_kind(cfg)
     if d.blend:
         _require(
             d.format == "webdataset" and not d.packing.enabled,
