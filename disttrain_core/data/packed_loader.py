@@ -100,23 +100,30 @@ def replica_rows(buckets: list[Batch], rows_per_microbatch: list[int], replicas:
     return out
 
 
-def packed_loader(cfg, state: dict | None) -> PackedStepLoader:
-    """The loader ``data.packing`` describes (resumed at ``state``'s step)."""
+HELD_OUT_SEED = 7919  # added to the seed of the held-out documents of the synthetic sources
+
+
+def packed_loader(cfg, state: dict | None, held_out: bool = False) -> PackedStepLoader:
+    """The loader ``data.packing`` describes (resumed at ``state``'s step). ``held_out``: the validation split's,
+    from its first step -- the documents of ``data.val.path`` for a corpus, else the synthetic source's documents
+    of another seed (never a training step's: those are drawn from (seed, step))."""
     packing = cfg.data.packing
     boundaries = bucket_boundaries(cfg)
     vocab = cfg.model.llm.vocab_size
+    seed = int(cfg.trainer.seed) + (HELD_OUT_SEED if held_out else 0)
     corpus = None
     if packing.source == "corpus":
         from .corpus import CorpusDocuments
         from .tokenizer import build_tokenizer
 
-        corpus = CorpusDocuments(packing.corpus, build_tokenizer(cfg.data.tokenizer), boundaries[-1], cfg.trainer.seed)
+        path = cfg.data.val.path if held_out else packing.corpus
+        corpus = CorpusDocuments(path, build_tokenizer(cfg.data.tokenizer), boundaries[-1], seed)
     return PackedStepLoader(
         packing.source,
         packing.documents_per_step,
         boundaries,
         vocab,
-        cfg.trainer.seed,
+        seed,
         state,
         length_scale=packing.length_scale,
         corpus=corpus,

@@ -134,7 +134,7 @@ class Engine:
         """[lm, gen] loss sums (fp64, on the device) of ``microbatches`` -- this process's share of a held-out
         global batch -- summed over the data-parallel replicas, one copy each: forwards only, every module in
         eval mode (MoE routers count no load), no gradients, no optimizer or data state touched."""
-        flags = [(m, m.training) for root in self.models() for m in root.modules()]
+        flags = [(m, m.training) for root in self.eval_models() for m in root.modules()]
         for module, _ in flags:
             module.training = False
         try:
@@ -147,6 +147,10 @@ class Engine:
     def loss_sums(self, microbatches: list[Batch]) -> torch.Tensor:
         """:meth:`evaluate`'s forwards (under no_grad, in eval mode)."""
         raise NotImplementedError
+
+    def eval_models(self) -> list[torch.nn.Module]:
+        """The modules :meth:`evaluate` runs (in eval mode): this process's models."""
+        return self.models()
 
     def count_group(self, step: int, default):
         """The group step ``step``'s loss counts are summed over when each replica reads its own samples

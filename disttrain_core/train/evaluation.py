@@ -2,7 +2,9 @@
 steps and after the last step.
 
 Every evaluation reads the same samples: the split's first ``trainer.val_batches`` global batches, in a fixed
-order (data/splits.py ``open_val_stream``: no shuffling), decoded in this process (no worker). Each process reads
+order (data/splits.py ``open_val_stream``: no shuffling), decoded in this process (no worker; also when training
+reads a data producer), or the first windows of a held-out token file, or the first packed steps of the held-out
+documents (data/packed_loader.py ``held_out``; HotSPa runs each bucket in its strategy). Each process reads
 the whole of each global batch, keeps its replica's block of every microbatch slot, as a training step of a
 multi-unit layout does (train/step_data.py), and the engine runs forwards only (train/engine.py
 ``Engine.evaluate``: the DDP engine's model, or the schedule's forward actions with no gradient transfers, in
@@ -49,6 +51,10 @@ class Evaluation:
         """The held-out split's loader, from its start: its shards in a fixed order, or its token file's windows
         in the order (seed, epoch 0) gives them."""
         cfg = self.cfg
+        if self.packing:
+            from ..data.packed_loader import packed_loader
+
+            return packed_loader(cfg, None, held_out=True)
         if self.token_file:
             from ..data.token_file import TokenFileLoader
 
@@ -72,7 +78,8 @@ class Evaluation:
             samples += sum(mb.gen_samples() for mb in microbatches)
             if self.broker is not None:
                 self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
-            sums += self.engine.evaluate(self._replica_share(microbatches, self.dp_rank))
+            hotspa = self.packing and cfg.parallel.mode == "hotspa"  # HotSPa splits the buckets per strategy
+            sums += self.engine.evaluate(microbatches if hotspa else self._replica_share(microbatches, self.dp_rank))
         lm_sum, gen_sum = sums.tolist()  # a host read, off the training steps
         lm = lm_sum / max(tokens, 1.0)
         metrics = {"val/lm_loss": lm, "val/ppl": math.exp(min(lm, 80.0))}

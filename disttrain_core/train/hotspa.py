@@ -190,6 +190,25 @@ class HotSpaEngine(Engine):
                 self._gradients_home(member)
         return _combined(results)
 
+    def eval_models(self) -> list[torch.nn.Module]:
+        return [model for member in self.members for model in member.engine.models()]
+
+    def loss_sums(self, microbatches: list[Batch]) -> torch.Tensor:
+        """Validation: each bucket's rows forward-only in its own strategy (the home's parameters switched in, as
+        a training step does, and released after), the sums added over the buckets."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.fabric.device)
+        home_params = None
+        for index in self.order:
+            member = self.members[index]
+            if member is not self.home:
+                if home_params is None:
+                    home_params = self._home_tensors()
+                self._switch_in(member, home_params)
+            sums += member.engine.loss_sums(self._bucket_share(member, microbatches[index]))
+            if member is not self.home:
+                _release(member.engine.named_parameters)
+        return sums
+
     def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
         """``perf/switch_fraction``: device time spent switching as a share of the steps; with time_buckets,
         ``perf/bucket_s/<capacity>``: each bucket's seconds per step."""
@@ -206,6 +225,11 @@ class HotSpaEngine(Engine):
         return local_box_tensors(self.home.engine.named_parameters, self.layouts[self.home.name], self.rank)
 
     def _run_bucket(self, member: _Member, rows: Batch, counts: GlobalCounts, record: bool) -> StepRecord:
+        return member.engine.forward_backward(self._bucket_share(member, rows), counts, record=record)
+
+    def _bucket_share(self, member: _Member, rows: Batch) -> list[Batch]:
+        """This process's block of every microbatch slot of a bucket's rows; the member's engine set to run as
+        many slots."""
         engine = member.engine
         slots = pad_rows(rows, member.slot)
         if len(slots) not in member.executors:
@@ -213,7 +237,7 @@ class HotSpaEngine(Engine):
         engine.executor = member.executors[len(slots)]
         engine.schedule = engine.executor.schedule
         block = engine.unit.block(engine.dp_rank, member.slot)
-        return engine.forward_backward([mb.select(block) for mb in slots], counts, record=record)
+        return [mb.select(block) for mb in slots]
 
     def _executor(self, member: _Member, microbatches: int) -> PipelineExecutor:
         """The same stages and channels under a schedule for ``microbatches`` slots."""

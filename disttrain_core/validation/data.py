@@ -173,18 +173,9 @@ def check_blend(cfg: Config, dp: int) -> None:
 
 
 def check_validation_run(cfg: Config) -> None:
-    """Validation during training (train/evaluation.py) where it is built, and ``trainer.eval_only`` with a
-    checkpoint to evaluate."""
+    """Validation during training (train/evaluation.py) where every validation step holds the model to evaluate
+    (local SGD: the synced one), and ``trainer.eval_only`` with a checkpoint to evaluate."""
     t = cfg.trainer
-    unbuilt = {"hotspa": "parallel=hotspa"}.get(cfg.parallel.mode)
-    if cfg.data.producer.address is not None:
-        unbuilt = "a data producer (data.producer.address)"
-    what = f"trainer.val_every_n_steps={t.val_every_n_steps}" if t.val_every_n_steps else "trainer.eval_only=true"
-    if (t.val_every_n_steps or t.eval_only) and unbuilt:
-        raise ConfigError(
-            f"{what} with {unbuilt}: validation is not built there yet (train/evaluation.py); use "
-            "trainer.val_every_n_steps=0"
-        )
     if cfg.parallel.mode == "local_sgd" and t.val_every_n_steps > 0:
         check_local_sgd_validation(cfg)
     if t.checkpoint.keep_best and t.val_every_n_steps <= 0:
@@ -288,18 +279,53 @@ def check_val(cfg: Config, dp: int) -> None:
 
 
 def check_val_kind(cfg: Config) -> None:
-    """A held-out split where the data path has one: shards (webdataset) or a token file (data.format=tokens)."""
+    """The held-out split's kind: shards (webdataset), a token file (data.format=tokens), a corpus or another
+    seed's documents (data.packing)."""
     d = cfg.data
-    split = bool(d.val.holdout_shards or (d.val.path and (cfg.trainer.val_every_n_steps > 0 or cfg.trainer.eval_only)))
-    if split and d.packing.enabled:
-        raise ConfigError(
-            "data.val holds out shards or a token file; it does not apply to data.packing (validation of packed "
-            "documents is not built yet): drop it, and trainer.val_every_n_steps"
-        )
+    if d.packing.enabled:
+        check_val_packing(cfg)
     if d.format == "tokens" and d.val.holdout_shards:
         raise ConfigError(
             f"data.val.holdout_shards={d.val.holdout_shards} holds out webdataset shards; with data.format=tokens "
             "give the held-out windows as a token file of their own: data.val.path=<held-out .npy>"
+        )
+
+
+def check_val_packing(cfg: Config) -> None:
+    """Packed documents' held-out split: a corpus of its own (data.val.path) for source=corpus; the synthetic
+    sources draw held-out documents from another seed, and take no path."""
+    from ..data.corpus import corpus_files
+    from ..data.splits import overlap
+
+    d, pk, t = cfg.data, cfg.data.packing, cfg.trainer
+    if d.val.holdout_shards:
+        raise ConfigError(
+            f"data.val.holdout_shards={d.val.holdout_shards} holds out webdataset shards; packed documents take a "
+            "held-out corpus (data.val.path=<.jsonl or shards>, source=corpus) or none (synthetic sources)"
+        )
+    if t.val_every_n_steps <= 0 and not t.eval_only:
+        return
+    if pk.source != "corpus":
+        if d.val.path:
+            raise ConfigError(
+                f"data.val.path={str(d.val.path)!r}: data.packing.source={pk.source} draws its held-out documents "
+                "from another seed and reads no path; drop data.val.path (or use data.packing.source=corpus)"
+            )
+        return
+    if not d.val.path:
+        raise ConfigError(
+            "trainer.val_every_n_steps with data.packing.source=corpus evaluates a held-out corpus: set "
+            "data.val.path=<.jsonl file, directory or shards that data.packing.corpus does not hold>"
+        )
+    try:
+        held, training = corpus_files(str(d.val.path))[1], corpus_files(str(pk.corpus))[1]
+    except ValueError as error:
+        raise ConfigError(f"data.val.path: {error}") from None
+    both = overlap(held, training)
+    if both:
+        raise ConfigError(
+            f"data.val.path={str(d.val.path)!r} shares {len(both)} file(s) with data.packing.corpus (first: "
+            f"{both[0]}): a held-out corpus is never trained on"
         )
 
 

@@ -407,3 +407,23 @@ def test_the_trainers_sample_costs_cross_the_hello_and_weigh_samples():
             Layout.from_dict({**layout.to_dict(), "costs": bad})
     samples = [SimpleNamespace(images=[0, 0], gen_weight=1.0), SimpleNamespace(images=[], gen_weight=0.0)]
     assert sample_costs(layout.costs, samples) == [2 * 3.0 + 2.0 + 1.0, 2.0]
+
+
+def test_validation_with_a_producer_equals_validation_without(shards, val_shards, tmp_path):
+    """The held-out split is read in the trainer, a producer feeding the training steps or not: the same
+    held-out losses as a run without one (training through the producer is the same too)."""
+    from ..conftest import cli_overrides, read_metrics, run_train
+
+    common = ["trainer.max_steps=4", "optim.global_batch_size=8", "optim.micro_batch_size=2"]
+    common += ["trainer.val_every_n_steps=2", "trainer.val_batches=2"]
+    runs = {}
+    for name, extra in (("producer", ["data.producer.workers=1"]), ("plain", [])):
+        done = run_train(cli_overrides(shards, tmp_path / name) + common + extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = {m["step"]: (m["loss"], m.get("val/loss")) for m in read_metrics(tmp_path / name)}
+    # the producer reorders a global batch's samples over the microbatches: sums in another order (~1e-7)
+    assert sorted(runs["producer"]) == sorted(runs["plain"]) == [1, 2, 3, 4]
+    for step, (loss, val) in runs["plain"].items():
+        assert runs["producer"][step][0] == pytest.approx(loss, abs=1e-5)
+        assert (val is None) == (step not in (2, 4))
+        assert val is None or runs["producer"][step][1] == pytest.approx(val, abs=1e-5)

@@ -411,3 +411,25 @@ def test_token_file_validation_needs_a_held_out_file_of_its_own(shards, tmp_path
         with pytest.raises(PreflightError) as error:
             check_overrides(base + overrides)
         assert expected in str(error.value) and "\n" not in str(error.value), (overrides, str(error.value))
+
+
+def test_packed_validation_needs_a_held_out_corpus_of_its_own(shards, tmp_path):
+    import json
+
+    corpus, held = tmp_path / "train", tmp_path / "held"
+    for folder in (corpus, held):
+        folder.mkdir()
+        (folder / "a.jsonl").write_text("\n".join(json.dumps({"text": f"document {i} " * 20}) for i in range(8)))
+    base = base_overrides(shards, tmp_path) + ["model=llama_tiny", "data=longtail_text"]
+    from_corpus = ["data.packing.source=corpus", f"data.packing.corpus={corpus}", "trainer.val_every_n_steps=2"]
+    cases = [
+        (from_corpus, "data.packing.source=corpus evaluates a held-out corpus: set data.val.path"),
+        ([*from_corpus, f"data.val.path={corpus}"], "shares 1 file(s) with data.packing.corpus"),
+        ([f"data.val.path={held}", "trainer.val_every_n_steps=2"], "draws its held-out documents from another seed"),
+        (["data.val.holdout_shards=1"], "packed documents take a held-out corpus"),
+    ]
+    for overrides, expected in cases:
+        with pytest.raises(PreflightError) as error:
+            check_overrides(base + overrides)
+        assert expected in str(error.value) and "\n" not in str(error.value), (overrides, str(error.value))
+    check_overrides(base + [*from_corpus, f"data.val.path={held}"])  # a corpus of its own: accepted
