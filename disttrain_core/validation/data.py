@@ -173,11 +173,8 @@ def check_blend(cfg: Config, dp: int) -> None:
 
 
 def check_validation_run(cfg: Config) -> None:
-    """Validation during training (train/evaluation.py) where every validation step holds the model to evaluate
-    (local SGD: the synced one), and ``trainer.eval_only`` with a checkpoint to evaluate."""
+    """``trainer.checkpoint.keep_best`` needs validation, and ``trainer.eval_only`` a checkpoint to evaluate."""
     t = cfg.trainer
-    if cfg.parallel.mode == "local_sgd" and t.val_every_n_steps > 0:
-        check_local_sgd_validation(cfg)
     if t.checkpoint.keep_best and t.val_every_n_steps <= 0:
         raise ConfigError(
             "trainer.checkpoint.keep_best=true keeps the checkpoint of the lowest val/loss: set "
@@ -187,33 +184,6 @@ def check_validation_run(cfg: Config) -> None:
         raise ConfigError(
             "trainer.eval_only=true evaluates a checkpoint: set trainer.resume=<checkpoint or run directory> "
             "(python tools/evaluate.py path=<run directory> does)"
-        )
-
-
-def local_sgd_synced(step: int, warmup: int, every: int) -> bool:
-    """Whether every local-SGD worker holds the synced model after step ``step``: a warm-up step (synchronous),
-    or a sync step (train/local_sgd/engine.py ``after_step``)."""
-    return step <= warmup or (step - warmup) % every == 0
-
-
-def check_local_sgd_validation(cfg: Config) -> None:
-    """Local SGD evaluates the synced model, which every worker holds only right after a sync: every validation
-    step (each val_every_n_steps and the last) must be one."""
-    ls, t = cfg.parallel.local_sgd, cfg.trainer
-    if ls.method == "a_edit":
-        raise ConfigError(
-            f"trainer.val_every_n_steps={t.val_every_n_steps} with parallel.local_sgd.method=a_edit: it syncs by "
-            "time, so no step is known to hold the synced model; use method=diloco, edit or post_local_sgd, or "
-            "trainer.val_every_n_steps=0 and tools/evaluate.py on a checkpoint"
-        )
-    last = t.max_steps if t.exit_after_step is None else min(t.max_steps, t.exit_after_step)
-    steps = [*range(t.val_every_n_steps, last + 1, t.val_every_n_steps), last]
-    unsynced = [s for s in steps if not local_sgd_synced(s, ls.warmup_steps, ls.sync_every)]
-    if unsynced:
-        raise ConfigError(
-            f"trainer.val_every_n_steps={t.val_every_n_steps}: local SGD evaluates the synced model, and step "
-            f"{unsynced[0]} is not a sync step (parallel.local_sgd.warmup_steps={ls.warmup_steps}, "
-            f"sync_every={ls.sync_every}); use a multiple of sync_every and a trainer.max_steps that ends on a sync"
         )
 
 

@@ -84,8 +84,7 @@ def test_a_layouts_validation_loss_equals_one_process(layout, evaluated_on, refe
         assert abs(evaluated[key] - ours[5][key]) < 1e-6, (key, evaluated[key], ours[5][key])
 
 
-# Local SGD: 2 workers of 1 process, a synchronous first step, then a sync every 2 steps (after steps 3 and 5):
-# evaluations after steps 3 and 5, when every worker holds the synced model.
+# Local SGD: 2 workers of 1 process, a synchronous first step, then a sync every 2 steps (after steps 3 and 5).
 LOCAL_SGD = [
     "parallel=local_sgd",
     "trainer.devices=2",
@@ -96,18 +95,21 @@ LOCAL_SGD = [
 
 @pytest.mark.parametrize("method", ["diloco", "edit"])  # edit: its layer-wise sync completes before evaluating
 def test_local_sgd_evaluates_the_synced_model(method, shards, val_shards, tmp_path):
+    """An evaluation after every step: the model of the last sync (after the warm-up step 1, after the syncs of
+    steps 3 and 5), whatever the workers hold between syncs. So steps 2 and 4 repeat steps 1 and 3 exactly, and
+    each checkpointed synced model evaluated on one process gives the logged numbers."""
     settings = [*LOCAL_SGD, f"parallel.local_sgd.method={method}", *SMALL]
-    evaluations = ["trainer.val_every_n_steps=3", "trainer.val_batches=2", "trainer.checkpoint.every_n_steps=3"]
-    run = train(shards, tmp_path / "run", *settings, *evaluations)
+    every = ["trainer.val_every_n_steps=1", "trainer.val_batches=2", "trainer.checkpoint.every_n_steps=1"]
+    run = train(shards, tmp_path / "run", *settings, *every, "trainer.checkpoint.keep_last=5")
     plain = train(shards, tmp_path / "plain", *settings)
     assert [(m["step"], m["loss"]) for m in read_metrics(run)] == [(m["step"], m["loss"]) for m in read_metrics(plain)]
     ours, theirs = parameters(run), parameters(plain)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     found = validation(run)
-    assert sorted(found) == [3, 5]
-    # the synced models of steps 3 (edit: applied layer by layer in the next forward, completed before the
-    # evaluation) and 5, checkpointed and evaluated on one process, give the logged numbers
-    for step in (3, 5):
+    assert sorted(found) == [1, 2, 3, 4, 5]
+    assert found[2]["val/loss"] == found[1]["val/loss"] and found[4]["val/loss"] == found[3]["val/loss"]
+    assert found[3]["val/loss"] != found[1]["val/loss"]
+    for step in (1, 3, 5):
         checkpoint = run / "checkpoints" / f"step_{step:08d}"
         done = run_script(REPO / "tools" / "evaluate.py", [f"path={checkpoint}", *ONE], timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -49,15 +49,6 @@ CASES = [
     ),
     (["trainer.checkpoint.keep_best=true"], "trainer.checkpoint.keep_best=true keeps the checkpoint of the lowest"),
     (["trainer.eval_only=true"], "trainer.eval_only=true evaluates a checkpoint: set trainer.resume="),
-    (
-        ["parallel=local_sgd", "trainer.devices=2", "trainer.val_every_n_steps=5"],
-        "trainer.val_every_n_steps=5: local SGD evaluates the synced model, and step 5 is not a sync step",
-    ),
-    (
-        ["parallel=local_sgd", "trainer.devices=2", "trainer.val_every_n_steps=4"]
-        + ["parallel.local_sgd.method=a_edit", "parallel.local_sgd.sync_interval_s=60"],
-        "trainer.val_every_n_steps=4 with parallel.local_sgd.method=a_edit: it syncs by time",
-    ),
     # samples and trackers (issue 40)
     (["logger=[tensorboard,foo]"], "logger=foo is not a known logger option"),
     (

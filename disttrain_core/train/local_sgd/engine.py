@@ -174,12 +174,16 @@ class LocalSgdEngine(DataParallelEngine):
         return super().forward_backward(microbatches, counts, record)
 
     def loss_sums(self, microbatches) -> torch.Tensor:
-        """Validation of the synced model (validation/data.py lets it run only after a warm-up or sync step, and
-        the trainer's ``synchronize`` completes a layer-wise sync first): every worker holds the same
-        parameters, so each process evaluates its own share and the sums add over every process."""
+        """Validation of the synced model: during the warm-up the parameters (the same in every worker), after it
+        the last sync's (the anchors, put in place for the evaluation: train/local_sgd/sync.py ``anchored``; the
+        trainer's ``synchronize`` completes a pending layer-wise sync first). Every process evaluates its own
+        share of the held-out batch and the sums add over every process."""
         group, self.loss_group = self.loss_group, None
         try:
-            return super().loss_sums(microbatches)
+            if self.step <= self.warmup:
+                return super().loss_sums(microbatches)
+            with self.outer.anchored():
+                return super().loss_sums(microbatches)
         finally:
             self.loss_group = group
 

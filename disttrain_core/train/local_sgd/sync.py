@@ -12,6 +12,8 @@ apply the same operations to the same values: after a sync step no parameter cha
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -104,6 +106,30 @@ class OuterSync:
                     entry["momentum_buffer"] = torch.zeros_like(self.anchors[name])
                 buffers[name] = entry["momentum_buffer"]
         return buffers
+
+    @contextlib.contextmanager
+    def anchored(self):
+        """The last synced model in the parameters for the duration (validation evaluates it): each owned
+        parameter takes its anchor, the rest of a worker gets them from their owners (DDP inside a worker);
+        every parameter is restored after, bit for bit. Costs one copy of this process's parameters."""
+        params = [(n, p) for unit in self.units for n, p in unit]
+        with torch.no_grad():
+            saved = {n: local(p.detach()).clone() for n, p in params}
+            for unit in self.owned:
+                for name, param in unit:
+                    local(param).copy_(self.anchors[name])
+            if self.shard > 1 and not self.sharded:
+                for work in [
+                    dist.broadcast(p.data, self.first + self.owner_of[n], group=self.worker_group, async_op=True)
+                    for n, p in params
+                ]:
+                    work.wait()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in params:
+                    local(param).copy_(saved[name])
 
     # --------------------------------------------------------------- the sync
     def sync_now(self) -> None:
