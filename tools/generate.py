@@ -63,23 +63,17 @@ def load_model(checkpoint: Path, device: str):
 
     from disttrain_core.config import typed_config
     from disttrain_core.data.tokenizer import build_tokenizer
-    from disttrain_core.models import build_model
-    from disttrain_core.train.checkpoint import read_tensors
+    from disttrain_core.train.sampling import model_from_checkpoint
 
     config = checkpoint.parent.parent / "config.yaml"
     if not config.is_file():
         raise ConfigError(f"{checkpoint} has no run config.yaml beside its checkpoints/ ({config}): give a run's")
     cfg = typed_config(OmegaConf.to_container(OmegaConf.load(config), resolve=True))
     tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg.model, tokenizer, device="meta")
-    model.to_empty(device=device)
-    for module in model.modules():  # buffers that are computed, not saved (rotary tables, the noise schedule)
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
-    missing, unexpected = model.load_state_dict(read_tensors(checkpoint), strict=False)
-    if missing or unexpected:
-        raise ConfigError(f"{checkpoint} does not hold this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model.eval(), cfg, tokenizer
+    try:
+        return model_from_checkpoint(checkpoint, cfg, tokenizer, device), cfg, tokenizer
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def main(argv: list[str]) -> int:

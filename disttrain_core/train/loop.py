@@ -322,7 +322,7 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
                     last_metrics.update(self.validate())
                     if best is not None and last_metrics["val/loss"] < best:
                         best = improved = last_metrics["val/loss"]
-                if self.samples_due(self.step):
+                if self.samples_due(self.step) and self.in_place:
                     last_metrics.update(self.write_samples())
                 self.metrics.log(self.step, last_metrics)
                 progress.set_postfix(loss=f"{values[-1].loss:.3f}", refresh=False)
@@ -333,6 +333,7 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
             if self.engine.checkpoint_due(self.step, every) or improved is not None:
                 self.save_checkpoint(improved)
                 saved_at = self.step
+                self.samples_after_save()
             if self.engine.stop_agreed(self.stop_request):
                 last_metrics = {**last_metrics, "stopped_at_step": float(self.step)}
                 if self.rank == 0:
@@ -346,6 +347,13 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
                 break
         if trainer.checkpoint.save_last and saved_at != self.step:
             self.save_checkpoint()
+            self.samples_after_save()
+        self._finish()
+        progress.close()
+        return last_metrics
+
+    def _finish(self) -> None:
+        """After the last step: the communication trace, the pending save, the engine and the trackers closed."""
         self.engine.synchronize()
         trace = getattr(self.engine, "trace", None)
         if trace is not None:
@@ -353,9 +361,7 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         self.checkpoints.wait()
         self.stop_request.close()
         self.engine.close()
-        progress.close()
         self.metrics.close()
-        return last_metrics
 
     def _evaluate_only(self) -> dict[str, float]:
         metrics = self.validate()

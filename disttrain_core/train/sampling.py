@@ -4,14 +4,18 @@ temperature/top-p) and, for a model with a generator, draws an image per caption
 ``trainer.samples.captions`` (models/image_sampling.py). Written to ``<run>/samples/step_<N>.json`` (and
 ``.png``, a grid) and to every tracker (TensorBoard: ``samples/text`` and ``samples/images``).
 
-Rank 0's model is the whole model in the layouts the DDP engine trains (validation/sampling.py refuses the
-others before launch). Sampling leaves training as it was: eval mode under ``no_grad`` for its duration, its
-own seeded generators (no global random state is drawn), blocks run eagerly (no compiled graph is added), and
-the training losses with and without it are bit-equal (tests/distributed/test_sampling.py).
+Where rank 0 holds the whole model (the layouts the DDP engine trains) it samples from it in place. Elsewhere
+(FSDP2, TP, PP, several units, HotSPa, local SGD) the model is spread over the ranks, so rank 0 samples from the
+checkpoint saved at that step, read whole onto the host into a model of its own (validation/sampling.py asks
+for a checkpoint at every sampling step); the ranks wait for that save to finish first. Sampling leaves
+training as it was: eval mode under ``no_grad`` for its duration, its own seeded generators (no global random
+state is drawn), blocks run eagerly (no compiled graph is added), and the training losses with and without it
+are bit-equal (tests/distributed/test_sampling.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -31,24 +35,67 @@ def sample_images(cfg) -> bool:
     return bool(images)
 
 
+def samples_in_place(cfg, layout) -> bool:
+    """Whether rank 0 holds the whole model to sample from (else: the checkpoint of the sampling step)."""
+    return layout.trains_with_ddp() and cfg.parallel.mode not in ("hotspa", "local_sgd")
+
+
+def model_from_checkpoint(checkpoint: Path, cfg, tokenizer, device: str | torch.device = "cpu"):
+    """``cfg``'s model with the checkpoint's weights (read whole, by name, whatever layout wrote them), in eval
+    mode; ValueError naming the first missing or unexpected tensor."""
+    from ..models import build_model
+    from .checkpoint import read_tensors
+
+    model = build_model(cfg.model, tokenizer, device="meta")
+    model.to_empty(device=device)
+    for module in model.modules():  # buffers that are computed, not saved (rotary tables, the noise schedule)
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    missing, unexpected = model.load_state_dict(read_tensors(checkpoint), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{checkpoint} does not hold this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.eval()
+
+
 class Samples:
     """Mixed into the Trainer (train/loop.py), whose attributes it reads."""
+
+    @property
+    def in_place(self) -> bool:
+        return samples_in_place(self.cfg, self.layout)
 
     def samples_due(self, step: int) -> bool:
         every = self.cfg.trainer.sample_every_n_steps
         return every > 0 and (step % every == 0 or step == self.stop_at)
+
+    def samples_after_save(self) -> None:
+        """A sampling step of a spread-out model: every rank waits for the checkpoint just saved (a collective),
+        then rank 0 samples from it."""
+        if self.in_place or not self.samples_due(self.step):
+            return
+        self.checkpoints.wait()
+        self.write_samples()
 
     def write_samples(self) -> dict[str, float]:
         """Samples of the model as it is now, written by rank 0 (the others go on); {"samples/seconds": s}."""
         if self.rank != 0:
             return {}
         started = time.perf_counter()
-        model = self.engine.raw_model
+        if samples_in_place(self.cfg, self.layout):
+            model, device = self.engine.raw_model, self.fabric.device
+        else:  # the checkpoint just saved at this step (the trainer waited for it)
+            from .checkpoint import latest_checkpoint
+
+            model, device = (
+                model_from_checkpoint(latest_checkpoint(self.checkpoints.root), self.cfg, self.tokenizer),
+                "cpu",
+            )
         training = model.training
         model.eval()
+        autocast = self.fabric.autocast() if device == self.fabric.device else contextlib.nullcontext()
         try:
-            with torch.no_grad(), torch.compiler.set_stance("force_eager"), self.fabric.autocast():
-                texts = self._texts(model)
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"), autocast:
+                texts = self._texts(model, device)
                 images = self._images(model)
         finally:
             model.train(training)
@@ -58,12 +105,12 @@ class Samples:
             self.metrics.log_image("samples/images", record["grid"], self.step)
         return {"samples/seconds": time.perf_counter() - started}
 
-    def _texts(self, model) -> list[dict[str, str]]:
+    def _texts(self, model, device) -> list[dict[str, str]]:
         s, tok = self.cfg.trainer.samples, self.tokenizer
         sampling = Sampling(float(s.temperature), float(s.top_p))
         out = []
         for index, prompt in enumerate(s.prompts):
-            ids = torch.tensor([[tok.bos_id, *tok.encode(prompt)]], device=self.fabric.device)
+            ids = torch.tensor([[tok.bos_id, *tok.encode(prompt)]], device=device)
             rows = generate(model.llm, ids, int(s.max_new_tokens), sampling, tok.eos_id, int(s.seed) + index)
             continuation = [t for t in rows[0, ids.shape[1] :].tolist() if t != tok.eos_id]
             out.append({"prompt": prompt, "text": tok.decode(continuation)})

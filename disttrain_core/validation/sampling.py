@@ -45,15 +45,18 @@ def check_sampling(cfg: Config) -> None:
 
 
 def check_sampling_layout(cfg: Config, layout) -> None:
-    """Samples come from rank 0's model, which must be the whole model: layouts trained by the DDP engine."""
-    every = cfg.trainer.sample_every_n_steps
-    if every <= 0:
+    """Where rank 0 lacks the whole model, samples come from the checkpoint of each sampling step: one must be
+    saved there."""
+    from ..train.sampling import samples_in_place
+
+    every, t = cfg.trainer.sample_every_n_steps, cfg.trainer
+    if every <= 0 or samples_in_place(cfg, layout):
         return
-    mode = cfg.parallel.mode
-    if mode in ("hotspa", "local_sgd") or not layout.trains_with_ddp():
-        where = f"parallel={mode}" if mode in ("hotspa", "local_sgd") else "this layout (sharded, TP, PP or units)"
+    saves = t.checkpoint.every_n_steps
+    if saves <= 0 or every % saves != 0 or not t.checkpoint.save_last:
+        where = f"parallel={cfg.parallel.mode}" if cfg.parallel.mode in ("hotspa", "local_sgd") else "this layout"
         raise ConfigError(
-            f"trainer.sample_every_n_steps={every}: samples are drawn from rank 0's whole model, which {where} "
-            "does not hold; use trainer.sample_every_n_steps=0 and python tools/generate.py path=<run> on a "
-            "checkpoint"
+            f"trainer.sample_every_n_steps={every}: {where} spreads the model over the ranks, so rank 0 samples "
+            f"from the checkpoint saved at each sampling step; set trainer.checkpoint.every_n_steps={every} (or a "
+            "divisor of it) and keep trainer.checkpoint.save_last=true"
         )

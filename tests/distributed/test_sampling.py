@@ -127,3 +127,22 @@ def test_generate_tool_reads_the_checkpoint_and_its_cache_changes_no_token(sampl
     (images,) = run("images=true", "prompt=photo of a red circle on white", "samples=2", f"out={tmp_path}/g.png")
     with Image.open(images["png"]) as grid:
         assert grid.size == (2 + 2 * (32 + 2), 2 + 32 + 2)
+
+
+def test_a_pipeline_samples_from_the_checkpoint_of_each_sampling_step(shards, tmp_path):
+    """parallel=pp2: no rank holds the whole model, so rank 0 samples from the checkpoint saved at each sampling
+    step (steps 2, 4 and the last, 5); training is bit-equal with and without it, and the step-5 texts are those
+    tools/generate.py draws from that checkpoint."""
+    layout = [*SMALL, "parallel=pp2", "schedule=1f1b", "trainer.devices=2", "trainer.checkpoint.every_n_steps=2"]
+    samples = ["trainer.sample_every_n_steps=2", "trainer.samples.max_new_tokens=8", "trainer.samples.steps=4"]
+    run = train(shards, tmp_path / "run", *layout, *samples)
+    plain = train(shards, tmp_path / "plain", *layout)
+    assert [(m["step"], m["loss"]) for m in read_metrics(run)] == [(m["step"], m["loss"]) for m in read_metrics(plain)]
+    written = {int(p.stem.split("_")[1]): json.loads(p.read_text()) for p in (run / "samples").glob("*.json")}
+    assert sorted(written) == [2, 4, 5] and all((run / "samples" / w["png"]).is_file() for w in written.values())
+    done = run_script(
+        REPO / "tools" / "generate.py", [f"path={run}", "prompt=photo of a red|drawing of a", "max_new_tokens=8"]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    generated = [json.loads(line)["text"] for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [t["text"] for t in written[5]["texts"]] == generated

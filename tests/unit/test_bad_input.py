@@ -57,7 +57,8 @@ CASES = [
     ),
     (
         ["trainer.sample_every_n_steps=5", "parallel=pp2", "schedule=1f1b", "trainer.devices=2"],
-        "trainer.sample_every_n_steps=5: samples are drawn from rank 0's whole model",
+        "trainer.sample_every_n_steps=5: this layout spreads the model over the ranks, so rank 0 samples from the "
+        "checkpoint saved at each sampling step; set trainer.checkpoint.every_n_steps=5",
     ),
     (["trainer.samples.top_p=0"], "trainer.samples.top_p=0.0: use a value in (0, 1]"),
     (["trainer.samples.steps=5000"], "trainer.samples.steps=5000: the generator's schedule has 1000 timesteps"),
