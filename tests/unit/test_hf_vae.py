@@ -43,17 +43,17 @@ def _reference(vae, images):
     return (mean - (config.shift_factor or 0.0)) * config.scaling_factor
 
 
+# the plain SD layout; another latent normalization without the quant convolutions and the mid-block attention;
+# per-channel latent statistics (SDXL/SD3-style configs)
+CONFIGS = [
+    {},
+    {"shift_factor": 0.1, "scaling_factor": 0.5, "use_quant_conv": False, "mid_block_add_attention": False},
+    {"latents_mean": [0.1, -0.2, 0.3, 0.0], "latents_std": [0.5, 1.5, 1.0, 2.0]},
+]
 IMAGES = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {},
-        {"shift_factor": 0.1, "scaling_factor": 0.5, "use_quant_conv": False, "mid_block_add_attention": False},
-        {"latents_mean": [0.1, -0.2, 0.3, 0.0], "latents_std": [0.5, 1.5, 1.0, 2.0]},
-    ],
-)
+@pytest.mark.parametrize("config", CONFIGS)
 def test_encoder_matches_diffusers_posterior_mean(tmp_path, config):
     vae = _save_vae(tmp_path, **config)
     ours = StableDiffusionVAEEncoder(tmp_path)
@@ -119,14 +119,7 @@ def test_mismatches_and_missing_path_are_one_line_errors(tmp_path):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        {},
-        {"shift_factor": 0.1, "scaling_factor": 0.5, "use_quant_conv": False, "mid_block_add_attention": False},
-        {"latents_mean": [0.1, -0.2, 0.3, 0.0], "latents_std": [0.5, 1.5, 1.0, 2.0]},
-    ],
-)
+@pytest.mark.parametrize("config", CONFIGS)
 def test_decoder_matches_diffusers(tmp_path, config):
     from disttrain_core.models.vae_decoder import StableDiffusionVAEDecoder
 
