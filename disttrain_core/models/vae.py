@@ -191,6 +191,22 @@ class FrozenVAEPart(nn.Module):
     directory: Path
     latent_stats: tuple[list[float], list[float]] | None
 
+    def _latent_normalization(self, config: dict[str, Any], latent_channels: int) -> None:
+        """``scaling_factor``, ``shift_factor`` and the per-channel ``latents_mean``/``latents_std`` of the config,
+        and the (frozen) buffers the statistics are read into."""
+        self.latent_channels = latent_channels
+        self.scaling_factor = float(config.get("scaling_factor", 0.18215))
+        self.shift_factor = float(config.get("shift_factor") or 0.0)
+        mean, std = config.get("latents_mean"), config.get("latents_std")
+        self.latent_stats = (list(map(float, mean)), list(map(float, std))) if mean and std else None
+        if self.latent_stats is not None and self.shift_factor:
+            raise PretrainedError(
+                f"model.latent_encoder_path={self.directory}: both shift_factor and latents_mean/latents_std are set"
+            )
+        channels = latent_channels if self.latent_stats else 0
+        _frozen(self, "latents_mean", channels)
+        _frozen(self, "latents_std", channels)
+
     def _weights_file(self) -> Path:
         preferred = self.directory / "diffusion_pytorch_model.safetensors"
         if preferred.is_file():
@@ -258,14 +274,8 @@ class StableDiffusionVAEEncoder(FrozenVAEPart):
         if act_fn not in ACTIVATIONS:
             raise PretrainedError(f"{where}: act_fn={act_fn!r} is not supported ({', '.join(ACTIVATIONS)})")
         self.widths = [int(w) for w in config.get("block_out_channels", [64])]
-        self.latent_channels = int(config.get("latent_channels", 4))
         self.downsample = 2 ** (len(self.widths) - 1)
-        self.scaling_factor = float(config.get("scaling_factor", 0.18215))
-        self.shift_factor = float(config.get("shift_factor") or 0.0)
-        mean, std = config.get("latents_mean"), config.get("latents_std")
-        self.latent_stats = (list(map(float, mean)), list(map(float, std))) if mean and std else None
-        if self.latent_stats is not None and self.shift_factor:
-            raise PretrainedError(f"{where}: both shift_factor and latents_mean/latents_std are set")
+        self._latent_normalization(config, int(config.get("latent_channels", 4)))
         self.encoder = _Encoder(
             self.widths,
             int(config.get("layers_per_block", 1)),
@@ -276,9 +286,6 @@ class StableDiffusionVAEEncoder(FrozenVAEPart):
         )
         width = 2 * self.latent_channels
         self.quant_conv = _Conv(width, width, 1) if config.get("use_quant_conv", True) else None
-        channels = self.latent_channels if self.latent_stats else 0
-        _frozen(self, "latents_mean", channels)
-        _frozen(self, "latents_std", channels)
         self.reset_buffers()
 
     @torch.no_grad()

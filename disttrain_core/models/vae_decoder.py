@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hf import PretrainedError
-from .vae import ACTIVATIONS, FrozenVAEPart, _Conv, _frozen, _GroupNorm, _MidBlock, _ResnetBlock, read_vae_config
+from .vae import ACTIVATIONS, FrozenVAEPart, _Conv, _GroupNorm, _MidBlock, _ResnetBlock, read_vae_config
 
 
 class _Upsample(nn.Module):
@@ -82,11 +82,7 @@ class StableDiffusionVAEDecoder(FrozenVAEPart):
         act_fn = config.get("act_fn", "silu")
         if act_fn not in ACTIVATIONS:
             raise PretrainedError(f"{where}: act_fn={act_fn!r} is not supported ({', '.join(ACTIVATIONS)})")
-        self.latent_channels = int(config.get("latent_channels", 4))
-        self.scaling_factor = float(config.get("scaling_factor", 0.18215))
-        self.shift_factor = float(config.get("shift_factor") or 0.0)
-        mean, std = config.get("latents_mean"), config.get("latents_std")
-        self.latent_stats = (list(map(float, mean)), list(map(float, std))) if mean and std else None
+        self._latent_normalization(config, int(config.get("latent_channels", 4)))
         use_post_quant = config.get("use_post_quant_conv", config.get("use_quant_conv", True))
         self.post_quant_conv = _Conv(self.latent_channels, self.latent_channels, 1) if use_post_quant else None
         self.decoder = _Decoder(
@@ -97,9 +93,6 @@ class StableDiffusionVAEDecoder(FrozenVAEPart):
             ACTIVATIONS[act_fn],
             attention=bool(config.get("mid_block_add_attention", True)),
         )
-        channels = self.latent_channels if self.latent_stats else 0
-        _frozen(self, "latents_mean", channels)
-        _frozen(self, "latents_std", channels)
         self.reset_buffers()
 
     def unscaled(self, latents: torch.Tensor) -> torch.Tensor:

@@ -72,13 +72,13 @@ class Evaluation:
         self.engine.synchronize()  # parameter gathers still in flight from the last optimizer step
         sums = torch.zeros(2, dtype=torch.float64, device=self.fabric.device)
         tokens = samples = 0.0
+        hotspa = self.packing and cfg.parallel.mode == "hotspa"  # HotSPa splits the buckets per strategy
         for _ in range(cfg.trainer.val_batches):
             microbatches = loader.next_step()  # the whole global batch: its counts are the same everywhere
             tokens += sum(mb.loss_tokens() for mb in microbatches)
             samples += sum(mb.gen_samples() for mb in microbatches)
             if self.broker is not None:
                 self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
-            hotspa = self.packing and cfg.parallel.mode == "hotspa"  # HotSPa splits the buckets per strategy
             sums += self.engine.evaluate(microbatches if hotspa else self._replica_share(microbatches, self.dp_rank))
         lm_sum, gen_sum = sums.tolist()  # a host read, off the training steps
         lm = lm_sum / max(tokens, 1.0)

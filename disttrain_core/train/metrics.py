@@ -43,11 +43,11 @@ class MetricsLogger:
             self.jsonl.write(json.dumps(record) + "\n")
 
     def log_image(self, tag: str, image_hwc, step: int) -> None:
-        for tracker in self.trackers if self.enabled else ():
+        for tracker in self.trackers:  # none on ranks other than 0
             tracker.log_image(tag, image_hwc, step)
 
     def log_text(self, tag: str, text: str, step: int) -> None:
-        for tracker in self.trackers if self.enabled else ():
+        for tracker in self.trackers:  # none on ranks other than 0
             tracker.log_text(tag, text, step)
 
     def close(self) -> None:

@@ -81,7 +81,7 @@ class Samples:
         if self.rank != 0:
             return {}
         started = time.perf_counter()
-        if samples_in_place(self.cfg, self.layout):
+        if self.in_place:
             model, device = self.engine.raw_model, self.fabric.device
         else:  # the checkpoint just saved at this step (the trainer waited for it)
             from .checkpoint import latest_checkpoint
