@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 IGNORE = -100
 
@@ -86,6 +87,8 @@ class LMHead(torch.nn.Linear):
     chunk = 0
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(self.weight, DTensor):  # vocabulary-parallel (parallel/tensor_parallel.py)
+            return self._vocab_parallel(hidden, labels)
         if labels is None:
             return super().forward(hidden)
         if self.chunk <= 0:
@@ -93,3 +96,13 @@ class LMHead(torch.nn.Linear):
             flat = logits.float().reshape(-1, logits.shape[-1])
             return F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
         return linear_cross_entropy_sum(hidden, self.weight, labels, self.chunk)
+
+    def _vocab_parallel(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        from .vocab_parallel import vocab_parallel_logits, vocab_parallel_loss_sum
+
+        mesh = self.weight.device_mesh
+        if labels is None:
+            return vocab_parallel_logits(hidden, self.weight, mesh)
+        local = self.weight.to_local()
+        start = mesh.get_local_rank() * local.shape[0]
+        return vocab_parallel_loss_sum(hidden, local, labels, self.chunk, mesh.get_group(), start)

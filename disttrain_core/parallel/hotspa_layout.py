@@ -81,9 +81,11 @@ def llm_param_specs(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str
         if found:
             layer, module = int(found.group(1)), found.group(2)
             specs[name] = ParamSpec(tuple(p.shape), _TP_DIMS.get(module), layer)
-        elif name.startswith("llm.tok_embeddings."):
-            specs[name] = ParamSpec(tuple(p.shape), None, None, "first")
-        elif name.startswith(("llm.norm.", "llm.output.")):
+        elif name.startswith("llm.tok_embeddings."):  # vocabulary-parallel: rows split over TP
+            specs[name] = ParamSpec(tuple(p.shape), 0, None, "first")
+        elif name.startswith("llm.output."):
+            specs[name] = ParamSpec(tuple(p.shape), 0, None, "last")
+        elif name.startswith("llm.norm."):
             specs[name] = ParamSpec(tuple(p.shape), None, None, "last")
         else:
             raise ValueError(f"parallel.mode=hotspa trains text-only Llama models; {name} is not one (model.name)")

@@ -7,15 +7,17 @@ one all-reduce). Blocks take and return ordinary, replicated tensors, so nothing
 else in the model changes; the attention code already derives its local head
 count from the tensor shapes.
 
-Where TP applies: Llama decoder blocks and ViT blocks. Embeddings, norms outside
-the blocks, the output head, the projectors and the U-Net stay replicated inside
-the TP group (every TP rank computes them whole): the U-Net's convolutions and
-skip connections have no standard TP plan and it is small next to the LLM.
+Where TP applies: Llama decoder blocks and ViT blocks, and the Llama's vocabulary: the token embedding is
+row-parallel (each rank holds V/tp rows, looks up the tokens it holds, one all-reduce sums the lookups) and the
+output head holds V/tp rows too, its loss computed without gathering the logits (models/vocab_parallel.py).
+Norms outside the blocks, the projectors and the U-Net stay replicated inside the TP group (every TP rank
+computes them whole): the U-Net's convolutions and skip connections have no standard TP plan.
 """
 
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..models.llama import DecoderBlock, Llama
@@ -54,6 +56,8 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
         elif isinstance(child, VitBlock):
             parallelize_module(child, mesh, VIT_PLAN)
             blocks += 1
+        elif isinstance(child, Llama):
+            apply_vocab_parallel(child, mesh)
     if sequence_overlap:
         from ..comm.tp_overlap import enable_overlapped_sequence_parallel
 
@@ -61,3 +65,17 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
             if isinstance(child, Llama) and len(child.layers):
                 enable_overlapped_sequence_parallel(child, mesh.get_group())
     return blocks
+
+
+def apply_vocab_parallel(llm: Llama, mesh) -> None:
+    """Split the embedding's and the head's vocabulary rows over ``mesh`` (either may be absent on a pipeline
+    stage). The rows must split evenly (validation/layout.py checks tp divides model.llm.vocab_size)."""
+    vocab, tp = llm.cfg.vocab_size, mesh.size()
+    if vocab % tp:
+        raise ValueError(f"tp={tp} does not divide model.llm.vocab_size={vocab}")
+    if llm.tok_embeddings is not None:
+        parallelize_module(llm.tok_embeddings, mesh, RowwiseParallel(input_layouts=Replicate()))
+    if llm.output is not None:
+        llm.output.weight = nn.Parameter(
+            distribute_tensor(llm.output.weight.data, mesh, [Shard(0)]), requires_grad=llm.output.weight.requires_grad
+        )

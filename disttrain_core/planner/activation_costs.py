@@ -148,7 +148,7 @@ class MemoryCosts:
         policy = policy or self.settings.recompute  # auto without a unit's choice: no recompute (a lower bound)
         if policy in ("none", "selective_op", "auto") or w.counted_activation_bytes or not w.train_flops:
             return 1.0
-        blocks = (w.train_flops - w.flops_not_tp) / w.train_flops
+        blocks = (w.train_flops - w.flops_not_tp - w.flops_head) / w.train_flops
         share = 1.0 if policy == "full" else 1.0 / self.settings.recompute_every
         return 1.0 + blocks * share / 3.0
 
@@ -195,7 +195,7 @@ class MemoryCosts:
         w = self.work.units[unit]
         held = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / ep
         block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)
-        return max(block, float(self.work.vocab * w.dim) if unit == "llm" else 0.0)
+        return max(block, self.work.vocab * w.dim / tp if unit == "llm" else 0.0)  # vocabulary-parallel
 
     def step_transient_bytes(
         self, unit: str, tp: int, pp: int, shard: str | None, in_flight: int, stage: int | None = None, ep: int = 1

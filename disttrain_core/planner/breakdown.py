@@ -110,7 +110,7 @@ def role_memory(
         recompute += c.attention_transient_bytes("llm", llm.tp, micro, llm.cp)
         step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp, llm.ep)
         if last:
-            logits = model.logits(micro, llm.cp)
+            logits = model.logits(micro, llm.cp, llm.tp)
         extra = []
         if enc is not None and enc.colocated and first:
             act += c.activation_bytes("encoder", llm.tp, model.images(micro), policy) * flight

@@ -172,13 +172,16 @@ class CostModel(MemoryCosts):
 
     def _analytic(self, unit: str, tp: int, items: float) -> float:
         w = self.work.units[unit]
-        # TP shards the blocks' attention and dense MLPs; the head, the replicated modules and the MoE
-        # feed-forwards (which the runtime's TP plan does not reach) run whole on every TP rank
+        # TP shards the blocks' attention and dense MLPs and the LLM's head (by vocabulary rows); the replicated
+        # modules and the MoE feed-forwards (which the runtime's TP plan does not reach) run whole on every TP rank
         flops = items * (w.train_flops - w.flops_unsplit) / tp + items * w.flops_unsplit
         seconds = flops / (self.hw.peak_flops * self.hw.efficiency)
         if tp > 1 and w.params_tp:
             block_bytes = items * w.tokens * w.dim * self.settings.act_bytes
-            seconds += 4 * w.layers * self.allreduce_s(block_bytes, tp, self.hw.intra_bw)
+            # two per block forward and backward; the vocabulary-parallel embedding's lookups and the head's
+            # input gradient one each
+            reduces = 4 * w.layers + (2 if w.vocab else 0)
+            seconds += reduces * self.allreduce_s(block_bytes, tp, self.hw.intra_bw)
         return seconds
 
     # -------------------------------------------------------------------- unit pieces
@@ -193,11 +196,12 @@ class CostModel(MemoryCosts):
         w = self.work.units[unit]
         blocks = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / ep
         if stage is None:
-            return (blocks + w.params_rep) / pp
+            return (blocks + w.rep_local(tp)) / pp
         held = blocks / pp
         if w.params_first + w.params_last != w.params_rep:  # a workload without the split: spread evenly
-            return held + w.params_rep / pp
-        return held + (w.params_first if stage == 0 else 0) + (w.params_last if stage == pp - 1 else 0)
+            return held + w.rep_local(tp) / pp
+        first = w.rep_local(tp, "first") if stage == 0 else 0
+        return held + first + (w.rep_local(tp, "last") if stage == pp - 1 else 0)
 
     def _split_params(self, unit: str, tp: int, pp: int, stage: int | None, ep: int) -> tuple[float, float]:
         """(non-expert, routed-expert) parameters of one rank of a stage: they are reduced, sharded and

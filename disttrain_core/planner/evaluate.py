@@ -310,10 +310,11 @@ class LayoutModel:
             f"({c.settings.memory_margin:.0%} of {c.hw.memory_bytes / 1e9:.0f} GB)"
         )
 
-    def logits(self, samples: float, cp: int = 1) -> float:
+    def logits(self, samples: float, cp: int = 1, tp: int = 1) -> float:
         """Logits and loss temporaries of the last LLM stage: its 1/cp of each sequence's positions, or one chunk of
-        model.loss_chunk positions of them (models/chunked_loss.py)."""
+        model.loss_chunk positions of them (models/chunked_loss.py); 1/tp of the vocabulary (vocabulary-parallel
+        head, models/vocab_parallel.py)."""
         positions = samples * self.w.seq_len / cp
         if self.w.loss_chunk > 0:
             positions = min(positions, self.w.loss_chunk)
-        return positions * self.w.vocab * (self.c.settings.act_bytes + 8)
+        return positions * self.w.vocab / tp * (self.c.settings.act_bytes + 8)

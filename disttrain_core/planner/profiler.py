@@ -227,7 +227,6 @@ def _worker(rank, world, port, threads, payload, tp_sizes, device, queue):  # pr
 def _trial_loss(cfg, modules, unit: str, items: int, dev):
     """Forward of one module (with its projector) on ``items`` random items, reduced to a scalar."""
     import torch
-    import torch.nn.functional as F
 
     m = cfg.model
     if unit == "encoder":
@@ -237,9 +236,9 @@ def _trial_loss(cfg, modules, unit: str, items: int, dev):
     if unit == "llm":
         llm = modules["llm"]
         hidden = torch.randn(items, m.seq_len, m.llm.dim, device=dev, requires_grad=True)
-        logits = llm.logits(llm.final_norm(llm.run_layers(hidden)))
-        targets = torch.randint(0, m.llm.vocab_size, logits.shape[:2], device=dev)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        targets = torch.randint(0, m.llm.vocab_size, (items, m.seq_len), device=dev)
+        # the head with its loss as training runs it (vocabulary-parallel under TP, chunked with model.loss_chunk)
+        return llm.output(llm.final_norm(llm.run_layers(hidden)), targets) / targets.numel()
     side = m.gen_image_size // m.latent_downsample
     queries = torch.randn(items, m.gen_tokens, m.llm.dim, device=dev, requires_grad=True)
     context = modules["generator_projector"](queries)

@@ -130,7 +130,7 @@ class Orchestrator:
         """Smallest LLM pipeline size whose stages can fit (a lower bound: other units only add)."""
         c, micro = self.m.c, self.m.micro
         act = c.activation_bytes("llm", opt.tp, micro, None, opt.cp)
-        logits = self.m.logits(micro, opt.cp)
+        logits = self.m.logits(micro, opt.cp, opt.tp)
         for pp in self.llm_pp_options(opt.vpp):
             # the first stage keeps min(pp, m) microbatches in flight and the embeddings, the last one the
             # head and the logits; the state is the least any shard mode holds (gradients left out: FSDP2's

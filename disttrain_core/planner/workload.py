@@ -29,9 +29,10 @@ UNIT_NAMES = ("encoder", "llm", "generator")
 class UnitWork:
     name: str
     train_flops: float  # forward + backward FLOPs per item
-    flops_not_tp: float  # the part tensor parallelism does not split (replicated modules, the LM head)
+    flops_not_tp: float  # the part tensor parallelism does not split (replicated modules, the projectors)
     params_tp: int  # parameters inside transformer blocks (sharded by TP)
-    params_rep: int  # parameters replicated inside a TP group (embeddings, norms, head, projector, U-Net)
+    params_rep: int  # parameters outside the blocks (embeddings, norms, head, projector, U-Net); replicated in a
+    # TP group but for the vocabulary rows (vocab_first, vocab_last)
     trainable_fraction: float  # share of the parameters that have gradients and optimizer states
     items_per_sample: float
     layers: int  # transformer blocks (pipeline stages split these); 1 for the U-Net
@@ -63,6 +64,12 @@ class UnitWork:
     top_k: int = 0
     expert_dim: int = 0  # hidden width of one expert
     shared_experts: int = 0
+    # Vocabulary parallelism (LLM): of params_first / params_last, the embedding's and the head's rows, which
+    # tensor parallelism splits (parallel/tensor_parallel.py apply_vocab_parallel); vocab: their row count
+    vocab: int = 0
+    vocab_first: int = 0
+    vocab_last: int = 0
+    flops_head: float = 0.0  # forward + backward FLOPs per item of the head (split by TP, never recomputed)
 
     @property
     def params(self) -> int:
@@ -75,7 +82,7 @@ class UnitWork:
 
     @property
     def flops_unsplit(self) -> float:
-        """FLOPs per item TP does not divide: the replicated modules and head, and the MoE feed-forwards."""
+        """FLOPs per item TP does not divide: the replicated modules and the MoE feed-forwards."""
         return self.flops_not_tp + self.flops_moe
 
     def active_params(self) -> float:
@@ -91,7 +98,22 @@ class UnitWork:
         if not self.params_tp:
             return False  # replicated inside a TP group (the U-Net): TP would only cost devices
         hidden = round(self.dim * self.mlp_ratio)
-        return self.heads % tp == 0 and hidden % tp == 0 and (not self.kv_heads or self.kv_heads % tp == 0)
+        return (
+            self.heads % tp == 0
+            and hidden % tp == 0
+            and (not self.kv_heads or self.kv_heads % tp == 0)
+            and (not self.vocab or self.vocab % tp == 0)
+        )
+
+    def rep_local(self, tp: int, part: str = "all") -> float:
+        """Of the parameters outside the blocks (``part``: "first", "last" or "all"), what one TP rank holds:
+        the vocabulary rows 1/tp, the rest whole."""
+        held, vocab = {
+            "first": (self.params_first, self.vocab_first),
+            "last": (self.params_last, self.vocab_last),
+            "all": (self.params_rep, self.vocab_first + self.vocab_last),
+        }[part]
+        return held - vocab + vocab / tp
 
 
 @dataclass(frozen=True)
@@ -171,7 +193,7 @@ def _llm_work(cfg: ModelConfig, model, flops) -> UnitWork:
     return UnitWork(
         name="llm",
         train_flops=flops["llm"].train,
-        flops_not_tp=min(head_flops, flops["llm"].train),
+        flops_not_tp=0.0,  # the head's matmuls split over TP with the vocabulary
         params_tp=blocks,
         params_rep=_count(llm) - blocks,
         trainable_fraction=_trainable((llm, cfg.freeze.llm)),
@@ -186,6 +208,10 @@ def _llm_work(cfg: ModelConfig, model, flops) -> UnitWork:
         kv_heads=cfg.llm.n_kv_heads,
         params_first=_count(llm.tok_embeddings),
         params_last=_count(llm) - blocks - _count(llm.tok_embeddings),
+        vocab=cfg.llm.vocab_size,
+        vocab_first=_count(llm.tok_embeddings),
+        vocab_last=_count(llm.output),
+        flops_head=min(head_flops, flops["llm"].train),
         **_moe_work(cfg, llm, _count),
     )
 
@@ -248,7 +274,7 @@ def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 8
+WORKLOAD_VERSION = 9
 
 
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:

@@ -289,6 +289,13 @@ def _validate_unit_tp(cfg: Config, unit, where: str) -> None:
         llm = m.llm
         for what, value in (("n_heads", llm.n_heads), ("n_kv_heads", llm.n_kv_heads), ("ffn_dim", llm.ffn_dim)):
             _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.llm.{what}={value}")
+        padded = -(-llm.vocab_size // unit.tp) * unit.tp
+        _require(
+            llm.vocab_size % unit.tp == 0,
+            f"{where}: tp={unit.tp} does not divide model.llm.vocab_size={llm.vocab_size} (the embedding and the "
+            f"head split the vocabulary over TP); pad it: model.llm.vocab_size={padded} (the extra rows are never "
+            "a label)",
+        )
         _require(
             not p.comm.tp_overlap or m.seq_len % unit.tp == 0,
             f"parallel.comm.tp_overlap=true splits the sequence over the TP group, but tp={unit.tp} does "

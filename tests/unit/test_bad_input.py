@@ -142,6 +142,10 @@ CASES = [
     ),
     (["parallel=disagg4_tp2", "model.llm.ffn_dim=351"], "tp=2 does not divide model.llm.ffn_dim=351"),
     (
+        ["parallel=disagg4_tp2", "model.llm.vocab_size=385"],
+        "pad it: model.llm.vocab_size=386",
+    ),
+    (
         ["parallel=disagg6_enc2_llm3", "optim.micro_batch_size=1", "optim.global_batch_size=3"],
         "which the encoder unit's dp(2) cannot share evenly",
     ),

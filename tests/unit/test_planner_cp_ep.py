@@ -144,7 +144,8 @@ def test_cp_is_tried_only_for_long_sequences():
 
 
 def test_solver_picks_cp_when_a_long_sequence_fits_no_other_way():
-    model = layout_model(LONG_LLAMA, 32, 32, recompute="full")  # 64k tokens: the logits alone are 84 GB without CP
+    # 128k tokens: without CP, 21 GB of vocabulary-parallel logits per rank at tp=8 on top of the activations
+    model = layout_model(["model=llama3_8b", "model.seq_len=131072"], 32, 32, recompute="full")
     with pytest.raises(PlanningError, match="memory"):
         Orchestrator(model, cp_options=(1,)).solve()
     plan = Orchestrator(model).solve().evaluation
