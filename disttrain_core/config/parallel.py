@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -171,6 +171,11 @@ class ParallelConfig:
     # data-parallel group, ep replicas share the experts (num_experts / ep each); must divide dp.
     ep: int = 1
     modality_stages: str = "separate"  # megatron only: separate | folded
+    # How many LLM blocks each LLM pipeline stage holds, in stage order (pp x virtual stages per rank entries,
+    # virtual stage v of rank r being stage v x pp + r), e.g. [1, 3]; null: the same count everywhere; auto: the
+    # planner balances the stages' predicted times, the embedding, head and colocated modules included
+    # (planner/stage_split.py), and the launch prints and uses its split.
+    pp_split: Any = None
     units: UnitsConfig = field(default_factory=UnitsConfig)  # manual only
     # Activation recompute for ddp and megatron layouts (manual: parallel.units.<unit>.recompute):
     # none | full | selective_op | every_k (parallel/recompute.py)

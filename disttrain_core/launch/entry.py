@@ -121,8 +121,22 @@ def resolve(cfg: Config, container: dict, environment):
 
         container = resolve_hotspa_auto(cfg, container, Path(cfg.paths.output_dir))
         run = validate_run(typed_config(container), container, plan=container["parallel"])
+    if run.cfg.parallel.pp_split == "auto":
+        run = _resolve_pp_split(run, container)
     check_state_sources(run.cfg, Path(run.cfg.paths.output_dir))
     return run
+
+
+def _resolve_pp_split(run, container: dict):
+    """parallel.pp_split=auto on a configured layout: the planner's balanced split, printed, then validated as if
+    typed (parallel=auto plans write theirs into the layout they return)."""
+    from ..planner.api import auto_pp_split
+
+    split, seconds = auto_pp_split(run.cfg, run.layout)
+    times = ", ".join(f"{1e3 * s:.3g}" for s in seconds)
+    print(f"parallel.pp_split=auto: LLM blocks per stage {split} (predicted ms per microbatch: {times})", flush=True)
+    container["parallel"]["pp_split"] = split
+    return validate_run(typed_config(container), container)
 
 
 def launch(cfg: DictConfig) -> float | None:

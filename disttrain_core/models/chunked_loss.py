@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 IGNORE = -100
 
@@ -77,32 +76,3 @@ def linear_cross_entropy_sum(
     """Sum over positions of the cross-entropy of ``hidden @ weight.T`` against ``labels`` (-100: no loss),
     ``chunk`` positions at a time. ``hidden``: [..., D]; ``labels``: [...]."""
     return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), int(chunk))
-
-
-class LMHead(torch.nn.Linear):
-    """The LLM's output projection (a Linear, so checkpoints and tensor/FSDP plans see ``output.weight``); called
-    with labels it returns the summed loss, chunked by ``chunk`` positions (0: whole rows, plain logits). FSDP2
-    gathers its weight around this call whichever way it runs."""
-
-    chunk = 0
-
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(self.weight, DTensor):  # vocabulary-parallel (parallel/tensor_parallel.py)
-            return self._vocab_parallel(hidden, labels)
-        if labels is None:
-            return super().forward(hidden)
-        if self.chunk <= 0:
-            logits = super().forward(hidden)
-            flat = logits.float().reshape(-1, logits.shape[-1])
-            return F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
-        return linear_cross_entropy_sum(hidden, self.weight, labels, self.chunk)
-
-    def _vocab_parallel(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        from .vocab_parallel import vocab_parallel_logits, vocab_parallel_loss_sum
-
-        mesh = self.weight.device_mesh
-        if labels is None:
-            return vocab_parallel_logits(hidden, self.weight, mesh)
-        local = self.weight.to_local()
-        start = mesh.get_local_rank() * local.shape[0]
-        return vocab_parallel_loss_sum(hidden, local, labels, self.chunk, mesh.get_group(), start)

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LlamaConfig
-from .chunked_loss import LMHead
 from .common import SwiGLU
 from .document_attention import document_attention, segments_of
+from .head import LMHead, TokenEmbedding
 from .moe import MoeFeedForward
 
 
@@ -169,7 +169,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.max_seq_len = max_seq_len
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = TokenEmbedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): DecoderBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = LMHead(cfg.dim, cfg.vocab_size, bias=False)  # a Linear; with labels, the loss (chunked)

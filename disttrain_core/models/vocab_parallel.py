@@ -23,6 +23,14 @@ import torch.nn.functional as F
 from .chunked_loss import IGNORE, _autocast_state, _chunks
 
 
+def local_rows(weight) -> torch.Tensor:
+    """This rank's rows of a vocabulary-parallel weight (a DTensor sharded by rows; FSDP2 over TP hands the
+    forward its TP-sharded DTensor, so the same call serves)."""
+    from torch.distributed.tensor import DTensor
+
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
 def _label_columns(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(column of each label inside this rank's slice, clamped; 1.0 where the label is in the slice else 0)."""
     local = labels - start
@@ -110,6 +118,31 @@ class _CopyToGroup(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce forward (each rank holds a partial sum); identity backward (the sum's gradient is every part's)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def vocab_parallel_embedding(tokens: torch.Tensor, weight, mesh) -> torch.Tensor:
+    """Embedding rows from a table whose weight is a DTensor sharded by rows over ``mesh``: each rank looks up
+    the tokens in its slice (zeros for the others), one all-reduce sums the lookups. The weight's gradient stays
+    this rank's rows (DTensor's row-wise embedding plan returns it replicated at the table's whole size)."""
+    local = local_rows(weight)
+    start = mesh.get_local_rank() * local.shape[0]
+    cols, held = _label_columns(tokens, start, local.shape[0])
+    rows = F.embedding(cols, local) * held.unsqueeze(-1).to(local.dtype)
+    return _SumOverGroup.apply(rows, mesh.get_group())
+
+
 def vocab_parallel_loss_sum(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, group, start: int
 ) -> torch.Tensor:
@@ -125,5 +158,5 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight, mesh) -> torch.Tensor:
     slice, all-gathered (for sampling and evaluation; training takes ``vocab_parallel_loss_sum``)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    local = F.linear(_CopyToGroup.apply(hidden, mesh.get_group()), weight.to_local())
+    local = F.linear(_CopyToGroup.apply(hidden, mesh.get_group()), local_rows(weight))
     return DTensor.from_local(local, mesh, [Shard(local.dim() - 1)]).full_tensor()

@@ -55,6 +55,19 @@ def split_evenly(count: int, parts: int, what: str) -> list[range]:
     return [range(i * per, (i + 1) * per) for i in range(parts)]
 
 
+def llm_block_ranges(blocks: int, count: int, split=None) -> list[range]:
+    """The LLM blocks of each of ``count`` LLM pipeline stages: ``split``'s counts (parallel.pp_split), or an
+    even split."""
+    if split is None:
+        return split_evenly(blocks, count, "model.llm.n_layers")
+    if isinstance(split, str):
+        raise ValueError(f"parallel.pp_split={split!r} reached the runtime unresolved (the launch resolves auto)")
+    if len(split) != count or sum(split) != blocks or min(split) < 1:
+        raise ValueError(f"parallel.pp_split={list(split)} does not split {blocks} blocks into {count} stages")
+    ends = [sum(split[: i + 1]) for i in range(count)]
+    return [range(end - int(n), end) for end, n in zip(ends, split, strict=True)]
+
+
 def _drop(module: nn.Module, names: tuple[str, ...]) -> None:
     for name in names:
         setattr(module, name, None)
@@ -138,12 +151,13 @@ class LlmStage(nn.Module):
         holds_encoder: bool,
         holds_generator: bool,
         context: SequenceSlices | None = None,
+        split=None,
     ):
         super().__init__()
         self.is_first, self.is_last = index == 0, index == count - 1
         self.context = context  # context parallelism: this rank's slice of every sequence
         cfg = model.cfg
-        _keep_blocks(model.llm.layers, split_evenly(cfg.llm.n_layers, count, "model.llm.n_layers")[index])
+        _keep_blocks(model.llm.layers, llm_block_ranges(cfg.llm.n_layers, count, split)[index])
         if not self.is_first:
             model.llm.tok_embeddings = None
         if not (self.is_first and holds_encoder):
@@ -260,15 +274,17 @@ def build_unit_stage(
     index: int,
     count: int,
     context: SequenceSlices | None = None,
+    split=None,
 ) -> nn.Module:
-    """Stage ``index`` of ``count`` of a unit, on the meta device (materialize it afterwards)."""
+    """Stage ``index`` of ``count`` of a unit, on the meta device (materialize it afterwards); ``split``:
+    parallel.pp_split, the LLM's blocks per stage (None: even)."""
     model = build_model(cfg, tokenizer, device="meta")
     if unit_name == "encoder":
         return EncoderStage(model, index, count)
     if unit_name == "generator":
         return GeneratorStage(model)
     holds_encoder, holds_generator = "encoder" in modules, "generator" in modules
-    return LlmStage(model, index, count, holds_encoder, holds_generator, context)
+    return LlmStage(model, index, count, holds_encoder, holds_generator, context, split)
 
 
 def build_rank_stages(
@@ -287,6 +303,7 @@ def build_rank_stages(
     experts=None,
     compile_blocks: bool = False,
     float8: str = "none",
+    split=None,
 ) -> dict[int, nn.Module]:
     """The materialized stage modules of one schedule row, keyed by schedule stage.
 
@@ -305,7 +322,7 @@ def build_rank_stages(
     stages = {}
     for stage in schedule.stages_of(row):
         index = unit_stages.index(stage)
-        module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, index, len(unit_stages), context)
+        module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, index, len(unit_stages), context, split)
         # model.float8 first, as TorchTitan converts at build: FSDP2 then all-gathers the FP8 weights
         apply_float8(module.model, float8, fsdp_all_gather=shard is not None)
         if tp_mesh is not None:

@@ -17,7 +17,7 @@ computes them whole): the U-Net's convolutions and skip connections have no stan
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..models.llama import DecoderBlock, Llama
@@ -73,9 +73,8 @@ def apply_vocab_parallel(llm: Llama, mesh) -> None:
     vocab, tp = llm.cfg.vocab_size, mesh.size()
     if vocab % tp:
         raise ValueError(f"tp={tp} does not divide model.llm.vocab_size={vocab}")
-    if llm.tok_embeddings is not None:
-        parallelize_module(llm.tok_embeddings, mesh, RowwiseParallel(input_layouts=Replicate()))
-    if llm.output is not None:
-        llm.output.weight = nn.Parameter(
-            distribute_tensor(llm.output.weight.data, mesh, [Shard(0)]), requires_grad=llm.output.weight.requires_grad
-        )
+    for module in (llm.tok_embeddings, llm.output):
+        if module is not None:
+            weight = module.weight
+            module.weight = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)]), weight.requires_grad)
+            module.vocab_mesh = mesh  # what the models read as "vocabulary-parallel" (models/vocab_parallel.py)

@@ -53,6 +53,13 @@ def with_measured_links(hw: Hardware, profile, device: str, devices: int) -> Har
     return Hardware(**{**hw.__dict__, "intra_bw": profile.allreduce_bw})
 
 
+def settings_split(split) -> tuple[int, ...] | str | None:
+    """parallel.pp_split as the planner's settings hold it (a tuple of block counts, "auto" or None)."""
+    if split is None or isinstance(split, str):
+        return split
+    return tuple(int(count) for count in split)
+
+
 def build_layout_model(cfg, devices: int | None = None, progress=print) -> LayoutModel:
     """The planner's cost model for ``cfg`` (profiling this machine when the cost source says so)."""
     devices = devices or planned_devices(cfg)
@@ -65,6 +72,7 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
         shard=cfg.planner.shard,
         dp_overlap=float(cfg.planner.dp_overlap),
         memory_margin=float(cfg.planner.memory_margin),
+        pp_split=settings_split(cfg.parallel.get("pp_split")),
     )
     profile = None
     peak = None
@@ -256,6 +264,7 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
         recompute_every=int(cfg.planner.recompute_every),
         moment_bytes=moments,
         outer_bytes=outer,
+        pp_split=settings_split(cfg.parallel.get("pp_split")),
     )
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
     costs = CostModel(workload_of(cfg.model), hw, settings)
@@ -283,6 +292,49 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
         "params": {name: float(w.params) for name, w in model.c.work.units.items()},
     }
     return roles, context
+
+
+def auto_pp_split(cfg, layout=None) -> tuple[list[int], list[float]]:
+    """``parallel.pp_split=auto`` for a configured layout: the LLM's blocks per stage that balance the stages'
+    predicted forward+backward seconds per microbatch (planner/stage_split.py), with analytic costs (nothing is
+    profiled: the split weighs blocks against the head and the colocated modules, a ratio of FLOPs) and the
+    LLM unit's recompute policy. Returns (blocks per stage, predicted seconds per stage)."""
+    from ..parallel.resolved import config_layout
+    from .costs import CostModel, Hardware, PlannerSettings, planned_precision
+    from .workload import workload_of
+
+    layout = layout or config_layout(cfg)
+    precision = planned_precision(cfg)
+    settings = PlannerSettings(precision=precision, recompute_every=int(cfg.planner.recompute_every))
+    peak = None
+    if cfg.cluster.device == "cpu":  # a CPU cluster lists no peak: this machine's, measured (train/perf.py)
+        import torch
+
+        from ..train.perf import peak_flops_per_device
+
+        peak = peak_flops_per_device(
+            precision, torch.device("cpu"), cfg.cluster.peak_flops_bf16, cfg.cluster.peak_flops_fp32
+        )
+    hw = Hardware.from_config(cfg.cluster, precision, peak, tf32=bool(cfg.trainer.tf32))
+    model = LayoutModel(
+        CostModel(workload_of(cfg.model), hw, settings),
+        int(cfg.optim.global_batch_size),
+        int(cfg.optim.micro_batch_size),
+        layout.world_size,
+    )
+    llm, enc, gen = choices_of_config(cfg, layout)
+    policy = layout.llm.recompute
+    first, last = model.llm_end_extras(llm, enc, gen, model.pp_bw(layout.world_size), policy)
+    costs = model.llm_stage_costs(llm, first, last, policy)
+    split = costs.best(llm.pp * stages_of(cfg, layout))
+    return split, costs.stage_times(split)
+
+
+def stages_of(cfg, layout) -> int:
+    """LLM pipeline stages per pipeline rank (virtual stages) of a configured layout."""
+    from ..parallel.plan import stages_per_rank
+
+    return stages_per_rank(cfg) if len(layout.units) == 1 else 1
 
 
 def annotate_memory_report(cfg, layout, run_dir, rank: int) -> None:

@@ -45,7 +45,17 @@ def layout_container(plan_evaluation, every: int = 2, with_ep: bool = False) -> 
                     units[name]["ep"] = choice.ep
                 elif choice.ep > 1:
                     raise ConfigError(f"the plan uses ep={choice.ep} but this runtime has no parallel.units.llm.ep")
-    return {"name": "auto", "mode": "manual", "dp": -1, "tp": 1, "pp": 1, "modality_stages": "separate", "units": units}
+    split = list(plan_evaluation.llm_split) or None  # parallel.pp_split=auto: the balanced split it evaluated
+    return {
+        "name": "auto",
+        "mode": "manual",
+        "dp": -1,
+        "tp": 1,
+        "pp": 1,
+        "modality_stages": "separate",
+        "units": units,
+        "pp_split": split,
+    }
 
 
 def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:

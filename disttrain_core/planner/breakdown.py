@@ -104,7 +104,8 @@ def role_memory(
         flight = in_flight(schedule, S, r + pp, m)
         first, last = pp == 0, pp == llm.pp - 1
         state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp, hsdp_replicas, llm.cp, llm.ep)
-        act = c.activation_bytes("llm", llm.tp, micro, policy, llm.cp) / llm.pp * flight
+        share = c.settings.llm_share(pp, llm.pp, c.work.units["llm"].layers)  # parallel.pp_split
+        act = c.activation_bytes("llm", llm.tp, micro, policy, llm.cp) * share * flight
         # one block at a time: what recompute reruns, and ring attention's buffers in its backward
         recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy, llm.cp)
         recompute += c.attention_transient_bytes("llm", llm.tp, micro, llm.cp)

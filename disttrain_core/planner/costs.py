@@ -99,6 +99,16 @@ class PlannerSettings:
     memory_margin: float = 0.9  # plan to this share of device memory
     moment_bytes: float = 8.0  # optimizer state per trainable parameter (AdamW; planner/memory.py)
     outer_bytes: tuple[float, float] = (0.0, 0.0)  # local SGD's anchors and outer momentum per parameter
+    # parallel.pp_split: None (even LLM stages), "auto" (balanced per layout: planner/stage_split.py) or block
+    # counts per LLM stage
+    pp_split: tuple[int, ...] | str | None = None
+
+    def llm_share(self, stage: int | None, pp: int, layers: int) -> float:
+        """The share of the LLM's blocks pipeline stage ``stage`` of ``pp`` holds (None: the average)."""
+        split = self.pp_split
+        if stage is None or not isinstance(split, tuple) or len(split) != pp:
+            return 1.0 / pp
+        return split[stage] / layers
 
     @property
     def act_bytes(self) -> int:
@@ -197,7 +207,7 @@ class CostModel(MemoryCosts):
         blocks = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / ep
         if stage is None:
             return (blocks + w.rep_local(tp)) / pp
-        held = blocks / pp
+        held = blocks * (self.settings.llm_share(stage, pp, w.layers) if unit == "llm" else 1.0 / pp)
         if w.params_first + w.params_last != w.params_rep:  # a workload without the split: spread evenly
             return held + w.rep_local(tp) / pp
         first = w.rep_local(tp, "first") if stage == 0 else 0
@@ -207,7 +217,9 @@ class CostModel(MemoryCosts):
         """(non-expert, routed-expert) parameters of one rank of a stage: they are reduced, sharded and
         stepped over different data-parallel groups."""
         local = self.local_params(unit, tp, pp, stage, ep)
-        experts = self.work.units[unit].params_expert / ep / pp
+        w = self.work.units[unit]
+        share = self.settings.llm_share(stage, pp, w.layers) if unit == "llm" else 1.0 / pp
+        experts = w.params_expert / ep * share
         return local - experts, experts
 
     def sync_s(

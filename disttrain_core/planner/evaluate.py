@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from .costs import CostModel
 from .memory import FSDP
+from .stage_split import StageCosts, per_rank_times
 
 AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full")  # least recomputation first
 AUTO_SHARD = ("zero1", "zero2", "zero3")  # least traffic first
@@ -80,6 +81,7 @@ class Evaluation:
     choices: dict[str, UnitChoice] = field(default_factory=dict)
     recompute: dict[str, str] = field(default_factory=dict)  # unit -> policy (colocated modules: the LLM's)
     shard: dict[str, str] = field(default_factory=dict)  # unit -> shard mode (colocated modules: the LLM's)
+    llm_split: list[int] = field(default_factory=list)  # blocks per LLM stage when parallel.pp_split is set
 
 
 class LayoutModel:
@@ -195,7 +197,7 @@ class LayoutModel:
         S = (enc.pp if enc is not None and not enc.colocated else 0) + llm.pp
         S += 1 if gen is not None and not gen.colocated else 0
         policies, memory, shards = self.recompute_policies(choices, S, m)
-        stages = self._pipeline_stages(llm, enc, gen, B, bw, policies)
+        stages, split = self._pipeline_stages(llm, enc, gen, B, bw, policies)
 
         warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
         steady = (m - 1) * max(t for _, t in stages)
@@ -218,8 +220,9 @@ class LayoutModel:
                     choices,
                     policies,
                     shards,
+                    split,
                 )
-        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies, shards)
+        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies, shards, split)
 
     def _placement_problem(self, choices: dict[str, UnitChoice], gpus: int) -> str | None:
         """Why the units cannot be placed (too many devices, or a TP group straddling nodes); None if they can."""
@@ -244,31 +247,62 @@ class LayoutModel:
         B: int,
         bw: float,
         policies: dict[str, str],
-    ) -> list[tuple[str, float]]:
-        """(unit, forward+backward seconds per microbatch) of every pipeline stage, in pipeline order."""
-        c = self.c
+    ) -> tuple[list[tuple[str, float]], list[int]]:
+        """(unit, forward+backward seconds per microbatch) of every pipeline stage, in pipeline order; the LLM's
+        blocks per stage where parallel.pp_split is set (else [] and the blocks and head spread evenly)."""
         p_llm = policies["llm"]  # colocated modules recompute as the LLM unit does
-
         t_llm = self.stage_time("llm", llm, self.micro, bw, p_llm)
-        x_enc = self.colocated_time("encoder", llm.tp, self.micro, p_llm) if enc is not None and enc.colocated else 0.0
-        x_gen = (
-            self.colocated_time("generator", llm.tp, self.micro, p_llm) if gen is not None and gen.colocated else 0.0
-        )
-        if gen is not None and not gen.colocated:
-            t_llm_last_extra = c.p2p_s(c.boundary_bytes("llm", self.micro), bw)
-        else:
-            t_llm_last_extra = 0.0
+        first, last = self.llm_end_extras(llm, enc, gen, bw, p_llm)
         stages: list[tuple[str, float]] = []
         if enc is not None and not enc.colocated:
             t_enc = self.stage_time("encoder", enc, B / enc.dp, bw, policies["encoder"])
             stages += [("encoder", t_enc)] * enc.pp
-        llm_times = [t_llm] * llm.pp
-        llm_times[0] += x_enc
-        llm_times[-1] += x_gen + t_llm_last_extra
+        split = self.llm_split(llm, first, last, p_llm)
+        if split:
+            costs = self.llm_stage_costs(llm, first, last, p_llm)
+            each = t_llm - costs.whole / llm.pp  # the boundary send every stage makes
+            llm_times = [t + each for t in per_rank_times(costs.stage_times(split), llm.pp)]
+        else:
+            llm_times = [t_llm] * llm.pp
+            llm_times[0] += first
+            llm_times[-1] += last
         stages += [("llm", t) for t in llm_times]
         if gen is not None and not gen.colocated:
             stages.append(("generator", self.stage_time("generator", gen, B / gen.dp, bw, policies["generator"])))
-        return stages
+        return stages, split
+
+    def llm_end_extras(
+        self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None, bw: float, policy: str | None
+    ) -> tuple[float, float]:
+        """Seconds per microbatch the LLM's first and last stages run beyond their blocks: a colocated encoder;
+        a colocated generator, or the send of the generation queries to the generator unit."""
+        first = self.colocated_time("encoder", llm.tp, self.micro, policy) if enc is not None and enc.colocated else 0.0
+        last = 0.0
+        if gen is not None and gen.colocated:
+            last = self.colocated_time("generator", llm.tp, self.micro, policy)
+        elif gen is not None:
+            last = self.c.p2p_s(self.c.boundary_bytes("llm", self.micro), bw)
+        return first, last
+
+    def llm_stage_costs(self, llm: UnitChoice, first: float, last: float, policy: str | None) -> StageCosts:
+        """Per block and per end (``first``, ``last``: the colocated modules' and sends' seconds), for
+        planner/stage_split.py: the head's share of the LLM's compute (its FLOPs' share) sits on the last stage,
+        never recomputed; the rest, recompute included, splits evenly over the blocks."""
+        c, w = self.c, self.w.units["llm"]
+        compute = c.rank_compute("llm", llm.tp, self.micro, llm.cp, llm.ep)
+        whole = compute * c.recompute_factor("llm", policy)
+        head = compute * (w.flops_head / w.train_flops if w.train_flops else 0.0)
+        return StageCosts((whole - head) / w.layers, first, last + head, w.layers, whole)
+
+    def llm_split(self, llm: UnitChoice, first: float, last: float, policy: str | None) -> list[int]:
+        """Blocks per LLM stage under parallel.pp_split: [] when unset (or a manual split of another stage count:
+        that layout cannot run it and validation says so), balanced for ``auto``."""
+        wanted, stages = self.c.settings.pp_split, llm.pp * llm.vpp
+        if wanted == "auto":
+            return self.llm_stage_costs(llm, first, last, policy).best(stages)
+        if isinstance(wanted, tuple) and len(wanted) == stages:
+            return list(wanted)
+        return []
 
     def _unit_tail(self, name: str, ch: UnitChoice, dp: int, shard: str, m: int) -> float:
         """Data-parallel traffic and the optimizer step of one unit."""

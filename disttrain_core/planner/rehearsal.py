@@ -70,7 +70,9 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
     try:
         fsdp_mesh, tp_mesh = _meshes(unit)
         tokenizer = build_tokenizer(cfg.data.tokenizer)
-        stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, unit.pp)
+        split = cfg.parallel.get("pp_split")  # rehearsed per rank (vpp 1): a split of pp stages
+        split = split if split is not None and not isinstance(split, str) and len(split) == unit.pp else None
+        stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, unit.pp, split=split)
         if tp_mesh is not None:
             apply_tensor_parallel(stage.model, tp_mesh, sequence_overlap=cfg.parallel.comm.tp_overlap)
         apply_recompute(stage.model, unit.recompute, unit.recompute_every)

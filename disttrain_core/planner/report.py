@@ -83,6 +83,7 @@ def plan_dict(result: PlanResult) -> dict:
         "solve_seconds": plan.solve_seconds,
         "convex_problems_solved" if plan.name == "disttrain" else "layouts_evaluated": plan.candidates,
         "binding_constraint": binding_constraint(model, plan),
+        "llm_pp_split": list(e.llm_split) or None,  # parallel.pp_split: blocks per LLM stage (None: even)
         "baselines": {},
     }
     for name, base in plan.baselines.items():
@@ -129,6 +130,8 @@ def plan_table(result: PlanResult) -> str:
         f"MFU {d['mfu']:.1%}",
         f"binding: {d['binding_constraint']}",
     ]
+    if d.get("llm_pp_split"):
+        lines.append(f"LLM blocks per pipeline stage (parallel.pp_split): {d['llm_pp_split']}")
     if d["baselines"]:
         lines += ["", f"{'baseline':20s} {'gpus':>6s} {'iteration':>10s} {'MFU':>7s} {'plan speedup':>13s}  layout"]
         for name, b in d["baselines"].items():

@@ -156,6 +156,7 @@ class UnitEngine(Engine):
             experts=self.groups.expert_parallel,
             compile_blocks=cfg.trainer.compile,
             float8=cfg.model.float8,
+            split=cfg.parallel.pp_split if self.unit.name == "llm" else None,
         )
         self.float8_scales = cfg.model.float8 == "tensorwise" and shard is not None
         return mesh

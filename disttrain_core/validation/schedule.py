@@ -16,6 +16,10 @@ MAX_PIPELINE_SLOTS = 65_536
 
 def _validate_hotspa_schedules(run) -> None:
     """Each hotspa strategy runs as its own rigid layout (its bucket's config): validate each one's schedule."""
+    _require(
+        run.cfg.parallel.pp_split is None,
+        "parallel.pp_split is not built for parallel.mode=hotspa (its strategies switch pipeline sizes); unset it",
+    )
     for bucket in run.buckets:
         validate_schedule_config(bucket.config, bucket.layout)
 
@@ -76,12 +80,45 @@ def _check_single_unit_schedule(cfg: Config, llm, per_rank: int, micro: int) -> 
         stages = llm.pp * per_rank
         layers = cfg.model.llm.n_layers
         _require(
-            layers % stages == 0,
+            layers % stages == 0 or cfg.parallel.pp_split is not None,
             f"model.llm.n_layers={layers} cannot be split into pipeline size ({llm.pp}) x stages per rank "
             f"({per_rank}) = {stages} equal stages; change parallel.pp or schedule.vpp",
         )
     else:
         _require(os.path.isfile(s.csv), f"schedule.csv={s.csv!r}: no such file")
+
+
+def check_pp_split(cfg: Config, stages: int) -> None:
+    """parallel.pp_split: auto, or one block count per LLM pipeline stage, each at least 1, adding up to the
+    LLM's blocks."""
+    split, blocks = cfg.parallel.pp_split, cfg.model.llm.n_layers
+    if split is None:
+        return
+    if isinstance(split, str):
+        _require(
+            split == "auto",
+            f"parallel.pp_split={split!r}: use auto, null, or the blocks of each LLM stage, e.g. [1, 3]",
+        )
+        return
+    counts = list(split)
+    _require(
+        all(isinstance(count, int) and not isinstance(count, bool) for count in counts),
+        f"parallel.pp_split={counts}: give whole block counts, one per LLM pipeline stage, e.g. [1, 3]",
+    )
+    _require(
+        len(counts) == stages,
+        f"parallel.pp_split has {len(counts)} entries but the LLM has {stages} pipeline stage(s) "
+        "(pp x virtual stages per rank); give one block count per stage",
+    )
+    _require(
+        min(counts) >= 1,
+        f"parallel.pp_split={counts} leaves a stage without blocks; every LLM stage holds at least one block",
+    )
+    _require(
+        sum(counts) == blocks,
+        f"parallel.pp_split={counts} covers {sum(counts)} blocks but model.llm.n_layers={blocks}; "
+        "the counts must add up to it",
+    )
 
 
 def validate_run_schedules(run) -> None:
@@ -104,6 +141,7 @@ def validate_schedule_config(cfg: Config, layout) -> None:
     samples = cfg.optim.micro_batch_size * llm.dp
     micro = cfg.optim.global_batch_size // samples
     _check_microbatch_sharing(cfg, layout, samples)
+    check_pp_split(cfg, llm.pp * per_rank)
     if rows == 1:
         _require(
             s.name == "none" and not s.csv,

@@ -2,9 +2,10 @@
 
 On 2 gloo ranks: the loss and the gradients of the hidden states and the head equal the whole-vocabulary
 ``F.cross_entropy`` (fp32, with and without model.loss_chunk, labels -100 included); the gathered logits equal
-the whole head's; each rank's peak live bytes of the head's forward and backward are half or less of the
-replicated head's (the allocator's events). Training: llama_tiny at parallel.tp=2 matches one process over 5 steps
-(mllm_tiny at tp=2 is tests/distributed/test_units.py's disagg4_tp2)."""
+the whole head's; the embedding's lookups and gradient equal nn.Embedding's, its gradient held as this rank's
+rows; each rank's peak live bytes of the head's forward and backward are half or less of the replicated head's
+(the allocator's events). Training: llama_tiny at parallel.tp=2 matches one process over 5 steps (mllm_tiny at
+tp=2 is tests/distributed/test_units.py's disagg4_tp2)."""
 
 import os
 from datetime import timedelta
@@ -23,7 +24,7 @@ WORLD = 2
 
 
 def _head(dim: int, vocab: int, chunk: int, seed: int = 0):
-    from disttrain_core.models.chunked_loss import LMHead
+    from disttrain_core.models.head import LMHead
 
     head = LMHead(dim, vocab, bias=False)
     head.chunk = chunk
@@ -74,6 +75,22 @@ def _equality_worker(rank: int, store: str, out: str) -> None:
         errors[f"hidden/{chunk}"] = (h.grad - h_ref.grad).abs().max().item()
         errors[f"weight/{chunk}"] = (split.weight.grad.full_tensor() - whole.weight.grad).abs().max().item()
         errors[f"logits/{chunk}"] = (split(hidden) - logits.detach()).abs().max().item()
+    # the embedding: its lookups summed over the ranks; its gradient this rank's rows only
+    from disttrain_core.models.vocab_parallel import vocab_parallel_embedding
+
+    whole = torch.nn.Embedding(vocab, dim)
+    split = _vocab_parallel(_head(dim, vocab, 0), mesh)  # any [vocab, dim] DTensor parameter
+    with torch.no_grad():
+        whole.weight.copy_(split.weight.full_tensor())
+    tokens = labels.clamp(min=0).view(5, 10)
+    upstream = torch.randn(5, 10, dim, generator=g)
+    (whole(tokens) * upstream).sum().backward()
+    rows = vocab_parallel_embedding(tokens, split.weight, mesh)
+    (rows * upstream).sum().backward()
+    local = split.weight.grad.to_local()
+    errors["embedding"] = (rows - whole(tokens)).abs().max().item()
+    errors["embedding_grad"] = (split.weight.grad.full_tensor() - whole.weight.grad).abs().max().item()
+    errors["embedding_grad_rows"] = float(local.shape[0] != vocab // WORLD)
     torch.save(errors, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 

@@ -54,6 +54,8 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
             "schedule=none",
         ],
         ["model=llama3_8b", "parallel=megatron_pp2", "parallel.dp=2", "parallel.shard=zero2", "trainer.devices=4"],
+        # uneven stages: 8 blocks and the embedding, then 24 and the head
+        ["model=llama3_8b", "parallel=pp2", "parallel.dp=2", "parallel.pp_split=[8,24]", "trainer.devices=4"],
         # optim=sgd's one momentum; local SGD's anchors and outer momentum (a 2-process worker's share)
         ["model=llama3_8b", "parallel=dp", "optim=sgd", "optim.momentum=0.9", "trainer.devices=2"],
         ["model=llama3_8b", "parallel=local_sgd", "parallel.local_sgd.shard_group=2", "trainer.devices=4"],
@@ -73,7 +75,16 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
             "trainer.devices=4",
         ],
     ],
-    ids=["units_zero3_zero1", "hsdp_tp2", "zero2_pp2", "sgd", "local_sgd", "local_sgd_zero3", "local_sgd_zero1"],
+    ids=[
+        "units_zero3_zero1",
+        "hsdp_tp2",
+        "zero2_pp2",
+        "pp_split",
+        "sgd",
+        "local_sgd",
+        "local_sgd_zero3",
+        "local_sgd_zero1",
+    ],
 )
 def test_rehearsed_roles_match_the_memory_model(overrides):
     result = rehearse(compose(overrides), progress=lambda *_: None)
