@@ -56,13 +56,15 @@ def unit_meshes(unit, pp_rank: int, groups, device_type: str):
     from existing process groups (every rank of the unit builds it; no new groups)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    dp, tp, replicas = unit.dp, unit.tp, unit.hsdp_replicas
-    ranks = torch.tensor([[unit.rank(d, t, pp_rank) for t in range(tp)] for d in range(dp)])
+    dp, tp, cp, replicas = unit.dp, unit.tp, unit.cp, unit.hsdp_replicas
+    # context-parallel ranks hold the same parameters as their replica and their gradients add up as replicas'
+    # do: FSDP2 shards over the data x context ranks (the gradient group), replica-major
+    ranks = torch.tensor([[unit.rank(d, t, pp_rank, c) for t in range(tp)] for d in range(dp) for c in range(cp)])
     if replicas > 1:
         ranks = ranks.view(replicas, dp // replicas, tp)
         names, pgs = ["replicate", "shard"], [groups.hsdp_replicate, groups.hsdp_shard]
     else:
-        names, pgs = ["shard"], [groups.data_parallel]
+        names, pgs = ["shard"], [groups.gradient if cp > 1 else groups.data_parallel]
     if tp > 1:
         names.append("tp")
         pgs.append(groups.tensor_parallel)
@@ -128,7 +130,7 @@ class ShardedOptimizer:
         device=None,
     ):
         """``device``: the engine's (a rank whose parameters are all frozen still reduces a norm there).
-        ``copies``: the ranks of this unit stage (dp x tp); each element of a parameter lives on
+        ``copies``: the ranks of this unit stage (dp x cp x tp); each element of a parameter lives on
         copies / (its distinct shards) of them, and counts that many times less in the gradient norm (a
         norm weight is split over the FSDP mesh and replicated over TP; HSDP replicates everything R
         times). ``partial_grads``: sequence-parallel parameters whose gradients are partial sums over TP."""

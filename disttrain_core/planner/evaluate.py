@@ -162,15 +162,15 @@ class LayoutModel:
         self, choices: dict, S: int, m: int
     ) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
         """Each unit's recompute policy, memory and shard mode: the settings, or under ``auto`` the first
-        option of ``memory_options`` that fits the device. A unit with one replica cannot shard: zero1.
-        Neither can a context- or expert-parallel LLM: the runtime reduces over dp x cp ranks with ZeRO-1
-        only (validation/layout.py), and has no FSDP2 over expert-data-parallel groups."""
+        option of ``memory_options`` that fits the device. A unit with one replica (data x context ranks: FSDP2
+        shards over both) cannot shard: zero1. Neither can an expert-parallel LLM: the runtime has no FSDP2 over
+        expert-data-parallel groups."""
         policies, memory, shards = {}, {}, {}
         for name, choice in choices.items():
             if choice.colocated:
                 continue
             for shard, policy in self.memory_options():
-                if (shard in FSDP and choice.dp < 2) or choice.cp > 1 or choice.ep > 1:
+                if (shard in FSDP and choice.dp * choice.cp < 2) or choice.ep > 1:
                     shard = "zero1"
                 used = self.unit_memory(name, choices, S, m, policy, shard)
                 if used <= self.limit:

@@ -143,7 +143,7 @@ class Orchestrator:
         return None
 
     def _least_state(self, opt: LlmOption, pp: int, stage: int) -> float:
-        shard = "zero1" if opt.cp > 1 or opt.ep > 1 else None  # the only mode CP / EP run with (evaluate.py)
+        shard = "zero1" if opt.ep > 1 else None  # the only mode EP runs with (evaluate.py)
         state = self.m.c.state("llm", opt.tp, opt.dp, pp, shard, stage, 1, opt.cp, opt.ep)
         return state.total - state.grads
 

@@ -173,7 +173,7 @@ class UnitEngine(Engine):
             self.optimizer = ShardedOptimizer(
                 self.named_parameters,
                 self.cfg.optim,
-                copies=self.unit.dp * self.unit.tp,
+                copies=self.unit.dp * self.unit.cp * self.unit.tp,
                 partial_grads=self.partial_grads,
                 tp_group=self.groups.tensor_parallel,
                 device=self.fabric.device,

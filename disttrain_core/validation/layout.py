@@ -95,9 +95,10 @@ def _validate_context_unit(cfg: Config, unit) -> None:
         f"{where}: model.seq_len={seq} cannot be cut into 2 x cp = {2 * unit.cp} zig-zag chunks; lower cp",
     )
     _require(
-        unit.shard == "zero1",
-        f"{where}: shard={unit.shard}; context parallelism reduces gradients with ZeRO-1 over the data x context "
-        "ranks: use shard=zero1 (parallel.shard=zero1, or parallel.units.llm.shard=zero1)",
+        unit.hsdp_replicas == 1,
+        f"{where}: hsdp_replicas={unit.hsdp_replicas}; HSDP's replicate x shard mesh is built over data-parallel "
+        "ranks only: with context parallelism use shard=zero1, or zero2/zero3 sharded over all data x context "
+        "ranks (hsdp_replicas=1)",
     )
     _require(
         not cfg.parallel.comm.tp_overlap,
@@ -185,9 +186,10 @@ def _validate_unit_shard(unit, schedule_name: str) -> None:
         )
     if unit.fsdp:
         _require(
-            unit.dp // unit.hsdp_replicas >= 2,
-            f"{where}: {unit.shard} shards over the unit's data-parallel replicas and this unit has "
-            f"{unit.dp // unit.hsdp_replicas} per shard group; raise dp (or lower hsdp_replicas) or use shard=zero1",
+            unit.dp * unit.cp // unit.hsdp_replicas >= 2,
+            f"{where}: {unit.shard} shards over the unit's data-parallel (and context-parallel) ranks and this unit "
+            f"has {unit.dp * unit.cp // unit.hsdp_replicas} per shard group; raise dp (or lower hsdp_replicas) or "
+            "use shard=zero1",
         )
         _require(
             schedule_name not in ("zb_h1", "zbv"),

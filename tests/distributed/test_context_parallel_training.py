@@ -31,9 +31,12 @@ def mllm_reference(shards, tmp_path_factory):
     "layout",
     [
         ["parallel=dp", "parallel.cp=2"],  # dp2 x cp2
+        # FSDP2 sharded over the 4 data x context ranks
+        ["parallel=dp", "parallel.cp=2", "parallel.shard=zero3"],
+        pytest.param(["parallel=dp", "parallel.cp=2", "parallel.shard=zero2"], marks=pytest.mark.slow),
         pytest.param(["parallel=megatron_pp2", "parallel.cp=2"], marks=pytest.mark.slow),  # pp2 x cp2 (25 s)
     ],
-    ids=["dp2_cp2", "pp2_cp2"],
+    ids=["dp2_cp2", "dp2_cp2_zero3", "dp2_cp2_zero2", "pp2_cp2"],
 )
 def test_llama_context_parallel_matches_one_process(layout, llama_reference, shards, tmp_path):
     run = train(shards, tmp_path / "run", *LLAMA, *layout, "trainer.devices=4")
@@ -49,9 +52,16 @@ def test_llama_context_parallel_matches_one_process(layout, llama_reference, sha
             "schedule=none",
             "parallel.cp=2",
         ],  # tp2 x cp2, colocated
+        [
+            "parallel=megatron_tp2",
+            "parallel.modality_stages=folded",
+            "schedule=none",
+            "parallel.cp=2",
+            "parallel.shard=zero3",
+        ],  # and FSDP2 over the 2 context ranks, 2-D with TP
         ["parallel=disagg4_llm2_gen1", "parallel.units.llm.dp=1", "parallel.units.llm.cp=2"],  # units
     ],
-    ids=["tp2_cp2_colocated", "units_llm_cp2"],
+    ids=["tp2_cp2_colocated", "tp2_cp2_zero3", "units_llm_cp2"],
 )
 def test_multimodal_context_parallel_matches_one_process(layout, mllm_reference, shards, tmp_path):
     run = train(shards, tmp_path / "run", *MLLM, *layout, "trainer.devices=4")
