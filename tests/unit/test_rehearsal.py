@@ -54,6 +54,8 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
             "schedule=none",
         ],
         ["model=llama3_8b", "parallel=megatron_pp2", "parallel.dp=2", "parallel.shard=zero2", "trainer.devices=4"],
+        # FSDP2 over the data x context ranks
+        ["model=llama3_8b", "parallel=dp", "parallel.cp=2", "parallel.shard=zero3", "trainer.devices=4"],
         # uneven stages: 8 blocks and the embedding, then 24 and the head
         ["model=llama3_8b", "parallel=pp2", "parallel.dp=2", "parallel.pp_split=[8,24]", "trainer.devices=4"],
         # optim=sgd's one momentum; local SGD's anchors and outer momentum (a 2-process worker's share)
@@ -79,6 +81,7 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
         "units_zero3_zero1",
         "hsdp_tp2",
         "zero2_pp2",
+        "cp2_zero3",
         "pp_split",
         "sgd",
         "local_sgd",
