@@ -31,6 +31,23 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
+def logits_gradient(
+    probs: torch.Tensor,
+    cols: torch.Tensor,
+    hit: torch.Tensor,
+    labels: torch.Tensor,
+    grad_total: torch.Tensor,
+    matmul_dtype: torch.dtype,
+) -> torch.Tensor:
+    """d(sum of losses)/d(logits) of a chunk, in the matmul dtype, from its softmax (changed in place): minus one at
+    each row's label column ``cols`` where ``hit`` (the label is among these columns), times the upstream
+    gradient, zero on rows whose label is -100."""
+    rows = torch.arange(probs.shape[0], device=probs.device)
+    probs[rows, cols] -= hit.to(probs.dtype)
+    probs.mul_(((labels != IGNORE).to(probs.dtype) * grad_total).unsqueeze(-1))
+    return probs.to(matmul_dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -59,11 +76,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 matmul_dtype = logits.dtype
                 probs = torch.softmax(logits.float(), dim=-1)  # d(sum of losses)/d(logits) = softmax - onehot
                 del logits  # one chunk-sized buffer fewer at the peak
-                valid = (y != IGNORE).to(probs.dtype)
-                rows = torch.arange(probs.shape[0], device=probs.device)
-                probs[rows, y.clamp(min=0)] -= valid
-                probs.mul_((valid * grad_total).unsqueeze(-1))
-                grad_logits = probs.to(matmul_dtype)
+                grad_logits = logits_gradient(probs, y.clamp(min=0), y != IGNORE, y, grad_total, matmul_dtype)
                 del probs
                 grad_hidden[start:stop] = (grad_logits @ weight.to(matmul_dtype)).to(hidden.dtype)
                 grad_weight += (grad_logits.t() @ h.to(matmul_dtype)).float()

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .chunked_loss import IGNORE, _autocast_state, _chunks
+from ..comm.group_autograd import sum_gradient, sum_over_group
+from .chunked_loss import IGNORE, _autocast_state, _chunks, logits_gradient
 
 
 def local_rows(weight) -> torch.Tensor:
@@ -92,44 +93,12 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                     probs = (logits.float() - lse[a:b].unsqueeze(-1)).exp_()
                     del logits
                 cols, held = _label_columns(y, ctx.start, probs.shape[-1])
-                rows = torch.arange(probs.shape[0], device=probs.device)
-                probs[rows, cols] -= held.to(probs.dtype)
-                probs.mul_(((y != IGNORE).to(probs.dtype) * grad_total).unsqueeze(-1))
-                grad_logits = probs.to(matmul_dtype)
+                grad_logits = logits_gradient(probs, cols, held, y, grad_total, matmul_dtype)
                 del probs
                 grad_hidden[a:b] = (grad_logits @ weight.to(matmul_dtype)).to(hidden.dtype)
                 grad_weight += (grad_logits.t() @ h.to(matmul_dtype)).float()
         dist.all_reduce(grad_hidden, group=ctx.group)  # each rank's part is its vocabulary slice's share
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over the group (each rank's is a partial sum)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce forward (each rank holds a partial sum); identity backward (the sum's gradient is every part's)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 def vocab_parallel_embedding(tokens: torch.Tensor, weight, mesh) -> torch.Tensor:
@@ -140,7 +109,7 @@ def vocab_parallel_embedding(tokens: torch.Tensor, weight, mesh) -> torch.Tensor
     start = mesh.get_local_rank() * local.shape[0]
     cols, held = _label_columns(tokens, start, local.shape[0])
     rows = F.embedding(cols, local) * held.unsqueeze(-1).to(local.dtype)
-    return _SumOverGroup.apply(rows, mesh.get_group())
+    return sum_over_group(rows, mesh.get_group())
 
 
 def vocab_parallel_loss_sum(
@@ -158,5 +127,5 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight, mesh) -> torch.Tensor:
     slice, all-gathered (for sampling and evaluation; training takes ``vocab_parallel_loss_sum``)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    local = F.linear(_CopyToGroup.apply(hidden, mesh.get_group()), local_rows(weight))
+    local = F.linear(sum_gradient(hidden, mesh.get_group()), local_rows(weight))
     return DTensor.from_local(local, mesh, [Shard(local.dim() - 1)]).full_tensor()

@@ -98,21 +98,6 @@ class _GatherSequence(torch.autograd.Function):
         return grad[:, slices.indices(grad.device)[0]], None
 
 
-class _SumGradient(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ``group`` (each rank saw part of the uses)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, factor: float):
@@ -122,10 +107,6 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
-
-
-def sum_gradient(x: torch.Tensor, group) -> torch.Tensor:
-    return _SumGradient.apply(x, group)
 
 
 def scale_gradient(x: torch.Tensor, factor: float) -> torch.Tensor:

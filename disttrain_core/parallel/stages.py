@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..comm.group_autograd import sum_gradient
 from ..config import ModelConfig
 from ..data.batch import Batch
 from ..data.tokenizer import Tokenizer
@@ -33,7 +34,7 @@ from ..models import build_model
 from ..models.llama import Documents
 from ..models.mllm import MultimodalLLM
 from ..models.vit import vit_block_count
-from .context_parallel import SequenceSlices, scale_gradient, sum_gradient
+from .context_parallel import SequenceSlices, scale_gradient
 
 
 @dataclass

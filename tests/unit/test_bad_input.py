@@ -123,7 +123,7 @@ CASES = [
     (["parallel=zero1", "parallel.shard=zero3"], "parallel.zero1=true is an alias of parallel.shard=zero1"),
     (["parallel=disagg2", "parallel.shard=zero3"], "set parallel.units.<encoder|llm|generator>.shard"),
     (["parallel=disagg2", "parallel.units.generator.shard=zero3"], "the generator is colocated with the LLM"),
-    (["parallel.shard=zero3"], "zero3 shards over the unit's data-parallel replicas and this unit has 1"),
+    (["parallel.shard=zero3"], "(and context-parallel) ranks and this unit has 1 per shard group"),
     (
         ["parallel.shard=zero3", "trainer.devices=4", "parallel.hsdp_replicas=3"],
         "hsdp_replicas=3 does not divide the unit's dp=4",
