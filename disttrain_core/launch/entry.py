@@ -133,8 +133,10 @@ def _resolve_pp_split(run, container: dict):
     from ..planner.api import auto_pp_split
 
     split, seconds = auto_pp_split(run.cfg, run.layout)
-    times = ", ".join(f"{1e3 * s:.3g}" for s in seconds)
-    print(f"parallel.pp_split=auto: LLM blocks per stage {split} (predicted ms per microbatch: {times})", flush=True)
+    slowest = max(seconds)
+    times = ", ".join(f"{s / slowest:.2f}" for s in seconds)
+    line = f"parallel.pp_split=auto: LLM blocks per stage {split} (predicted stage times, slowest = 1: {times})"
+    print(line, flush=True)
     container["parallel"]["pp_split"] = split
     return validate_run(typed_config(container), container)
 

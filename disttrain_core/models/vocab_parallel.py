@@ -2,10 +2,10 @@
 
 Megatron's vocabulary-parallel cross-entropy: rank r of the group holds rows [r V/tp, (r+1) V/tp) of the head's
 weight, so its logits are [positions, V/tp] and nobody holds all V of them. The loss needs three numbers per
-position from the whole vocabulary, each one all-reduce over the group: the max logit (for a stable softmax),
-the sum of exponentials, and the label's logit (only the rank holding the label contributes it). Backward needs
-no communication for the logits (softmax minus one-hot is local); the hidden states' gradient is a partial sum
-over the vocabulary slices, all-reduced once -- the "copy to the TP region" operator's backward.
+position from the whole vocabulary, in two all-reduces over the group: the max logit (for a stable softmax),
+then the sum of exponentials together with the label's logit (only the rank holding the label contributes it).
+Backward needs no communication for the logits (softmax minus one-hot is local); the hidden states' gradient is
+a partial sum over the vocabulary slices, all-reduced once -- the "copy to the TP region" operator's backward.
 
 Why not ``torch.distributed.tensor.parallel.loss_parallel``: it needs its context manager around the loss *and*
 the backward, and the pipeline schedules and engines call backward in places the head cannot reach. This
@@ -33,7 +33,7 @@ def local_rows(weight) -> torch.Tensor:
 
 
 def _label_columns(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(column of each label inside this rank's slice, clamped; 1.0 where the label is in the slice else 0)."""
+    """(column of each label inside this rank's slice, clamped; True where the label is in the slice)."""
     local = labels - start
     held = (labels != IGNORE) & (local >= 0) & (local < width)
     return local.clamp(0, width - 1), held

@@ -298,7 +298,8 @@ def auto_pp_split(cfg, layout=None) -> tuple[list[int], list[float]]:
     """``parallel.pp_split=auto`` for a configured layout: the LLM's blocks per stage that balance the stages'
     predicted forward+backward seconds per microbatch (planner/stage_split.py), with analytic costs (nothing is
     profiled: the split weighs blocks against the head and the colocated modules, a ratio of FLOPs) and the
-    LLM unit's recompute policy. Returns (blocks per stage, predicted seconds per stage)."""
+    LLM unit's recompute policy. Returns (blocks per stage, predicted seconds per stage; FLOPs where the cluster
+    lists no peak)."""
     from ..parallel.resolved import config_layout
     from .costs import CostModel, Hardware, PlannerSettings, planned_precision
     from .workload import workload_of
@@ -306,15 +307,11 @@ def auto_pp_split(cfg, layout=None) -> tuple[list[int], list[float]]:
     layout = layout or config_layout(cfg)
     precision = planned_precision(cfg)
     settings = PlannerSettings(precision=precision, recompute_every=int(cfg.planner.recompute_every))
-    peak = None
-    if cfg.cluster.device == "cpu":  # a CPU cluster lists no peak: this machine's, measured (train/perf.py)
-        import torch
-
-        from ..train.perf import peak_flops_per_device
-
-        peak = peak_flops_per_device(
-            precision, torch.device("cpu"), cfg.cluster.peak_flops_bf16, cfg.cluster.peak_flops_fp32
-        )
+    bf16 = precision.startswith("bf16")
+    listed = cfg.cluster.peak_flops_bf16 if bf16 else cfg.cluster.peak_flops_fp32
+    # A cluster that lists no peak (local_cpu) splits by FLOPs alone: one FLOP per second, links negligible. Not
+    # measured here: every node of a job must reach the same split.
+    peak = None if listed else 1.0
     hw = Hardware.from_config(cfg.cluster, precision, peak, tf32=bool(cfg.trainer.tf32))
     model = LayoutModel(
         CostModel(workload_of(cfg.model), hw, settings),
