@@ -246,15 +246,19 @@ def choices_of_config(cfg, layout=None) -> tuple[UnitChoice, UnitChoice | None, 
     return llm, side("encoder"), side("generator")
 
 
+def _configured_model(cfg, layout, settings, hw) -> LayoutModel:
+    """The planner's model of a configured layout's workload, batch and world size (analytic costs)."""
+    costs = CostModel(workload_of(cfg.model), hw, settings)
+    return LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), layout.world_size)
+
+
 def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     """Every rank role of a configured (non-auto) layout with the numbers the planner uses: analytic
     costs (nothing is profiled), ``planner.precision`` (on a CPU cluster: ``trainer.precision``), each
     unit's own shard mode and recompute policy, the configured schedule. Returns (roles, context).
     ``layout``: the run's resolved one; None: ``cfg``'s, resolved here (tools/memory.py)."""
     from ..parallel.resolved import config_layout
-    from .costs import CostModel, Hardware, PlannerSettings, planned_precision
     from .memory import optimizer_state_bytes
-    from .workload import workload_of
 
     layout = layout or config_layout(cfg)
     precision = planned_precision(cfg)
@@ -267,8 +271,7 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
         pp_split=settings_split(cfg.parallel.get("pp_split")),
     )
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
-    costs = CostModel(workload_of(cfg.model), hw, settings)
-    model = LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), layout.world_size)
+    model = _configured_model(cfg, layout, settings, hw)
     llm, enc, gen = choices_of_config(cfg, layout)
     choices = {"llm": llm}
     if enc is not None:
@@ -301,8 +304,6 @@ def auto_pp_split(cfg, layout=None) -> tuple[list[int], list[float]]:
     LLM unit's recompute policy. Returns (blocks per stage, predicted seconds per stage; FLOPs where the cluster
     lists no peak)."""
     from ..parallel.resolved import config_layout
-    from .costs import CostModel, Hardware, PlannerSettings, planned_precision
-    from .workload import workload_of
 
     layout = layout or config_layout(cfg)
     precision = planned_precision(cfg)
@@ -313,12 +314,7 @@ def auto_pp_split(cfg, layout=None) -> tuple[list[int], list[float]]:
     # measured here: every node of a job must reach the same split.
     peak = None if listed else 1.0
     hw = Hardware.from_config(cfg.cluster, precision, peak, tf32=bool(cfg.trainer.tf32))
-    model = LayoutModel(
-        CostModel(workload_of(cfg.model), hw, settings),
-        int(cfg.optim.global_batch_size),
-        int(cfg.optim.micro_batch_size),
-        layout.world_size,
-    )
+    model = _configured_model(cfg, layout, settings, hw)
     llm, enc, gen = choices_of_config(cfg, layout)
     policy = layout.llm.recompute
     first, last = model.llm_end_extras(llm, enc, gen, model.pp_bw(layout.world_size), policy)

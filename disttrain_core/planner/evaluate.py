@@ -257,9 +257,9 @@ class LayoutModel:
         if enc is not None and not enc.colocated:
             t_enc = self.stage_time("encoder", enc, B / enc.dp, bw, policies["encoder"])
             stages += [("encoder", t_enc)] * enc.pp
-        split = self.llm_split(llm, first, last, p_llm)
+        costs = self.llm_stage_costs(llm, first, last, p_llm) if self.c.settings.pp_split is not None else None
+        split = self.llm_split(llm, costs)
         if split:
-            costs = self.llm_stage_costs(llm, first, last, p_llm)
             each = t_llm - costs.whole / llm.pp  # the boundary send every stage makes
             llm_times = [t + each for t in per_rank_times(costs.stage_times(split), llm.pp)]
         else:
@@ -294,12 +294,12 @@ class LayoutModel:
         head = compute * (w.flops_head / w.train_flops if w.train_flops else 0.0)
         return StageCosts((whole - head) / w.layers, first, last + head, w.layers, whole)
 
-    def llm_split(self, llm: UnitChoice, first: float, last: float, policy: str | None) -> list[int]:
+    def llm_split(self, llm: UnitChoice, costs: StageCosts | None) -> list[int]:
         """Blocks per LLM stage under parallel.pp_split: [] when unset (or a manual split of another stage count:
-        that layout cannot run it and validation says so), balanced for ``auto``."""
+        that layout cannot run it and validation says so), balanced over ``costs`` for ``auto``."""
         wanted, stages = self.c.settings.pp_split, llm.pp * llm.vpp
         if wanted == "auto":
-            return self.llm_stage_costs(llm, first, last, policy).best(stages)
+            return costs.best(stages)
         if isinstance(wanted, tuple) and len(wanted) == stages:
             return list(wanted)
         return []

@@ -39,11 +39,6 @@ class StageCosts:
         return times
 
 
-def even_split(blocks: int, stages: int) -> list[int]:
-    """The runtime's default: the same count everywhere (stages must divide blocks)."""
-    return [blocks // stages] * stages
-
-
 def balanced_split(costs: StageCosts, stages: int) -> list[int]:
     """The block counts (one per stage, each >= 1) whose slowest stage is fastest; ties go to the split
     whose later stages hold fewer blocks (the last stage also holds the logits)."""
