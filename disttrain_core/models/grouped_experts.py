@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..base.dtensor import local as local_part
+
 KERNELS = ("auto", "grouped", "loop")
 
 
@@ -98,7 +100,7 @@ def run_experts_grouped(experts: nn.ModuleDict, rows: torch.Tensor, ids: torch.T
     dtype = _matmul_dtype(rows)
 
     def project(x: torch.Tensor, name: str) -> torch.Tensor:
-        return _GroupedLinear.apply(x, offs, dtype, *(getattr(m, name).weight for m in modules))
+        return _GroupedLinear.apply(x, offs, dtype, *(local_part(getattr(m, name).weight) for m in modules))
 
     hidden = F.silu(project(sorted_rows, "w1")) * project(sorted_rows, "w3")
     outputs = project(hidden, "w2")
@@ -116,7 +118,8 @@ def use_grouped(kernel: str, experts: nn.ModuleDict, rows: torch.Tensor) -> bool
     keys = sorted(int(key) for key in experts.keys())
     dtype = _matmul_dtype(rows)
     first = experts[str(keys[0])]
-    widths = (first.w1.weight.shape[1], first.w1.weight.shape[0])  # dim, hidden
+    weight = local_part(first.w1.weight)  # under tensor parallelism: this rank's hidden slice
+    widths = (weight.shape[1], weight.shape[0])  # dim, hidden
     reason = None
     if keys != list(range(keys[0], keys[0] + len(keys))):
         reason = f"the experts {keys} are not a contiguous range"

@@ -9,6 +9,12 @@ Routing: router logits -> softmax in fp32 (at least) -> top-k experts -> gates =
 sum 1 (Mixtral, DeepSeek-V3). Renormalizing keeps the output's scale independent of k and of how peaked the
 router is; the price is that with top_k = 1 the gate is always 1 and the router learns only from the
 balancing signal (Switch Transformer keeps the raw probability for that reason).
+
+Tensor parallelism (``tp_group`` set by parallel/tensor_parallel.py): every expert's and shared expert's hidden
+width is split over the group (w1, w3 by output rows, w2 by input columns, DTensors), Megatron's MLP plan per
+expert. Every TP rank routes the same tokens the same way and runs its slice of each expert, so the outputs are
+partial sums: one all-reduce after the combine sums them (routed and shared together). The tokens and the gates
+enter the experts through "copy to the TP region" (their gradients are partial per rank and summed in backward).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
+from ..base.dtensor import local
 from ..base.torch_compat import current_graph_task_id
+from ..comm.group_autograd import sum_gradient, sum_over_group
 from ..config.model import MoeConfig
 from .common import SwiGLU
 from .grouped_experts import KERNELS, run_experts_grouped, use_grouped
@@ -110,9 +119,18 @@ def run_experts(experts: nn.ModuleDict, rows: torch.Tensor, ids: torch.Tensor) -
     if sum(counts) != ids.numel():
         raise ValueError(f"rows routed to experts this module does not hold (it holds {keys})")
     blocks = rows.index_select(0, order).split(counts)
-    outputs = torch.cat([experts[str(key)](block) for key, block in zip(keys, blocks, strict=True)])
+    outputs = torch.cat([run_expert(experts[str(key)], block) for key, block in zip(keys, blocks, strict=True)])
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return outputs.index_select(0, inverse)
+
+
+def run_expert(expert: SwiGLU, x: torch.Tensor) -> torch.Tensor:
+    """``expert(x)``; under tensor parallelism (DTensor weights) on this rank's slice of the hidden width, which
+    gives this rank's partial sum of the output."""
+    w1, w2, w3 = (local(linear.weight) for linear in (expert.w1, expert.w2, expert.w3))
+    if w1 is expert.w1.weight:
+        return expert(x)
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 def combine(outputs: torch.Tensor, token_index: torch.Tensor, gates: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -195,6 +213,7 @@ class MoeFeedForward(nn.Module):
             "pending_load", torch.zeros(cfg.num_experts, dtype=torch.int64) if aux_free else None, persistent=False
         )
         self.balance_group = None
+        self.tp_group = None  # tensor parallelism: the experts' hidden widths are split over it
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_stats: Optional[MoeStats] = None
@@ -228,12 +247,18 @@ class MoeFeedForward(nn.Module):
         first_pass = self.training and current_graph_task_id() == -1
         if self.pending_load is not None and first_pass:
             self.pending_load += counts
+        split = self.tp_group is not None and not tokens.is_meta
+        rows = sum_gradient(tokens, self.tp_group) if split else tokens
         if tokens.is_meta:  # FLOP counting on the meta device (models/flops.py): no routing outcome exists
-            out = self._balanced_estimate(tokens, gates)
+            out = self._balanced_estimate(rows, gates)
         else:
-            out = self.dispatcher(self.experts, tokens, routed_ids, gates)
+            out = self.dispatcher(
+                self.experts, rows, routed_ids, sum_gradient(gates, self.tp_group) if split else gates
+            )
         if self.shared is not None:
-            out = out + self.shared(tokens)
+            out = out + run_expert(self.shared, rows)
+        if split:  # the partial sums of the TP ranks' slices (routed and shared together)
+            out = sum_over_group(out, self.tp_group)
         if first_pass and not tokens.is_meta:
             self.step_dropped = dropped if self.step_dropped is None else self.step_dropped + dropped
             self.step_load = counts if self.step_load is None else self.step_load + counts
@@ -257,7 +282,7 @@ class MoeFeedForward(nn.Module):
         base, extra = divmod(num_tokens * k, self.num_experts)
         rows = tokens.repeat_interleave(k, dim=0).split([base + (e < extra) for e in range(self.num_experts)])
         outputs = [
-            self.experts[str(e)](block) if str(e) in self.experts else torch.zeros_like(block)
+            run_expert(self.experts[str(e)], block) if str(e) in self.experts else torch.zeros_like(block)
             for e, block in enumerate(rows)
         ]
         weighted = torch.cat(outputs).view(num_tokens, k, -1) * gates.to(tokens.dtype).unsqueeze(-1)

@@ -7,9 +7,11 @@ one all-reduce). Blocks take and return ordinary, replicated tensors, so nothing
 else in the model changes; the attention code already derives its local head
 count from the tensor shapes.
 
-Where TP applies: Llama decoder blocks and ViT blocks, and the Llama's vocabulary: the token embedding is
+Where TP applies: Llama decoder blocks (dense or MoE) and ViT blocks, and the Llama's vocabulary: the token embedding is
 row-parallel (each rank holds V/tp rows, looks up the tokens it holds, one all-reduce sums the lookups) and the
 output head holds V/tp rows too, its loss computed without gathering the logits (models/vocab_parallel.py).
+A MoE block's attention takes the Llama plan; its experts and shared experts each split their hidden width over
+the group (models/moe.py runs them on the local slices and sums the partial outputs once per layer).
 Norms outside the blocks, the projectors and the U-Net stay replicated inside the TP group (every TP rank
 computes them whole): the U-Net's convolutions and skip connections have no standard TP plan.
 """
@@ -21,6 +23,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..models.llama import DecoderBlock, Llama
+from ..models.moe import MoeFeedForward
 from ..models.vit import VitBlock
 
 LLAMA_PLAN = {
@@ -32,6 +35,7 @@ LLAMA_PLAN = {
     "feed_forward.w3": ColwiseParallel(),
     "feed_forward.w2": RowwiseParallel(),
 }
+ATTENTION_PLAN = {name: style for name, style in LLAMA_PLAN.items() if name.startswith("attention.")}
 VIT_PLAN = {
     "attn.q": ColwiseParallel(),
     "attn.k": ColwiseParallel(),
@@ -50,7 +54,11 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
     """
     blocks = 0
     for child in module.modules():
-        if isinstance(child, DecoderBlock):
+        if isinstance(child, DecoderBlock) and isinstance(child.feed_forward, MoeFeedForward):
+            parallelize_module(child, mesh, ATTENTION_PLAN)
+            apply_expert_tensor_parallel(child.feed_forward, mesh)
+            blocks += 1
+        elif isinstance(child, DecoderBlock):
             parallelize_module(child, mesh, LLAMA_PLAN)
             blocks += 1
         elif isinstance(child, VitBlock):
@@ -78,3 +86,15 @@ def apply_vocab_parallel(llm: Llama, mesh) -> None:
             weight = module.weight
             module.weight = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)]), weight.requires_grad)
             module.vocab_mesh = mesh  # what the models read as "vocabulary-parallel" (models/vocab_parallel.py)
+
+
+def apply_expert_tensor_parallel(moe: MoeFeedForward, mesh) -> None:
+    """Split every routed and shared expert's hidden width over ``mesh``: w1 and w3 by rows (output features),
+    w2 by columns (input features). Before expert parallelism drops the experts other EP ranks hold."""
+    experts = [*moe.experts.values(), *([moe.shared] if moe.shared is not None else [])]
+    for expert in experts:
+        for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            linear = getattr(expert, name)
+            weight = linear.weight
+            linear.weight = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(dim)]), weight.requires_grad)
+    moe.tp_group = mesh.get_group()

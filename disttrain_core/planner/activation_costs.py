@@ -51,8 +51,8 @@ class MemoryCosts:
         tests/unit/test_memory_precision.py) keeps, per token and routed expert, the expert's sorted input row
         (residual precision), its two first matmuls' inputs (bf16 copies under autocast), its SwiGLU hidden
         activations (4 x expert width) and its output (twice in fp32: reordered, and saved by the gate
-        product); the shared experts' hidden activations; index and router tensors too small to count. TP does
-        not split it (the runtime's TP plan does not reach the experts).
+        product); the shared experts' hidden activations; index and router tensors too small to count. TP splits
+        the hidden activations (each rank runs its slice of every expert's width), not the rows or outputs.
         """
         w = self.work.units[unit]
         a, r = self._element_bytes()
@@ -63,7 +63,7 @@ class MemoryCosts:
         attention_inputs = 3.0 * a if mixed else r  # q, k, v linear layers
         attention = (2.0 + 2.0 * kv) * a / tp  # q, k, v, output
         if w.num_experts:
-            width = w.expert_dim / w.dim
+            width = w.expert_dim / w.dim / tp  # each TP rank's slice of an expert's hidden width
             routed = r + (2.0 * a if mixed else 0.0) + 4.0 * width * a + (a if mixed else 2.0 * a)
             shared = (4.0 * width * a + (2.0 * a if mixed else 0.0)) * w.shared_experts
             none = 2.0 * per_norm + attention_inputs + (a if mixed else r) + attention + w.top_k * routed + shared
@@ -193,7 +193,7 @@ class MemoryCosts:
     def largest_group(self, unit: str, tp: int, ep: int = 1) -> float:
         """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head."""
         w = self.work.units[unit]
-        held = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / ep
+        held = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / (ep * tp)
         block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)
         return max(block, self.work.vocab * w.dim / tp if unit == "llm" else 0.0)  # vocabulary-parallel
 

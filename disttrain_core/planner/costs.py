@@ -182,8 +182,8 @@ class CostModel(MemoryCosts):
 
     def _analytic(self, unit: str, tp: int, items: float) -> float:
         w = self.work.units[unit]
-        # TP shards the blocks' attention and dense MLPs and the LLM's head (by vocabulary rows); the replicated
-        # modules and the MoE feed-forwards (which the runtime's TP plan does not reach) run whole on every TP rank
+        # TP shards the blocks' attention, MLPs and experts (hidden widths) and the LLM's head (by vocabulary rows);
+        # the replicated modules and the MoE routers run whole on every TP rank
         flops = items * (w.train_flops - w.flops_unsplit) / tp + items * w.flops_unsplit
         seconds = flops / (self.hw.peak_flops * self.hw.efficiency)
         if tp > 1 and w.params_tp:
@@ -201,10 +201,10 @@ class CostModel(MemoryCosts):
 
     def local_params(self, unit: str, tp: int, pp: int, stage: int | None = None, ep: int = 1) -> float:
         """Parameters on one TP rank of a pipeline stage: the stage's share of the blocks (attention and dense
-        MLPs split by TP; of a MoE, the router and shared experts whole and 1/ep of the routed experts) plus
+        MLPs and shared experts split by TP; of a MoE, the router whole and 1/(ep tp) of the routed experts) plus
         the embeddings on the first stage and the head on the last; ``stage=None``: the average."""
         w = self.work.units[unit]
-        blocks = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / ep
+        blocks = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / (ep * tp)
         if stage is None:
             return (blocks + w.rep_local(tp)) / pp
         held = blocks * (self.settings.llm_share(stage, pp, w.layers) if unit == "llm" else 1.0 / pp)
@@ -219,7 +219,7 @@ class CostModel(MemoryCosts):
         local = self.local_params(unit, tp, pp, stage, ep)
         w = self.work.units[unit]
         share = self.settings.llm_share(stage, pp, w.layers) if unit == "llm" else 1.0 / pp
-        experts = w.params_expert / ep * share
+        experts = w.params_expert / (ep * tp) * share
         return local - experts, experts
 
     def sync_s(

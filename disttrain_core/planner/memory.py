@@ -29,8 +29,8 @@ of S) is below 1% for any real model and is not modelled.
 Context and expert parallelism (``unit_model_state``): the rows above apply to each of two parameter sets
 with its own ``dp``. Gradients are reduced over the dp x cp ranks of a stage (context-parallel ranks' losses
 cover disjoint positions), so that is the ZeRO group of every non-expert parameter; a rank holds ``1/ep``
-of the routed experts (parallel/expert_parallel.py), replicated on -- and sharded over -- the dp x cp / ep
-ranks with the same expert shard.
+of the routed experts (parallel/expert_parallel.py), replicated on the dp x cp / ep ranks with the same expert
+shard and stepped there by an AdamW of their own: fp32 parameters, gradients and moments, no master copy.
 
 Besides the state, while a step runs (``transient``):
 
@@ -133,11 +133,17 @@ def unit_model_state(
     wire_bytes: int = 4,
 ) -> ModelState:
     """``model_state`` of a rank holding ``dense`` non-expert parameters, reduced over ``gradient_ranks``
-    (dp x cp) ranks, and ``experts`` routed-expert parameters (its 1/ep), reduced over gradient_ranks / ep."""
+    (dp x cp) ranks, and ``experts`` routed-expert parameters (its 1/ep), reduced over gradient_ranks / ep.
+    Under expert parallelism (ep > 1, ZeRO-1 for the rest) the held experts are stepped by their own AdamW on
+    every replica (train/expert_optim.py): fp32 parameters that are their own masters, full gradients and
+    moments, no wire copy."""
     if gradient_ranks % ep:
         raise ValueError(f"ep={ep} does not divide the {gradient_ranks} data x context ranks")
     state = model_state(dense, dense * trainable_fraction, gradient_ranks, shard, hsdp_replicas, wire_bytes)
-    if experts:
+    if experts and ep > 1:
+        held = experts * trainable_fraction
+        state = state + ModelState(4.0 * experts, 4.0 * held, 0.0, 8.0 * held, 0.0)
+    elif experts:
         expert_ranks = gradient_ranks // ep
         replicas = max(1, min(hsdp_replicas, expert_ranks))
         state = state + model_state(experts, experts * trainable_fraction, expert_ranks, shard, replicas, wire_bytes)

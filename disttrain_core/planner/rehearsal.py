@@ -55,6 +55,22 @@ def _numel(param) -> int:
     return (param._local_tensor if hasattr(param, "_local_tensor") else param).numel()
 
 
+def _expert_share(model, ep: int) -> set[int]:
+    """Expert parallelism: keep the experts EP rank 0 holds in every MoE layer (1/ep of them, as
+    parallel/expert_parallel.py does) and return their parameters' ids."""
+    from ..models.moe import moe_layers
+    from ..parallel.expert_parallel import expert_range
+
+    held: set[int] = set()
+    for layer in moe_layers(model):
+        keep = expert_range(layer.num_experts, ep, 0)
+        for key in list(layer.experts.keys()):
+            if int(key) not in keep:
+                del layer.experts[key]
+        held |= {id(p) for p in layer.experts.parameters()}
+    return held
+
+
 def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, float]:
     """Model-state bytes of stage ``stage_index`` of ``unit``, built on meta with the runtime's code."""
     from ..comm.buckets import FlatBuckets, bucket_numel
@@ -78,8 +94,12 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
         apply_recompute(stage.model, unit.recompute, unit.recompute_every)
         if fsdp_mesh is not None:
             apply_fsdp(stage, fsdp_mesh, unit.shard, wire)
+        held = _expert_share(stage.model, unit.ep) if getattr(unit, "ep", 1) > 1 else set()
         named = list(stage.model.named_parameters())
-        trainable = [(n, p) for n, p in named if p.requires_grad]
+        # the experts an EP rank holds are stepped by their own optimizer (train/expert_optim.py): fp32
+        # parameters that are their own masters, gradients and AdamW moments, outside the ZeRO-1 buffers
+        experts = sum(_numel(p) for _, p in named if id(p) in held)
+        trainable = [(n, p) for n, p in named if p.requires_grad and id(p) not in held]
         frozen = sum(_numel(p) for _, p in named if not p.requires_grad)
         counted = {"params": 0.0, "grads": 0.0, "master": 0.0, "moments": 0.0, "buffers": 0.0}
         if unit.shard == "zero1":
@@ -107,6 +127,8 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
             )
             if wire != torch.float32:
                 counted["buffers"] = 2.0 * padded
+            for part, per in (("params", 4.0), ("grads", 4.0), ("moments", 8.0)):
+                counted[part] += per * experts
         else:  # none (DDP: gradients are bucket views) and FSDP2 (the local shards)
             learn = sum(_numel(p) for _, p in trainable)
             # optim=sgd's moments (4 bytes or none); local SGD's anchors and outer momentum, split by bytes over

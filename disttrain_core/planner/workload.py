@@ -55,11 +55,11 @@ class UnitWork:
     params_first: int = 0
     params_last: int = 0
     # Mixture of experts (LLM with ``llm.moe``; all 0 for dense units). Of params_tp, the routed experts
-    # (expert parallelism holds experts/ep of them) and the router + shared experts; the runtime's TP plan
-    # (parallel/tensor_parallel.py) reaches neither, so TP ranks hold and run the MoE feed-forward whole.
+    # (expert parallelism holds experts/ep of them, TP splits each one's hidden width) and the routers, which
+    # every TP rank holds and runs whole (parallel/tensor_parallel.py); the shared experts split like dense MLPs.
     params_expert: int = 0
     params_moe_rep: int = 0
-    flops_moe: float = 0.0  # forward + backward FLOPs per item of the MoE feed-forwards (active experts only)
+    flops_moe: float = 0.0  # forward + backward FLOPs per item of the MoE routers (TP does not split them)
     num_experts: int = 0
     top_k: int = 0
     expert_dim: int = 0  # hidden width of one expert
@@ -77,12 +77,12 @@ class UnitWork:
 
     @property
     def params_dense_tp(self) -> int:
-        """Block parameters TP shards (attention, dense MLP): all of params_tp except the MoE feed-forwards."""
+        """Block parameters TP shards outside the routed experts: attention, dense MLPs, shared experts."""
         return self.params_tp - self.params_expert - self.params_moe_rep
 
     @property
     def flops_unsplit(self) -> float:
-        """FLOPs per item TP does not divide: the replicated modules and the MoE feed-forwards."""
+        """FLOPs per item TP does not divide: the replicated modules and the MoE routers."""
         return self.flops_not_tp + self.flops_moe
 
     def active_params(self) -> float:
@@ -103,6 +103,7 @@ class UnitWork:
             and hidden % tp == 0
             and (not self.kv_heads or self.kv_heads % tp == 0)
             and (not self.vocab or self.vocab % tp == 0)
+            and (not self.num_experts or self.expert_dim % tp == 0)
         )
 
     def rep_local(self, tp: int, part: str = "all") -> float:
@@ -130,24 +131,25 @@ class Workload:
 
 
 def _moe_work(cfg: ModelConfig, llm, count) -> dict:
-    """The MoE fields of the LLM's UnitWork: expert / router+shared parameter counts (from the built
-    modules) and the MoE feed-forwards' training FLOPs per sequence. The FLOPs follow what the FLOP
-    counter credits a MoE layer on meta (models/moe.py ``_balanced_estimate``): every token runs the
-    router (dim x E), its top_k experts and the shared experts (SwiGLU: three dim x hidden matmuls);
-    backward is twice the forward."""
+    """The MoE fields of the LLM's UnitWork: routed-expert and router parameter counts (from the built
+    modules; the shared experts count with the dense block parameters: TP splits them the same way) and the
+    routers' training FLOPs per sequence, the part of a MoE layer TP does not split. The FLOP counter credits a
+    MoE layer on meta (models/moe.py ``_balanced_estimate``) with: every token runs the router (dim x E), its
+    top_k experts and the shared experts (SwiGLU: three dim x hidden matmuls, split by TP); backward is twice
+    the forward."""
     moe = getattr(cfg.llm, "moe", None)
     if moe is None:
         return {}
     layers = list(llm.layers.values())
     experts = sum(count(layer.feed_forward.experts) for layer in layers)
-    rep = sum(count(layer.feed_forward.router) + count(layer.feed_forward.shared) for layer in layers)
+    rep = sum(count(layer.feed_forward.router) for layer in layers)
     hidden = moe.expert_ffn_dim or cfg.llm.ffn_dim
     dim = cfg.llm.dim
-    forward_per_token = 2 * dim * moe.num_experts + 6 * dim * hidden * (moe.top_k + moe.shared_experts)
+    router_per_token = 2 * dim * moe.num_experts
     return {
         "params_expert": experts,
         "params_moe_rep": rep,
-        "flops_moe": 3.0 * forward_per_token * cfg.seq_len * len(layers),
+        "flops_moe": 3.0 * router_per_token * cfg.seq_len * len(layers),
         "num_experts": moe.num_experts,
         "top_k": moe.top_k,
         "expert_dim": hidden,
@@ -274,7 +276,7 @@ def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 9
+WORKLOAD_VERSION = 10
 
 
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..base.dtensor import local
 from ..comm.buckets import bucket_numel
-from ..comm.engine import allreduce_gradients
+from ..comm.engine import allreduce_tensors
 from ..config import CommConfig, OptimConfig
 from ..parallel.zero import adamw
 from .state import adamw_entries, owned_by
@@ -47,13 +48,14 @@ class ExpertOptimizer:
             if p.grad is None:  # an expert no token reached on any microbatch of this rank
                 p.grad = torch.zeros_like(p)
         if self.group is not None and self.replicas > 1:  # a sum: the loss is already normalized globally
-            allreduce_gradients(self.params, self.group, self.bucket_numel, world=1)
+            # under tensor parallelism the experts are DTensors: each TP rank sums its own slices
+            allreduce_tensors([local(p.grad) for p in self.params], self.group, self.bucket_numel, world=1)
 
     def grad_norm_squared(self) -> torch.Tensor:
         """This rank's share of the global squared norm: each expert is counted once over its replicas."""
         if not self.params:
             return torch.zeros(())
-        return sum(p.grad.double().pow(2).sum() for p in self.params).float() / self.replicas
+        return sum(local(p.grad).double().pow(2).sum() for p in self.params).float() / self.replicas
 
     def step(self, lr: float) -> None:
         for group in self.inner.param_groups:

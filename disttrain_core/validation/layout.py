@@ -50,6 +50,12 @@ def _validate_context_settings(cfg: Config) -> None:
         f"parallel.cp={p.cp} sets ddp and megatron layouts; this layout has units: set parallel.units.llm.cp",
     )
     if p.mode == "ddp":
+        _require(
+            p.tp == 1 and p.pp == 1,
+            f"parallel.tp={p.tp}, parallel.pp={p.pp}: parallel.mode=ddp (parallel={p.name}) keeps the whole model on "
+            "every process and would ignore them; for tensor or pipeline parallelism use parallel.mode=megatron "
+            "(e.g. parallel=megatron_tp2, or parallel.mode=megatron parallel.dp=2 parallel.tp=2)",
+        )
         world = world_size(cfg)
         _require(
             world % p.cp == 0,
@@ -67,11 +73,19 @@ def _validate_moe(cfg: Config, unit) -> None:
         check_routing(moe.num_experts, moe.top_k, moe.capacity_factor, moe.router, moe.experts_kernel)
     except ValueError as error:
         raise ConfigError(f"model.llm.{error}") from None
-    _require(
-        unit.tp == 1,
-        f"the {unit.name} unit (tp={unit.tp}): model.llm.moe blocks have no tensor-parallel plan (experts are not "
-        "split over TP ranks); use tp=1 with MoE models (more dp, pp or cp instead)",
-    )
+    if unit.tp > 1:  # each expert's hidden width splits over the TP ranks (parallel/tensor_parallel.py)
+        hidden = moe.expert_ffn_dim or cfg.model.llm.ffn_dim
+        what = f"model.llm.moe.expert_ffn_dim={hidden}" if moe.expert_ffn_dim else f"model.llm.ffn_dim={hidden}"
+        _require(
+            hidden % unit.tp == 0,
+            f"the {unit.name} unit (tp={unit.tp}): tp does not divide the experts' hidden width {what} (each expert "
+            "splits it over the TP ranks); pick tp among its divisors",
+        )
+        _require(
+            not cfg.parallel.comm.tp_overlap,
+            f"the {unit.name} unit (tp={unit.tp}): parallel.comm.tp_overlap=true chunks dense Llama blocks only; "
+            "model.llm.moe blocks run plain tensor parallelism: set parallel.comm.tp_overlap=false",
+        )
     if unit.ep > 1:
         from ..parallel.expert_parallel import validate_moe
 

@@ -2,6 +2,7 @@
 {2,3}; each expert shard replicated on {0,2} or {1,3}), against one single-process MoE layer holding every
 expert: outputs, the loss (aux term included), and gradients once reduced the way data parallelism reduces
 them -- router and shared experts over all 4 ranks, each expert shard over its expert-data-parallel pair.
+Then MoE with tensor parallelism: tp 2 x dp 2 with ep 2, each expert's hidden width split over its TP pair.
 Float64, so agreement is to 1e-10. Also the uneven all-to-all itself and a per-rank capacity case."""
 
 from __future__ import annotations
@@ -85,6 +86,48 @@ def _steer_router(layer) -> None:
         layer.router.weight[:, :EXPERTS] = 4 * torch.eye(EXPERTS, dtype=layer.router.weight.dtype)
 
 
+def _tensor_parallel_errors(ep_group, tp_group) -> dict[str, float]:
+    """tp 2 x dp 2 with ep 2: TP pairs {0, 2} and {1, 3} share their tokens and split every expert's hidden width
+    (parallel/tensor_parallel.py), EP pairs {0, 1} and {2, 3} (the data-parallel replicas of one TP rank) split
+    the experts. Each rank's output and input gradient are the whole layer's; each gradient slice is the
+    reference's, once replicated parameters are summed over the data-parallel pair."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from disttrain_core.base.dtensor import is_sharded, local_block
+    from disttrain_core.parallel.expert_parallel import apply_expert_parallel
+    from disttrain_core.parallel.tensor_parallel import apply_expert_tensor_parallel
+
+    layer = _build(meta=True, shared_experts=1, aux_loss_coef=0.1)
+    apply_expert_tensor_parallel(layer, DeviceMesh.from_group(tp_group, "cpu"))
+    apply_expert_parallel(layer, ep_group, balance_group=ep_group)  # dp = ep = 2: the EP pair is the dp pair
+    layer = _materialize(layer)
+    reference = _build(shared_experts=1, aux_loss_coef=0.1).double()
+    g = torch.Generator().manual_seed(3)
+    sizes = [5, 7]  # per data-parallel replica
+    tokens = torch.randn(sum(sizes), DIM, generator=g, dtype=torch.float64)
+    upstream = torch.randn(sum(sizes), DIM, generator=g, dtype=torch.float64)
+    replica = dist.get_rank(ep_group)
+    mine = slice(sum(sizes[:replica]), sum(sizes[: replica + 1]))
+    x = tokens[mine].clone().requires_grad_(True)
+    out = layer(x)
+    ((out * upstream[mine]).sum() + layer.aux_loss).backward()
+    x_all = tokens.clone().requires_grad_(True)
+    expected = reference(x_all)
+    ((expected * upstream).sum() + reference.aux_loss).backward()
+    errors = {"output": _diff(out, expected[mine]), "input_grad": _diff(x.grad, x_all.grad[mine])}
+    reference_params = dict(reference.named_parameters())
+    for name, param in layer.named_parameters():
+        grad, offset = local_block(param.grad)
+        grad = grad.clone()
+        if not name.startswith("experts."):  # router and shared expert: replicated over the data-parallel pair
+            dist.all_reduce(grad, group=ep_group)
+        held = tuple(slice(o, o + n) for o, n in zip(offset, grad.shape, strict=True))
+        errors[f"grad {name}"] = _diff(grad, reference_params[name].grad[held])
+        if name.startswith(("experts.", "shared.")):  # every expert weight is split, 1/2 held
+            errors[f"split {name}"] = float(not is_sharded(param) or 2 * grad.numel() != param.numel())
+    return errors
+
+
 def _all_to_all_errors(group) -> dict[str, float]:
     """Rank s sends (s + d) % 3 rows to rank d (some blocks empty); the values name their source, target and
     row. The gradient of sum(received * weight) must come back to the sender's rows."""
@@ -161,6 +204,9 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
         "dropped": float(layer.last_stats.dropped.item() != alone.last_stats.dropped.item()),
         "nothing dropped": float(alone.last_stats.dropped.item() == 0),  # the case must drop something
     }
+
+    # 4. tensor parallelism inside each expert, with expert parallelism across the data-parallel replicas
+    results["tensor_parallel"] = _tensor_parallel_errors(ep_group, expert_dp_group)
     torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 

@@ -45,6 +45,15 @@ def test_context_and_expert_parallel_moe_matches_one_process(shards, tmp_path):
     assert all(m["moe/dropped_assignments"] == 0 for m in read_metrics(run))
 
 
+def test_tensor_and_expert_parallel_moe_matches_one_process(shards, tmp_path):
+    """dp2 x tp2 with ep2: each TP pair routes the same tokens and runs its half of every expert's hidden width
+    (the partial outputs summed once per layer); the EP pairs are the data-parallel replicas of one TP rank."""
+    one = train(shards, tmp_path / "one", *MOE, "optim.micro_batch_size=8")
+    layout = ["parallel.mode=megatron", "parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.ep=2"]
+    run = train(shards, tmp_path / "dp2_tp2_ep2", *MOE, *layout, "trainer.devices=4", "optim.micro_batch_size=4")
+    assert_same_run(run, one)
+
+
 def test_capacity_drops_are_counted_and_match_per_process_capacity(shards, tmp_path):
     """With a capacity each process drops what exceeds the capacity of the tokens it routes, before the
     exchange: dp2 with ep2 drops exactly what dp2 without expert parallelism drops (each rank routing its

@@ -243,6 +243,19 @@ CASES = [
         + ["optim.global_batch_size=100000"],
         "makes 100000 microbatches per step for 2 pipeline stages (200000 schedule slots",
     ),
+    # a data-parallel preset with tensor parallelism asked for: refused, not silently ignored
+    (["parallel=zero1", "parallel.tp=2", "trainer.devices=2"], "parallel.mode=ddp (parallel=zero1) keeps the whole"),
+    # MoE under tensor parallelism: each expert splits its hidden width
+    (
+        ["model=llama_moe_tiny", "parallel=megatron_tp2", "trainer.devices=2", "schedule=none"]
+        + ["model.llm.moe.expert_ffn_dim=175"],
+        "tp does not divide the experts' hidden width model.llm.moe.expert_ffn_dim=175",
+    ),
+    (
+        ["model=llama_moe_tiny", "parallel=megatron_tp2", "trainer.devices=2", "schedule=none"]
+        + ["parallel.comm.tp_overlap=true"],
+        "model.llm.moe blocks run plain tensor parallelism: set parallel.comm.tp_overlap=false",
+    ),
 ]
 
 

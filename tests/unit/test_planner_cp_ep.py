@@ -70,8 +70,10 @@ def test_expert_state_falls_with_ep_and_dense_state_does_not():
         held = expert_params * (1 - 1 / ep)
         assert base.params - state.params == pytest.approx(4 * held)  # fp32 weights: 1/ep of the experts
         assert base.grads - state.grads == pytest.approx(4 * held)
-        # the expert shard's optimizer state is split over its dp / ep replicas: the same bytes per rank
-        assert state.moments == pytest.approx(base.moments)
+        # the held experts are stepped by an AdamW of their own on every replica (train/expert_optim.py): whole
+        # moments, no master copy; under ep=1 ZeRO-1 shards both over the 8 replicas
+        assert state.moments - base.moments == pytest.approx(8 * expert_params * (1 / ep - 1 / dp))
+        assert base.master - state.master == pytest.approx(4 * expert_params / dp)
         assert c.local_params("llm", tp, pp, 1, ep) == pytest.approx(c.local_params("llm", tp, pp, 1) - held)
     dense = layout_model(["model=llama3_8b"], 64, 64).c
     assert dense.state("llm", 1, 8, 4, "zero1", 1, 1, 1, 1) == dense.state("llm", 1, 8, 4, "zero1", 1)
@@ -94,6 +96,23 @@ def test_moe_flops_count_only_the_active_experts():
     w = workload_of(moe_cfg).units["llm"]
     assert w.train_flops == moe and w.flops_moe < w.train_flops  # the workload's own count agrees
     assert w.active_params() < w.params
+
+
+def test_tensor_parallelism_splits_the_experts_not_the_routers():
+    """As the runtime does (parallel/tensor_parallel.py): each expert's hidden width and the shared experts split
+    over TP; the routers are whole on every TP rank, and so are their FLOPs."""
+    c = layout_model(["model=llama_moe_tiny", "model.llm.moe.shared_experts=1"], 8, 8).c
+    cfg = compose(["model=llama_moe_tiny"]).model.llm
+    w = c.work.units["llm"]
+    assert w.params_moe_rep == cfg.n_layers * cfg.dim * cfg.moe.num_experts  # the routers only
+    assert w.flops_moe == 3 * 2 * cfg.dim * cfg.moe.num_experts * w.tokens * cfg.n_layers
+    split = w.params_dense_tp + w.params_expert  # attention, shared and routed experts
+    one, two = c.local_params("llm", 1, 1), c.local_params("llm", 2, 1)
+    assert one - two == pytest.approx(split / 2 + (w.vocab_first + w.vocab_last) / 2)
+    assert c._split_params("llm", 2, 1, None, 2)[1] == pytest.approx(w.params_expert / 4)
+    assert w.tp_allowed(2) and not w.tp_allowed(3)
+    odd = layout_model(["model=llama_moe_tiny", "model.llm.moe.expert_ffn_dim=175"], 8, 8).c.work.units["llm"]
+    assert not odd.tp_allowed(2)  # the experts' width does not split in 2
 
 
 def test_moe_activation_formula_matches_what_autograd_saves():

@@ -35,6 +35,9 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
         assert role["ratio"] == pytest.approx(1.0, abs=0.02), role
 
 
+MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp2", "schedule=none"]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -58,6 +61,9 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
         ["model=llama3_8b", "parallel=dp", "parallel.cp=2", "parallel.shard=zero3", "trainer.devices=4"],
         # uneven stages: 8 blocks and the embedding, then 24 and the head
         ["model=llama3_8b", "parallel=pp2", "parallel.dp=2", "parallel.pp_split=[8,24]", "trainer.devices=4"],
+        # MoE: expert parallelism (each rank's experts stepped by their own AdamW), and TP splitting every expert
+        MIXTRAL_4 + ["parallel.tp=1", "parallel.dp=2", "parallel.ep=2", "trainer.devices=2"],
+        MIXTRAL_4 + ["parallel.dp=2", "parallel.ep=2", "trainer.devices=4"],
         # optim=sgd's one momentum; local SGD's anchors and outer momentum (a 2-process worker's share)
         ["model=llama3_8b", "parallel=dp", "optim=sgd", "optim.momentum=0.9", "trainer.devices=2"],
         ["model=llama3_8b", "parallel=local_sgd", "parallel.local_sgd.shard_group=2", "trainer.devices=4"],
@@ -83,6 +89,8 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
         "zero2_pp2",
         "cp2_zero3",
         "pp_split",
+        "moe_ep2",
+        "moe_tp2_ep2",
         "sgd",
         "local_sgd",
         "local_sgd_zero3",
