@@ -143,6 +143,41 @@ def flops_per_sample(cfg) -> dict[str, float]:
     return {name: f.train * amount[f.unit] for name, f in per_unit.items()}
 
 
+UNET_TP_MODULES = ("attn1", "attn2", "ff")  # of each spatial transformer: what tensor parallelism splits
+
+
+def unet_tensor_parallel(cfg: ModelConfig) -> tuple[float, int, int, float]:
+    """What tensor parallelism splits in the U-Net (parallel/tensor_parallel.py: each spatial transformer's
+    attention and GEGLU feed-forward), per sample: (the share of the U-Net's forward FLOPs in them, their
+    parameters, the all-reduces one training step of a sample runs (three row-parallel outputs per transformer
+    forward, three input gradients backward), the elements those all-reduces carry). FLOPs counted on meta
+    (forward only: FlopCounterMode's module attribution is exact there)."""
+    from .unet import SpatialTransformer
+
+    side = cfg.gen_image_size // cfg.latent_downsample
+    with torch.device("meta"):
+        unet = UNet(cfg.generator)
+        latents = torch.empty(1, cfg.generator.in_channels, side, side)
+        context = torch.empty(1, cfg.gen_tokens, cfg.generator.cross_attention_dim)
+        shapes: list[tuple[int, ...]] = []
+        hooks = [
+            m.register_forward_hook(lambda _m, args, _out: shapes.append(tuple(args[0].shape)))
+            for m in unet.modules()
+            if isinstance(m, SpatialTransformer)
+        ]
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            unet(latents, torch.zeros(1, dtype=torch.long), context)
+        for hook in hooks:
+            hook.remove()
+    counts = counter.get_flop_counts()
+    split = sum(sum(ops.values()) for name, ops in counts.items() if name.rsplit(".", 1)[-1] in UNET_TP_MODULES)
+    blocks = [m for m in unet.modules() if isinstance(m, SpatialTransformer)]
+    params = sum(p.numel() for m in blocks for name in UNET_TP_MODULES for p in getattr(m, name).parameters())
+    elements = sum(6.0 * c * h * w for _, c, h, w in shapes)
+    return split / max(1, counter.get_total_flops()), params, 6 * len(blocks), elements
+
+
 @lru_cache(maxsize=32)
 def _llm_terms(cfg_yaml: str) -> tuple[float, float]:
     """(a, b): the LLM's training FLOPs over one sequence of n tokens are a n + b n^2 (b: attention), solved

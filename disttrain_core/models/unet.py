@@ -72,14 +72,17 @@ class CrossAttention(nn.Module):
 
 
 class GEGLUFeedForward(nn.Module):
+    """out(proj(x) * gelu(gate(x))). diffusers fuses ``proj`` and ``gate`` into one [2 hidden, dim] matmul
+    (models/hf/unet.py splits it); apart, each is column-parallel under TP like SwiGLU's w1 and w3."""
+
     def __init__(self, dim: int, mult: int = 4):
         super().__init__()
-        self.proj = nn.Linear(dim, 2 * mult * dim)
+        self.proj = nn.Linear(dim, mult * dim)
+        self.gate = nn.Linear(dim, mult * dim)
         self.out = nn.Linear(mult * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value, gate = self.proj(x).chunk(2, dim=-1)
-        return self.out(value * F.gelu(gate))
+        return self.out(self.proj(x) * F.gelu(self.gate(x)))
 
 
 class SpatialTransformer(nn.Module):

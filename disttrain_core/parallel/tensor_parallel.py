@@ -7,13 +7,16 @@ one all-reduce). Blocks take and return ordinary, replicated tensors, so nothing
 else in the model changes; the attention code already derives its local head
 count from the tensor shapes.
 
-Where TP applies: Llama decoder blocks (dense or MoE) and ViT blocks, and the Llama's vocabulary: the token embedding is
+Where TP applies: Llama decoder blocks (dense or MoE), ViT blocks, the U-Net's transformers, and the Llama's
+vocabulary: the token embedding is
 row-parallel (each rank holds V/tp rows, looks up the tokens it holds, one all-reduce sums the lookups) and the
 output head holds V/tp rows too, its loss computed without gathering the logits (models/vocab_parallel.py).
 A MoE block's attention takes the Llama plan; its experts and shared experts each split their hidden width over
 the group (models/moe.py runs them on the local slices and sums the partial outputs once per layer).
-Norms outside the blocks, the projectors and the U-Net stay replicated inside the TP group (every TP rank
-computes them whole): the U-Net's convolutions and skip connections have no standard TP plan.
+In the U-Net every spatial transformer's self- and cross-attention split their heads and the GEGLU feed-forward
+its hidden width (the same column / row pattern); its residual blocks, resamplers, GroupNorms and the
+transformers' proj_in / proj_out stay replicated inside the TP group, as do the norms outside the blocks and
+the projectors (every TP rank computes them whole).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from ..models.llama import DecoderBlock, Llama
 from ..models.moe import MoeFeedForward
+from ..models.unet import SpatialTransformer
 from ..models.vit import VitBlock
 
 LLAMA_PLAN = {
@@ -34,6 +38,14 @@ LLAMA_PLAN = {
     "feed_forward.w1": ColwiseParallel(),
     "feed_forward.w3": ColwiseParallel(),
     "feed_forward.w2": RowwiseParallel(),
+}
+UNET_TRANSFORMER_PLAN = {
+    **{f"{attn}.{name}": ColwiseParallel() for attn in ("attn1", "attn2") for name in ("to_q", "to_k", "to_v")},
+    "attn1.to_out": RowwiseParallel(),
+    "attn2.to_out": RowwiseParallel(),
+    "ff.proj": ColwiseParallel(),
+    "ff.gate": ColwiseParallel(),
+    "ff.out": RowwiseParallel(),
 }
 ATTENTION_PLAN = {name: style for name, style in LLAMA_PLAN.items() if name.startswith("attention.")}
 VIT_PLAN = {
@@ -47,7 +59,7 @@ VIT_PLAN = {
 
 
 def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = False) -> int:
-    """Shard every Llama and ViT block of ``module`` over ``mesh``; returns how many blocks.
+    """Shard every Llama, ViT and U-Net transformer block of ``module`` over ``mesh``; returns how many.
 
     ``sequence_overlap``: Llama blocks then run sequence-parallel with chunked all-gather+matmul and
     matmul+reduce-scatter (comm/tp_overlap.py); the weights are sharded the same way.
@@ -63,6 +75,9 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
             blocks += 1
         elif isinstance(child, VitBlock):
             parallelize_module(child, mesh, VIT_PLAN)
+            blocks += 1
+        elif isinstance(child, SpatialTransformer):
+            parallelize_module(child, mesh, UNET_TRANSFORMER_PLAN)
             blocks += 1
         elif isinstance(child, Llama):
             apply_vocab_parallel(child, mesh)

@@ -194,6 +194,8 @@ class MemoryCosts:
         """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head."""
         w = self.work.units[unit]
         held = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / (ep * tp)
+        if unit == "generator":  # the U-Net is one group: its replicated part and this rank's transformer slices
+            return float(w.params_rep) + held
         block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)
         return max(block, self.work.vocab * w.dim / tp if unit == "llm" else 0.0)  # vocabulary-parallel
 

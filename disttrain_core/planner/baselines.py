@@ -63,7 +63,7 @@ def megatron(solver: Orchestrator) -> Plan | None:
                 side = UnitChoice(tp, side_dp, 1) if separate else COLOCATED
                 enc = side if solver.has_enc else None
                 gen = None
-                if solver.has_gen:  # as an extra stage the U-Net is replicated inside a TP group of tp
+                if solver.has_gen:  # an extra stage at the same tp (its transformers split over it)
                     gen = UnitChoice(tp, side_dp, 1) if separate else COLOCATED
                 count += 1
                 result = solver.m.evaluate(llm, enc, gen)

@@ -186,7 +186,10 @@ class CostModel(MemoryCosts):
         # the replicated modules and the MoE routers run whole on every TP rank
         flops = items * (w.train_flops - w.flops_unsplit) / tp + items * w.flops_unsplit
         seconds = flops / (self.hw.peak_flops * self.hw.efficiency)
-        if tp > 1 and w.params_tp:
+        if tp > 1 and w.params_tp and w.tp_reduces:  # blocks of different widths (the U-Net's transformers)
+            each = items * w.tp_reduce_floats / w.tp_reduces * self.settings.act_bytes
+            seconds += w.tp_reduces * self.allreduce_s(each, tp, self.hw.intra_bw)
+        elif tp > 1 and w.params_tp:
             block_bytes = items * w.tokens * w.dim * self.settings.act_bytes
             # two per block forward and backward; the vocabulary-parallel embedding's lookups and the head's
             # input gradient one each

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -49,6 +50,10 @@ class UnitWork:
     # ... and under bf16 autocast, per device kind ("cuda", "cpu": their autocast policies differ): {"none", "full",
     # "selective_op", "largest_block"}
     counted_mixed: dict = field(default_factory=dict)
+    # Units whose TP-split blocks differ in width (the U-Net's transformers, one per level): the all-reduces one
+    # item's training step runs and the elements they carry (0: ``4 layers`` all-reduces of tokens x dim)
+    tp_reduces: int = 0
+    tp_reduce_floats: float = 0.0
     kv_heads: int = 0  # grouped-query attention (LLM)
     # Of params_rep, what the first pipeline stage holds (embeddings) and the last (final norm, head,
     # projector); the blocks split evenly. params_rep = params_first + params_last.
@@ -96,7 +101,7 @@ class UnitWork:
         if tp == 1:
             return True
         if not self.params_tp:
-            return False  # replicated inside a TP group (the U-Net): TP would only cost devices
+            return False  # nothing to split: TP would only cost devices
         hidden = round(self.dim * self.mlp_ratio)
         return (
             self.heads % tp == 0
@@ -247,36 +252,49 @@ def _encoder_work(cfg: ModelConfig, model, flops) -> UnitWork:
 
 
 def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
-    """The U-Net generator's UnitWork (its projector included; activations counted, planner/activation_count.py)."""
+    """The U-Net generator's UnitWork (its projector included; activations counted, planner/activation_count.py).
+    TP splits each spatial transformer's attention and feed-forward (models/flops.py ``unet_tensor_parallel``):
+    their parameters are params_tp, their share of the U-Net's FLOPs is split; its activations are counted whole
+    (an over-estimate under TP)."""
+    from ..models.flops import unet_tensor_parallel
+    from ..models.unet import level_head_dims
+
     freeze = cfg.freeze
     unet, proj = model.generator, model.generator_projector
     side = cfg.gen_image_size // cfg.latent_downsample
     counts = unet_counts(cfg, side)
     fp32, counted_mixed = counts["fp32"], {device: counts[device] for device in ("cuda", "cpu")}
+    share, split_params, reduces, reduce_floats = unet_tensor_parallel(cfg)
+    unet_train = flops["generator"].train
+    gen = cfg.generator
+    attended = [level for level, on in enumerate(gen.cross_attention_blocks) if on] + [len(gen.block_out_channels) - 1]
+    heads = math.gcd(*(gen.block_out_channels[i] // level_head_dims(gen)[i] for i in attended))
     return UnitWork(
         name="generator",
-        train_flops=flops["generator"].train + flops["generator_projector"].train,
-        flops_not_tp=flops["generator"].train + flops["generator_projector"].train,
-        params_tp=0,
-        params_rep=_count(unet) + _count(proj),
+        train_flops=unet_train + flops["generator_projector"].train,
+        flops_not_tp=unet_train * (1.0 - share) + flops["generator_projector"].train,
+        params_tp=split_params,
+        params_rep=_count(unet) - split_params + _count(proj),
         trainable_fraction=_trainable((unet, freeze.generator), (proj, freeze.generator_projector)),
         items_per_sample=1.0,
         layers=1,
         tokens=side * side,
         dim=cfg.generator.block_out_channels[0],
-        heads=1,
+        heads=heads,  # the gcd of the transformers' head counts: TP must divide every one (tp_allowed)
         mlp_ratio=0.0,
         gated_mlp=False,
         boundary_floats=0,
         counted_activation_bytes=fp32["none"],
         counted_recompute_bytes={k: v for k, v in fp32.items() if k != "none"},
         counted_mixed=counted_mixed,
-        params_first=_count(unet) + _count(proj),
+        tp_reduces=reduces,
+        tp_reduce_floats=reduce_floats,
+        params_first=_count(unet) - split_params + _count(proj),
     )
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 10
+WORKLOAD_VERSION = 11
 
 
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ..config import Config
-from .common import ConfigError, _require, world_size
+from .common import _require, world_size
 from .float8 import check_float8_layout
+from .unit_shapes import validate_moe_unit, validate_unit_pp, validate_unit_tp
 
 MAX_PARALLEL_SIZE = 65_536  # dp, tp or pp beyond this (and the world size) is a typo
 
@@ -61,42 +62,6 @@ def _validate_context_settings(cfg: Config) -> None:
             world % p.cp == 0,
             f"parallel.cp={p.cp} does not divide trainer.devices x trainer.num_nodes = {world} processes; the "
             "data-parallel size is processes / cp",
-        )
-
-
-def _validate_moe(cfg: Config, unit) -> None:
-    """The MoE routing settings, and the layouts the MoE blocks train in."""
-    from ..models.moe import check_routing
-
-    moe = cfg.model.llm.moe
-    try:
-        check_routing(moe.num_experts, moe.top_k, moe.capacity_factor, moe.router, moe.experts_kernel)
-    except ValueError as error:
-        raise ConfigError(f"model.llm.{error}") from None
-    if unit.tp > 1:  # each expert's hidden width splits over the TP ranks (parallel/tensor_parallel.py)
-        hidden = moe.expert_ffn_dim or cfg.model.llm.ffn_dim
-        what = f"model.llm.moe.expert_ffn_dim={hidden}" if moe.expert_ffn_dim else f"model.llm.ffn_dim={hidden}"
-        _require(
-            hidden % unit.tp == 0,
-            f"the {unit.name} unit (tp={unit.tp}): tp does not divide the experts' hidden width {what} (each expert "
-            "splits it over the TP ranks); pick tp among its divisors",
-        )
-        _require(
-            not cfg.parallel.comm.tp_overlap,
-            f"the {unit.name} unit (tp={unit.tp}): parallel.comm.tp_overlap=true chunks dense Llama blocks only; "
-            "model.llm.moe blocks run plain tensor parallelism: set parallel.comm.tp_overlap=false",
-        )
-    if unit.ep > 1:
-        from ..parallel.expert_parallel import validate_moe
-
-        try:
-            validate_moe(moe.num_experts, moe.top_k, ep=unit.ep, dp=unit.dp)
-        except ValueError as error:
-            raise ConfigError(f"the {unit.name} unit: {error}") from None
-        _require(
-            unit.shard == "zero1",
-            f"the {unit.name} unit (ep={unit.ep}): shard={unit.shard}; expert parallelism trains with ZeRO-1 for the "
-            "shared weights and an optimizer per expert shard: use shard=zero1",
         )
 
 
@@ -298,51 +263,6 @@ def _validate_interleave_modes(p, layout) -> None:
     )
 
 
-def _validate_unit_tp(cfg: Config, unit, where: str) -> None:
-    """A unit's tensor-parallel size divides the heads and hidden sizes of the models it holds."""
-    p, m = cfg.parallel, cfg.model
-    if "llm" in unit.modules:
-        llm = m.llm
-        for what, value in (("n_heads", llm.n_heads), ("n_kv_heads", llm.n_kv_heads), ("ffn_dim", llm.ffn_dim)):
-            _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.llm.{what}={value}")
-        padded = -(-llm.vocab_size // unit.tp) * unit.tp
-        _require(
-            llm.vocab_size % unit.tp == 0,
-            f"{where}: tp={unit.tp} does not divide model.llm.vocab_size={llm.vocab_size} (the embedding and the "
-            f"head split the vocabulary over TP); pad it: model.llm.vocab_size={padded} (the extra rows are never "
-            "a label)",
-        )
-        _require(
-            not p.comm.tp_overlap or m.seq_len % unit.tp == 0,
-            f"parallel.comm.tp_overlap=true splits the sequence over the TP group, but tp={unit.tp} does "
-            f"not divide model.seq_len={m.seq_len}; change one of them or set tp_overlap=false",
-        )
-    if "encoder" in unit.modules:
-        vit = m.encoder
-        for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
-            _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}")
-
-
-def _validate_unit_pp(cfg: Config, unit, where: str) -> None:
-    """The encoder's blocks split evenly into its pipeline stages; the generator is not pipelined."""
-    m = cfg.model
-    if unit.name == "encoder":
-        from ..models.vit import vit_block_count
-
-        blocks, layer = vit_block_count(m.encoder), m.encoder.feature_layer
-        what = f"model.encoder.n_layers={blocks}"
-        if layer is not None:
-            what = f"the {blocks} encoder block(s) built for model.encoder.feature_layer={layer} "
-            what += f"(n_layers={m.encoder.n_layers})"
-        _require(blocks % unit.pp == 0, f"{where}: pp={unit.pp} does not divide {what}")
-    if unit.name == "generator":
-        _require(
-            unit.pp == 1,
-            f"{where}: pp={unit.pp}; the U-Net's skip connections cross every level, so it "
-            "is not split into pipeline stages: use pp=1 (more dp instead)",
-        )
-
-
 def _validate_unit(cfg: Config, unit) -> None:
     """One resolved unit against the model and the other settings."""
     if unit.cp > 1:
@@ -351,10 +271,10 @@ def _validate_unit(cfg: Config, unit) -> None:
         _validate_unit_shard(unit, cfg.schedule.name)
     where = f"parallel {unit.name} unit"
     if "llm" in unit.modules and cfg.model.llm.moe is not None:
-        _validate_moe(cfg, unit)
+        validate_moe_unit(cfg, unit)
     if unit.tp > 1:
-        _validate_unit_tp(cfg, unit, where)
-    _validate_unit_pp(cfg, unit, where)
+        validate_unit_tp(cfg, unit, where)
+    validate_unit_pp(cfg, unit, where)
 
 
 def check_layout(cfg: Config, layout) -> None:

@@ -243,6 +243,12 @@ CASES = [
         + ["optim.global_batch_size=100000"],
         "makes 100000 microbatches per step for 2 pipeline stages (200000 schedule slots",
     ),
+    # the generator unit's TP splits the heads of every U-Net transformer (mllm_tiny's level 0: 32 channels)
+    (
+        ["parallel=disagg4_tp2", "parallel.units.llm.tp=1", "parallel.units.generator.tp=2"]
+        + ["model.generator.head_dim=32"],
+        "tp=2 does not divide the U-Net's 1 attention head(s) at level 0 (model.generator.block_out_channels[0]=32",
+    ),
     # a data-parallel preset with tensor parallelism asked for: refused, not silently ignored
     (["parallel=zero1", "parallel.tp=2", "trainer.devices=2"], "parallel.mode=ddp (parallel=zero1) keeps the whole"),
     # MoE under tensor parallelism: each expert splits its hidden width

@@ -229,3 +229,25 @@ def test_recompute_auto_picks_per_unit_the_least_recomputation_that_fits():
     small = compose(["model=mllm_tiny", "cluster=h100_80g", "cluster.num_gpus=8", "planner.cost=analytic"])
     small.planner.recompute = "auto"
     assert set(make_plan(small, progress=lambda *_: None).plan.evaluation.recompute.values()) == {"none"}
+
+
+def test_the_generator_splits_its_transformers_over_tp():
+    """The planner's generator follows the runtime (parallel/tensor_parallel.py): the U-Net transformers'
+    attention and GEGLU parameters and their share of the FLOPs split over TP, the rest stays whole; tp must
+    divide every transformer's heads (mllm_tiny: 2 at level 0, 4 in the middle)."""
+    from disttrain_core.data.tokenizer import ByteTokenizer
+    from disttrain_core.models import build_model
+    from disttrain_core.models.unet import SpatialTransformer
+
+    cfg = compose(["model=mllm_tiny"]).model
+    w = workload_of(cfg).units["generator"]
+    model = build_model(cfg, ByteTokenizer(), device="meta")
+    blocks = [m for m in model.generator.modules() if isinstance(m, SpatialTransformer)]
+    split = sum(p.numel() for m in blocks for part in (m.attn1, m.attn2, m.ff) for p in part.parameters())
+    assert len(blocks) == 4 and w.params_tp == split
+    assert w.params_tp + w.params_rep == sum(p.numel() for p in model.generator.parameters()) + sum(
+        p.numel() for p in model.generator_projector.parameters()
+    )
+    assert 0 < w.flops_not_tp < w.train_flops  # the transformers' share is split, convolutions are not
+    assert w.heads == 2 and w.tp_allowed(2) and not w.tp_allowed(4)
+    assert w.tp_reduces == 6 * len(blocks)

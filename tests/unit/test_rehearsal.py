@@ -47,6 +47,8 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
             "parallel.units.llm.shard=zero3",
             "trainer.devices=4",
         ],
+        # the generator unit's transformers split over TP
+        ["model=mllm_tiny", "parallel=disagg4_tp2", "parallel.units.llm.tp=1", "parallel.units.generator.tp=2"],
         [
             "model=llama3_8b",
             "parallel=megatron_tp2",
@@ -85,6 +87,7 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
     ],
     ids=[
         "units_zero3_zero1",
+        "generator_tp2",
         "hsdp_tp2",
         "zero2_pp2",
         "cp2_zero3",

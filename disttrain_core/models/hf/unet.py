@@ -248,9 +248,13 @@ _TRANSFORMER = {  # norm, proj_in, proj_out keep their names
     "attn2.to_v": "transformer_blocks.0.attn2.to_v",
     "attn2.to_out": "transformer_blocks.0.attn2.to_out.0",
     "norm3": "transformer_blocks.0.norm3",
-    "ff.proj": "transformer_blocks.0.ff.net.0.proj",
+    "ff.proj": "transformer_blocks.0.ff.net.0.proj",  # the first half of diffusers' fused GEGLU projection
+    "ff.gate": "transformer_blocks.0.ff.net.0.proj",  # and the second (_HALVES)
     "ff.out": "transformer_blocks.0.ff.net.2",
 }
+
+
+_HALVES = {"ff.proj": 0, "ff.gate": 1}  # rows of diffusers' [2 hidden, dim] GEGLU projection
 
 
 def diffusers_name(ours: str) -> str:
@@ -282,11 +286,17 @@ def load_unet(directory: Path, hf_config: dict, cfg: ModelConfig) -> dict[str, t
         shapes = {name: p.shape for name, p in DiffusionGenerator(cfg.generator).named_parameters()}
     tensors = read_safetensors(directory)
     state: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
     for ours, shape in shapes.items():
         theirs = diffusers_name(ours)
         if theirs not in tensors:
             raise PretrainedError(f"{directory}: no tensor {theirs} (for our generator.{ours})")
-        tensor = tensors.pop(theirs)
+        tensor = tensors[theirs]
+        used.add(theirs)
+        module = ours.rsplit(".", 1)[0]
+        half = next((h for key, h in _HALVES.items() if module.endswith(f".{key}")), None)
+        if half is not None:
+            tensor = tensor.chunk(2, dim=0)[half]
         if tensor.ndim == 4 and len(shape) == 2 and tensor.shape[2:] == (1, 1):  # 1x1-conv projection (SD 1.x)
             tensor = tensor.reshape(tensor.shape[:2])
         if tensor.shape != shape:
@@ -295,8 +305,8 @@ def load_unet(directory: Path, hf_config: dict, cfg: ModelConfig) -> dict[str, t
                 f"has {list(shape)}"
             )
         state[ours] = tensor
-    if tensors:
-        extra = sorted(tensors)
+    extra = sorted(set(tensors) - used)
+    if extra:
         raise PretrainedError(
             f"{directory}: {len(extra)} diffusers tensors have no place in our U-Net (unsupported features): "
             f"{', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}"
