@@ -19,6 +19,7 @@ equal our linear ones (weights reshaped); heads per level come from ``attention_
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -147,7 +148,24 @@ class UNetLevel(nn.Module):
         self.resample_kind = resample
 
 
+@dataclass
+class UNetState:
+    """What flows between the U-Net's segments: the running features, the skip connections not yet consumed
+    (oldest first), the timestep embedding and the conditioning. A pipeline boundary carries all of it."""
+
+    h: torch.Tensor
+    skips: list[torch.Tensor]
+    temb: torch.Tensor
+    context: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.h, *self.skips, self.temb, self.context]
+
+
 class UNet(nn.Module):
+    """``forward`` = ``begin``, each of ``segments()`` through ``run``, then ``finish``: the pieces a pipeline
+    split of the U-Net cuts between (parallel/generator_stages.py)."""
+
     def __init__(self, cfg: UNetConfig):
         super().__init__()
         self.cfg = cfg
@@ -189,30 +207,46 @@ class UNet(nn.Module):
         self.norm_out = nn.GroupNorm(cfg.norm_groups, chans[0], eps=1e-5)
         self.conv_out = nn.Conv2d(chans[0], cfg.in_channels, 3, padding=1)
 
-    def forward(self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def segments(self) -> list[str]:
+        """The pieces between which a pipeline may cut: each down level, the middle block, each up level."""
+        levels = len(self.cfg.block_out_channels)
+        return [f"down.{i}" for i in range(levels)] + ["mid"] + [f"up.{i}" for i in range(levels)]
+
+    def begin(self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> UNetState:
         dtype = self.conv_in.weight.dtype
         temb = timestep_features(timesteps, self.cfg.block_out_channels[0]).to(dtype)
         temb = self.time_linear2(F.silu(self.time_linear1(temb)))
         h = self.conv_in(sample.to(dtype))
-        skips = [h]
-        for level in self.down:
-            for i, resnet in enumerate(level.resnets):
-                h = resnet(h, temb)
-                if level.attentions is not None:
-                    h = level.attentions[i](h, context)
+        return UNetState(h, [h], temb, context)
+
+    def run(self, segment: str, state: UNetState) -> UNetState:
+        h, skips, temb, context = state.h, list(state.skips), state.temb, state.context
+        if segment == "mid":
+            h = self.mid_res2(self.mid_attn(self.mid_res1(h, temb), context), temb)
+            return UNetState(h, skips, temb, context)
+        kind, index = segment.split(".")
+        level = (self.down if kind == "down" else self.up)[int(index)]
+        for i, resnet in enumerate(level.resnets):
+            h = resnet(h if kind == "down" else torch.cat((h, skips.pop()), dim=1), temb)
+            if level.attentions is not None:
+                h = level.attentions[i](h, context)
+            if kind == "down":
                 skips.append(h)
-            if level.resample is not None:
-                h = level.resample(h)
-                skips.append(h)
-        h = self.mid_res2(self.mid_attn(self.mid_res1(h, temb), context), temb)
-        for level in self.up:
-            for i, resnet in enumerate(level.resnets):
-                h = resnet(torch.cat((h, skips.pop()), dim=1), temb)
-                if level.attentions is not None:
-                    h = level.attentions[i](h, context)
-            if level.resample is not None:
-                h = level.resample(F.interpolate(h, scale_factor=2.0, mode="nearest"))
-        return self.conv_out(F.silu(self.norm_out(h)))
+        if level.resample is not None and kind == "down":
+            h = level.resample(h)
+            skips.append(h)
+        elif level.resample is not None:
+            h = level.resample(F.interpolate(h, scale_factor=2.0, mode="nearest"))
+        return UNetState(h, skips, temb, context)
+
+    def finish(self, state: UNetState) -> torch.Tensor:
+        return self.conv_out(F.silu(self.norm_out(state.h)))
+
+    def forward(self, sample: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        state = self.begin(sample, timesteps, context)
+        for segment in self.segments():
+            state = self.run(segment, state)
+        return self.finish(state)
 
 
 class DiffusionGenerator(nn.Module):
@@ -226,7 +260,7 @@ class DiffusionGenerator(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        device = self.unet.conv_in.weight.device
+        device = self.alphas_cumprod.device  # a pipeline stage of the U-Net may hold no conv_in
         # SD's "scaled_linear" schedule.
         betas = (
             torch.linspace(
@@ -240,6 +274,17 @@ class DiffusionGenerator(nn.Module):
         )
         self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0).to(torch.float32)
 
+    def noisy(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        """The latents noised to ``timesteps`` (the DDPM forward process)."""
+        alpha_bar = self.alphas_cumprod[timesteps].view(-1, 1, 1, 1)
+        return alpha_bar.sqrt() * latents.float() + (1.0 - alpha_bar).sqrt() * noise.float()
+
+    @staticmethod
+    def loss_sum(predicted: torch.Tensor, noise: torch.Tensor, sample_weight: torch.Tensor) -> torch.Tensor:
+        """Sum over samples of weight * mean squared error of the predicted noise."""
+        per_sample = (predicted.float() - noise.float()).pow(2).mean(dim=(1, 2, 3))
+        return (per_sample * sample_weight.float()).sum()
+
     def forward(
         self,
         latents: torch.Tensor,
@@ -249,8 +294,5 @@ class DiffusionGenerator(nn.Module):
         sample_weight: torch.Tensor,
     ) -> torch.Tensor:
         """Sum over samples of weight * mean squared error of the predicted noise."""
-        alpha_bar = self.alphas_cumprod[timesteps].view(-1, 1, 1, 1)
-        noisy = alpha_bar.sqrt() * latents.float() + (1.0 - alpha_bar).sqrt() * noise.float()
-        predicted = self.unet(noisy, timesteps, context)
-        per_sample = (predicted.float() - noise.float()).pow(2).mean(dim=(1, 2, 3))
-        return (per_sample * sample_weight.float()).sum()
+        predicted = self.unet(self.noisy(latents, noise, timesteps), timesteps, context)
+        return self.loss_sum(predicted, noise, sample_weight)

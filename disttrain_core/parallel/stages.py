@@ -21,8 +21,6 @@ for the stage: only when every weight reaches the outputs through the stage inpu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
@@ -35,16 +33,8 @@ from ..models.llama import Documents
 from ..models.mllm import MultimodalLLM
 from ..models.vit import vit_block_count
 from .context_parallel import SequenceSlices, scale_gradient
-
-
-@dataclass
-class StageOutput:
-    send: torch.Tensor | None
-    loss_sums: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-# A pytree node, so hooks that look for tensors in a module's outputs (FSDP2's pre-backward) find them.
-torch.utils._pytree.register_dataclass(StageOutput)
+from .generator_stages import GeneratorStage
+from .stage_output import GENERATION_FIELDS, StageOutput
 
 
 def split_evenly(count: int, parts: int, what: str) -> list[range]:
@@ -78,9 +68,6 @@ def _keep_blocks(blocks: nn.ModuleDict, keep: range) -> None:
     for key in list(blocks.keys()):
         if int(key) not in keep:
             del blocks[key]
-
-
-GENERATION_FIELDS = ("gen_images", "gen_noise", "gen_timesteps", "gen_weight")
 
 
 def encoder_stage_fields(first: bool) -> tuple[str, ...]:
@@ -234,28 +221,6 @@ class LlmStage(nn.Module):
         return (vit.image_size // vit.patch_size) ** 2
 
 
-class GeneratorStage(nn.Module):
-    kind = "generator"
-    is_first, is_last = False, True
-    splittable_backward = False
-
-    batch_fields = ("image_counts", *GENERATION_FIELDS)
-
-    def __init__(self, model: MultimodalLLM):
-        super().__init__()
-        _drop(model, ("encoder", "encoder_projector", "llm"))
-        self.model = model
-
-    def forward(self, inbound: torch.Tensor, batch: Batch) -> StageOutput:
-        return StageOutput(None, {"gen_loss_sum": self.model.generation_loss_from_queries(inbound, batch)})
-
-    def inbound_row(self) -> tuple[int, ...]:
-        return (self.model.cfg.gen_tokens, self.model.cfg.llm.dim)
-
-    def outbound_row(self) -> None:
-        return None
-
-
 def fields_read(stages) -> tuple[str, ...] | None:
     """The Batch fields a rank's stages read, together (None: some stage does not say, so all of them)."""
     fields: dict[str, None] = {}
@@ -283,7 +248,7 @@ def build_unit_stage(
     if unit_name == "encoder":
         return EncoderStage(model, index, count)
     if unit_name == "generator":
-        return GeneratorStage(model)
+        return GeneratorStage(model, index, count)
     holds_encoder, holds_generator = "encoder" in modules, "generator" in modules
     return LlmStage(model, index, count, holds_encoder, holds_generator, context, split)
 

@@ -92,12 +92,12 @@ def role_memory(
         act = c.activation_bytes(name, enc.tp, items, policy) / enc.pp * flight
         recompute = c.recompute_transient_bytes(name, enc.tp, items, policy)
         step = c.step_transient_bytes(name, enc.tp, enc.pp, shard, flight, pp)
-    elif name == "generator":
-        flight = 1
-        state = c.state(name, gen.tp, gen.dp, 1, shard, 0, hsdp_replicas)
-        act = c.activation_bytes(name, gen.tp, B / gen.dp, policy)
+    elif name == "generator":  # the last unit; pp > 1: the U-Net cut at level boundaries, activations spread evenly
+        flight = in_flight(schedule, S, r + llm.pp + pp, m) if gen.pp > 1 else 1
+        state = c.state(name, gen.tp, gen.dp, gen.pp, shard, pp, hsdp_replicas)
+        act = c.activation_bytes(name, gen.tp, B / gen.dp, policy) / gen.pp * flight
         recompute = c.recompute_transient_bytes(name, gen.tp, B / gen.dp, policy)
-        step = c.step_transient_bytes(name, gen.tp, 1, shard, 1, 0)
+        step = c.step_transient_bytes(name, gen.tp, gen.pp, shard, flight, pp)
     else:
         # context parallelism: 1/cp of every sequence's activations and logits; expert parallelism: 1/ep of
         # the experts (costs.py); modules colocated with the LLM run whole sequences on every CP rank
@@ -135,5 +135,5 @@ def unit_roles(
     model, name: str, choices: dict, S: int, m: int, policy: str, shard: str, schedule: str = "1f1b", hsdp: int = 1
 ):
     """Every pipeline stage of a unit, as roles."""
-    stages = 1 if name == "generator" else choices[name].pp
+    stages = choices[name].pp
     return [role_memory(model, name, choices, S, m, policy, shard, p, schedule, hsdp) for p in range(stages)]

@@ -37,7 +37,7 @@ from ..config import training_precision
 from .activation_costs import MemoryCosts
 from .memory import FSDP
 from .parallel_costs import all_to_all_s, ring_attention_exposed_s
-from .workload import UnitWork, Workload
+from .unit_work import UnitWork, Workload
 
 GB = 1e9
 
@@ -113,6 +113,22 @@ class PlannerSettings:
     @property
     def act_bytes(self) -> int:
         return 2 if self.precision.startswith("bf16") else 4
+
+
+def generator_stage_params(pieces: tuple, tp: int, pp: int, stage: int | None) -> float:
+    """Parameters of one TP rank of generator stage ``stage`` (None: the average): its run of U-Net segments,
+    plus the projector and the U-Net's input layers on the first stage and its output layers on the last.
+    ``pieces``: (replicated, TP-split) parameters of [first-stage extras, each segment, last-stage extras]."""
+    from ..parallel.generator_stages import segment_ranges
+
+    segments = pieces[1:-1]
+    runs = segment_ranges(len(segments), pp)
+    stages = range(pp) if stage is None else [stage]
+    total = 0.0
+    for s in stages:
+        held = [segments[i] for i in runs[s]] + ([pieces[0]] if s == 0 else []) + ([pieces[-1]] if s == pp - 1 else [])
+        total += sum(whole + split / tp for whole, split in held)
+    return total / len(stages)
 
 
 class CostModel(MemoryCosts):
@@ -207,6 +223,8 @@ class CostModel(MemoryCosts):
         MLPs and shared experts split by TP; of a MoE, the router whole and 1/(ep tp) of the routed experts) plus
         the embeddings on the first stage and the head on the last; ``stage=None``: the average."""
         w = self.work.units[unit]
+        if w.pieces and pp > 1:  # the U-Net cut at level boundaries (parallel/generator_stages.py)
+            return generator_stage_params(w.pieces, tp, pp, stage)
         blocks = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / (ep * tp)
         if stage is None:
             return (blocks + w.rep_local(tp)) / pp

@@ -100,6 +100,10 @@ def check_pp_split(cfg: Config, stages: int) -> None:
             f"parallel.pp_split={split!r}: use auto, null, or the blocks of each LLM stage, e.g. [1, 3]",
         )
         return
+    _require(
+        not isinstance(split, (bool, int, float)),
+        f"parallel.pp_split={split!r}: use auto, null, or the blocks of each LLM stage, e.g. [1, 3]",
+    )
     counts = list(split)
     _require(
         all(isinstance(count, int) and not isinstance(count, bool) for count in counts),

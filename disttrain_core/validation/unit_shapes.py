@@ -92,7 +92,7 @@ def _validate_generator_tp(gen, tp: int, where: str) -> None:
 
 
 def validate_unit_pp(cfg: Config, unit, where: str) -> None:
-    """The encoder's blocks split evenly into its pipeline stages; the generator is not pipelined."""
+    """The encoder's blocks split evenly into its pipeline stages; the U-Net has enough pieces for the generator's."""
     m = cfg.model
     if unit.name == "encoder":
         from ..models.vit import vit_block_count
@@ -103,9 +103,10 @@ def validate_unit_pp(cfg: Config, unit, where: str) -> None:
             what = f"the {blocks} encoder block(s) built for model.encoder.feature_layer={layer} "
             what += f"(n_layers={m.encoder.n_layers})"
         _require(blocks % unit.pp == 0, f"{where}: pp={unit.pp} does not divide {what}")
-    if unit.name == "generator":
+    if unit.name == "generator":  # cut at level boundaries (parallel/generator_stages.py)
+        pieces = 2 * len(m.generator.block_out_channels) + 1
         _require(
-            unit.pp == 1,
-            f"{where}: pp={unit.pp}; the U-Net's skip connections cross every level, so it "
-            "is not split into pipeline stages: use pp=1 (more dp instead)",
+            unit.pp <= pieces,
+            f"{where}: pp={unit.pp}; the U-Net splits into pipeline stages at level boundaries and has {pieces} "
+            f"pieces (each level down, the middle block, each level up): use pp <= {pieces}",
         )

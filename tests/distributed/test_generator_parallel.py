@@ -4,7 +4,8 @@ Tensor parallelism on 2 gloo ranks: every spatial transformer's attention heads 
 rank holds half of every to_q/to_k/to_v/to_out and proj/gate/out weight), and the U-Net's output and every
 gradient (input context, replicated weights, each rank's weight slices) equal one process's within 1e-10 of the
 largest magnitude (fp64).
-Training: the generator unit at tp=2 in a disaggregated layout matches one process over 5 steps."""
+Training: the generator unit at tp=2 and at pp=2 (the U-Net cut at a level boundary; tests/unit/test_generator_stages.py
+checks the cut itself) in a disaggregated layout matches one process over 5 steps; tp2 x pp2 in make test-slow."""
 
 import os
 from datetime import timedelta
@@ -93,8 +94,25 @@ def test_the_tensor_parallel_unet_equals_the_whole_one(tmp_path):
         assert not bad, (rank, bad)
 
 
-def test_the_generator_unit_at_tp2_matches_one_process(shards, tmp_path):
-    """encoder | LLM | generator at tp=2 (4 processes) against one process, mllm_tiny."""
-    reference = train(shards, tmp_path / "one", *SMALL)
-    layout = ["parallel=disagg4_tp2", "parallel.units.llm.tp=1", "parallel.units.generator.tp=2"]
-    assert_same_run(train(shards, tmp_path / "gen_tp2", *layout, *SMALL), reference)
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory):
+    return train(shards, tmp_path_factory.mktemp("generator") / "one", *SMALL)
+
+
+@pytest.mark.parametrize(
+    "generator",
+    [
+        pytest.param(["parallel.units.generator.tp=2"], id="tp2"),
+        # the U-Net cut at a level boundary: [down 0, down 1, middle] | [up 0, up 1]
+        pytest.param(["parallel.units.generator.pp=2"], id="pp2"),
+        pytest.param(
+            ["parallel.units.generator.tp=2", "parallel.units.generator.pp=2", "trainer.devices=6"],
+            id="tp2_pp2",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_the_generator_unit_in_parallel_matches_one_process(generator, reference, shards, tmp_path):
+    """encoder | LLM | generator (4 processes; 6 for tp2 x pp2) against one process, mllm_tiny."""
+    layout = ["parallel=disagg4_tp2", "parallel.units.llm.tp=1", *generator]
+    assert_same_run(train(shards, tmp_path / "generator", *layout, *SMALL), reference)

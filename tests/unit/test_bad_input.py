@@ -149,10 +149,6 @@ CASES = [
         ["parallel=disagg6_enc2_llm3", "optim.micro_batch_size=1", "optim.global_batch_size=3"],
         "which the encoder unit's dp(2) cannot share evenly",
     ),
-    (
-        ["parallel=disagg4_pp2", "parallel.units.generator.pp=2", "trainer.devices=5"],
-        "parallel generator unit: pp=2; the U-Net's skip connections",
-    ),
     (["parallel=disagg4_pp2", "schedule=interleaved_1f1b"], "a pipeline across units does not support"),
     (["parallel=disagg4_pp2", "parallel.units.llm.vpp=2"], "parallel.units.llm.vpp=2: virtual stages"),
     (["parallel.mode=bogus"], "parallel.mode='bogus': allowed values are ddp, megatron, manual"),
@@ -248,6 +244,10 @@ CASES = [
         ["parallel=disagg4_tp2", "parallel.units.llm.tp=1", "parallel.units.generator.tp=2"]
         + ["model.generator.head_dim=32"],
         "tp=2 does not divide the U-Net's 1 attention head(s) at level 0 (model.generator.block_out_channels[0]=32",
+    ),
+    (
+        ["parallel=disagg4_tp2", "parallel.units.llm.tp=1", "parallel.units.generator.pp=6", "trainer.devices=8"],
+        "pp=6; the U-Net splits into pipeline stages at level boundaries and has 5 pieces",
     ),
     # a data-parallel preset with tensor parallelism asked for: refused, not silently ignored
     (["parallel=zero1", "parallel.tp=2", "trainer.devices=2"], "parallel.mode=ddp (parallel=zero1) keeps the whole"),

@@ -49,6 +49,9 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
         ],
         # the generator unit's transformers split over TP
         ["model=mllm_tiny", "parallel=disagg4_tp2", "parallel.units.llm.tp=1", "parallel.units.generator.tp=2"],
+        # ... and cut into 2 pipeline stages at level boundaries, each stage its own segments
+        ["model=mllm_tiny", "parallel=disagg4_tp2", "parallel.units.llm.tp=1", "parallel.units.generator.pp=2"]
+        + ["parallel.units.generator.tp=2", "trainer.devices=6"],
         [
             "model=llama3_8b",
             "parallel=megatron_tp2",
@@ -88,6 +91,7 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
     ids=[
         "units_zero3_zero1",
         "generator_tp2",
+        "generator_tp2_pp2",
         "hsdp_tp2",
         "zero2_pp2",
         "cp2_zero3",
