@@ -65,6 +65,7 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
     matmul+reduce-scatter (comm/tp_overlap.py); the weights are sharded the same way.
     """
     blocks = 0
+    split_unet = unet_splits(module, mesh.size())
     for child in module.modules():
         if isinstance(child, DecoderBlock) and isinstance(child.feed_forward, MoeFeedForward):
             parallelize_module(child, mesh, ATTENTION_PLAN)
@@ -76,7 +77,7 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
         elif isinstance(child, VitBlock):
             parallelize_module(child, mesh, VIT_PLAN)
             blocks += 1
-        elif isinstance(child, SpatialTransformer):
+        elif isinstance(child, SpatialTransformer) and split_unet:
             parallelize_module(child, mesh, UNET_TRANSFORMER_PLAN)
             blocks += 1
         elif isinstance(child, Llama):
@@ -88,6 +89,15 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
             if isinstance(child, Llama) and len(child.layers):
                 enable_overlapped_sequence_parallel(child, mesh.get_group())
     return blocks
+
+
+def unet_splits(module: nn.Module, tp: int) -> bool:
+    """Do all of ``module``'s U-Net transformers split their heads over ``tp`` ranks? All or none split: where
+    the generator shares another unit's TP group (megatron mode's generator stage, or colocated with the LLM)
+    and a level's heads do not divide, the U-Net stays replicated in the group (the generator unit of a manual
+    layout is refused before launch instead: validation/unit_shapes.py)."""
+    blocks = [m for m in module.modules() if isinstance(m, SpatialTransformer)]
+    return all((m.attn1.to_q.out_features // m.attn1.head_dim) % tp == 0 for m in blocks)
 
 
 def apply_vocab_parallel(llm: Llama, mesh) -> None:

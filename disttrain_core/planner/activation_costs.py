@@ -12,6 +12,13 @@ class MemoryCosts:
     """Reads ``self.work``, ``self.settings`` and ``self.local_params`` / ``self._split_params`` of the
     CostModel it is mixed into."""
 
+    def split_tp(self, unit: str, tp: int) -> int:
+        """The TP degree ``unit``'s blocks split over on a TP group of ``tp``: the generator's U-Net stays whole
+        (1) where ``tp`` does not divide its transformers' heads (parallel/tensor_parallel.py ``unet_splits``)."""
+        if unit == "generator" and not self.work.units[unit].tp_allowed(tp):
+            return 1
+        return tp
+
     def _policy(self, policy: str | None) -> str:
         """The policy to cost: the given one, else the setting; ``auto`` (chosen per unit by
         LayoutModel.evaluate) costs as ``full`` where no unit is given, so memory bounds stay lower bounds."""
@@ -193,6 +200,7 @@ class MemoryCosts:
     def largest_group(self, unit: str, tp: int, ep: int = 1) -> float:
         """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head."""
         w = self.work.units[unit]
+        tp = self.split_tp(unit, tp)
         held = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / (ep * tp)
         if unit == "generator":  # the U-Net is one group: its replicated part and this rank's transformer slices
             return float(w.params_rep) + held

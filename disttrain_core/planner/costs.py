@@ -193,11 +193,12 @@ class CostModel(MemoryCosts):
         w = self.work.units[unit]
         if self.profile is None or not self.profile.has(unit, tp) or not w.train_flops:
             return 1.0 / (self.hw.peak_flops * self.hw.efficiency)
-        flops = items * ((w.train_flops - w.flops_unsplit) / tp + w.flops_unsplit)
+        flops = items * ((w.train_flops - w.flops_unsplit) / self.split_tp(unit, tp) + w.flops_unsplit)
         return self.compute(unit, tp, items) / flops
 
     def _analytic(self, unit: str, tp: int, items: float) -> float:
         w = self.work.units[unit]
+        tp = self.split_tp(unit, tp)
         # TP shards the blocks' attention, MLPs and experts (hidden widths) and the LLM's head (by vocabulary rows);
         # the replicated modules and the MoE routers run whole on every TP rank
         flops = items * (w.train_flops - w.flops_unsplit) / tp + items * w.flops_unsplit
@@ -223,6 +224,7 @@ class CostModel(MemoryCosts):
         MLPs and shared experts split by TP; of a MoE, the router whole and 1/(ep tp) of the routed experts) plus
         the embeddings on the first stage and the head on the last; ``stage=None``: the average."""
         w = self.work.units[unit]
+        tp = self.split_tp(unit, tp)
         if w.pieces and pp > 1:  # the U-Net cut at level boundaries (parallel/generator_stages.py)
             return generator_stage_params(w.pieces, tp, pp, stage)
         blocks = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / (ep * tp)

@@ -67,7 +67,9 @@ def validate_unit_tp(cfg: Config, unit, where: str) -> None:
         vit = m.encoder
         for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
             _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}")
-    if "generator" in unit.modules:
+    # the generator unit of a manual layout: its tp was chosen for it. Sharing another unit's TP group
+    # (megatron mode, or colocated with the LLM), a U-Net whose heads do not divide stays replicated there.
+    if unit.name == "generator" and cfg.parallel.mode == "manual":
         _validate_generator_tp(m.generator, unit.tp, where)
 
 

@@ -22,12 +22,12 @@ pytestmark = pytest.mark.distributed
 WORLD = 2
 
 
-def _unet(meta: bool):
+def _unet(meta: bool, *overrides: str):
     from disttrain_core.config import compose
     from disttrain_core.models.common import init_weights
     from disttrain_core.models.unet import UNet
 
-    cfg = compose(["model=mllm_tiny"]).model.generator
+    cfg = compose(["model=mllm_tiny", *overrides]).model.generator
     with torch.device("meta" if meta else "cpu"):
         unet = UNet(cfg)
     if not meta:
@@ -82,6 +82,11 @@ def _tensor_parallel_worker(rank: int, store: str, out: str) -> None:
             split += 1
             errors[f"split {name}"] = float(name.endswith("weight") and not is_sharded(param))
     errors["split count"] = float(split == 0)
+    # one head at level 0 (32 channels of 32): the U-Net stays whole in the group (a generator sharing another
+    # unit's TP group; the generator unit of a manual layout is refused before launch)
+    whole, _ = _unet(True, "model.generator.head_dim=32")
+    errors["replicated"] = float(apply_tensor_parallel(whole, DeviceMesh.from_group(dist.group.WORLD, "cpu")) != 0)
+    errors["replicated params"] = float(any(is_sharded(p) for p in whole.parameters()))
     torch.save(errors, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
