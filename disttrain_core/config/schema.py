@@ -293,9 +293,9 @@ class PlannerConfig:
     precision: str = "auto"
     cost: str = "auto"  # auto (profiled if the cluster is this machine, else analytic) | profiled | analytic
     tp_options: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    # Virtual stages per LLM pipeline rank the solver may use. The runtime supports vpp > 1 only in
-    # single-unit layouts today, so plans that are meant to run keep [1].
-    vpp_options: list[int] = field(default_factory=lambda: [1])
+    # Virtual stages per LLM pipeline rank the solver may use; a plan with vpp > 1 runs under
+    # schedule=interleaved_1f1b (in multi-unit layouts too: parallel/plan.py)
+    vpp_options: list[int] = field(default_factory=lambda: [1, 2])
     colocation: bool = True  # may the encoder / generator run inside the LLM's first / last stage
     # Activation recompute the plan assumes and the runtime then applies (parallel/recompute.py): none | full |
     # selective_op | every_k for every unit, or auto (the default, as shard): per unit the least recomputation

@@ -120,11 +120,11 @@ def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
     """The schedule over the layout's pipeline rows.
 
     One unit: its pipeline ranks are the rows and may hold several (virtual) stages each
-    (interleaved, V). Several units: one row and one stage per pipeline stage of every unit,
-    in data-flow order.
+    (interleaved, V). Several units: one row per pipeline stage of every unit, in data-flow order, and
+    one stage per row but the LLM's under interleaved_1f1b (``schedule.vpp`` stages per LLM row).
     """
     from ..schedule.actions import Schedule
-    from ..schedule.generators import build_schedule
+    from ..schedule.generators import build_schedule, interleaved_units
 
     rows = sum(unit.pp for unit in layout.units)
     if cfg.schedule.csv:
@@ -136,6 +136,10 @@ def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
         return schedule
     if rows == 1:
         return build_schedule("1f1b", 1, microbatches)  # one stage: forward and backward per microbatch
+    if len(layout.units) > 1 and cfg.schedule.name == "interleaved_1f1b":
+        vpp = cfg.schedule.vpp
+        units = [(unit.pp, vpp if unit.name == "llm" else 1) for unit in layout.units]
+        return interleaved_units(units, microbatches)
     vpp = cfg.schedule.vpp if len(layout.units) == 1 else 1
     return build_schedule(cfg.schedule.name, rows, microbatches, vpp)
 
@@ -181,7 +185,7 @@ def pipeline_broker(layout: UnitLayout, schedule, samples_per_microbatch: int):
         rows_of_units = {unit.name: list(range(rows))}
     else:
         row_places = [layout.stage_unit(row) for row in range(rows)]
-        stage_places = row_places
+        stage_places = [layout.stage_unit(schedule.stage_to_rank[s]) for s in range(schedule.num_stages)]
         rows_of_units, row = {}, 0
         for unit in layout.units:
             rows_of_units[unit.name] = list(range(row, row + unit.pp))

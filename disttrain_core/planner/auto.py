@@ -76,7 +76,9 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
     every = result.model.c.settings.recompute_every
     planned["parallel"] = layout_container(result.plan.evaluation, every, runtime_has_ep(cfg))
     stages = len(result.plan.evaluation.stage_times)
-    planned["schedule"] = {**planned["schedule"], "name": "1f1b" if stages > 1 else "none"}
+    vpp = planned["parallel"]["units"]["llm"]["vpp"]  # virtual LLM stages run under interleaved 1F1B
+    name = "interleaved_1f1b" if vpp > 1 else ("1f1b" if stages > 1 else "none")
+    planned["schedule"] = {**planned["schedule"], "name": name, "vpp": vpp}
     if cfg.trainer.dry_run:
         print(f"dry run: plan written to {run_dir / 'plan.json'}; rehearsing each rank role on the meta device")
         from ..config import typed_config

@@ -19,7 +19,7 @@ def exhaustive(solver: Orchestrator) -> Plan:
     count = 0
     for opt in solver.llm_options():
         B = solver.m.micro * opt.dp
-        for pl in solver.llm_pp_options(opt.vpp):
+        for pl in solver.llm_pp_options(opt.vpp, opt.dp):
             llm = opt.choice(pl)
             if llm.gpus > N:
                 break
@@ -53,7 +53,7 @@ def megatron(solver: Orchestrator) -> Plan | None:
     count = 0
     for opt in solver.llm_options():
         tp, side_dp = opt.tp, opt.dp * opt.cp
-        for pl in solver.llm_pp_options(opt.vpp):
+        for pl in solver.llm_pp_options(opt.vpp, opt.dp):
             llm = opt.choice(pl)
             for separate in (False, True):
                 if separate and not (solver.has_enc or solver.has_gen):
@@ -86,7 +86,7 @@ def flops_proportional(solver: Orchestrator) -> Plan | None:
     count = 0
     for opt in solver.llm_options():
         B = solver.m.micro * opt.dp
-        llm_fit = [p for p in solver.llm_pp_options(opt.vpp) if p * opt.width <= share["llm"]]
+        llm_fit = [p for p in solver.llm_pp_options(opt.vpp, opt.dp) if p * opt.width <= share["llm"]]
         if not llm_fit:
             continue
         llm = opt.choice(llm_fit[-1])

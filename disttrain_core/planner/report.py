@@ -74,7 +74,8 @@ def plan_dict(result: PlanResult) -> dict:
         **result.cfg_summary,
         "units": unit_rows(e),
         "microbatches": e.microbatches,
-        "schedule": "1f1b" if len(e.stage_times) > 1 else "none",
+        # what the run trains with (planner/auto.py): interleaved 1F1B for virtual LLM stages
+        "schedule": "interleaved_1f1b" if e.choices["llm"].vpp > 1 else ("1f1b" if len(e.stage_times) > 1 else "none"),
         "pipeline_stages": len(e.stage_times),
         "gpus_used": e.gpus,
         "predicted_iteration_s": e.iteration_s,
@@ -152,7 +153,8 @@ def _cp_ep(row: dict) -> str:
 
 
 def predicted_timelines(result: PlanResult, path: str | Path, max_microbatches: int = 16) -> Path:
-    """Simulated 1F1B timelines of the plan and its baselines from the stage times of the model."""
+    """Simulated 1F1B timelines of the plan and its baselines from the stage times of the model (virtual LLM
+    stages drawn as their pipeline stage: the picture shows the stage balance, not the interleaving)."""
     from ..schedule.generators import build_schedule
     from ..schedule.simulator import Durations, simulate
     from ..schedule.timeline import plot_timelines

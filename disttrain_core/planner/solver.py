@@ -83,9 +83,15 @@ class Orchestrator:
     def tp_ok(self, unit: str, tp: int) -> bool:
         return self.w.units[unit].tp_allowed(tp)
 
-    def llm_pp_options(self, vpp: int) -> list[int]:
+    def llm_pp_options(self, vpp: int, dp: int = 1) -> list[int]:
+        """Pipeline sizes of the LLM: divisors of its blocks into pp x vpp stages. Virtual stages (vpp > 1) need
+        pp >= 2 and, as the runtime's interleaved 1F1B does, a microbatch count (at ``dp`` replicas) that is a
+        multiple of pp."""
         layers = self.w.units["llm"].layers
-        return [p for p in divisors(layers) if layers % (p * vpp) == 0]
+        m = self.m.batch // (self.m.micro * dp)
+        return [
+            p for p in divisors(layers) if layers % (p * vpp) == 0 and (vpp == 1 or (p > 1 and m % p == 0 and m >= p))
+        ]
 
     def enc_pp_options(self) -> list[int]:
         return divisors(self.w.units["encoder"].layers) if self.has_enc else [1]
@@ -131,7 +137,7 @@ class Orchestrator:
         c, micro = self.m.c, self.m.micro
         act = c.activation_bytes("llm", opt.tp, micro, None, opt.cp)
         logits = self.m.logits(micro, opt.cp, opt.tp)
-        for pp in self.llm_pp_options(opt.vpp):
+        for pp in self.llm_pp_options(opt.vpp, opt.dp):
             # the first stage keeps min(pp, m) microbatches in flight and the embeddings, the last one the
             # head and the logits; the state is the least any shard mode holds (gradients left out: FSDP2's
             # may be absent at the peak), so this stays a bound
@@ -178,7 +184,7 @@ class Orchestrator:
             tails = {
                 # zero1's traffic: the least of every shard mode (FSDP2 moves it per microbatch)
                 pp: mdl.c.sync_s("llm", tp, dp, pp, "zero1", 1, cp, ep) + mdl.c.optimizer_s("llm", tp, dp, pp, cp, ep)
-                for pp in self.llm_pp_options(vpp)
+                for pp in self.llm_pp_options(vpp, dp)
             }
             gens = []
             for gen in self.side_options("generator", B):
@@ -202,7 +208,7 @@ class Orchestrator:
                 for gen, x_g, t_g, g_gpus in gens:
                     budget = N - g_gpus
                     x_min = a_e * pe_min
-                    y_fit = [p for p in self.llm_pp_options(vpp) if pl_min <= p and a_l * p <= budget - x_min]
+                    y_fit = [p for p in self.llm_pp_options(vpp, dp) if pl_min <= p and a_l * p <= budget - x_min]
                     if not y_fit:
                         continue
                     y_max = a_l * y_fit[-1]
@@ -317,7 +323,7 @@ class Orchestrator:
         width = opt.width
         g_gpus = gen.gpus if gen is not None and not gen.colocated else 0
         sep_enc = enc is not None and not enc.colocated
-        llm_pps = self.llm_pp_options(opt.vpp)
+        llm_pps = self.llm_pp_options(opt.vpp, opt.dp)
         enc_pps = self.enc_pp_options() if sep_enc else [1]
 
         def around(options: list[int], value: float) -> set[int]:

@@ -18,6 +18,10 @@ two stages per rank in a V for ZBV (stage s < pp on rank s, stage s >= pp on ran
 * ZBV: built by list scheduling with unit durations on the V placement: a free
   rank runs a ready I first (it unblocks the previous stage), else a ready F within
   the activation budget (2 pp chunk activations = 1F1B's memory), else a pending W.
+* Interleaved across units (``interleaved_units``): a multi-unit pipeline whose LLM
+  unit holds ``vpp`` virtual stages per rank (LLM stage j on the unit's row j mod pp,
+  the other units one stage per row), ordered by the same list scheduling with each
+  I taken as the whole backward (B) and the W's dropped.
 """
 
 from __future__ import annotations
@@ -149,6 +153,23 @@ def _list_schedule(placement: list[int], m: int, budget: int) -> list[list[Actio
                 held[rank] -= 1
         time += 1
     return rows
+
+
+def interleaved_units(units: list[tuple[int, int]], microbatches: int) -> Schedule:
+    """The schedule of a multi-unit pipeline, ``units`` = (pipeline rows, stages per row) per unit in data-flow
+    order: a unit with ``v`` stages per row loops over its rows (stage j on row j mod rows) like interleaved 1F1B.
+    Activation budget: one in flight per stage, 1F1B's first-rank memory counted in chunks."""
+    placement, first = [], 0
+    for rows, per_row in units:
+        placement += [first + j % rows for j in range(rows * per_row)]
+        first += rows
+    split = _list_schedule(placement, microbatches, budget=len(placement))
+    rows = [
+        [Action(a.stage, Kind.B, a.microbatch) if a.kind == Kind.I else a for a in row if a.kind != Kind.W]
+        for row in split
+    ]
+    vpp = max(per_row for _, per_row in units)
+    return Schedule("interleaved_1f1b", microbatches, placement, rows, meta={"vpp": vpp})
 
 
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Schedule:

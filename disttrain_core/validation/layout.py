@@ -311,8 +311,9 @@ def validate_layout_settings(cfg: Config) -> None:
     _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
     _check_sizes_fit(cfg)
     _validate_comm_settings(p)
+    vpp, schedule = p.units.llm.vpp, cfg.schedule
     _require(
-        p.units.llm.vpp == 1 or p.mode != "manual",
-        f"parallel.units.llm.vpp={p.units.llm.vpp}: virtual stages inside one unit of a multi-unit pipeline are "
-        "not supported; use vpp=1 (or interleave a single-unit layout with schedule=interleaved_1f1b)",
+        vpp == 1 or p.mode != "manual" or (schedule.name == "interleaved_1f1b" and schedule.vpp == vpp),
+        f"parallel.units.llm.vpp={vpp}: virtual LLM stages run under schedule=interleaved_1f1b with as many "
+        f"per rank: add schedule=interleaved_1f1b schedule.vpp={vpp}",
     )

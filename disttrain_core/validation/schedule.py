@@ -64,6 +64,22 @@ def _check_schedule_choice(cfg: Config, llm, rows: int, per_rank: int, micro: in
     )
 
 
+def _check_units_interleaved(cfg: Config, llm, per_rank: int) -> None:
+    """Virtual stages of the LLM unit in a multi-unit pipeline: at least 2, and its blocks split into them."""
+    s, p = cfg.schedule, cfg.parallel
+    _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per LLM rank")
+    _require(
+        p.mode != "manual" or p.units.llm.vpp in (1, s.vpp),
+        f"parallel.units.llm.vpp={p.units.llm.vpp} disagrees with schedule.vpp={s.vpp}; set them equal",
+    )
+    stages, layers = llm.pp * per_rank, cfg.model.llm.n_layers
+    _require(
+        layers % stages == 0 or p.pp_split is not None,
+        f"model.llm.n_layers={layers} cannot be split into the LLM's pipeline size ({llm.pp}) x virtual stages "
+        f"({per_rank}) = {stages} equal stages; change parallel.units.llm.pp or schedule.vpp",
+    )
+
+
 def _check_single_unit_schedule(cfg: Config, llm, per_rank: int, micro: int) -> None:
     """The virtual stages, layer split or schedule file of a single-unit pipeline."""
     s = cfg.schedule
@@ -155,10 +171,12 @@ def validate_schedule_config(cfg: Config, layout) -> None:
     _check_schedule_choice(cfg, llm, rows, per_rank, micro)
     if len(layout.units) > 1:
         _require(
-            per_rank == 1 and not s.csv,
-            f"schedule={s.name} places several stages per rank, which a pipeline across units does not support; "
-            "use gpipe, 1f1b or zb_h1",
+            (per_rank == 1 or s.name == "interleaved_1f1b") and not s.csv,
+            f"schedule={s.name} places two stages per rank in a V, which a pipeline across units does not support; "
+            "use gpipe, 1f1b, zb_h1, or interleaved_1f1b (virtual stages of the LLM unit)",
         )
+        if s.name == "interleaved_1f1b":
+            _check_units_interleaved(cfg, llm, per_rank)
         check_pipeline(cfg, layout, micro)
         return
     _check_single_unit_schedule(cfg, llm, per_rank, micro)

@@ -57,6 +57,15 @@ def test_four_process_layouts_match_one_process(layout, reference, shards, tmp_p
     assert_same_run(train(shards, tmp_path / layout, f"parallel={layout}", *SMALL), reference)
 
 
+def test_virtual_llm_stages_in_a_multi_unit_pipeline_match_one_process(reference, shards, tmp_path):
+    """parallel=disagg2 with the LLM at pp=2 x vpp=2 under interleaved_1f1b: 4 virtual stages of one block on 2
+    ranks (stage j on rank j mod 2), the encoder on its own rank and the generator in the last virtual stage;
+    3 processes against one (parallel/plan.py, schedule/generators.py ``interleaved_units``)."""
+    layout = ["parallel=disagg2", "parallel.units.llm.pp=2", "parallel.units.llm.vpp=2", "trainer.devices=3"]
+    run = train(shards, tmp_path / "vpp2", *layout, "schedule=interleaved_1f1b", "schedule.vpp=2", *SMALL)
+    assert_same_run(run, reference)
+
+
 @pytest.mark.slow  # 3 runs, two of them on 6 processes: about 50 s of the default suite's 15 minutes
 def test_data_parallel_sizes_that_do_not_divide_each_other(shards, tmp_path):
     """2 encoder replicas feed 3 LLM replicas; and the rigid layout with TP everywhere (6 processes each)."""

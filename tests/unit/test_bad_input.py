@@ -149,8 +149,19 @@ CASES = [
         ["parallel=disagg6_enc2_llm3", "optim.micro_batch_size=1", "optim.global_batch_size=3"],
         "which the encoder unit's dp(2) cannot share evenly",
     ),
-    (["parallel=disagg4_pp2", "schedule=interleaved_1f1b"], "a pipeline across units does not support"),
-    (["parallel=disagg4_pp2", "parallel.units.llm.vpp=2"], "parallel.units.llm.vpp=2: virtual stages"),
+    (
+        ["parallel=disagg4_pp2", "schedule=interleaved_1f1b", "schedule.vpp=1"],
+        "interleaved_1f1b needs at least 2 virtual stages",
+    ),
+    (["parallel=disagg4_pp2", "schedule=zbv", "schedule.vpp=2"], "which a pipeline across units does not support"),
+    (
+        ["parallel=disagg4_pp2", "parallel.units.llm.vpp=2"],
+        "parallel.units.llm.vpp=2: virtual LLM stages run under schedule=interleaved_1f1b with as many per rank",
+    ),
+    (
+        ["parallel=disagg4_pp2", "parallel.units.llm.vpp=3", "schedule=interleaved_1f1b", "schedule.vpp=3"],
+        "cannot be split into the LLM's pipeline size (2) x virtual stages (3) = 6 equal stages",
+    ),
     (["parallel.mode=bogus"], "parallel.mode='bogus': allowed values are ddp, megatron, manual"),
     (
         ["parallel=disagg4_pp2", "parallel.units.encoder.pp=3", "trainer.devices=6"],
