@@ -145,6 +145,9 @@ class BucketedSync:
         for grad in self.grad_flat.values():
             grad.zero_()
 
+    def begin_step(self) -> None:
+        """A step begins (FSDP2's pipeline sync acts here: parallel/fsdp.py; the buckets need nothing)."""
+
     def arm(self, stage: int = 0) -> None:
         """The next backward of ``stage`` is its last in this step: reduce its buckets as they complete."""
         self.armed.add(stage)

@@ -33,6 +33,13 @@ all-reduced in the replicate dimension. With tensor parallelism the mesh gets a 
 (2-D FSDP + TP, or 3-D HSDP + TP): TP parameters are DTensors on the ``tp`` sub-mesh and FSDP2 shards
 them further over the data-parallel dimension(s).
 
+Under a pipeline (more than one schedule stage) a step runs many microbatches through each stage, and FSDP2's
+per-microbatch all-gather and reduce-scatter would repeat for each; ``PipelineStepSync`` runs it as TorchTitan's
+pipeline schedules do: a stage gathers its parameters in its first forward of the step and keeps them (no
+reshard after forward or backward), sums its microbatches' gradients unreduced, and its last backward of the
+step reduce-scatters them and reshards. Between steps the state is sharded as above; during a step the stage
+holds its whole parameters and gradients (the memory model counts that: planner/memory.py).
+
 Under bf16-mixed with a bf16 wire (``parallel.comm.wire_dtype``) parameters are all-gathered in bf16
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); gradients are reduced in fp32.
 """
@@ -102,6 +109,35 @@ def apply_fsdp(stage: nn.Module, mesh, mode: str, param_dtype: torch.dtype | Non
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         module.set_gradient_divide_factor(1.0)  # sum over replicas: the loss is normalized globally
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+
+
+class PipelineStepSync:
+    """The executor's ``grad_sync`` for FSDP2 stages under a pipeline (schedule/executor.py calls ``begin_step``
+    before a step and ``arm(stage)`` before a stage's last backward of it): one all-gather and one
+    reduce-scatter per FSDP group per step instead of per microbatch."""
+
+    def __init__(self, stages: dict[int, nn.Module]):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.groups = {s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}
+
+    @staticmethod
+    def _final(groups: list, final: bool) -> None:
+        for group in groups:
+            group.set_requires_gradient_sync(final, recurse=False)
+            group.set_reshard_after_backward(final, recurse=False)
+
+    def begin_step(self) -> None:
+        for groups in self.groups.values():
+            for group in groups:
+                group.set_reshard_after_forward(False, recurse=False)
+            self._final(groups, False)
+
+    def arm(self, stage: int = 0) -> None:
+        self._final(self.groups.get(stage, []), True)
+
+    def grads_ready(self, params) -> None:
+        """FSDP2's own hooks reduce the gradients."""
 
 
 def _distinct_shards(param) -> int:

@@ -208,11 +208,21 @@ class MemoryCosts:
         return max(block, self.work.vocab * w.dim / tp if unit == "llm" else 0.0)  # vocabulary-parallel
 
     def step_transient_bytes(
-        self, unit: str, tp: int, pp: int, shard: str | None, in_flight: int, stage: int | None = None, ep: int = 1
+        self,
+        unit: str,
+        tp: int,
+        pp: int,
+        shard: str | None,
+        in_flight: int,
+        stage: int | None = None,
+        ep: int = 1,
+        pipelined: bool = False,
     ) -> float:
-        """Gathered FSDP2 parameters and autocast's weight copies (planner/memory.py ``transient_bytes``)."""
+        """Gathered FSDP2 parameters and autocast's weight copies (planner/memory.py ``transient_bytes``);
+        ``pipelined``: the layout has more than one pipeline stage."""
         mixed = self.settings.precision.startswith("bf16")
         local = self.local_params(unit, tp, pp, stage, ep)
+        group = self.largest_group(unit, tp, ep)
         return transient_bytes(
-            local, self.largest_group(unit, tp, ep), self.shard_of(shard), in_flight, mixed, self.settings.act_bytes
+            local, group, self.shard_of(shard), in_flight, mixed, self.settings.act_bytes, pipelined=pipelined
         )

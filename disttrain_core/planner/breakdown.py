@@ -91,13 +91,13 @@ def role_memory(
         state = c.state(name, enc.tp, enc.dp, enc.pp, shard, pp, hsdp_replicas)
         act = c.activation_bytes(name, enc.tp, items, policy) / enc.pp * flight
         recompute = c.recompute_transient_bytes(name, enc.tp, items, policy)
-        step = c.step_transient_bytes(name, enc.tp, enc.pp, shard, flight, pp)
+        step = c.step_transient_bytes(name, enc.tp, enc.pp, shard, flight, pp, pipelined=S > 1)
     elif name == "generator":  # the last unit; pp > 1: the U-Net cut at level boundaries, activations spread evenly
         flight = in_flight(schedule, S, r + llm.pp + pp, m) if gen.pp > 1 else 1
         state = c.state(name, gen.tp, gen.dp, gen.pp, shard, pp, hsdp_replicas)
         act = c.activation_bytes(name, gen.tp, B / gen.dp, policy) / gen.pp * flight
         recompute = c.recompute_transient_bytes(name, gen.tp, B / gen.dp, policy)
-        step = c.step_transient_bytes(name, gen.tp, gen.pp, shard, flight, pp)
+        step = c.step_transient_bytes(name, gen.tp, gen.pp, shard, flight, pp, pipelined=S > 1)
     else:
         # context parallelism: 1/cp of every sequence's activations and logits; expert parallelism: 1/ep of
         # the experts (costs.py); modules colocated with the LLM run whole sequences on every CP rank
@@ -109,7 +109,7 @@ def role_memory(
         # one block at a time: what recompute reruns, and ring attention's buffers in its backward
         recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy, llm.cp)
         recompute += c.attention_transient_bytes("llm", llm.tp, micro, llm.cp)
-        step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp, llm.ep)
+        step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp, llm.ep, pipelined=S > 1)
         if last:
             logits = model.logits(micro, llm.cp, llm.tp)
         extra = []
@@ -122,7 +122,7 @@ def role_memory(
         for module, held in extra:
             colocated = c.state(module, llm.tp, llm.dp, 1, shard, 0, hsdp_replicas, llm.cp)
             state = type(state)(*(a + b for a, b in zip(_fields(state), _fields(colocated), strict=True)))
-            step += c.step_transient_bytes(module, llm.tp, 1, shard, held, 0)
+            step += c.step_transient_bytes(module, llm.tp, 1, shard, held, 0, pipelined=S > 1)
     absent = state.grads if shard in FSDP and m <= flight else 0.0
     return RoleMemory(name, pp, shard, policy, flight, state, act, logits, recompute, step, c.hw.overhead_bytes, absent)
 

@@ -37,6 +37,8 @@ Besides the state, while a step runs (``transient``):
 * zero3 holds the unsharded parameters of the FSDP group in compute and the next one (prefetch), and
   one group's unsharded gradients while it is reduce-scattered; zero2 holds every group's unsharded
   parameters from its forward to its backward (the whole stage slice at the forward-backward turn);
+  under a pipeline (more than one schedule stage) both keep the stage's whole gathered parameters and its
+  unreduced gradients through the step, gathered once and reduced once (parallel/fsdp.py ``PipelineStepSync``);
 * under bf16-mixed with fp32 parameters in the compute (none, zero1, or FSDP2 with an fp32 wire),
   autocast keeps one bf16 copy of every weight of the stage: the units engine runs a whole step in
   one autocast region (its cache lives until the region ends), so in-flight microbatches share the
@@ -157,11 +159,16 @@ def transient_bytes(
     in_flight: int,
     mixed: bool,
     wire_bytes: int = 4,
+    pipelined: bool = False,
 ) -> float:
     """Bytes a rank holds during a step beyond the model state and the activations (see the module doc).
-    ``largest_group``: parameters of the largest FSDP group (a block, the embedding or the LM head)."""
+    ``largest_group``: parameters of the largest FSDP group (a block, the embedding or the LM head).
+    ``pipelined``: FSDP2 under a pipeline keeps the stage's gathered parameters and its unreduced gradients
+    through the step (parallel/fsdp.py ``PipelineStepSync``)."""
     gathered = 0.0
-    if shard == "zero3":
+    if shard in FSDP and pipelined:
+        gathered = local * wire_bytes + 4.0 * local
+    elif shard == "zero3":
         gathered = 2 * largest_group * wire_bytes + 4.0 * largest_group
     elif shard == "zero2":
         gathered = local * wire_bytes + 4.0 * largest_group

@@ -98,7 +98,7 @@ class PipelineExecutor:
         self.clock = DeviceClock(device)
         self.last_stage = schedule.num_stages - 1
         self.my_actions = schedule.compute(row)
-        self.grad_sync = None  # set by the engine: arm(stage) / grads_ready(params)
+        self.grad_sync = None  # set by the engine: begin_step() / arm(stage) / grads_ready(params)
         # Per stage, the position of the last action that accumulates weight gradients: after it they are final.
         self.final_backward: dict[int, int] = {}
         for index, action in enumerate(self.my_actions):
@@ -122,6 +122,8 @@ class PipelineExecutor:
         sums: dict[str, torch.Tensor] = {}
         origin = self.clock.anchor() if record else 0.0
         stamps = []
+        if self.grad_sync is not None:
+            self.grad_sync.begin_step()
         for index, step in enumerate(plan):
             state.receive(step)  # post this action's receives (and earlier pieces of the same channels), wait
             started = self.clock.stamp() if record else None

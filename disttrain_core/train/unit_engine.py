@@ -26,7 +26,7 @@ from ..data.tokenizer import Tokenizer
 from ..models.moe import moe_layers
 from ..parallel.broker import CommBroker
 from ..parallel.expert_parallel import configure_moe
-from ..parallel.fsdp import ShardedOptimizer, apply_fsdp, unit_meshes
+from ..parallel.fsdp import PipelineStepSync, ShardedOptimizer, apply_fsdp, unit_meshes
 from ..parallel.recompute import BLOCKS
 from ..parallel.stages import build_rank_stages, fields_read
 from ..parallel.units import ParallelismUnit, UnitLayout
@@ -170,6 +170,8 @@ class UnitEngine(Engine):
     # ---------------------------------------------------------------- optimizer
     def build_optimizer(self) -> ZeroOneOptimizer | ShardedOptimizer:
         if self.unit.fsdp:  # FSDP2 reduces gradients in its own backward hooks
+            if self.schedule.num_stages > 1:  # under a pipeline: gather and reduce once per step
+                self.executor.grad_sync = PipelineStepSync(self.stages)
             self.optimizer = ShardedOptimizer(
                 self.named_parameters,
                 self.cfg.optim,

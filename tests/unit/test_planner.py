@@ -251,3 +251,15 @@ def test_the_generator_splits_its_transformers_over_tp():
     assert 0 < w.flops_not_tp < w.train_flops  # the transformers' share is split, convolutions are not
     assert w.heads == 2 and w.tp_allowed(2) and not w.tp_allowed(4)
     assert w.tp_reduces == 6 * len(blocks)
+
+
+def test_fsdp_under_a_pipeline_holds_the_whole_stage_through_the_step():
+    """parallel/fsdp.py PipelineStepSync: a pipelined FSDP2 stage keeps its gathered parameters (wire bytes) and
+    its unreduced fp32 gradients for the whole step; alone it holds one or two groups at a time."""
+    from disttrain_core.planner.memory import transient_bytes
+
+    local, group = 1000.0, 100.0
+    for shard in ("zero2", "zero3"):
+        assert transient_bytes(local, group, shard, 4, False, 2, pipelined=True) == local * 2 + 4.0 * local
+    assert transient_bytes(local, group, "zero3", 4, False, 2) == 2 * group * 2 + 4.0 * group
+    assert transient_bytes(local, group, "zero1", 4, False, 2, pipelined=True) == 0.0
