@@ -114,12 +114,15 @@ def apply_fsdp(stage: nn.Module, mesh, mode: str, param_dtype: torch.dtype | Non
 class PipelineStepSync:
     """The executor's ``grad_sync`` for FSDP2 stages under a pipeline (schedule/executor.py calls ``begin_step``
     before a step and ``arm(stage)`` before a stage's last backward of it): one all-gather and one
-    reduce-scatter per FSDP group per step instead of per microbatch."""
+    reduce-scatter per FSDP group per step instead of per microbatch. ``reshard_after_forward``: the mode's own
+    setting (zero3), restored at a stage's last backward so forwards outside a step (evaluation, sampling)
+    reshard as they would without a pipeline."""
 
-    def __init__(self, stages: dict[int, nn.Module]):
+    def __init__(self, stages: dict[int, nn.Module], reshard_after_forward: bool):
         from torch.distributed.fsdp import FSDPModule
 
         self.groups = {s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}
+        self.reshard_after_forward = reshard_after_forward
 
     @staticmethod
     def _final(groups: list, final: bool) -> None:
@@ -134,7 +137,10 @@ class PipelineStepSync:
             self._final(groups, False)
 
     def arm(self, stage: int = 0) -> None:
-        self._final(self.groups.get(stage, []), True)
+        groups = self.groups.get(stage, [])
+        self._final(groups, True)
+        for group in groups:  # the stage runs no forward after its last backward of the step
+            group.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
 
     def grads_ready(self, params) -> None:
         """FSDP2's own hooks reduce the gradients."""

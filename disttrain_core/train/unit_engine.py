@@ -171,7 +171,7 @@ class UnitEngine(Engine):
     def build_optimizer(self) -> ZeroOneOptimizer | ShardedOptimizer:
         if self.unit.fsdp:  # FSDP2 reduces gradients in its own backward hooks
             if self.schedule.num_stages > 1:  # under a pipeline: gather and reduce once per step
-                self.executor.grad_sync = PipelineStepSync(self.stages)
+                self.executor.grad_sync = PipelineStepSync(self.stages, self.unit.shard == "zero3")
             self.optimizer = ShardedOptimizer(
                 self.named_parameters,
                 self.cfg.optim,

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .spawn import start_processes
 
@@ -53,7 +54,7 @@ def _step(pipelined: bool, rank: int) -> tuple[dict, list[torch.Tensor]]:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     for module in (model[0], model[2], model):
         fully_shard(module, reshard_after_forward=True)  # zero3
-    sync = PipelineStepSync({0: model}) if pipelined else None
+    sync = PipelineStepSync({0: model}, reshard_after_forward=True) if pipelined else None
     inputs = torch.randn(MICROBATCHES, 3, 8, generator=torch.Generator().manual_seed(1 + rank))
     counts: dict = {}
     originals = _counted(counts)
@@ -61,13 +62,18 @@ def _step(pipelined: bool, rank: int) -> tuple[dict, list[torch.Tensor]]:
         if sync is not None:
             sync.begin_step()
         for k in range(MICROBATCHES):
+            loss = model(inputs[k]).pow(2).sum()
             if sync is not None and k == MICROBATCHES - 1:
                 sync.arm(0)  # what the executor does before the stage's last backward of the step
-            model(inputs[k]).pow(2).sum().backward()
+            loss.backward()
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    return counts, [p.grad.to_local().clone() for p in model.parameters()]
+    grads = [p.grad.to_local().clone() for p in model.parameters()]
+    with torch.no_grad():  # a forward outside a step (evaluation) reshards after itself, as zero3 does
+        model(inputs[0])
+    counts["sharded after"] = all(isinstance(p, DTensor) for p in model.parameters())
+    return counts, grads
 
 
 def _worker(rank: int, store: str, out: str) -> None:
@@ -88,7 +94,7 @@ def test_a_pipelined_zero3_stage_gathers_and_reduces_once_per_step(tmp_path):
     for rank in range(WORLD):
         result = torch.load(tmp_path / f"{rank}.pt")
         assert result["worst"] < 1e-6, result
-        assert result["pipelined"] == {"all_gather": groups, "reduce_scatter": groups}, result
+        assert result["pipelined"] == {"all_gather": groups, "reduce_scatter": groups, "sharded after": True}, result
         plain = result["plain"]
-        assert plain["reduce_scatter"] == groups * MICROBATCHES, result
+        assert plain["reduce_scatter"] == groups * MICROBATCHES and plain["sharded after"], result
         assert plain["all_gather"] >= groups * MICROBATCHES, result  # and again for backward
