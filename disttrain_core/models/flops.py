@@ -146,12 +146,12 @@ def flops_per_sample(cfg) -> dict[str, float]:
 UNET_TP_MODULES = ("attn1", "attn2", "ff")  # of each spatial transformer: what tensor parallelism splits
 
 
-def unet_tensor_parallel(cfg: ModelConfig) -> tuple[float, int, int, float]:
+def unet_tensor_parallel(cfg: ModelConfig) -> tuple[float, int, float]:
     """What tensor parallelism splits in the U-Net (parallel/tensor_parallel.py: each spatial transformer's
-    attention and GEGLU feed-forward), per sample: (the share of the U-Net's forward FLOPs in them, their
-    parameters, the all-reduces one training step of a sample runs (three row-parallel outputs per transformer
-    forward, three input gradients backward), the elements those all-reduces carry). FLOPs counted on meta
-    (forward only: FlopCounterMode's module attribution is exact there)."""
+    attention and GEGLU feed-forward), per sample: (the share of the U-Net's forward FLOPs in them, the
+    all-reduces one training step of a sample runs (three row-parallel outputs per transformer forward, three
+    input gradients backward), the elements those all-reduces carry). FLOPs counted on meta (forward only:
+    FlopCounterMode's module attribution is exact there); their parameters: planner/workload.py's pieces."""
     from .unet import SpatialTransformer
 
     side = cfg.gen_image_size // cfg.latent_downsample
@@ -172,10 +172,8 @@ def unet_tensor_parallel(cfg: ModelConfig) -> tuple[float, int, int, float]:
             hook.remove()
     counts = counter.get_flop_counts()
     split = sum(sum(ops.values()) for name, ops in counts.items() if name.rsplit(".", 1)[-1] in UNET_TP_MODULES)
-    blocks = [m for m in unet.modules() if isinstance(m, SpatialTransformer)]
-    params = sum(p.numel() for m in blocks for name in UNET_TP_MODULES for p in getattr(m, name).parameters())
     elements = sum(6.0 * c * h * w for _, c, h, w in shapes)
-    return split / max(1, counter.get_total_flops()), params, 6 * len(blocks), elements
+    return split / max(1, counter.get_total_flops()), 6 * len(shapes), elements
 
 
 @lru_cache(maxsize=32)

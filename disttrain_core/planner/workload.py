@@ -175,7 +175,9 @@ def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
     side = cfg.gen_image_size // cfg.latent_downsample
     counts = unet_counts(cfg, side)
     fp32, counted_mixed = counts["fp32"], {device: counts[device] for device in ("cuda", "cpu")}
-    share, split_params, reduces, reduce_floats = unet_tensor_parallel(cfg)
+    share, reduces, reduce_floats = unet_tensor_parallel(cfg)
+    pieces = _unet_pieces(unet.unet, proj)
+    split_params = sum(split for _, split in pieces)
     unet_train = flops["generator"].train
     gen = cfg.generator
     attended = [level for level, on in enumerate(gen.cross_attention_blocks) if on] + [len(gen.block_out_channels) - 1]
@@ -200,7 +202,7 @@ def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
         counted_mixed=counted_mixed,
         tp_reduces=reduces,
         tp_reduce_floats=reduce_floats,
-        pieces=_unet_pieces(unet.unet, proj),
+        pieces=pieces,
         params_first=_count(unet) - split_params + _count(proj),
     )
 
