@@ -18,7 +18,7 @@ Here both are decomposed into ``tp`` ring steps (the AsyncTP idea):
 
 Each is the other's backward. Norm weights then see only ``S / tp`` rows on
 each rank: their gradients are partial and are summed over the TP group before
-the data-parallel reduction (``sequence_parallel_partial_params``).
+the data-parallel reduction (parallel/tensor_parallel.py ``sequence_parallel_partial_params``).
 """
 
 from __future__ import annotations
@@ -169,12 +169,3 @@ def enable_overlapped_sequence_parallel(llama: nn.Module, group) -> None:
         block._ring = ring
         block.forward = types.MethodType(_overlapped_block_forward, block)
         block._sequence_parallel = True
-
-
-def sequence_parallel_partial_params(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters whose gradient each TP rank computes from its sequence chunk only (the block norms)."""
-    params = []
-    for child in module.modules():
-        if getattr(child, "_sequence_parallel", False):
-            params += list(child.attention_norm.parameters()) + list(child.ffn_norm.parameters())
-    return params

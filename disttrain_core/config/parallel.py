@@ -187,6 +187,10 @@ class ParallelConfig:
     shard: Optional[str] = None
     hsdp_replicas: int = 1  # zero2/zero3: HSDP replicate x shard mesh over the DP replicas
     zero1: bool = False  # alias of shard=zero1 (parallel=zero1)
+    # Megatron's sequence parallelism with every tensor-parallel Llama and ViT block stack (comm/sequence_split.py):
+    # norms and residuals on 1/tp of the sequence, reduce-scatter + all-gather in place of all-reduces. false:
+    # plain TP (the residual stream replicated over the TP group). parallel.comm.tp_overlap chunks it.
+    sequence_parallel: bool = True
     comm: CommConfig = field(default_factory=CommConfig)
     hotspa: HotSpaConfig = field(default_factory=HotSpaConfig)
     local_sgd: LocalSgdConfig = field(default_factory=LocalSgdConfig)

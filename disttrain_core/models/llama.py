@@ -154,12 +154,24 @@ class DecoderBlock(nn.Module):
             self.feed_forward = MoeFeedForward(cfg.dim, cfg.moe, cfg.ffn_dim)
         else:
             self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
+        # Sequence parallelism (parallel/tensor_parallel.py): a comm/sequence_split.py ``SequenceSplit``; the
+        # block then takes and returns this rank's rows of the residual stream, and its row-parallel layers
+        # (and a MoE layer's experts) return partial sums.
+        self.sequence = None
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, documents: Documents | None = None, cache=None
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, documents, cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        seq = self.sequence
+        if seq is None:
+            h = x + self.attention(self.attention_norm(x), rope, documents, cache)
+            return h + self.feed_forward(self.ffn_norm(h))
+        if cache is not None:
+            raise ValueError("generation runs on a whole model (train/sampling.py), not a sequence-parallel one")
+        h = x + seq.reduce_scatter(self.attention(seq.gather(self.attention_norm(x)), rope, documents))
+        # A MoE layer's experts sum their input gradients over the group themselves (models/moe.py)
+        moe = isinstance(self.feed_forward, MoeFeedForward)
+        return h + seq.reduce_scatter(self.feed_forward(seq.gather(self.ffn_norm(h), partial=not moe)))
 
 
 class Llama(nn.Module):
@@ -179,6 +191,7 @@ class Llama(nn.Module):
         self.rope_positions: torch.Tensor | None = None
         self.register_buffer("rope", torch.empty(0), persistent=False)
         self.register_buffer("rope_by_position", torch.empty(0), persistent=False)  # row p: position p
+        self.sequence = None  # sequence parallelism: the blocks' SequenceSplit (scattered on entry, gathered on exit)
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
@@ -201,9 +214,11 @@ class Llama(nn.Module):
             rope = self.rope
         else:  # positions < max_seq_len: packing never makes a row longer than model.seq_len
             rope = self.rope_by_position[documents.positions.to(self.rope_by_position.device)]
+        if self.sequence is not None:
+            h = self.sequence.scatter(h)
         for layer in self.layers.values():
             h = layer(h, rope) if documents is None else layer(h, rope, documents)
-        return h
+        return h if self.sequence is None else self.sequence.leave(h)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.norm(h)

@@ -214,6 +214,8 @@ class MoeFeedForward(nn.Module):
         )
         self.balance_group = None
         self.tp_group = None  # tensor parallelism: the experts' hidden widths are split over it
+        # Sequence parallelism: return the TP ranks' partial sums; the block reduce-scatters them (models/llama.py)
+        self.partial_output = False
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_loss: Optional[torch.Tensor] = None
         self.last_stats: Optional[MoeStats] = None
@@ -257,7 +259,7 @@ class MoeFeedForward(nn.Module):
             )
         if self.shared is not None:
             out = out + run_expert(self.shared, rows)
-        if split:  # the partial sums of the TP ranks' slices (routed and shared together)
+        if split and not self.partial_output:  # the partial sums of the TP ranks' slices (routed and shared together)
             out = sum_over_group(out, self.tp_group)
         if first_pass and not tokens.is_meta:
             self.step_dropped = dropped if self.step_dropped is None else self.step_dropped + dropped

@@ -72,10 +72,15 @@ class VitBlock(nn.Module):
         self.attn = VitAttention(cfg.dim, cfg.n_heads)
         self.norm2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = FeedForwardGELU(cfg.dim, cfg.mlp_dim, activation=cfg.activation)
+        self.sequence = None  # sequence parallelism (models/llama.py DecoderBlock has the same)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        seq = self.sequence
+        if seq is None:
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+        x = x + seq.reduce_scatter(self.attn(seq.gather(self.norm1(x))))
+        return x + seq.reduce_scatter(self.mlp(seq.gather(self.norm2(x))))
 
 
 class VisionTransformer(nn.Module):
@@ -93,6 +98,7 @@ class VisionTransformer(nn.Module):
         self.norm_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps) if full else None
         self.proj = nn.Linear(cfg.dim, cfg.output_dim, bias=False) if full and cfg.output_dim else None
         self.out_dim = cfg.output_dim if self.proj is not None else cfg.dim
+        self.sequence = None  # sequence parallelism: the blocks' SequenceSplit (models/llama.py has the same)
         self.register_buffer("pixel_mean", torch.empty(0), persistent=False)
         self.register_buffer("pixel_std", torch.empty(0), persistent=False)
         self.reset_buffers()
@@ -116,9 +122,12 @@ class VisionTransformer(nn.Module):
         return self.norm_pre(x + self.positional_embedding.to(x.dtype))
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        seq = self.sequence
+        if seq is not None:
+            x = seq.scatter(x)
         for block in self.blocks.values():
             x = block(x)
-        return x
+        return x if seq is None else seq.leave(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         if self.class_embedding is not None:

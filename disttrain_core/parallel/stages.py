@@ -264,6 +264,7 @@ def build_rank_stages(
     seed: int,
     tp_mesh=None,
     sequence_overlap: bool = False,
+    sequence_parallel: bool = False,
     shard=None,
     context: SequenceSlices | None = None,
     experts=None,
@@ -292,7 +293,7 @@ def build_rank_stages(
         # model.float8 first, as TorchTitan converts at build: FSDP2 then all-gathers the FP8 weights
         apply_float8(module.model, float8, fsdp_all_gather=shard is not None)
         if tp_mesh is not None:
-            apply_tensor_parallel(module.model, tp_mesh, sequence_overlap=sequence_overlap)
+            apply_tensor_parallel(module.model, tp_mesh, sequence_overlap, sequence_parallel)
         if context is not None:
             apply_context_parallel(module.model, context)
         if experts is not None and unit.name == "llm":  # this rank's experts only, tokens exchanged all-to-all

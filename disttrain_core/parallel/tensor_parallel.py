@@ -21,14 +21,16 @@ the projectors (every TP rank computes them whole).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from ..comm.sequence_split import SequenceSplit
 from ..models.llama import DecoderBlock, Llama
 from ..models.moe import MoeFeedForward
 from ..models.unet import SpatialTransformer
-from ..models.vit import VitBlock
+from ..models.vit import VisionTransformer, VitBlock
 
 LLAMA_PLAN = {
     "attention.wq": ColwiseParallel(),
@@ -58,24 +60,68 @@ VIT_PLAN = {
 }
 
 
-def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = False) -> int:
+class RowwisePartial(RowwiseParallel):
+    """Row-parallel, its output left as this rank's partial sum (a local tensor): sequence parallelism
+    reduce-scatters it (comm/sequence_split.py) where plain TP all-reduces. The sum's gradient is the same whole
+    tensor on every rank, hence ``grad_placements=Replicate``."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local(grad_placements=[Replicate()])
+
+
+class _PartialInputGradient(torch.autograd.Function):
+    """A local tensor as a replicated DTensor whose gradient comes back as this rank's partial sum, unreduced."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad._local_tensor if isinstance(grad, DTensor) else grad), None
+
+
+class ColwiseSequence(ColwiseParallel):
+    """Column-parallel whose input gradient stays this rank's partial sum: sequence parallelism's gather before
+    the region reduce-scatters the sum of its layers' partial gradients once (comm/sequence_split.py), where
+    ``ColwiseParallel`` all-reduces each layer's."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        x = inputs[0]
+        return x if isinstance(x, DTensor) else _PartialInputGradient.apply(x, device_mesh)
+
+
+def _sequence_plan(plan: dict) -> dict:
+    swap = {RowwiseParallel: RowwisePartial, ColwiseParallel: ColwiseSequence}
+    return {name: swap[type(style)]() for name, style in plan.items()}
+
+
+def apply_tensor_parallel(
+    module: nn.Module, mesh, sequence_overlap: bool = False, sequence_parallel: bool = False
+) -> int:
     """Shard every Llama, ViT and U-Net transformer block of ``module`` over ``mesh``; returns how many.
 
-    ``sequence_overlap``: Llama blocks then run sequence-parallel with chunked all-gather+matmul and
-    matmul+reduce-scatter (comm/tp_overlap.py); the weights are sharded the same way.
+    ``sequence_parallel``: the Llama and ViT block stacks run Megatron's sequence parallelism
+    (comm/sequence_split.py): between the TP regions each rank holds 1/tp of the sequence.
+    ``sequence_overlap``: the dense Llama blocks run it with chunked all-gather+matmul and matmul+reduce-scatter
+    instead (comm/tp_overlap.py); the weights are sharded the same way.
     """
     blocks = 0
     split_unet = unet_splits(module, mesh.size())
+    sequence = sequence_parallel and not sequence_overlap
     for child in module.modules():
         if isinstance(child, DecoderBlock) and isinstance(child.feed_forward, MoeFeedForward):
-            parallelize_module(child, mesh, ATTENTION_PLAN)
+            parallelize_module(child, mesh, _sequence_plan(ATTENTION_PLAN) if sequence_parallel else ATTENTION_PLAN)
             apply_expert_tensor_parallel(child.feed_forward, mesh)
+            child.feed_forward.partial_output = sequence_parallel
             blocks += 1
         elif isinstance(child, DecoderBlock):
-            parallelize_module(child, mesh, LLAMA_PLAN)
+            parallelize_module(child, mesh, _sequence_plan(LLAMA_PLAN) if sequence else LLAMA_PLAN)
             blocks += 1
         elif isinstance(child, VitBlock):
-            parallelize_module(child, mesh, VIT_PLAN)
+            parallelize_module(child, mesh, _sequence_plan(VIT_PLAN) if sequence_parallel else VIT_PLAN)
             blocks += 1
         elif isinstance(child, SpatialTransformer) and split_unet:
             parallelize_module(child, mesh, UNET_TRANSFORMER_PLAN)
@@ -88,7 +134,40 @@ def apply_tensor_parallel(module: nn.Module, mesh, sequence_overlap: bool = Fals
         for child in module.modules():
             if isinstance(child, Llama) and len(child.layers):
                 enable_overlapped_sequence_parallel(child, mesh.get_group())
+    if sequence_parallel:
+        enable_sequence_parallel(module, mesh.get_group(), sequence_overlap)
     return blocks
+
+
+def enable_sequence_parallel(module: nn.Module, group, skip_dense_llama: bool = False) -> None:
+    """One ``SequenceSplit`` per Llama and ViT block stack of ``module``, shared by its blocks (whose norms then
+    see 1/tp of the rows: ``sequence_parallel_partial_params``). ``skip_dense_llama``: a Llama of dense blocks
+    runs the chunked overlap instead."""
+    for child in module.modules():
+        if isinstance(child, Llama):
+            blocks = list(child.layers.values())
+            if skip_dense_llama and not any(isinstance(b.feed_forward, MoeFeedForward) for b in blocks):
+                continue
+        elif isinstance(child, VisionTransformer):
+            blocks = list(child.blocks.values())
+        else:
+            continue
+        if blocks:
+            child.sequence = SequenceSplit(group)
+            for block in blocks:
+                block.sequence = child.sequence
+
+
+def sequence_parallel_partial_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters whose gradient each TP rank computes from its sequence rows only (the norms inside a
+    sequence-parallel block stack): summed over the TP group before the data-parallel reduction."""
+    params: list[nn.Parameter] = []
+    for child in module.modules():
+        if isinstance(child, DecoderBlock) and (child.sequence is not None or getattr(child, "_sequence_parallel", 0)):
+            params += [*child.attention_norm.parameters(), *child.ffn_norm.parameters()]
+        elif isinstance(child, VitBlock) and child.sequence is not None:
+            params += [*child.norm1.parameters(), *child.norm2.parameters()]
+    return params
 
 
 def unet_splits(module: nn.Module, tp: int) -> bool:

@@ -39,7 +39,17 @@ class MemoryCosts:
             return w.counted_mixed["cpu" if self.hw.device == "cpu" else "cuda"]
         return {"none": w.counted_activation_bytes, **w.counted_recompute_bytes}
 
-    def _block_bytes(self, unit: str, tp: int) -> tuple[float, float]:
+    def sequence_share(self, unit: str, tp: int, cp: int = 1) -> float:
+        """The share of a sequence's rows one TP rank keeps between the TP regions: 1 without sequence
+        parallelism, else its padded chunk, ceil(rows / tp) / rows (comm/sequence_split.py), where rows are the
+        context-parallel rank's share of an item's tokens. The U-Net is not sequence-parallel."""
+        w = self.work.units[unit]
+        if not self.settings.sequence_parallel or tp <= 1 or w.counted_activation_bytes:
+            return 1.0
+        rows = max(1, round(w.tokens / cp))
+        return -(-rows // tp) / rows
+
+    def _block_bytes(self, unit: str, tp: int, cp: int = 1) -> tuple[float, float]:
         """Bytes per token and model dimension one block keeps for backward without recompute, and with
         selective_op (checked against what autograd saves in fp32 and under CPU bf16 autocast in
         tests/unit/test_memory_precision.py).
@@ -53,6 +63,9 @@ class MemoryCosts:
         keeps nothing per token (its table is constant).
         selective_op keeps the block input, the outputs of the matmuls and of attention (q, k, v, the
         attention output, the two projections back to h, the MLP's first matmul(s)).
+        Sequence parallelism (``sequence_share``) shrinks the norms' saved tensors and the block input; the
+        linear layers still save the gathered whole-sequence input, and the row-parallel matmuls' outputs
+        (selective_op) are the whole-sequence partial sums before the reduce-scatter.
 
         A MoE feed-forward (models/moe.py; checked against autograd in tests/unit/test_planner_cp_ep.py and
         tests/unit/test_memory_precision.py) keeps, per token and routed expert, the expert's sorted input row
@@ -66,7 +79,8 @@ class MemoryCosts:
         mixed = r != a
         kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
         llama = w.gated_mlp or bool(w.num_experts)  # RMSNorm + SwiGLU blocks; else LayerNorm + GELU (ViT)
-        per_norm = 2.0 * r if llama else r
+        rows = self.sequence_share(unit, tp, cp)
+        per_norm = (2.0 * r if llama else r) * rows
         attention_inputs = 3.0 * a if mixed else r  # q, k, v linear layers
         attention = (2.0 + 2.0 * kv) * a / tp  # q, k, v, output
         if w.num_experts:
@@ -75,14 +89,18 @@ class MemoryCosts:
             shared = (4.0 * width * a + (2.0 * a if mixed else 0.0)) * w.shared_experts
             none = 2.0 * per_norm + attention_inputs + (a if mixed else r) + attention + w.top_k * routed + shared
             selective = (
-                r + 2.0 * a + attention + w.top_k * (r + 2.0 * width * a + a) + 2.0 * width * a * w.shared_experts
+                r * rows
+                + 2.0 * a
+                + attention
+                + w.top_k * (r + 2.0 * width * a + a)
+                + 2.0 * width * a * w.shared_experts
             )
             return none, selective
         first_matmuls = 2.0 if w.gated_mlp else 1.0
         mlp_inputs = first_matmuls * a if mixed else r
         hidden = (4.0 if w.gated_mlp else 2.0) * w.mlp_ratio * a / tp
         none = 2.0 * per_norm + attention_inputs + mlp_inputs + attention + hidden
-        selective = r + 2.0 * a + attention + first_matmuls * w.mlp_ratio * a / tp
+        selective = r * rows + 2.0 * a + attention + first_matmuls * w.mlp_ratio * a / tp
         return none, selective
 
     def activation_bytes(self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1) -> float:
@@ -101,13 +119,14 @@ class MemoryCosts:
             else:
                 kept = counted[policy]
             return items * kept
-        none, selective = self._block_bytes(unit, tp)
+        none, selective = self._block_bytes(unit, tp, cp)
         _, r = self._element_bytes()
+        r_in = r * self.sequence_share(unit, tp, cp)  # the block input: the residual stream (this rank's rows)
         per_layer = {
             "none": none,
-            "full": r,  # the block input: the residual stream
+            "full": r_in,
             "selective_op": selective,
-            "every_k": (r + (self.settings.recompute_every - 1) * none) / self.settings.recompute_every,
+            "every_k": (r_in + (self.settings.recompute_every - 1) * none) / self.settings.recompute_every,
         }[policy]
         return items * (w.tokens / cp) * w.dim * per_layer * w.layers
 
@@ -122,9 +141,9 @@ class MemoryCosts:
             return 0.0
         if w.counted_activation_bytes:  # U-Net: its largest block, counted
             return items * self._unet_counts(w).get("largest_block", 0.0)
-        none, selective = self._block_bytes(unit, tp)
+        none, selective = self._block_bytes(unit, tp, cp)
         _, r = self._element_bytes()
-        dropped = none - (selective if policy == "selective_op" else r)
+        dropped = none - (selective if policy == "selective_op" else r * self.sequence_share(unit, tp, cp))
         return items * (w.tokens / cp) * w.dim * dropped
 
     def attention_transient_bytes(self, unit: str, tp: int, items: float, cp: int = 1) -> float:

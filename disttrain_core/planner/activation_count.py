@@ -22,7 +22,8 @@ def counted_saved_bytes(module, inputs) -> float:
     """Bytes of activations autograd saves for backward in one forward.
 
     Each tensor counts once however often it is saved (views of one tensor share it), and
-    parameters and views of parameters are not activations. Works on the meta device too."""
+    parameters and views of parameters are not activations; a DTensor counts its local part. Works on the meta
+    device too."""
     import torch
 
     seen: dict = {}  # holding references keeps ids unique during the forward
@@ -31,8 +32,8 @@ def counted_saved_bytes(module, inputs) -> float:
         if isinstance(tensor, torch.Tensor):
             base = tensor._base if tensor._base is not None else tensor
             if not isinstance(base, torch.nn.Parameter):
-                key = _storage_key(tensor, base)
-                seen.setdefault(key, base)
+                base = getattr(base, "_local_tensor", base)  # a DTensor: this rank's bytes
+                seen.setdefault(_storage_key(base, base), base)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -73,6 +73,7 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
         dp_overlap=float(cfg.planner.dp_overlap),
         memory_margin=float(cfg.planner.memory_margin),
         pp_split=settings_split(cfg.parallel.get("pp_split")),
+        sequence_parallel=bool(cfg.parallel.get("sequence_parallel", True)),
     )
     profile = None
     peak = None
@@ -269,6 +270,7 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
         moment_bytes=moments,
         outer_bytes=outer,
         pp_split=settings_split(cfg.parallel.get("pp_split")),
+        sequence_parallel=bool(cfg.parallel.get("sequence_parallel", True)),
     )
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
     model = _configured_model(cfg, layout, settings, hw)

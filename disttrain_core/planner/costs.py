@@ -102,6 +102,9 @@ class PlannerSettings:
     # parallel.pp_split: None (even LLM stages), "auto" (balanced per layout: planner/stage_split.py) or block
     # counts per LLM stage
     pp_split: tuple[int, ...] | str | None = None
+    # parallel.sequence_parallel: the Llama and ViT stacks' residual stream and norms split over TP
+    # (comm/sequence_split.py); planner/activation_costs.py counts their bytes per rank accordingly
+    sequence_parallel: bool = True
 
     def llm_share(self, stage: int | None, pp: int, layers: int) -> float:
         """The share of the LLM's blocks pipeline stage ``stage`` of ``pp`` holds (None: the average)."""

@@ -294,7 +294,7 @@ def _trials(rank, world, payload, tp_sizes, device):
         materialize(model, dev, seed=1, std=cfg.model.init_std)
         modules = model.submodules()
         if mesh is not None:
-            apply_tensor_parallel(model, mesh)
+            apply_tensor_parallel(model, mesh, sequence_parallel=bool(cfg.parallel.sequence_parallel))
 
         for unit in ("encoder", "llm", "generator"):
             if unit not in work.units or not work.units[unit].tp_allowed(tp):

@@ -90,7 +90,7 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
         split = split if split is not None and not isinstance(split, str) and len(split) == unit.pp else None
         stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, unit.pp, split=split)
         if tp_mesh is not None:
-            apply_tensor_parallel(stage.model, tp_mesh, sequence_overlap=cfg.parallel.comm.tp_overlap)
+            apply_tensor_parallel(stage.model, tp_mesh, cfg.parallel.comm.tp_overlap, cfg.parallel.sequence_parallel)
         apply_recompute(stage.model, unit.recompute, unit.recompute_every)
         if fsdp_mesh is not None:
             apply_fsdp(stage, fsdp_mesh, unit.shard, wire)

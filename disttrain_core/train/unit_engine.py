@@ -19,7 +19,6 @@ from lightning_fabric import Fabric
 
 from ..comm.engine import MODES
 from ..comm.p2p import Channels
-from ..comm.tp_overlap import sequence_parallel_partial_params
 from ..comm.trace import CommTrace
 from ..config import Config, training_precision, wire_format
 from ..data.tokenizer import Tokenizer
@@ -29,6 +28,7 @@ from ..parallel.expert_parallel import configure_moe
 from ..parallel.fsdp import PipelineStepSync, ShardedOptimizer, apply_fsdp, unit_meshes
 from ..parallel.recompute import BLOCKS
 from ..parallel.stages import build_rank_stages, fields_read
+from ..parallel.tensor_parallel import sequence_parallel_partial_params
 from ..parallel.units import ParallelismUnit, UnitLayout
 from ..parallel.zero import ZeroOneOptimizer
 from ..schedule.actions import Schedule
@@ -86,7 +86,7 @@ class UnitEngine(Engine):
         # averaged over the step's microbatches (gradients are summed over those ranks).
         configure_moe(self.models(), self.groups.gradient, 1.0 / schedule.num_microbatches)
         self.partial_grads: list[torch.nn.Parameter] = []  # sequence-parallel norms: summed over TP
-        if mesh is not None and comm.tp_overlap:
+        if mesh is not None:
             for module in self.stages.values():
                 self.partial_grads += sequence_parallel_partial_params(module.model)
         self.trace = CommTrace(fabric.device) if comm.trace else None
@@ -151,6 +151,7 @@ class UnitEngine(Engine):
             cfg.trainer.seed,
             tp_mesh=mesh,
             sequence_overlap=comm.tp_overlap,
+            sequence_parallel=cfg.parallel.sequence_parallel,
             shard=shard,
             context=context,
             experts=self.groups.expert_parallel,

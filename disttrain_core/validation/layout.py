@@ -293,6 +293,11 @@ def check_layout(cfg: Config, layout) -> None:
         _validate_unit(cfg, unit)
     check_float8_layout(cfg, layout)
     _require(
+        p.sequence_parallel or not p.comm.tp_overlap,
+        "parallel.comm.tp_overlap=true chunks sequence parallelism, which parallel.sequence_parallel=false turns "
+        "off: unset one of them",
+    )
+    _require(
         not (cfg.trainer.compile and p.comm.tp_overlap and any(unit.tp > 1 for unit in layout.units)),
         "trainer.compile=true with parallel.comm.tp_overlap=true is not built: the chunked sequence-parallel blocks "
         "issue all-gathers and reduce-scatters between their matmuls, which are not traced; unset one of them "

@@ -136,19 +136,27 @@ def test_each_rank_holds_half_the_logits_bytes_at_its_peak(tmp_path):
         assert peaks["vocab_parallel"] <= 0.5 * peaks["replicated"], peaks
 
 
-def test_llama_tp2_with_the_vocabulary_parallel_head_and_chunked_loss_matches_one_process(shards, tmp_path):
+@pytest.fixture(scope="module")
+def llama_reference(shards, tmp_path_factory):
+    return train(shards, tmp_path_factory.mktemp("one"), "model=llama_tiny", *SMALL)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sequence_parallel", "plain_tp"])
+def test_llama_tp2_with_the_vocabulary_parallel_head_and_chunked_loss_matches_one_process(
+    shards, tmp_path, llama_reference, sequence_parallel
+):
     """llama_tiny (384 entries: 192 per rank) at tp=2, model.loss_chunk=100 on the split head, against one process
-    with the whole head and no chunks."""
-    model = ["model=llama_tiny", *SMALL]
-    reference = train(shards, tmp_path / "one", *model)
+    with the whole head and no chunks; with sequence parallelism (the default) and without."""
     split = train(
         shards,
         tmp_path / "tp2",
-        *model,
+        "model=llama_tiny",
+        *SMALL,
         "parallel=megatron_tp2",
         "parallel.modality_stages=folded",
         "schedule=none",
         "trainer.devices=2",
         "model.loss_chunk=100",
+        f"parallel.sequence_parallel={str(sequence_parallel).lower()}",
     )
-    assert_same_run(split, reference)
+    assert_same_run(split, llama_reference)

@@ -36,6 +36,12 @@ CASES = [
     (["model.float8=tensorwise"], "model.float8=tensorwise runs FP8 matmuls on NVIDIA GPUs with FP8 tensor cores"),
     (["model.float8=fp4"], "model.float8='fp4': allowed values are none, tensorwise, rowwise"),
     (
+        ["model=llama_tiny", "parallel=megatron_tp2", "trainer.devices=2", "schedule=none"]
+        + ["parallel.comm.tp_overlap=true", "parallel.sequence_parallel=false"],
+        "parallel.comm.tp_overlap=true chunks sequence parallelism, which parallel.sequence_parallel=false turns off",
+    ),
+    (["parallel.sequence_parallel=maybe"], "parallel.sequence_parallel"),
+    (
         ["model=llama_tiny", "parallel=megatron_tp2", "trainer.devices=2", "schedule=none", "trainer.compile=true"]
         + ["parallel.comm.tp_overlap=true"],
         "trainer.compile=true with parallel.comm.tp_overlap=true is not built",
@@ -271,7 +277,7 @@ CASES = [
     (
         ["model=llama_moe_tiny", "parallel=megatron_tp2", "trainer.devices=2", "schedule=none"]
         + ["parallel.comm.tp_overlap=true"],
-        "model.llm.moe blocks run plain tensor parallelism: set parallel.comm.tp_overlap=false",
+        "model.llm.moe blocks run sequence parallelism unchunked: set parallel.comm.tp_overlap=false",
     ),
 ]
 

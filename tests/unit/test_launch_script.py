@@ -148,7 +148,7 @@ def test_scheduler_submissions_are_told_apart_from_local_runs():
 
 CONTRADICTIONS = [
     (["cluster=a800_80g"], r"needs 128 GPUs \(trainer.devices=8 x trainer.num_nodes=16\) .*cluster.num_gpus=32"),
-    (["cluster.memory_per_device_gb=40"], r"need 48.8 GB per GPU .*cluster.memory_per_device_gb=40 "),
+    (["cluster.memory_per_device_gb=24"], r"need 29.3 GB per GPU .*cluster.memory_per_device_gb=24 "),
     (["cluster.gpus_per_node=4"], r"needs 8 GPUs per node .*cluster.gpus_per_node=4;"),
 ]
 
