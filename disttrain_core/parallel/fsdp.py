@@ -6,21 +6,19 @@ model state is spread over its data-parallel replicas:
 * ``none``  -- torch DDP and a replicated AdamW (pure data parallelism only; train/engine.py);
 * ``zero1`` -- ZeRO-1 (parallel/zero.py): parameters and gradients replicated as views of flat
   buckets, fp32 master weights and Adam moments sharded;
-* ``zero2`` -- FSDP2 with ``reshard_after_forward=False``: parameters, gradients and optimizer state
-  are sharded between steps; a block's parameters are all-gathered for its forward and stay gathered
-  until its backward has run. Gradients are reduce-scattered after every backward into the sharded
-  gradient, so no rank holds a whole gradient between microbatches.
+* ``zero2`` -- the Playbook's ZeRO-2 on FSDP2: gradients and optimizer state sharded, parameters
+  replicated. The updated shards are all-gathered right after each optimizer step (in the background:
+  each group's next pre-forward waits for its gather) and stay gathered through the next step's
+  microbatches (``FsdpStepSync``: no reshard after forward or after a microbatch's backward); every
+  microbatch's backward reduce-scatters its gradients into the sharded gradient, so no rank holds a whole
+  gradient between microbatches. The stage's last backward of a step reshards (the optimizer steps the
+  shards), and a checkpoint saves and loads the shards (``ShardedOptimizer.shard_params``).
 * ``zero3`` -- FSDP2 with ``reshard_after_forward=True``: a block's parameters are freed after its
-  forward and gathered again for its backward.
+  forward and gathered again for its backward, per microbatch.
 
-How zero2 differs from the Playbook's ZeRO-2: there, parameters stay replicated and only gradients and
-optimizer state are sharded (an all-gather of the updated parameters after each step). FSDP2 has no
-such mode; ``reshard_after_forward=False`` keeps each block's *unsharded* parameters from its forward
-to its backward, and reshards them after the backward. Between steps a rank holds 16/S bytes per
-parameter (S = dp / hsdp_replicas ranks share one copy), as under zero3; during a microbatch it also
-holds the unsharded parameters of every block whose forward ran and whose backward did not yet (all
-of them at the forward-backward turn), where zero3 holds at most the blocks being computed and
-prefetched. The memory model (planner/memory.py) counts exactly that.
+zero2 holds a rank's 16/S bytes per parameter of sharded state (S = dp / hsdp_replicas ranks share one
+copy) plus the stage's gathered parameters, from the step's end through the next step's backward; zero3
+holds at most the blocks being computed and prefetched. The memory model (planner/memory.py) counts that.
 
 Blocks (the recompute families: Llama decoder blocks, ViT blocks, U-Net blocks), embeddings and the
 LM head are FSDP groups of their own; the rest of a stage (norms, projectors, small layers) is the
@@ -34,7 +32,7 @@ all-reduced in the replicate dimension. With tensor parallelism the mesh gets a 
 them further over the data-parallel dimension(s).
 
 Under a pipeline (more than one schedule stage) a step runs many microbatches through each stage, and FSDP2's
-per-microbatch all-gather and reduce-scatter would repeat for each; ``PipelineStepSync`` runs it as TorchTitan's
+per-microbatch all-gather and reduce-scatter would repeat for each; ``FsdpStepSync`` runs it as TorchTitan's
 pipeline schedules do: a stage gathers its parameters in its first forward of the step and keeps them (no
 reshard after forward or backward), sums its microbatches' gradients unreduced, and its last backward of the
 step reduce-scatters them and reshards. Between steps the state is sharded as above; during a step the stage
@@ -93,8 +91,12 @@ def fsdp_groups(stage: nn.Module) -> list[nn.Module]:
     return list(reversed(picked))
 
 
-def apply_fsdp(stage: nn.Module, mesh, mode: str, param_dtype: torch.dtype | None) -> None:
-    """Shard ``stage`` (still on the meta device: shard before materialize) with FSDP2."""
+def apply_fsdp(
+    stage: nn.Module, mesh, mode: str, param_dtype: torch.dtype | None, ignored: set[nn.Parameter] | None = None
+) -> None:
+    """Shard ``stage`` (still on the meta device: shard before materialize) with FSDP2. ``ignored``: parameters
+    FSDP2 leaves whole and unreduced (expert parallelism's experts: each EP rank holds different ones, stepped
+    by train/expert_optim.py)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mode not in FSDP_MODES:
@@ -106,28 +108,39 @@ def apply_fsdp(stage: nn.Module, mesh, mode: str, param_dtype: torch.dtype | Non
     )
     reshard = mode == "zero3"
     for module in [*fsdp_groups(stage), stage]:
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
         module.set_gradient_divide_factor(1.0)  # sum over replicas: the loss is normalized globally
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
 
 
-class PipelineStepSync:
-    """The executor's ``grad_sync`` for FSDP2 stages under a pipeline (schedule/executor.py calls ``begin_step``
-    before a step and ``arm(stage)`` before a stage's last backward of it): one all-gather and one
-    reduce-scatter per FSDP group per step instead of per microbatch. ``reshard_after_forward``: the mode's own
-    setting (zero3), restored at a stage's last backward so forwards outside a step (evaluation, sampling)
-    reshard as they would without a pipeline."""
+def fsdp_modules(stages) -> list[nn.Module]:
+    """Every FSDP2 group of ``stages`` (modules that ``fully_shard`` wrapped)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    def __init__(self, stages: dict[int, nn.Module], reshard_after_forward: bool):
+    return [m for stage in stages for m in stage.modules() if isinstance(m, FSDPModule)]
+
+
+class FsdpStepSync:
+    """The executor's ``grad_sync`` for FSDP2 stages gathered once per step (schedule/executor.py calls
+    ``begin_step`` before a step and ``arm(stage)`` before a stage's last backward of it): each FSDP group is
+    all-gathered in its first forward of the step and kept through the step's microbatches, and resharded after
+    the stage's last backward. ``defer_reduce`` (a pipeline, as TorchTitan runs FSDP2 under one): the
+    microbatches' gradients are summed unreduced and reduce-scattered once, in the last backward; else (zero2
+    without a pipeline, the Playbook's ZeRO-2) every microbatch's backward reduce-scatters into the sharded
+    gradient, so no whole gradient outlives a microbatch. ``reshard_after_forward``: the mode's own setting
+    (zero3), restored at a stage's last backward so forwards outside a step (evaluation, sampling) reshard as
+    they would without it."""
+
+    def __init__(self, stages: dict[int, nn.Module], reshard_after_forward: bool, defer_reduce: bool = True):
         from torch.distributed.fsdp import FSDPModule
 
         self.groups = {s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}
         self.reshard_after_forward = reshard_after_forward
+        self.defer_reduce = defer_reduce
 
-    @staticmethod
-    def _final(groups: list, final: bool) -> None:
+    def _final(self, groups: list, final: bool) -> None:
         for group in groups:
-            group.set_requires_gradient_sync(final, recurse=False)
+            group.set_requires_gradient_sync(final or not self.defer_reduce, recurse=False)
             group.set_reshard_after_backward(final, recurse=False)
 
     def begin_step(self) -> None:
@@ -170,8 +183,11 @@ class ShardedOptimizer:
         partial_grads=(),
         tp_group=None,
         device=None,
+        regather=(),
     ):
         """``device``: the engine's (a rank whose parameters are all frozen still reduces a norm there).
+        ``regather``: FSDP groups gathered again right after every step (zero2, the Playbook's ZeRO-2: parameters
+        replicated between steps; the gathers run in the background and the next forward waits for them).
         ``copies``: the ranks of this unit stage (dp x cp x tp); each element of a parameter lives on
         copies / (its distinct shards) of them, and counts that many times less in the gradient norm (a
         norm weight is split over the FSDP mesh and replicated over TP; HSDP replicates everything R
@@ -189,6 +205,11 @@ class ShardedOptimizer:
         # a rank whose parameters are all frozen keeps one empty group: the scheduler and the loop still step it
         self.inner = adamw([g for g in groups if g["params"]] or groups[:1], cfg)
         self.weights = {id(p): _distinct_shards(p) / copies for _, p in self.named_params}
+        # Expert parallelism: the held experts' own optimizer (train/expert_optim.py), driven from here as
+        # ZeroOneOptimizer drives it: one learning rate, one gradient norm, one checkpoint.
+        self.experts = None
+        self.regather = list(regather)
+        self.pending: list = []  # the regather's in-flight all-gathers
 
     @property
     def param_groups(self):
@@ -196,7 +217,10 @@ class ShardedOptimizer:
 
     def reduce_gradients(self) -> None:
         """FSDP2 reduce-scattered every backward already (waited for at the end of each backward); only the
-        sequence-parallel partial sums are completed over TP (a sum, so after the reduce-scatter is fine)."""
+        sequence-parallel partial sums are completed over TP (a sum, so after the reduce-scatter is fine) and the
+        experts' gradients summed over the ranks holding them."""
+        if self.experts is not None:
+            self.experts.reduce_gradients()
         if self.tp_group is None:
             return
         for param in self.partial:
@@ -211,22 +235,40 @@ class ShardedOptimizer:
             if param.grad is not None:
                 grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
                 total += self.weights[id(param)] * torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+        if self.experts is not None:
+            total += self.experts.grad_norm_squared().to(total.device)
         return total
 
     def master_params(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named_params if p.grad is not None]
+        experts = self.experts.params if self.experts is not None else []
+        return [p for _, p in self.named_params if p.grad is not None] + experts
 
     def step(self) -> None:
         self.inner.step()
+        if self.experts is not None:
+            self.experts.step(self.inner.param_groups[0]["lr"])
+        # the updated shards gathered now (FSDP2 waits for them in each group's next pre-forward)
+        self.pending = [group.unshard(async_op=True) for group in self.regather]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
+        if self.experts is not None:
+            self.experts.zero_grad()
 
     def wait_params(self) -> None:
-        """Nothing is in flight between steps: FSDP2 gathers parameters in the forward."""
+        """Finish the regather's all-gathers (FSDP2 itself gathers parameters in the forward)."""
+        for handle in self.pending:
+            handle.wait()
+        self.pending = []
+
+    def shard_params(self) -> None:
+        """The modules' parameters back to their shards (what checkpoints save and load into)."""
+        self.wait_params()
+        for group in self.regather:
+            group.reshard()
 
     def close(self) -> None:
-        pass
+        self.wait_params()
 
     def sync_master_from_params(self) -> None:
         """The sharded parameters are the master weights: nothing to copy."""

@@ -217,10 +217,11 @@ class MemoryCosts:
         return self.state(unit, tp, dp, pp, shard, stage).total
 
     def largest_group(self, unit: str, tp: int, ep: int = 1) -> float:
-        """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head."""
+        """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head. Under expert
+        parallelism the experts are not in it (FSDP2 ignores them: they stay whole on their ranks)."""
         w = self.work.units[unit]
         tp = self.split_tp(unit, tp)
-        held = w.params_dense_tp / tp + w.params_moe_rep + w.params_expert / (ep * tp)
+        held = w.params_dense_tp / tp + w.params_moe_rep + (w.params_expert / tp if ep == 1 else 0.0)
         if unit == "generator":  # the U-Net is one group: its replicated part and this rank's transformer slices
             return float(w.params_rep) + held
         block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)

@@ -261,10 +261,12 @@ class CostModel(MemoryCosts):
     ) -> float:
         """Data-parallel traffic of a step, exposed part. ZeRO-1 (and DDP, the same bytes): one reduce-scatter
         of fp32 gradients + one all-gather of the updated parameters in the wire dtype (bf16 under
-        bf16-mixed, as the runtime sends them). FSDP2 per microbatch: an all-gather of parameters for the
-        forward (zero3: again for the backward) and a reduce-scatter of the fp32 gradients. The group is
-        the dp x cp ranks (CP ranks' losses cover disjoint positions: their gradients add up as replicas'
-        do); routed experts go over their expert-data-parallel group of dp x cp / ep ranks."""
+        bf16-mixed, as the runtime sends them). FSDP2: a reduce-scatter of the fp32 gradients per microbatch;
+        zero3 all-gathers the parameters for every microbatch's forward and again for its backward, zero2 once
+        per step (after the optimizer step: parallel/fsdp.py). The group is the dp x cp ranks (CP ranks' losses
+        cover disjoint positions: their gradients add up as replicas' do); routed experts go over their
+        expert-data-parallel group of dp x cp / ep ranks, all-reduced once per step under expert parallelism
+        (their own optimizer: train/expert_optim.py), whatever the dense parameters' shard mode."""
         ranks = dp * cp
         if ranks <= 1:
             return 0.0
@@ -273,13 +275,15 @@ class CostModel(MemoryCosts):
         dense, experts = self._split_params(unit, tp, pp, None, ep)
         bw = self.link_bw(tp * ranks)
         seconds = 0.0
-        for params, group in ((dense, ranks), (experts, ranks // ep)):
+        for params, group, sharded in ((dense, ranks, True), (experts, ranks // ep, ep == 1)):
             trainable = params * w.trainable_fraction
             # a reduce-scatter and an all-gather each move half of what an all-reduce of the same bytes moves
             reduce = self.allreduce_s(trainable * 4, group, bw) / 2
             gather = self.allreduce_s(trainable * self.settings.act_bytes, group, bw) / 2
-            if shard in FSDP:
-                seconds += microbatches * (reduce + gather * (2 if shard == "zero3" else 1))
+            if shard in FSDP and sharded:
+                seconds += microbatches * reduce + gather * (2 * microbatches if shard == "zero3" else 1)
+            elif not sharded:  # the experts' fp32 all-reduce
+                seconds += 2 * reduce
             else:
                 seconds += reduce + gather
         return seconds * (1.0 - self.settings.dp_overlap)

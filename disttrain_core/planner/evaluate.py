@@ -163,14 +163,14 @@ class LayoutModel:
     ) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
         """Each unit's recompute policy, memory and shard mode: the settings, or under ``auto`` the first
         option of ``memory_options`` that fits the device. A unit with one replica (data x context ranks: FSDP2
-        shards over both) cannot shard: zero1. Neither can an expert-parallel LLM: the runtime has no FSDP2 over
-        expert-data-parallel groups."""
+        shards over both) cannot shard: zero1. An expert-parallel LLM shards its dense parameters only (its
+        experts are stepped whole on every replica: planner/memory.py ``unit_model_state``)."""
         policies, memory, shards = {}, {}, {}
         for name, choice in choices.items():
             if choice.colocated:
                 continue
             for shard, policy in self.memory_options():
-                if (shard in FSDP and choice.dp * choice.cp < 2) or choice.ep > 1:
+                if shard in FSDP and choice.dp * choice.cp < 2:
                     shard = "zero1"
                 used = self.unit_memory(name, choices, S, m, policy, shard)
                 if used <= self.limit:

@@ -35,10 +35,11 @@ shard and stepped there by an AdamW of their own: fp32 parameters, gradients and
 Besides the state, while a step runs (``transient``):
 
 * zero3 holds the unsharded parameters of the FSDP group in compute and the next one (prefetch), and
-  one group's unsharded gradients while it is reduce-scattered; zero2 holds every group's unsharded
-  parameters from its forward to its backward (the whole stage slice at the forward-backward turn);
+  one group's unsharded gradients while it is reduce-scattered; zero2 (the Playbook's ZeRO-2) holds the
+  stage's unsharded parameters through the step and between steps (gathered after each optimizer step), and
+  one group's unsharded gradients while it is reduce-scattered;
   under a pipeline (more than one schedule stage) both keep the stage's whole gathered parameters and its
-  unreduced gradients through the step, gathered once and reduced once (parallel/fsdp.py ``PipelineStepSync``);
+  unreduced gradients through the step, gathered once and reduced once (parallel/fsdp.py ``FsdpStepSync``);
 * under bf16-mixed with fp32 parameters in the compute (none, zero1, or FSDP2 with an fp32 wire),
   autocast keeps one bf16 copy of every weight of the stage: the units engine runs a whole step in
   one autocast region (its cache lives until the region ends), so in-flight microbatches share the
@@ -136,9 +137,9 @@ def unit_model_state(
 ) -> ModelState:
     """``model_state`` of a rank holding ``dense`` non-expert parameters, reduced over ``gradient_ranks``
     (dp x cp) ranks, and ``experts`` routed-expert parameters (its 1/ep), reduced over gradient_ranks / ep.
-    Under expert parallelism (ep > 1, ZeRO-1 for the rest) the held experts are stepped by their own AdamW on
-    every replica (train/expert_optim.py): fp32 parameters that are their own masters, full gradients and
-    moments, no wire copy."""
+    Under expert parallelism (ep > 1; the rest ZeRO-1 or FSDP2, which ignores the experts) the held experts
+    are stepped by their own AdamW on every replica (train/expert_optim.py): fp32 parameters that are their own
+    masters, full gradients and moments, no wire copy."""
     if gradient_ranks % ep:
         raise ValueError(f"ep={ep} does not divide the {gradient_ranks} data x context ranks")
     state = model_state(dense, dense * trainable_fraction, gradient_ranks, shard, hsdp_replicas, wire_bytes)
@@ -164,7 +165,7 @@ def transient_bytes(
     """Bytes a rank holds during a step beyond the model state and the activations (see the module doc).
     ``largest_group``: parameters of the largest FSDP group (a block, the embedding or the LM head).
     ``pipelined``: FSDP2 under a pipeline keeps the stage's gathered parameters and its unreduced gradients
-    through the step (parallel/fsdp.py ``PipelineStepSync``)."""
+    through the step (parallel/fsdp.py ``FsdpStepSync``)."""
     gathered = 0.0
     if shard in FSDP and pipelined:
         gathered = local * wire_bytes + 4.0 * local

@@ -92,9 +92,10 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
         if tp_mesh is not None:
             apply_tensor_parallel(stage.model, tp_mesh, cfg.parallel.comm.tp_overlap, cfg.parallel.sequence_parallel)
         apply_recompute(stage.model, unit.recompute, unit.recompute_every)
-        if fsdp_mesh is not None:
-            apply_fsdp(stage, fsdp_mesh, unit.shard, wire)
         held = _expert_share(stage.model, unit.ep) if getattr(unit, "ep", 1) > 1 else set()
+        if fsdp_mesh is not None:  # the held experts stay whole, outside FSDP2 (train/unit_engine.py)
+            ignored = {p for p in stage.model.parameters() if id(p) in held}
+            apply_fsdp(stage, fsdp_mesh, unit.shard, wire, ignored or None)
         named = list(stage.model.named_parameters())
         # the experts an EP rank holds are stepped by their own optimizer (train/expert_optim.py): fp32
         # parameters that are their own masters, gradients and AdamW moments, outside the ZeRO-1 buffers
@@ -138,10 +139,10 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
                 shards = unit.dp // unit.hsdp_replicas
                 anchor, outer = anchor * shards, outer * shards
             counted.update(
-                params=4.0 * (learn + frozen),
-                grads=4.0 * learn,
+                params=4.0 * (learn + frozen + experts),
+                grads=4.0 * (learn + experts),
                 master=anchor * learn,
-                moments=(moments + outer) * learn,
+                moments=(moments + outer) * learn + 8.0 * experts,
             )
         counted["total"] = sum(counted.values())
         return counted

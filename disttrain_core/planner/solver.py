@@ -149,8 +149,7 @@ class Orchestrator:
         return None
 
     def _least_state(self, opt: LlmOption, pp: int, stage: int) -> float:
-        shard = "zero1" if opt.ep > 1 else None  # the only mode EP runs with (evaluate.py)
-        state = self.m.c.state("llm", opt.tp, opt.dp, pp, shard, stage, 1, opt.cp, opt.ep)
+        state = self.m.c.state("llm", opt.tp, opt.dp, pp, None, stage, 1, opt.cp, opt.ep)
         return state.total - state.grads
 
     def enc_pp_min(self, enc: UnitChoice, samples: float, m: int, later_stages: int) -> int | None:

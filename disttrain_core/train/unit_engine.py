@@ -25,7 +25,7 @@ from ..data.tokenizer import Tokenizer
 from ..models.moe import moe_layers
 from ..parallel.broker import CommBroker
 from ..parallel.expert_parallel import configure_moe
-from ..parallel.fsdp import PipelineStepSync, ShardedOptimizer, apply_fsdp, unit_meshes
+from ..parallel.fsdp import FsdpStepSync, ShardedOptimizer, apply_fsdp, fsdp_modules, unit_meshes
 from ..parallel.recompute import BLOCKS
 from ..parallel.stages import build_rank_stages, fields_read
 from ..parallel.tensor_parallel import sequence_parallel_partial_params
@@ -129,7 +129,9 @@ class UnitEngine(Engine):
             fsdp_mesh, mesh = unit_meshes(self.unit, self.pp_rank, self.groups, fabric.device.type)
 
             def shard(module: torch.nn.Module) -> None:
-                apply_fsdp(module, fsdp_mesh, self.unit.shard, self.wire_dtype)
+                # expert parallelism: the held experts stay whole and out of FSDP2's reductions
+                experts = {p for layer in moe_layers(module.model) for p in layer.experts.parameters()}
+                apply_fsdp(module, fsdp_mesh, self.unit.shard, self.wire_dtype, experts if self.unit.ep > 1 else None)
 
         elif self.unit.tp > 1:
             from torch.distributed.device_mesh import DeviceMesh
@@ -169,23 +171,43 @@ class UnitEngine(Engine):
         return fields_read(self.stages.values())
 
     # ---------------------------------------------------------------- optimizer
+    def _expert_split(self) -> tuple[list, list]:
+        """(dense, experts) of the trainable named parameters; experts only under expert parallelism (the
+        experts this rank holds, stepped by an optimizer of their own)."""
+        held = {id(p) for model in self.models() for layer in moe_layers(model) for p in layer.experts.parameters()}
+        experts = [(n, p) for n, p in self.named_parameters if id(p) in held] if self.unit.ep > 1 else []
+        dense = [(n, p) for n, p in self.named_parameters if not experts or id(p) not in held]
+        return dense, experts
+
+    def _expert_optimizer(self, experts: list):
+        from .expert_optim import ExpertOptimizer
+
+        members = self.groups.expert_members
+        index = members.index(self.fabric.global_rank)
+        return ExpertOptimizer(
+            experts, self.cfg.optim, self.groups.expert_data, len(members), index, self.cfg.parallel.comm
+        )
+
     def build_optimizer(self) -> ZeroOneOptimizer | ShardedOptimizer:
+        dense, experts = self._expert_split()
         if self.unit.fsdp:  # FSDP2 reduces gradients in its own backward hooks
-            if self.schedule.num_stages > 1:  # under a pipeline: gather and reduce once per step
-                self.executor.grad_sync = PipelineStepSync(self.stages, self.unit.shard == "zero3")
+            zero2 = self.unit.shard == "zero2"
+            pipelined = self.schedule.num_stages > 1
+            if pipelined or zero2:  # gathered once per step; under a pipeline also reduced once per step
+                self.executor.grad_sync = FsdpStepSync(self.stages, self.unit.shard == "zero3", defer_reduce=pipelined)
             self.optimizer = ShardedOptimizer(
-                self.named_parameters,
+                dense,
                 self.cfg.optim,
                 copies=self.unit.dp * self.unit.cp * self.unit.tp,
                 partial_grads=self.partial_grads,
                 tp_group=self.groups.tensor_parallel,
                 device=self.fabric.device,
+                regather=fsdp_modules(self.stages.values()) if zero2 else (),
             )
+            if experts:
+                self.optimizer.experts = self._expert_optimizer(experts)
             return self.optimizer
         stage_of = {id(p): stage for stage, module in self.stages.items() for p in module.parameters()}
-        held = {id(p) for model in self.models() for layer in moe_layers(model) for p in layer.experts.parameters()}
-        experts = [(n, p) for n, p in self.named_parameters if id(p) in held] if self.unit.ep > 1 else []
-        dense = [(n, p) for n, p in self.named_parameters if not experts or id(p) not in held]
         # Context-parallel ranks reduce (and shard) gradients with the data-parallel replicas.
         self.optimizer = ZeroOneOptimizer(
             dense,
@@ -204,13 +226,7 @@ class UnitEngine(Engine):
             device=self.fabric.device,
         )
         if experts:  # expert parallelism: the experts this rank holds have an optimizer of their own
-            from .expert_optim import ExpertOptimizer
-
-            members = self.groups.expert_members
-            index = members.index(self.fabric.global_rank)
-            self.optimizer.experts = ExpertOptimizer(
-                experts, self.cfg.optim, self.groups.expert_data, len(members), index, self.cfg.parallel.comm
-            )
+            self.optimizer.experts = self._expert_optimizer(experts)
         # each block (parallel/recompute.py BLOCKS) waits for its whole subtree's gathers
         self.optimizer.sync.install_forward_hooks(self.stages.values(), atomic=BLOCKS)
         self.executor.grad_sync = self.optimizer.sync
@@ -285,11 +301,18 @@ class UnitEngine(Engine):
 
     def checkpoint_state(self, saving: bool) -> dict:
         self.synchronize()
+        if isinstance(self.optimizer, ShardedOptimizer):  # zero2's parameters are gathered between steps
+            self.optimizer.shard_params()
         modules = [stage.model for stage in self.stages.values()]
         zero = isinstance(self.optimizer, ZeroOneOptimizer)
+        experts = getattr(self.optimizer, "experts", None)
         # Under ZeRO-1 the trainable values are the masters' chunks; what else model_entries holds (frozen
-        # parameters, buffers) every data-parallel replica has whole. Under FSDP2 its DTensors are shards.
-        entries = model_entries(modules, skip={n for n, _ in self.named_parameters} if zero else frozenset())
+        # parameters, buffers) every data-parallel replica has whole. Under FSDP2 its DTensors are shards. The
+        # experts of expert parallelism come with their optimizer's state (each replica saves its share).
+        skip = (
+            {n for n, _ in self.named_parameters} if zero else {n for n, _ in experts.named_params} if experts else ()
+        )
+        entries = model_entries(modules, skip=frozenset(skip))
         if saving:
             from torch.distributed.tensor import DTensor
 
@@ -304,7 +327,8 @@ class UnitEngine(Engine):
         if zero:
             world = dist.get_world_size() if dist.is_initialized() else 1
             return {**entries, **self.optimizer.checkpoint_state(self.fabric.global_rank, world, saving)}
-        return {**entries, **adamw_entries(self.optimizer.inner, self.named_parameters)}
+        expert_state = experts.checkpoint_state(saving) if experts is not None else {}
+        return {**entries, **adamw_entries(self.optimizer.inner, self.named_parameters), **expert_state}
 
     def checkpoint_loaded(self, absent: list[str]) -> None:
         if isinstance(self.optimizer, ZeroOneOptimizer):

@@ -28,7 +28,7 @@ def validate_moe_unit(cfg: Config, unit) -> None:
         _require(
             not cfg.parallel.comm.tp_overlap,
             f"the {unit.name} unit (tp={unit.tp}): parallel.comm.tp_overlap=true chunks dense Llama blocks only; "
-            "model.llm.moe blocks run plain tensor parallelism: set parallel.comm.tp_overlap=false",
+            "model.llm.moe blocks run sequence parallelism unchunked: set parallel.comm.tp_overlap=false",
         )
     if unit.ep > 1:
         from ..parallel.expert_parallel import validate_moe
@@ -37,11 +37,6 @@ def validate_moe_unit(cfg: Config, unit) -> None:
             validate_moe(moe.num_experts, moe.top_k, ep=unit.ep, dp=unit.dp)
         except ValueError as error:
             raise ConfigError(f"the {unit.name} unit: {error}") from None
-        _require(
-            unit.shard == "zero1",
-            f"the {unit.name} unit (ep={unit.ep}): shard={unit.shard}; expert parallelism trains with ZeRO-1 for the "
-            "shared weights and an optimizer per expert shard: use shard=zero1",
-        )
 
 
 def validate_unit_tp(cfg: Config, unit, where: str) -> None:

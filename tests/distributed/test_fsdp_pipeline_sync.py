@@ -1,6 +1,8 @@
-"""FSDP2 under a pipeline (parallel/fsdp.py ``PipelineStepSync``): over a step of 4 microbatches a ZeRO-3 stage
-all-gathers each FSDP group once and reduce-scatters it once (in its last backward), where plain FSDP2 does both
-per microbatch (the all-gather twice: forward and backward); the gradients are the same (2 gloo ranks, fp32).
+"""FSDP2 gathered once per step (parallel/fsdp.py ``FsdpStepSync``): over a step of 4 microbatches a ZeRO-3 stage
+under a pipeline all-gathers each FSDP group once and reduce-scatters it once (in its last backward), where plain
+FSDP2 does both per microbatch (the all-gather twice: forward and backward); zero2 (the Playbook's ZeRO-2)
+reduce-scatters every microbatch, gathers once per step (after the optimizer step) and keeps the parameters
+replicated between steps; the gradients are the same (2 gloo ranks, fp32).
 Training with it: tests/distributed/test_fsdp.py and test_all_dimensions.py run ZeRO-3 stages in pipelines
 against one process."""
 
@@ -48,13 +50,13 @@ def _counted(counts: dict):
 def _step(pipelined: bool, rank: int) -> tuple[dict, list[torch.Tensor]]:
     from torch.distributed.fsdp import fully_shard
 
-    from disttrain_core.parallel.fsdp import PipelineStepSync
+    from disttrain_core.parallel.fsdp import FsdpStepSync
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     for module in (model[0], model[2], model):
         fully_shard(module, reshard_after_forward=True)  # zero3
-    sync = PipelineStepSync({0: model}, reshard_after_forward=True) if pipelined else None
+    sync = FsdpStepSync({0: model}, reshard_after_forward=True) if pipelined else None
     inputs = torch.randn(MICROBATCHES, 3, 8, generator=torch.Generator().manual_seed(1 + rank))
     counts: dict = {}
     originals = _counted(counts)
@@ -76,6 +78,51 @@ def _step(pipelined: bool, rank: int) -> tuple[dict, list[torch.Tensor]]:
     return counts, grads
 
 
+def _zero2_steps(rank: int) -> dict:
+    """Two steps of zero2 as the units engine runs it (FsdpStepSync without deferred reduction, the optimizer's
+    regather): collectives per step, whether the parameters are replicated after each optimizer step, and the
+    first step's gradients (against plain FSDP2)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from disttrain_core.config.schema import OptimConfig
+    from disttrain_core.parallel.fsdp import FsdpStepSync, ShardedOptimizer, fsdp_modules
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    for module in (model[0], model[2], model):
+        fully_shard(module, reshard_after_forward=False)  # zero2
+    sync = FsdpStepSync({0: model}, reshard_after_forward=False, defer_reduce=False)
+    named = list(model.named_parameters())
+    optimizer = ShardedOptimizer(named, OptimConfig(), copies=WORLD, regather=fsdp_modules([model]))
+    inputs = torch.randn(MICROBATCHES, 3, 8, generator=torch.Generator().manual_seed(1 + rank))
+    result: dict = {"steps": []}
+    for step in range(2):
+        counts: dict = {}
+        originals = _counted(counts)
+        try:
+            sync.begin_step()
+            for k in range(MICROBATCHES):
+                loss = model(inputs[k]).pow(2).sum()
+                if k == MICROBATCHES - 1:
+                    sync.arm(0)
+                loss.backward()
+            if step == 0:
+                result["grads"] = [p.grad.to_local().clone() for _, p in named]
+            counts["sharded at the step"] = all(isinstance(p, DTensor) for p in model.parameters())
+            optimizer.step()
+            optimizer.zero_grad()
+            optimizer.wait_params()
+        finally:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+        counts["replicated after"] = not any(isinstance(p, DTensor) for p in model.parameters())
+        result["steps"].append(counts)
+    optimizer.shard_params()  # what a checkpoint saves: the shards
+    result["sharded for a checkpoint"] = all(isinstance(p, DTensor) for p in model.parameters())
+    optimizer.close()
+    return result
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group(
@@ -84,11 +131,13 @@ def _worker(rank: int, store: str, out: str) -> None:
     plain_counts, plain_grads = _step(False, rank)
     counts, grads = _step(True, rank)
     worst = max((a - b).abs().max().item() for a, b in zip(grads, plain_grads, strict=True))
-    torch.save({"plain": plain_counts, "pipelined": counts, "worst": worst}, f"{out}/{rank}.pt")
+    zero2 = _zero2_steps(rank)
+    zero2["worst"] = max((a - b).abs().max().item() for a, b in zip(zero2.pop("grads"), plain_grads, strict=True))
+    torch.save({"plain": plain_counts, "pipelined": counts, "worst": worst, "zero2": zero2}, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_a_pipelined_zero3_stage_gathers_and_reduces_once_per_step(tmp_path):
+def test_fsdp2_stages_gather_once_per_step_pipelined_zero3_and_zero2(tmp_path):
     start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD)
     groups = 2  # the two linear layers (the root holds no parameters of its own)
     for rank in range(WORLD):
@@ -98,3 +147,14 @@ def test_a_pipelined_zero3_stage_gathers_and_reduces_once_per_step(tmp_path):
         plain = result["plain"]
         assert plain["reduce_scatter"] == groups * MICROBATCHES and plain["sharded after"], result
         assert plain["all_gather"] >= groups * MICROBATCHES, result  # and again for backward
+        # zero2 (the Playbook's ZeRO-2): one all-gather per group per step -- the first step's in its first
+        # forward, then right after each optimizer step -- a reduce-scatter per microbatch, and the parameters
+        # replicated between steps, the shards again for a checkpoint
+        zero2 = result["zero2"]
+        assert zero2["worst"] < 1e-6, zero2
+        for counts in zero2["steps"]:
+            assert counts["reduce_scatter"] == groups * MICROBATCHES, zero2
+            assert counts["sharded at the step"] and counts["replicated after"], zero2
+        assert zero2["steps"][0]["all_gather"] == 2 * groups, zero2  # the first forward's and the step's
+        assert zero2["steps"][1]["all_gather"] == groups, zero2  # only the step's
+        assert zero2["sharded for a checkpoint"], zero2

@@ -18,11 +18,26 @@ MOE = ["model=llama_moe_tiny", "optim.global_batch_size=16", "model.llm.moe.expe
 DP4_EP2 = ["parallel=zero1", "parallel.ep=2", "trainer.devices=4", "optim.micro_batch_size=2"]
 
 
-def test_expert_parallel_moe_matches_one_process(shards, tmp_path):
+@pytest.fixture(scope="module")
+def one8(shards, tmp_path_factory):
+    """One process over global microbatches of 8 (the dp4 x micro 2 and dp2 x micro 4 layouts' references)."""
+    return train(shards, tmp_path_factory.mktemp("one8"), *MOE, "optim.micro_batch_size=8")
+
+
+def test_expert_parallel_moe_matches_one_process(shards, tmp_path, one8):
     """dp4 with ep2 (experts on 2 of 4 ranks each, expert weights data-parallel over the other 2) = one
     process over the same global microbatches."""
-    one = train(shards, tmp_path / "one", *MOE, "optim.micro_batch_size=8")
-    assert_same_run(train(shards, tmp_path / "dp4_ep2", *MOE, *DP4_EP2), one)
+    assert_same_run(train(shards, tmp_path / "dp4_ep2", *MOE, *DP4_EP2), one8)
+
+
+def test_expert_parallel_with_fsdp2_matches_one_process_across_a_resume(shards, tmp_path, one8):
+    """dp4 with ep2 and FSDP2 (zero3) for the dense parameters -- FSDP2 ignores the experts, which their own
+    optimizer steps -- stopped after step 3 and resumed from its checkpoint = one process."""
+    run = tmp_path / "dp4_ep2_zero3"
+    fsdp = ["parallel=dp", "parallel.shard=zero3", "parallel.ep=2", "trainer.devices=4", "optim.micro_batch_size=2"]
+    train(shards, run, *MOE, *fsdp, "trainer.exit_after_step=3")
+    train(shards, run, *MOE, *fsdp, "trainer.resume=auto")
+    assert_same_run(run, one8)
 
 
 @pytest.mark.slow  # 3 runs, 60 s
@@ -45,13 +60,13 @@ def test_context_and_expert_parallel_moe_matches_one_process(shards, tmp_path):
     assert all(m["moe/dropped_assignments"] == 0 for m in read_metrics(run))
 
 
-def test_tensor_and_expert_parallel_moe_matches_one_process(shards, tmp_path):
+def test_tensor_and_expert_parallel_moe_matches_one_process(shards, tmp_path, one8):
     """dp2 x tp2 with ep2: each TP pair routes the same tokens and runs its half of every expert's hidden width
-    (the partial outputs summed once per layer); the EP pairs are the data-parallel replicas of one TP rank."""
-    one = train(shards, tmp_path / "one", *MOE, "optim.micro_batch_size=8")
+    (the partial outputs reduce-scattered into the sequence-parallel rows); the EP pairs are the data-parallel
+    replicas of one TP rank."""
     layout = ["parallel.mode=megatron", "parallel.dp=2", "parallel.tp=2", "parallel.pp=1", "parallel.ep=2"]
     run = train(shards, tmp_path / "dp2_tp2_ep2", *MOE, *layout, "trainer.devices=4", "optim.micro_batch_size=4")
-    assert_same_run(run, one)
+    assert_same_run(run, one8)
 
 
 def test_capacity_drops_are_counted_and_match_per_process_capacity(shards, tmp_path):

@@ -254,7 +254,7 @@ def test_the_generator_splits_its_transformers_over_tp():
 
 
 def test_fsdp_under_a_pipeline_holds_the_whole_stage_through_the_step():
-    """parallel/fsdp.py PipelineStepSync: a pipelined FSDP2 stage keeps its gathered parameters (wire bytes) and
+    """parallel/fsdp.py FsdpStepSync: a pipelined FSDP2 stage keeps its gathered parameters (wire bytes) and
     its unreduced fp32 gradients for the whole step; alone it holds one or two groups at a time."""
     from disttrain_core.planner.memory import transient_bytes
 

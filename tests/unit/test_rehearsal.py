@@ -69,6 +69,8 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
         # MoE: expert parallelism (each rank's experts stepped by their own AdamW), and TP splitting every expert
         MIXTRAL_4 + ["parallel.tp=1", "parallel.dp=2", "parallel.ep=2", "trainer.devices=2"],
         MIXTRAL_4 + ["parallel.dp=2", "parallel.ep=2", "trainer.devices=4"],
+        # ... with FSDP2 for the dense parameters (it ignores the experts)
+        MIXTRAL_4 + ["parallel.dp=2", "parallel.ep=2", "parallel.shard=zero3", "trainer.devices=4"],
         # optim=sgd's one momentum; local SGD's anchors and outer momentum (a 2-process worker's share)
         ["model=llama3_8b", "parallel=dp", "optim=sgd", "optim.momentum=0.9", "trainer.devices=2"],
         ["model=llama3_8b", "parallel=local_sgd", "parallel.local_sgd.shard_group=2", "trainer.devices=4"],
@@ -98,6 +100,7 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
         "pp_split",
         "moe_ep2",
         "moe_tp2_ep2",
+        "moe_tp2_ep2_zero3",
         "sgd",
         "local_sgd",
         "local_sgd_zero3",
