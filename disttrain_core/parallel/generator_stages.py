@@ -44,6 +44,21 @@ def boundary_shapes(unet: UNet, cfg, upto: int) -> list[tuple[int, ...]]:
     return [tuple(t.shape[1:]) for t in state.tensors()]
 
 
+def cut_floats(unet: UNet, cfg) -> list[int]:
+    """Per-sample floats a stage boundary carries after each of the first ``n - 1`` of the U-Net's ``n``
+    segments (one trace on meta; the planner's boundary bytes)."""
+    side = cfg.gen_image_size // cfg.latent_downsample
+    out = []
+    with torch.device("meta"):
+        sample = torch.empty(1, cfg.generator.in_channels, side, side)
+        context = torch.empty(1, cfg.gen_tokens, cfg.generator.cross_attention_dim)
+        state = unet.begin(sample, torch.zeros(1, dtype=torch.long), context)
+        for segment in unet.segments()[:-1]:
+            state = unet.run(segment, state)
+            out.append(sum(math.prod(t.shape[1:]) for t in state.tensors()))
+    return out
+
+
 def pack(state: UNetState) -> torch.Tensor:
     """[samples, sum of per-sample sizes]: every tensor of the state, flattened per sample."""
     rows = state.h.shape[0]

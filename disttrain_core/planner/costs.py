@@ -222,6 +222,17 @@ class CostModel(MemoryCosts):
         w = self.work.units[unit]
         return samples * w.items_per_sample * w.boundary_floats * self.settings.act_bytes
 
+    def generator_cut_bytes(self, pp: int, samples: float) -> float:
+        """The largest boundary between the generator's ``pp`` stages (each stage's last segment's state,
+        parallel/generator_stages.py), in the activation dtype; 0 for one stage."""
+        from ..parallel.generator_stages import segment_ranges
+
+        w = self.work.units["generator"]
+        if pp <= 1 or not w.cut_floats:
+            return 0.0
+        runs = segment_ranges(len(w.cut_floats) + 1, pp)
+        return samples * max(w.cut_floats[run[-1]] for run in runs[:-1]) * self.settings.act_bytes
+
     def local_params(self, unit: str, tp: int, pp: int, stage: int | None = None, ep: int = 1) -> float:
         """Parameters on one TP rank of a pipeline stage: the stage's share of the blocks (attention and dense
         MLPs and shared experts split by TP; of a MoE, the router whole and 1/(ep tp) of the routed experts) plus

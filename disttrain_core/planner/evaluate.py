@@ -111,6 +111,8 @@ class LayoutModel:
         compute = self.c.rank_compute(unit, choice.tp, items, choice.cp, choice.ep)
         compute *= self.c.recompute_factor(unit, policy) / choice.pp
         boundary = self.c.boundary_bytes(unit, samples) if unit != "generator" else 0.0
+        if unit == "generator":  # between its own stages (the U-Net's state at a level boundary)
+            boundary = self.c.generator_cut_bytes(choice.pp, samples)
         if unit == "llm" and choice.pp > 1:
             boundary = max(boundary, self.llm_boundary_bytes(samples, choice.cp))
         return compute + self.c.p2p_s(boundary, bw)
@@ -135,7 +137,7 @@ class LayoutModel:
         key = self._memory_key(name, choices, S, m, policy, shard)
         cached = self._memory_cache.get(key)
         if cached is None:
-            stages = 1 if name == "generator" else choices[name].pp
+            stages = choices[name].pp
             ends = {0, stages - 1}
             cached = max(role_memory(self, name, choices, S, m, policy, shard, p).total for p in ends)
             self._memory_cache[key] = cached
@@ -195,7 +197,7 @@ class LayoutModel:
             return Evaluation(float("inf"), False, gpus, m, [], {}, 0.0, problem, choices)
 
         S = (enc.pp if enc is not None and not enc.colocated else 0) + llm.pp
-        S += 1 if gen is not None and not gen.colocated else 0
+        S += gen.pp if gen is not None and not gen.colocated else 0
         policies, memory, shards = self.recompute_policies(choices, S, m)
         stages, split = self._pipeline_stages(llm, enc, gen, B, bw, policies)
 
@@ -268,7 +270,8 @@ class LayoutModel:
             llm_times[-1] += last
         stages += [("llm", t) for t in llm_times]
         if gen is not None and not gen.colocated:
-            stages.append(("generator", self.stage_time("generator", gen, B / gen.dp, bw, policies["generator"])))
+            t_gen = self.stage_time("generator", gen, B / gen.dp, bw, policies["generator"])
+            stages += [("generator", t_gen)] * gen.pp
         return stages, split
 
     def llm_end_extras(

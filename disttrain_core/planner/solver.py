@@ -2,9 +2,9 @@
 
 Algorithm 1. Enumerate the LLM's TP size (1, 2, 4, 8 up to the node size), its DP size
 (divisors of the microbatch count), and for the encoder and the generator either
-colocation or a TP size and a DP size dividing the samples of a microbatch slot. For
-every combination the devices per unit ``(x, y)`` (the generator has one stage, so its
-devices are fixed by its TP and DP) are continuous variables of a convex problem: with
+colocation or a TP size and a DP size dividing the samples of a microbatch slot (the generator also a
+pipeline size of 1, 2 or 4 U-Net segment runs). For every combination the devices per unit ``(x, y)``
+(the generator's are fixed by its TP, DP and PP) are continuous variables of a convex problem: with
 ``K = C(tp) * tp * dp`` (a whole module's time on one device group for one microbatch),
 a stage time is ``K / devices + p2p``, and
 
@@ -41,6 +41,7 @@ from scipy.optimize import brentq, minimize_scalar
 
 from .costs import PlanningError
 from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
+from .infeasible import no_layout_reason
 from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption, cp_candidates, divisors, ep_candidates
 
 TP_OPTIONS = (1, 2, 4, 8)
@@ -96,6 +97,11 @@ class Orchestrator:
     def enc_pp_options(self) -> list[int]:
         return divisors(self.w.units["encoder"].layers) if self.has_enc else [1]
 
+    def gen_pp_options(self) -> list[int]:
+        """The generator's stages: 1, 2 or 4, at most its U-Net segments (parallel/generator_stages.py)."""
+        segments = len(self.w.units["generator"].cut_floats) + 1 if self.has_gen else 1
+        return [p for p in (1, 2, 4) if p <= segments]
+
     def ep_options(self, dp: int) -> tuple[int, ...]:
         """Expert-parallel sizes of a MoE LLM with ``dp`` replicas: divisors of the expert count and of dp."""
         return ep_candidates(self.w.units["llm"].num_experts if self.allow_ep else 0, dp)
@@ -120,12 +126,14 @@ class Orchestrator:
         if not present:
             return [None]
         options = [COLOCATED] if self.allow_colocation else []
+        pps = self.gen_pp_options() if unit == "generator" else [1]  # the encoder's pp: enc_pp_min and _round
         for tp in self.tp_options:
             if not self.tp_ok(unit, tp):
                 continue
             for dp in divisors(samples):
-                if tp * dp <= self.m.devices:
-                    options.append(UnitChoice(tp=tp, dp=dp, pp=1))
+                for pp in pps:
+                    if tp * dp * pp <= self.m.devices:
+                        options.append(UnitChoice(tp=tp, dp=dp, pp=pp))
         return options
 
     # ------------------------------------------------------------------ memory bounds
@@ -161,8 +169,10 @@ class Orchestrator:
         return None
 
     def gen_fits(self, gen: UnitChoice, samples: float) -> bool:
+        """A lower bound: the generator's average stage with its share of one microbatch's activations."""
         c = self.m.c
-        return self._fits(c.state_bytes("generator", gen.tp, gen.dp, 1) + c.activation_bytes("generator", 1, samples))
+        act = c.activation_bytes("generator", 1, samples) / gen.pp
+        return self._fits(c.state_bytes("generator", gen.tp, gen.dp, gen.pp) + act)
 
     # --------------------------------------------------------------------- Algorithm 1
     def combinations(self):
@@ -188,11 +198,13 @@ class Orchestrator:
             gens = []
             for gen in self.side_options("generator", B):
                 if gen is None:
-                    gens.append((gen, 0.0, 0.0, 0))
+                    gens.append((gen, 0.0, 0.0, 0, 0.0))
                 elif gen.colocated:
-                    gens.append((gen, mdl.colocated_time("generator", tp, mdl.micro), 0.0, 0))
+                    gens.append((gen, mdl.colocated_time("generator", tp, mdl.micro), 0.0, 0, 0.0))
                 elif self.gen_fits(gen, B / gen.dp):
-                    gens.append((gen, 0.0, mdl.c.compute("generator", gen.tp, B / gen.dp), gen.gpus))
+                    # (its stage time in the steady phase, its whole time in the fill)
+                    whole = mdl.c.compute("generator", gen.tp, B / gen.dp)
+                    gens.append((gen, 0.0, whole / gen.pp, gen.gpus, whole))
             for enc in self.side_options("encoder", B):
                 x_e = C_e = 0.0
                 a_e = pe_min = 0
@@ -204,7 +216,7 @@ class Orchestrator:
                         continue
                     a_e = enc.tp * enc.dp
                     C_e = mdl.c.compute("encoder", enc.tp, mdl.images(B / enc.dp))
-                for gen, x_g, t_g, g_gpus in gens:
+                for gen, x_g, t_g, g_gpus, fill_g in gens:
                     budget = N - g_gpus
                     x_min = a_e * pe_min
                     y_fit = [p for p in self.llm_pp_options(vpp, dp) if pl_min <= p and a_l * p <= budget - x_min]
@@ -228,7 +240,7 @@ class Orchestrator:
                     )
                     # the LLM's ZeRO-1 traffic and optimizer step shrink as its pipeline grows
                     tail = tails[y_fit[-1]]
-                    lower = C_e + (C_l + pl_min * p2p) / vpp + x_e + x_g + t_g + (m - 1) * steady + tail
+                    lower = C_e + (C_l + pl_min * p2p) / vpp + x_e + x_g + fill_g + (m - 1) * steady + tail
                     bounds = ((x_min, x_max), (a_l * pl_min, y_max))
                     yield lower, opt, enc, gen, bounds
 
@@ -269,7 +281,7 @@ class Orchestrator:
         bw = mdl.pp_bw(mdl.devices)
         sep_enc = enc is not None and not enc.colocated
         g_gpus = gen.gpus if gen is not None and not gen.colocated else 0
-        t_g = c.compute("generator", gen.tp, B / gen.dp) if g_gpus else 0.0
+        t_g = c.compute("generator", gen.tp, B / gen.dp) / gen.pp if g_gpus else 0.0
         x_e = mdl.colocated_time("encoder", tp, mdl.micro) if enc is not None and enc.colocated else 0.0
         x_g = mdl.colocated_time("generator", tp, mdl.micro) if gen is not None and gen.colocated else 0.0
         a_l = opt.width
@@ -358,34 +370,7 @@ class Orchestrator:
                     results.append(self.m.evaluate(opt.choice(pl), e, gen))
         return results
 
-    # ------------------------------------------------------------------ exhaustive
     # ------------------------------------------------------------------- messages
     def no_layout_reason(self) -> str:
-        """Name the binding constraint when nothing is feasible."""
-        N = self.m.devices
-        per_rank = self.m.batch // self.m.micro
-        if self.m.batch % self.m.micro:
-            return (
-                f"optim.global_batch_size={self.m.batch} is not a multiple of optim.micro_batch_size="
-                f"{self.m.micro}: no data-parallel size divides the batch"
-            )
-        # memory: the most memory-friendly LLM layout with all devices
-        tp = max(t for t in self.tp_options if self.tp_ok("llm", t))
-        cp = max(c for c in self.cp_options if c == 1 or tp * c <= N)
-        pp = max(p for p in self.llm_pp_options(1) if p * tp * cp <= max(N, tp)) if N >= tp * cp else 1
-        probe = self.m.evaluate(
-            UnitChoice(tp, 1, pp, cp=cp),
-            COLOCATED if self.has_enc else None,
-            COLOCATED if self.has_gen else None,
-        )
-        if not probe.feasible and "GB" in probe.reason:
-            return (
-                f"memory: even with tp={tp}{f', cp={cp}' if cp > 1 else ''}, pp={pp} the model does not fit "
-                f"({probe.reason}); "
-                "use more devices, a larger device, a smaller optim.micro_batch_size or planner.recompute=full "
-                "(or selective_op, every_k)"
-            )
-        return (
-            f"no layout of {N} devices fits: global batch {self.m.batch} / micro batch {self.m.micro} = "
-            f"{per_rank} micro-batches, LLM TP options {self.tp_options}; {probe.reason or 'add devices'}"
-        )
+        """Name the binding constraint when nothing is feasible (planner/infeasible.py)."""
+        return no_layout_reason(self)

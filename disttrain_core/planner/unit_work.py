@@ -37,6 +37,9 @@ class UnitWork:
     # The U-Net's pipeline pieces (parallel/generator_stages.py): (replicated, TP-split) parameters of the first
     # stage's extras (projector, conv_in, timestep MLP), of each segment, and of the last stage's output layers
     pieces: tuple = ()
+    # ... and the floats per item a stage boundary carries after each segment but the last (the skips not yet
+    # consumed, the running features, the timestep embedding and the conditioning)
+    cut_floats: tuple = ()
     kv_heads: int = 0  # grouped-query attention (LLM)
     # Of params_rep, what the first pipeline stage holds (embeddings) and the last (final norm, head,
     # projector); the blocks split evenly. params_rep = params_first + params_last.

@@ -169,6 +169,7 @@ def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
     (an over-estimate under TP)."""
     from ..models.flops import unet_tensor_parallel
     from ..models.unet import level_head_dims
+    from ..parallel.generator_stages import cut_floats
 
     freeze = cfg.freeze
     unet, proj = model.generator, model.generator_projector
@@ -203,12 +204,13 @@ def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
         tp_reduces=reduces,
         tp_reduce_floats=reduce_floats,
         pieces=pieces,
+        cut_floats=tuple(cut_floats(unet.unet, cfg)),
         params_first=_count(unet) - split_params + _count(proj),
     )
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 12
+WORKLOAD_VERSION = 13
 
 
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:
