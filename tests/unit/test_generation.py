@@ -2,7 +2,6 @@
 time per token against position, top-p sampling, the DDIM/DDPM sampler against a denoiser whose optimum is
 known, and the pixel latents' decoder."""
 
-import statistics
 import time
 
 import pytest
@@ -56,8 +55,9 @@ def test_cached_generation_equals_recomputing_the_prefix(compose_cfg):
 
 
 def test_the_cache_keeps_time_per_token_flat_from_64_to_512(compose_cfg):
-    """The acceptance figure, on this CPU: the median time of a new token near position 512 over that near 64
-    (with the cache the work per token is one position through the blocks; without it the whole prefix)."""
+    """The acceptance figure, on this CPU: the time of a new token near position 512 over that near 64 (with the
+    cache the work per token is one position through the blocks; without it the whole prefix). The fastest of each
+    32-token window, not the median: under the full suite's load a median once read 1.79 (1.7 vs 3.0 ms)."""
     llm = model_of(compose_cfg, "llama_tiny").llm
     kv = KVCache(llm, 560)
     times = {}
@@ -69,8 +69,8 @@ def test_the_cache_keeps_time_per_token_flat_from_64_to_512(compose_cfg):
             kv.forward(llm, token)
             times[position] = time.perf_counter() - started
 
-    def near(position: int) -> float:
-        return statistics.median(times[p] for p in range(position - 16, position + 16))
+    def near(position: int) -> float:  # the fastest of 32 tokens: load from other processes only adds time
+        return min(times[p] for p in range(position - 16, position + 16))
 
     ratio = near(512) / near(64)
     assert ratio <= 1.5, (ratio, near(64), near(512))
