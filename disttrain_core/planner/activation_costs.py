@@ -5,7 +5,24 @@ factor, and the model state and step transients of each shard mode (planner/memo
 
 from __future__ import annotations
 
+import functools
+
 from .memory import ModelState, model_state, transient_bytes, unit_model_state
+
+
+def memoized(method):
+    """Cache a cost of the model by its arguments (the solver asks for the same few hundred thousand times; a
+    CostModel's workload, hardware and settings never change)."""
+
+    @functools.wraps(method)
+    def cached(self, *args, **kwargs):
+        memo = self.__dict__.setdefault("_costs_memo", {})
+        key = (method.__name__, args, tuple(sorted(kwargs.items()))) if kwargs else (method.__name__, args)
+        if key not in memo:
+            memo[key] = method(self, *args, **kwargs)
+        return memo[key]
+
+    return cached
 
 
 class MemoryCosts:
@@ -103,6 +120,7 @@ class MemoryCosts:
         selective = r * rows + 2.0 * a + attention + first_matmuls * w.mlp_ratio * a / tp
         return none, selective
 
+    @memoized
     def activation_bytes(self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1) -> float:
         """Bytes saved for backward by the whole unit for ``items`` items (one microbatch), under the
         recompute policy (parallel/recompute.py): none, full (a block keeps its input), selective_op, or
@@ -130,6 +148,7 @@ class MemoryCosts:
         }[policy]
         return items * (w.tokens / cp) * w.dim * per_layer * w.layers
 
+    @memoized
     def recompute_transient_bytes(
         self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1
     ) -> float:
@@ -146,6 +165,7 @@ class MemoryCosts:
         dropped = none - (selective if policy == "selective_op" else r * self.sequence_share(unit, tp, cp))
         return items * (w.tokens / cp) * w.dim * dropped
 
+    @memoized
     def attention_transient_bytes(self, unit: str, tp: int, items: float, cp: int = 1) -> float:
         """Extra bytes while one block's ring attention runs its backward (context parallelism; comm/
         ring_attention.py), beyond what the block saved: the fp32 dq accumulator, the fp32 dk/dv accumulators
@@ -184,6 +204,7 @@ class MemoryCosts:
         shard = shard or self.settings.shard
         return "zero3" if shard == "auto" else shard
 
+    @memoized
     def state(
         self,
         unit: str,
@@ -227,6 +248,7 @@ class MemoryCosts:
         block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)
         return max(block, self.work.vocab * w.dim / tp if unit == "llm" else 0.0)  # vocabulary-parallel
 
+    @memoized
     def step_transient_bytes(
         self,
         unit: str,

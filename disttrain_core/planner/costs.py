@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import training_precision
-from .activation_costs import MemoryCosts
+from .activation_costs import MemoryCosts, memoized
 from .memory import FSDP
 from .parallel_costs import all_to_all_s, ring_attention_exposed_s
 from .unit_work import UnitWork, Workload
@@ -178,6 +178,7 @@ class CostModel(MemoryCosts):
                 self._memo[key] = self._analytic(unit, tp, items)
         return self._memo[key]
 
+    @memoized
     def rank_compute(self, unit: str, tp: int, items: float, cp: int = 1, ep: int = 1) -> float:
         """``compute`` for one rank of a context- and expert-parallel unit: every CP rank runs ``1/cp`` of
         each sequence (1/cp of the matmul FLOPs, and of the attention FLOPs since zig-zag balances them; TP's
@@ -222,6 +223,7 @@ class CostModel(MemoryCosts):
         w = self.work.units[unit]
         return samples * w.items_per_sample * w.boundary_floats * self.settings.act_bytes
 
+    @memoized
     def generator_cut_bytes(self, pp: int, samples: float) -> float:
         """The largest boundary between the generator's ``pp`` stages (each stage's last segment's state,
         parallel/generator_stages.py), in the activation dtype; 0 for one stage."""
@@ -233,6 +235,7 @@ class CostModel(MemoryCosts):
         runs = segment_ranges(len(w.cut_floats) + 1, pp)
         return samples * max(w.cut_floats[run[-1]] for run in runs[:-1]) * self.settings.act_bytes
 
+    @memoized
     def local_params(self, unit: str, tp: int, pp: int, stage: int | None = None, ep: int = 1) -> float:
         """Parameters on one TP rank of a pipeline stage: the stage's share of the blocks (attention and dense
         MLPs and shared experts split by TP; of a MoE, the router whole and 1/(ep tp) of the routed experts) plus
@@ -259,6 +262,7 @@ class CostModel(MemoryCosts):
         experts = w.params_expert / (ep * tp) * share
         return local - experts, experts
 
+    @memoized
     def sync_s(
         self,
         unit: str,
@@ -299,6 +303,7 @@ class CostModel(MemoryCosts):
                 seconds += reduce + gather
         return seconds * (1.0 - self.settings.dp_overlap)
 
+    @memoized
     def optimizer_s(self, unit: str, tp: int, dp: int, pp: int, cp: int = 1, ep: int = 1) -> float:
         w = self.work.units[unit]
         dense, experts = self._split_params(unit, tp, pp, None, ep)

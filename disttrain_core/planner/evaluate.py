@@ -96,6 +96,7 @@ class LayoutModel:
         self.data_s_per_sample = 0.0
         self.data_cores = 1
         self._memory_cache: dict[tuple, float] = {}
+        self._choice_cache: dict[tuple, tuple[str, float, str]] = {}  # recompute_policies, per unit
 
     # -------------------------------------------------------------------- unit terms
     def images(self, samples: float) -> float:
@@ -145,10 +146,15 @@ class LayoutModel:
 
     @staticmethod
     def _memory_key(name: str, choices: dict, S: int, m: int, policy: str, shard: str) -> tuple:
-        """What a unit's memory depends on (the solver evaluates the same unit in many layouts)."""
+        """What a unit's memory depends on (the solver evaluates the same unit in many layouts;
+        planner/breakdown.py ``role_memory``). The LLM's: its own choice, which modules ride on its end stages,
+        and the stages from its first to the last (its first stage's in-flight microbatches), not the separate
+        units' TP and DP. The others': their choice, the LLM's dp (their samples per slot) and the stage count."""
         llm, enc, gen = choices["llm"], choices.get("encoder"), choices.get("generator")
         if name == "llm":
-            return (name, llm, enc, gen, S, m, policy, shard)
+            before = enc.pp if enc is not None and not enc.colocated else 0
+            riders = (enc is not None and enc.colocated, gen is not None and gen.colocated)
+            return (name, llm, riders, S - before, m, policy, shard)
         return (name, choices[name], llm.dp, S, m, policy, shard)
 
     def memory_options(self) -> list[tuple[str, str]]:
@@ -171,13 +177,17 @@ class LayoutModel:
         for name, choice in choices.items():
             if choice.colocated:
                 continue
-            for shard, policy in self.memory_options():
-                if shard in FSDP and choice.dp * choice.cp < 2:
-                    shard = "zero1"
-                used = self.unit_memory(name, choices, S, m, policy, shard)
-                if used <= self.limit:
-                    break
-            policies[name], memory[name], shards[name] = policy, used, shard
+            key = self._memory_key(name, choices, S, m, "", "")
+            found = self._choice_cache.get(key)
+            if found is None:
+                for shard, policy in self.memory_options():
+                    if shard in FSDP and choice.dp * choice.cp < 2:
+                        shard = "zero1"
+                    used = self.unit_memory(name, choices, S, m, policy, shard)
+                    if used <= self.limit:
+                        break
+                found = self._choice_cache[key] = (policy, used, shard)
+            policies[name], memory[name], shards[name] = found
         return policies, memory, shards
 
     # -------------------------------------------------------------------- evaluation
