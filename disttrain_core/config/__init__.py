@@ -63,7 +63,12 @@ CONFIG_GROUPS = (
     "paths",
     "hparams_search",
     "recipe",
+    "model/encoder",
+    "model/llm",
+    "model/generator",
 )
+# The model presets compose these (conf/model/<part>/*.yaml): ``model/encoder=vit_h14`` swaps one module.
+MODEL_MODULE_GROUPS = ("model/encoder", "model/llm", "model/generator")
 
 
 def resolve_accelerator(accelerator: str) -> str:

@@ -13,7 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..config import CONFIG_GROUPS, compose, group_options, override_key
+from ..config import CONFIG_GROUPS, MODEL_MODULE_GROUPS, compose, group_options, override_key
 from ..validation import ConfigError
 
 # Hydra flags that do not train (help, config printing, completion): no preflight.
@@ -95,6 +95,8 @@ def describe_compose_error(error: BaseException, overrides: list[str]) -> str:
 
 def _check_group_choice(group: str, value: str) -> None:
     options = group_options(group)
+    if group in MODEL_MODULE_GROUPS and value in ("null", "None"):
+        raise PreflightError(f"{group}={value}: drop a module with ~{group}, or choose one of: {', '.join(options)}")
     if value in options or value in ("null", "None") or value.startswith("["):  # a list: its elements are checked
         return
     if group == "hparams_search" or group == "recipe":
@@ -128,7 +130,7 @@ def _variants(argv: list[str], multirun: bool) -> list[list[str]]:
             values = list(override.sweep_string_iterator())
         else:
             values = [override.get_value_element_as_str()] if not override.is_sweep_override() else [None]
-        if key in CONFIG_GROUPS and override.package is None:
+        if key in CONFIG_GROUPS and override.package is None and not override.is_delete():
             for value in values:
                 if value is not None:
                     _check_group_choice(key, value)

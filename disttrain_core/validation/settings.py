@@ -88,11 +88,15 @@ def validate_model(cfg: Config) -> None:
     if m.family == "llama":
         _require(
             m.encoder is None and m.generator is None,
-            "model.family=llama takes no encoder or generator; set model.encoder=null model.generator=null "
-            "or use model.family=mllm",
+            f"model.family=llama (model.name={m.name}) takes no encoder or generator; add model.family=mllm to "
+            "train one, or drop them with ~model/encoder ~model/generator",
         )
         return
-    _require(m.encoder is not None, "model.family=mllm needs model.encoder; pick a multimodal model such as mllm_tiny")
+    _require(
+        m.encoder is not None,
+        "model.family=mllm needs an encoder; choose one (model/encoder=vit_tiny; conf/model/encoder lists them) "
+        "or pick a multimodal model such as model=mllm_tiny",
+    )
     vit = m.encoder
     _require(
         vit.image_size % vit.patch_size == 0,

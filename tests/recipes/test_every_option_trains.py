@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from disttrain_core.config import CONFIG_GROUPS, compose, group_options
+from disttrain_core.config import CONFIG_GROUPS, MODEL_MODULE_GROUPS, compose, group_options
 from disttrain_core.launch.entry import launch
 
 from ..conftest import REPO, base_overrides, read_metrics, tiny_overrides
@@ -66,7 +66,7 @@ TRAINED_ELSEWHERE |= {
 CASES = [
     (group, option)
     for group in CONFIG_GROUPS
-    if group not in ("recipe", "hparams_search")
+    if group not in ("recipe", "hparams_search", *MODEL_MODULE_GROUPS)  # modules: tests/unit/test_model_modules.py
     for option in group_options(group)
     if (group, option) not in TRAINED_ELSEWHERE
 ]
