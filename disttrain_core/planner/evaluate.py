@@ -175,20 +175,24 @@ class LayoutModel:
         experts are stepped whole on every replica: planner/memory.py ``unit_model_state``)."""
         policies, memory, shards = {}, {}, {}
         for name, choice in choices.items():
-            if choice.colocated:
-                continue
-            key = self._memory_key(name, choices, S, m, "", "")
-            found = self._choice_cache.get(key)
-            if found is None:
-                for shard, policy in self.memory_options():
-                    if shard in FSDP and choice.dp * choice.cp < 2:
-                        shard = "zero1"
-                    used = self.unit_memory(name, choices, S, m, policy, shard)
-                    if used <= self.limit:
-                        break
-                found = self._choice_cache[key] = (policy, used, shard)
-            policies[name], memory[name], shards[name] = found
+            if not choice.colocated:
+                policies[name], memory[name], shards[name] = self.unit_fit(name, choices, S, m)
         return policies, memory, shards
+
+    def unit_fit(self, name: str, choices: dict, S: int, m: int) -> tuple[str, float, str]:
+        """One unit's (recompute policy, bytes per device, shard mode): ``recompute_policies`` for one unit."""
+        key = self._memory_key(name, choices, S, m, "", "")
+        found = self._choice_cache.get(key)
+        if found is None:
+            choice = choices[name]
+            for shard, policy in self.memory_options():
+                if shard in FSDP and choice.dp * choice.cp < 2:
+                    shard = "zero1"
+                used = self.unit_memory(name, choices, S, m, policy, shard)
+                if used <= self.limit:
+                    break
+            found = self._choice_cache[key] = (policy, used, shard)
+        return found
 
     # -------------------------------------------------------------------- evaluation
     def evaluate(self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None) -> Evaluation:
@@ -317,7 +321,7 @@ class LayoutModel:
             return list(wanted)
         return []
 
-    def _unit_tail(self, name: str, ch: UnitChoice, dp: int, shard: str, m: int) -> float:
+    def unit_tail(self, name: str, ch: UnitChoice, dp: int, shard: str, m: int) -> float:
         """Data-parallel traffic and the optimizer step of one unit."""
         c = self.c
         sync = c.sync_s(name, ch.tp, dp, ch.pp, shard, m, ch.cp, ch.ep)
@@ -328,7 +332,7 @@ class LayoutModel:
     ) -> float:
         """The slowest unit's data-parallel traffic and optimizer step (colocated modules ride with the LLM's
         stages and reduce over its dp x cp ranks)."""
-        llm_tail = self._unit_tail("llm", llm, llm.dp, shards["llm"], m)
+        llm_tail = self.unit_tail("llm", llm, llm.dp, shards["llm"], m)
         extra = 0.0
         tails = []
         for name, ch in (("encoder", enc), ("generator", gen)):
@@ -336,9 +340,9 @@ class LayoutModel:
                 continue
             if ch.colocated:
                 colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp)
-                extra = max(extra, self._unit_tail(name, colocated, llm.dp, shards["llm"], m))
+                extra = max(extra, self.unit_tail(name, colocated, llm.dp, shards["llm"], m))
             else:
-                tails.append(self._unit_tail(name, ch, ch.dp, shards[name], m))
+                tails.append(self.unit_tail(name, ch, ch.dp, shards[name], m))
         return max([llm_tail + extra, *tails])
 
     def _data_time(self, choices: dict[str, UnitChoice], gpus: int) -> float:

@@ -1,0 +1,118 @@
+"""Algorithm 1's continuous relaxation of one combination and the integer layouts around its optimum."""
+
+from __future__ import annotations
+
+from scipy.optimize import brentq, minimize_scalar
+
+from .evaluate import Evaluation, UnitChoice
+from .options import LlmOption
+
+
+class Relaxation:
+    """Mixed into planner/solver.py's Orchestrator (``self.m``: its LayoutModel; the option enumeration)."""
+
+    def _relax(self, opt: LlmOption, enc, gen, bounds) -> tuple[float, float]:
+        """Continuous optimum (encoder devices x, LLM devices y) of one combination.
+
+        The convex problem in (x, y, t) reduces to one dimension: for a steady-phase stage time
+        ``t`` the fewest devices that achieve it are ``x(t) = max(x_lo, K_e / (t - c_e))`` and
+        ``y(t) = max(y_lo, K_l / (t - c_l))`` (convex, decreasing), so the objective
+        ``(m - 1) t + w_x x(t) + w_y y(t)`` is convex in ``t`` on the interval where the bounds
+        and the budget ``x(t) + y(t) <= D`` hold. scipy finds the interval's end with ``brentq``
+        and the minimum with a bounded ``minimize_scalar``.
+        """
+        mdl, c = self.m, self.m.c
+        tp, vpp = opt.tp, opt.vpp
+        B = mdl.micro * opt.dp
+        m = mdl.batch // B
+        bw = mdl.pp_bw(mdl.devices)
+        sep_enc = enc is not None and not enc.colocated
+        g_gpus = gen.gpus if gen is not None and not gen.colocated else 0
+        t_g = c.compute("generator", gen.tp, B / gen.dp) / gen.pp if g_gpus else 0.0
+        x_e = mdl.colocated_time("encoder", tp, mdl.micro) if enc is not None and enc.colocated else 0.0
+        x_g = mdl.colocated_time("generator", tp, mdl.micro) if gen is not None and gen.colocated else 0.0
+        a_l = opt.width
+        K_l = c.rank_compute("llm", tp, mdl.micro, opt.cp, opt.ep) * a_l
+        p_l = c.p2p_s(mdl.llm_boundary_bytes(mdl.micro, opt.cp), bw)
+        c_l = p_l + x_e + x_g
+        if sep_enc:
+            a_e = enc.tp * enc.dp
+            K_e = c.compute("encoder", enc.tp, mdl.images(B / enc.dp)) * a_e
+            c_e = c.p2p_s(c.boundary_bytes("encoder", B / enc.dp), bw)
+        else:
+            a_e, K_e, c_e = 1, 0.0, 0.0
+        D = float(mdl.devices - g_gpus)
+        (x_lo, x_hi), (y_lo, y_hi) = bounds
+        if not sep_enc:
+            x_lo = x_hi = 0.0
+        if x_lo + y_lo > D:
+            return x_lo, y_lo
+
+        # Devices a stage time t needs; t_lo sits at the upper bounds, where t - c can round to 0 when c
+        # dwarfs the compute term (extreme workloads): the bound it was chosen for, not a division by zero.
+        def x_of(t: float) -> float:
+            if not sep_enc:
+                return 0.0
+            return max(x_lo, min(x_hi, K_e / (t - c_e))) if t > c_e else x_hi
+
+        def y_of(t: float) -> float:
+            return max(y_lo, min(y_hi, K_l / (t - c_l))) if t > c_l else y_hi
+
+        def objective(t: float) -> float:
+            return (m - 1) * t + c_e / a_e * x_of(t) + p_l / (a_l * vpp) * y_of(t)
+
+        t_lo = max(t_g, c_l + K_l / y_hi, (c_e + K_e / x_hi) if sep_enc else 0.0)
+        t_hi = max(t_g, c_l + K_l / y_lo, (c_e + K_e / x_lo) if sep_enc else 0.0)
+        if x_of(t_lo) + y_of(t_lo) > D:  # the budget binds: the smallest t whose devices fit
+            if x_of(t_hi) + y_of(t_hi) >= D:  # only the lower bounds fit (up to rounding)
+                return x_of(t_hi), y_of(t_hi)
+            t_lo = brentq(lambda t: x_of(t) + y_of(t) - D, t_lo, t_hi, xtol=1e-12 * max(t_hi, 1e-12))
+        if t_hi - t_lo > 1e-12 * t_hi and (c_e > 0 or p_l > 0):
+            t = minimize_scalar(objective, bounds=(t_lo, t_hi), method="bounded").x
+            t = t if objective(t) < objective(t_lo) else t_lo
+        else:
+            t = t_lo
+        return x_of(t), y_of(t)
+
+    def _round(self, relaxed, opt: LlmOption, enc, gen) -> list[Evaluation]:
+        """Exact evaluations of the integer layouts around a continuous optimum."""
+        x, y = relaxed
+        N = self.m.devices
+        width = opt.width
+        g_gpus = gen.gpus if gen is not None and not gen.colocated else 0
+        sep_enc = enc is not None and not enc.colocated
+        llm_pps = self.llm_pp_options(opt.vpp, opt.dp)
+        enc_pps = self.enc_pp_options() if sep_enc else [1]
+
+        def around(options: list[int], value: float) -> set[int]:
+            below = [p for p in options if p <= value]
+            above = [p for p in options if p > value]
+            picks = set(below[-2:]) | set(above[:2])
+            return picks or {options[0]}
+
+        enc_candidates = around(enc_pps, x / (enc.tp * enc.dp)) if sep_enc else {1}
+        results = []
+        seen = set()
+        for pe in sorted(enc_candidates):
+            e_gpus = pe * enc.tp * enc.dp if sep_enc else 0
+            room = N - g_gpus - e_gpus
+            fitting = [p for p in llm_pps if p * width <= room]
+            if not fitting:
+                continue
+            llm_candidates = around(fitting, y / width) | {fitting[-1]}
+            for pl in llm_candidates:
+                # with this LLM size, the largest encoder that still fits is a candidate too
+                pes = {pe}
+                if sep_enc:
+                    left = N - g_gpus - pl * width
+                    fit_e = [p for p in enc_pps if p * enc.tp * enc.dp <= left]
+                    if fit_e:
+                        pes.add(fit_e[-1])
+                for pe2 in pes:
+                    key = (pe2, pl)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    e = UnitChoice(enc.tp, enc.dp, pe2) if sep_enc else enc
+                    results.append(self.m.evaluate(opt.choice(pl), e, gen))
+        return results
