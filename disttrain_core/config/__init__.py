@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from .model import (  # noqa: F401  re-exported: ``from disttrain_core.config import LlamaConfig``
+    AudioEncoderConfig,
     FreezeConfig,
     LlamaConfig,
     ModelConfig,
@@ -64,11 +65,12 @@ CONFIG_GROUPS = (
     "hparams_search",
     "recipe",
     "model/encoder",
+    "model/audio_encoder",
     "model/llm",
     "model/generator",
 )
 # The model presets compose these (conf/model/<part>/*.yaml): ``model/encoder=vit_h14`` swaps one module.
-MODEL_MODULE_GROUPS = ("model/encoder", "model/llm", "model/generator")
+MODEL_MODULE_GROUPS = ("model/encoder", "model/audio_encoder", "model/llm", "model/generator")
 
 
 def resolve_accelerator(accelerator: str) -> str:

@@ -30,6 +30,24 @@ class VitConfig:
 
 
 @dataclass
+class AudioEncoderConfig:
+    """A Whisper-encoder-family audio tower (models/audio.py): log-mel features (computed in the data workers,
+    data/audio.py), two 1-D convolutions (the second halves the frame rate), learned positions, pre-norm
+    transformer blocks, a final norm. Defaults: Whisper large-v3's encoder (636,968,960 parameters)."""
+
+    sample_rate: int = 16000  # Hz the waveform is resampled to
+    clip_seconds: float = 30.0  # each clip is cut or zero-padded to this length (Whisper: 30 s)
+    n_fft: int = 400  # 25 ms windows
+    hop_length: int = 160  # 10 ms hops: 100 frames per second
+    n_mels: int = 128
+    dim: int = 1280
+    n_layers: int = 32
+    n_heads: int = 20
+    mlp_dim: int = 5120
+    norm_eps: float = 1e-5
+
+
+@dataclass
 class RopeScalingConfig:
     """Llama-3.1's rotary frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type: llama3``)."""
 
@@ -104,6 +122,8 @@ class ProjectorConfig:
 class FreezeConfig:
     encoder: bool = False
     encoder_projector: bool = False
+    audio_encoder: bool = False
+    audio_projector: bool = False
     llm: bool = False
     generator_projector: bool = False
     generator: bool = False
@@ -126,7 +146,11 @@ class ModelConfig:
     llm: LlamaConfig = field(default_factory=LlamaConfig)
     encoder: Optional[VitConfig] = None
     generator: Optional[UNetConfig] = None
+    # An audio tower beside the image encoder (conf/model/audio_encoder): counted by tools/model_info.py; training
+    # with audio samples is refused until the data path feeds them (validation/settings.py says so).
+    audio_encoder: Optional[AudioEncoderConfig] = None
     encoder_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    audio_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     generator_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     gen_tokens: int = 77  # generation query tokens; their LLM states condition the U-Net
     gen_image_size: int = 768  # pixel size of the generation target image
@@ -134,6 +158,7 @@ class ModelConfig:
     latent_encoder: str = "pixel"  # registered latent encoder (see models/latents.py)
     gen_loss_weight: float = 1.0
     nominal_images_per_sample: float = 1.0  # for per-sample FLOP tables and planning
+    nominal_clips_per_sample: float = 1.0  # audio clips per sample (with model.audio_encoder), for FLOP tables
     # The batch this model is meant to train with; optim.global_batch_size / micro_batch_size default
     # to these (conf/optim/adamw.yaml), so `model=mllm72b` plans and trains at its own scale.
     reference_global_batch: int = 16

@@ -23,15 +23,18 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import ModelConfig
+from .audio import AudioEncoder, audio_frames
 from .llama import Llama
 from .projector import MLPProjector
 from .unet import UNet
 from .vit import VisionTransformer
 
-CHAIN = ("encoder", "encoder_projector", "llm", "generator_projector", "generator")
+CHAIN = ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm", "generator_projector", "generator")
 UNITS = {
     "encoder": "image",
     "encoder_projector": "image",
+    "audio_encoder": "clip",
+    "audio_projector": "clip",
     "llm": "sequence",
     "generator_projector": "sample",
     "generator": "sample",
@@ -61,6 +64,8 @@ def _trainable(cfg: ModelConfig) -> dict[str, bool]:
     present = {
         "encoder": cfg.encoder is not None,
         "encoder_projector": cfg.encoder is not None,
+        "audio_encoder": cfg.audio_encoder is not None,
+        "audio_projector": cfg.audio_encoder is not None,
         "llm": True,
         "generator_projector": cfg.generator is not None,
         "generator": cfg.generator is not None,
@@ -84,6 +89,14 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
             proj = MLPProjector(vit.out_dim, cfg.llm.dim, cfg.encoder_projector)
             feats = torch.empty(1, vit.num_patches, vit.out_dim, requires_grad=upstream("encoder_projector"))
             results["encoder_projector"] = _count(proj, (feats,), trainable["encoder_projector"], feats.requires_grad)
+
+        if cfg.audio_encoder is not None:
+            audio = AudioEncoder(cfg.audio_encoder)
+            mels = torch.empty(1, cfg.audio_encoder.n_mels, audio_frames(cfg.audio_encoder))
+            results["audio_encoder"] = _count(audio, (mels,), trainable["audio_encoder"], False)
+            aproj = MLPProjector(audio.out_dim, cfg.llm.dim, cfg.audio_projector)
+            feats = torch.empty(1, audio.tokens_per_clip, audio.out_dim, requires_grad=upstream("audio_projector"))
+            results["audio_projector"] = _count(aproj, (feats,), trainable["audio_projector"], feats.requires_grad)
 
         llm = Llama(cfg.llm, cfg.seq_len)
         hidden = torch.empty(1, cfg.seq_len, cfg.llm.dim, requires_grad=upstream("llm"))
@@ -139,7 +152,8 @@ def batch_flops(cfg, sequences: int, images: int, gen_samples: int) -> float:
 def flops_per_sample(cfg) -> dict[str, float]:
     """Training FLOPs per sample by module, at ``nominal_images_per_sample`` images per sample."""
     per_unit = module_flops(cfg)
-    amount = {"image": cfg.nominal_images_per_sample, "sequence": 1.0, "sample": 1.0}
+    amount = {"image": cfg.nominal_images_per_sample, "clip": cfg.nominal_clips_per_sample, "sequence": 1.0}
+    amount["sample"] = 1.0
     return {name: f.train * amount[f.unit] for name, f in per_unit.items()}
 
 

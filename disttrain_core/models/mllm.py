@@ -23,13 +23,22 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..data.batch import Batch
+from .audio import AudioEncoder
 from .latents import build_latent_encoder
 from .llama import Documents, Llama
 from .projector import MLPProjector
 from .unet import DiffusionGenerator
 from .vit import VisionTransformer
 
-MODULE_NAMES = ("encoder", "encoder_projector", "llm", "generator_projector", "generator")
+MODULE_NAMES = (
+    "encoder",
+    "encoder_projector",
+    "audio_encoder",
+    "audio_projector",
+    "llm",
+    "generator_projector",
+    "generator",
+)
 
 
 def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -54,6 +63,10 @@ class MultimodalLLM(nn.Module):
             layer.attention.document_kernel = kernel
         self.encoder = self.encoder_projector = None
         self.generator = self.generator_projector = self.latent_encoder = None
+        self.audio_encoder = self.audio_projector = None
+        if cfg.audio_encoder is not None:  # counted and run here; training refuses it (validation/settings.py)
+            self.audio_encoder = AudioEncoder(cfg.audio_encoder)
+            self.audio_projector = MLPProjector(self.audio_encoder.out_dim, cfg.llm.dim, cfg.audio_projector)
         if cfg.encoder is not None:
             self.encoder = VisionTransformer(cfg.encoder)
             self.encoder_projector = MLPProjector(self.encoder.out_dim, cfg.llm.dim, cfg.encoder_projector)
@@ -72,6 +85,10 @@ class MultimodalLLM(nn.Module):
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 images [N, 3, H, W] -> embeddings in the LLM's width [N, P, D]."""
         return self.encoder_projector(self.encoder(images))
+
+    def encode_audio(self, mels: torch.Tensor) -> torch.Tensor:
+        """Log-mel features [N, n_mels, frames] -> embeddings in the LLM's width [N, frames / 2, D]."""
+        return self.audio_projector(self.audio_encoder(mels))
 
     def embed_tokens(self, tokens: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
         h = self.llm.embed(tokens)

@@ -48,11 +48,11 @@ class VitAttention(nn.Module):
     """Multi-head self-attention. Separate q/k/v projections (same parameter count as CLIP's
     fused qkv) so a tensor-parallel plan can shard them by heads from outside."""
 
-    def __init__(self, dim: int, n_heads: int):
+    def __init__(self, dim: int, n_heads: int, key_bias: bool = True):
         super().__init__()
         self.head_dim = dim // n_heads
         self.q = nn.Linear(dim, dim)
-        self.k = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim, bias=key_bias)  # Whisper's key projection has none (models/audio.py)
         self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
 

@@ -269,6 +269,11 @@ def _cached(cfg_yaml: str) -> Workload:
 def workload_of(model_cfg) -> Workload:
     """The workload of a model config (cached: building 72B on meta takes a few seconds)."""
     node = model_cfg if OmegaConf.is_config(model_cfg) else OmegaConf.structured(model_cfg)
+    if node.get("audio_encoder") is not None:
+        from ..validation.common import audio_refusal
+        from .costs import PlanningError
+
+        raise PlanningError(audio_refusal(node.audio_encoder))
     return _cached(OmegaConf.to_yaml(node))
 
 

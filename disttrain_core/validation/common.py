@@ -108,3 +108,12 @@ def _declared_type(node) -> type | None:
     if not dataclasses.is_dataclass(kind):
         kind = node._metadata.object_type
     return kind if dataclasses.is_dataclass(kind) else None
+
+
+def audio_refusal(audio) -> str:
+    """Why a model with an audio encoder cannot train or be planned yet (one line, with what to type)."""
+    width = f"{audio.dim}-wide, {audio.n_layers} blocks" if audio is not None else ""
+    return (
+        f"model.audio_encoder ({width}) does not train or plan yet: its samples' data path, unit and plan are "
+        "still to come; tools/model_info.py counts it. Drop it with ~model/audio_encoder"
+    )

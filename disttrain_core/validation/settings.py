@@ -14,6 +14,7 @@ from .common import (
     CPU_PROCESSES_PER_CORE,
     ConfigError,
     _require,
+    audio_refusal,
     check_references,
     externally_launched,
     resolve_accelerator,
@@ -85,6 +86,7 @@ def validate_model(cfg: Config) -> None:
         f"model.llm.vocab_size={llm.vocab_size} is smaller than the {vocab} ids of "
         f"data.tokenizer={cfg.data.tokenizer}; set model.llm.vocab_size={vocab} (or more)",
     )
+    _require(m.audio_encoder is None, audio_refusal(m.audio_encoder))
     if m.family == "llama":
         _require(
             m.encoder is None and m.generator is None,
@@ -92,11 +94,8 @@ def validate_model(cfg: Config) -> None:
             "train one, or drop them with ~model/encoder ~model/generator",
         )
         return
-    _require(
-        m.encoder is not None,
-        "model.family=mllm needs an encoder; choose one (model/encoder=vit_tiny; conf/model/encoder lists them) "
-        "or pick a multimodal model such as model=mllm_tiny",
-    )
+    need = "model.family=mllm needs an encoder; choose one (model/encoder=vit_tiny; conf/model/encoder lists them)"
+    _require(m.encoder is not None, f"{need} or pick a multimodal model such as model=mllm_tiny")
     vit = m.encoder
     _require(
         vit.image_size % vit.patch_size == 0,

@@ -25,6 +25,7 @@ CASES = [
     (["model.encoder.image_size=30"], "model.encoder.image_size=30"),
     (["model/encoder=vit_huge"], "model/encoder=vit_huge is not a known model/encoder option (conf/model/encoder"),
     (["model/generator=null"], "model/generator=null: drop a module with ~model/generator"),
+    (["model/audio_encoder=audio_tiny"], "model.audio_encoder (64-wide, 2 blocks) does not train or plan yet"),
     (["model=llama_tiny", "model/encoder=vit_tiny"], "add model.family=mllm to train one"),
     (["~model/encoder"], "model.family=mllm needs an encoder; choose one (model/encoder=vit_tiny"),
     (["trainer.resume=/no/such/run"], "trainer.resume='/no/such/run'"),
