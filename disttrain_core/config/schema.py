@@ -33,6 +33,10 @@ class SyntheticDataConfig:
     image_side_log_sigma: float = 0.45
     image_side_max: int = 512
     aspect_log_sigma: float = 0.25
+    # A share of the images drawn as short videos instead (animated WebP, the shape sliding across its frames), with
+    # a frame count uniform on 2..video_frames_max; 0 keeps the default shards free of video
+    video_fraction: float = 0.0
+    video_frames_max: int = 16
 
 
 @dataclass
@@ -136,6 +140,9 @@ class DataConfig:
     # Typed Any (None: no options): an empty dict default would refuse the keys of an override (struct mode).
     storage_options: Any = None
     max_image_pixels: int = 64_000_000  # larger images are skipped and counted
+    # Frames a video member (an animated webp, gif or apng) gives the image encoder, at most: spread evenly from its
+    # first to its last frame; each frame is an image of the row (its patches in the sequence, its encoder work)
+    video_frames: int = 8
     # Several shard sources mixed at fixed weights (data/blend.py); set, it replaces data.path, e.g.
     # 'data.blend=[{path:/data/laion,weight:0.7},{path:/data/mmc4,weight:0.3}]'
     blend: Optional[list[BlendSourceConfig]] = None

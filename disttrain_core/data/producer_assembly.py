@@ -117,7 +117,9 @@ class BatchAssembler:
             raise FileNotFoundError(f"no .tar shards at {where} on the producer's host ({error})") from None
         from .tokenizer import build_tokenizer
 
-        self.encoder = SampleEncoder(cfg.model, build_tokenizer(data.tokenizer), trainer.seed, data.max_image_pixels)
+        self.encoder = SampleEncoder(
+            cfg.model, build_tokenizer(data.tokenizer), trainer.seed, data.max_image_pixels, data.video_frames
+        )
         self.batch_size = layout.slots * layout.samples_per_slot
         workers = int(data.producer.workers)
         self.loader = MicrobatchLoader(

@@ -40,7 +40,7 @@ from PIL import Image
 from ..config import ModelConfig
 from .tokenizer import Tokenizer
 
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif")  # an animated webp or gif is a video: its frames
 Image.MAX_IMAGE_PIXELS = None  # our own limit (data.max_image_pixels) is checked from the header
 
 
@@ -77,7 +77,7 @@ class PlannedSample:
     key: str
     tokens: np.ndarray  # [S] int64
     labels: np.ndarray  # [S] int64
-    images: list[bytes]  # the images the row keeps, encoded
+    images: list[bytes | tuple[bytes, int]]  # the images the row keeps, encoded; a video's frame: (video, index)
     gen_weight: float
     truncated_images: int = 0
 
@@ -149,6 +149,44 @@ def decode_image(data: bytes, sizes: tuple[int, ...], max_pixels: int) -> list[n
         raise BadSample("bad_image", f"{type(error).__name__}: {error}") from error
 
 
+def _animated_header(data: bytes) -> bool:
+    """Does an unreadable member say it is animated: a WebP whose VP8X header sets the animation flag, or a PNG
+    with an animation-control chunk near its start (APNG)?"""
+    webp = data[:4] == b"RIFF" and data[8:16] == b"WEBPVP8X" and len(data) > 20 and bool(data[20] & 0x02)
+    return webp or (data[:8] == b"\x89PNG\r\n\x1a\n" and b"acTL" in data[:256])
+
+
+def frame_indices(data: bytes, max_frames: int) -> list[int]:
+    """The frames of an image member the row takes: [0] for a still image; for an animated one (a video: webp,
+    gif, apng) ``max_frames`` of them spread evenly from the first to the last (all when it has fewer)."""
+    try:
+        count = int(getattr(Image.open(io.BytesIO(data)), "n_frames", 1))
+    except Exception as error:  # PIL raises many types for corrupt data
+        reason = "bad_video" if _animated_header(data) else "bad_image"
+        raise BadSample(reason, f"{type(error).__name__}: {error}") from error
+    if count <= 1 or max_frames <= 1:
+        return [0]
+    if count <= max_frames:
+        return list(range(count))
+    return [round(i * (count - 1) / (max_frames - 1)) for i in range(max_frames)]
+
+
+def decode_frame(data: bytes, index: int, sizes: tuple[int, ...], max_pixels: int) -> list[np.ndarray]:
+    """Frame ``index`` of a video member, as ``decode_image`` decodes a still one; BadSample("bad_video")."""
+    image_size_of(data, max_pixels)
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.seek(index)
+        image = image.convert("RGB")
+        out = []
+        for size in sizes:
+            pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.uint8)
+            out.append(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+        return out
+    except Exception as error:  # PIL raises many types for corrupt data
+        raise BadSample("bad_video", f"frame {index}: {type(error).__name__}: {error}") from error
+
+
 def sample_seed(seed: int, key: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
 
@@ -156,9 +194,12 @@ def sample_seed(seed: int, key: str) -> int:
 class SampleEncoder:
     """Turns raw samples into rows for one model configuration."""
 
-    def __init__(self, model: ModelConfig, tokenizer: Tokenizer, seed: int, max_image_pixels: int):
+    def __init__(
+        self, model: ModelConfig, tokenizer: Tokenizer, seed: int, max_image_pixels: int, video_frames: int = 8
+    ):
         # Plain attributes, not config lookups: this runs for every sample (OmegaConf access is slow).
         self.tokenizer = tokenizer
+        self.video_frames = int(video_frames)  # data.video_frames: frames a video member contributes, at most
         self.seed = seed
         self.max_image_pixels = max_image_pixels
         self.seq_len = int(model.seq_len)
@@ -185,7 +226,7 @@ class SampleEncoder:
             return self._planned(key, [("text", self.tokenizer.encode(text))], 0)
         budget = self.seq_len - 2 - self.gen_tokens
         kept: list[tuple[str, object]] = []
-        total_images = sum(kind == "image" for kind, _ in segments)
+        total_images = sum(kind == "image" for kind, _ in segments)  # a video beyond the budget counts as one
         for kind, value in segments:
             if kind == "text":
                 ids = self.tokenizer.encode(str(value))[: max(budget, 0)]
@@ -193,9 +234,14 @@ class SampleEncoder:
                     kept.append(("text", ids))
                     budget -= len(ids)
             elif self.has_encoder and budget >= self.patches:
+                frames = frame_indices(value, self.video_frames)  # type: ignore[arg-type]
+                total_images += len(frames) - 1  # a video's frames are images to the encoder, each its patches
                 image_size_of(value, self.max_image_pixels)  # type: ignore[arg-type]
-                kept.append(("image", value))
-                budget -= self.patches
+                for frame in frames:
+                    if budget < self.patches:
+                        break
+                    kept.append(("image", value if len(frames) == 1 else (value, frame)))
+                    budget -= self.patches
             if budget <= 0:
                 break
         kept_images = sum(kind == "image" for kind, _ in kept)
@@ -210,7 +256,10 @@ class SampleEncoder:
             sizes = [self.image_size]
             if index == len(planned.images) - 1 and self.has_generator:
                 sizes.append(self.gen_image_size)
-            tensors = decode_image(data, tuple(sizes), self.max_image_pixels)
+            if isinstance(data, tuple):  # a video's frame
+                tensors = decode_frame(data[0], data[1], tuple(sizes), self.max_image_pixels)
+            else:
+                tensors = decode_image(data, tuple(sizes), self.max_image_pixels)
             decoded.append(tensors[0])
             if len(tensors) > 1:
                 gen_image = tensors[1]

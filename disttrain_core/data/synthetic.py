@@ -16,7 +16,8 @@ Distributions (parameters in ``SyntheticDataConfig``; docs/DATA.md):
   long right tail like LAION captions;
 * image size: shorter side log-normal (``image_side_log_mean/sigma``, capped
   at ``image_side_max``), aspect ratio log-normal (``aspect_log_sigma``);
-  85% JPEG, 10% PNG, 5% WebP.
+  85% JPEG, 10% PNG, 5% WebP;
+* videos (``video_fraction`` of the images, 0 by default): animated WebP of 2..``video_frames_max`` frames.
 
 Captions describe what is drawn ("photo of a red circle on blue, ..."),
 so the language model and the generator both have something to learn.
@@ -34,7 +35,7 @@ import tempfile
 from multiprocessing import Pool
 from pathlib import Path
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageChops, ImageDraw
 
 from ..config import SyntheticDataConfig
 
@@ -146,6 +147,16 @@ def _encode(image: Image.Image, fmt: str) -> bytes:
     return buffer.getvalue()
 
 
+def _encode_video(image: Image.Image, frames: int) -> bytes:
+    """An animated WebP of ``frames`` frames: the scene sliding diagonally, wrapping around, across its size (both
+    ways, so a stripe moves too: WebP merges identical frames)."""
+    width, height = image.size
+    shots = [ImageChops.offset(image, round(k * width / frames), round(k * height / frames)) for k in range(frames)]
+    buffer = io.BytesIO()
+    shots[0].save(buffer, format="WEBP", save_all=True, append_images=shots[1:], duration=100, quality=80)
+    return buffer.getvalue()
+
+
 def make_sample(cfg: SyntheticDataConfig, index: int) -> dict[str, bytes]:
     """The tar members of sample ``index`` (deterministic in ``cfg.seed`` and ``index``)."""
     rng = random.Random(cfg.seed * 1_000_003 + index)
@@ -163,8 +174,13 @@ def make_sample(cfg: SyntheticDataConfig, index: int) -> dict[str, bytes]:
         images.append(None)
         if i < n_images:
             fmt = rng.choices([f for f, _ in FORMATS], weights=[w for _, w in FORMATS])[0]
-            name = f"{i}.{fmt}"
-            members[name] = _encode(_draw(rng, fg, shape, bg, cfg), fmt)
+            if cfg.video_fraction > 0 and rng.random() < cfg.video_fraction:  # no draw without video: same shards
+                frames = rng.randint(2, cfg.video_frames_max)
+                name = f"{i}.webp"
+                members[name] = _encode_video(_draw(rng, fg, shape, bg, cfg), frames)
+            else:
+                name = f"{i}.{fmt}"
+                members[name] = _encode(_draw(rng, fg, shape, bg, cfg), fmt)
             texts.append(None)
             images.append(name)
     members["json"] = json.dumps({"texts": texts, "images": images}).encode()

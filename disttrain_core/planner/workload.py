@@ -287,7 +287,9 @@ def measured_data(cfg, limit: int = 256) -> tuple[float, float] | None:
     from ..data.samples import BadSample, SampleEncoder
     from ..data.tokenizer import build_tokenizer
 
-    encoder = SampleEncoder(cfg.model, build_tokenizer(cfg.data.tokenizer), 0, cfg.data.max_image_pixels)
+    encoder = SampleEncoder(
+        cfg.model, build_tokenizer(cfg.data.tokenizer), 0, cfg.data.max_image_pixels, cfg.data.video_frames
+    )
     counts = []
     busy = 0.0
     for shard in resolve_shards(cfg.data.path):

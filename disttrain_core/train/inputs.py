@@ -20,7 +20,9 @@ def build_stream(cfg: Config, dp_rank: int, dp: int, global_stream: bool, tokeni
         stream = open_stream(cfg.data, trainer.seed)
     else:  # one stream per data-parallel replica, shards split by replica
         stream = open_stream(cfg.data, trainer.seed, dp_rank, dp)
-    encoder = SampleEncoder(cfg.model, tokenizer, seed=trainer.seed, max_image_pixels=cfg.data.max_image_pixels)
+    encoder = SampleEncoder(
+        cfg.model, tokenizer, trainer.seed, cfg.data.max_image_pixels, video_frames=cfg.data.video_frames
+    )
     return stream, encoder
 
 

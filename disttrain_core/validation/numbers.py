@@ -153,6 +153,9 @@ def _run_rules() -> list[Rule]:
         within(f"{s}.text_only_fraction", 0, 1),
         within(f"{s}.images_geometric_p", 0, 1, open_low=True),
         at_least(f"{s}.max_images", 1),
+        within(f"{s}.video_fraction", 0, 1),
+        at_least(f"{s}.video_frames_max", 2, "a video has 2 frames or more"),
+        at_least("data.video_frames", 1, "use 1 (a video's first frame) or more, e.g. 8"),
         # log-normal parameters: bounded so the drawn caption lengths and image sides stay finite and small
         within(f"{s}.caption_words_log_mean", 0, 7),
         within(f"{s}.caption_words_log_sigma", 0, 2),
