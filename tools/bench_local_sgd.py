@@ -176,7 +176,7 @@ def heldout_loss(run_dir: Path, options: dict[str, str]) -> float:
     model.eval()
     micro = 16
     stream = ShardStream(resolve_shards(cfg.data.path), 0, 1, seed=0, shuffle=False)
-    encoder = SampleEncoder(cfg.model, tokenizer, seed=0, max_image_pixels=cfg.data.max_image_pixels)
+    encoder = SampleEncoder(cfg.model, tokenizer, 0, cfg.data.max_image_pixels, cfg.data.video_frames)
     loader = MicrobatchLoader(stream, encoder, micro, 1)
     total = tokens = 0.0
     with torch.no_grad():

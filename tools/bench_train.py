@@ -126,7 +126,7 @@ def minimal_run(model: str, precision: str, steps: int, warmup: int, predecoded:
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, foreach=True)
     loader = MicrobatchLoader(
         ShardStream(resolve_shards(cfg.data.path), 0, 1, seed=cfg.trainer.seed),
-        SampleEncoder(cfg.model, tokenizer, cfg.trainer.seed, cfg.data.max_image_pixels),
+        SampleEncoder(cfg.model, tokenizer, cfg.trainer.seed, cfg.data.max_image_pixels, cfg.data.video_frames),
         cfg.optim.micro_batch_size,
         cfg.optim.global_batch_size // cfg.optim.micro_batch_size,
     )

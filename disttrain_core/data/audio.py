@@ -5,7 +5,8 @@ The features follow Whisper's front end: mono, resampled to ``sample_rate`` (sci
 zero-padded to ``clip_seconds``, a centred STFT with a periodic Hann window of ``n_fft`` samples every
 ``hop_length`` (its last frame dropped), the power spectrum through a Slaney-style mel filterbank (as librosa's
 ``mel(htk=False, norm="slaney")``), ``log10`` floored at 1e-10, clipped to 8 below its maximum, then
-``(x + 4) / 4``. An undecodable member raises ``BadSample("bad_audio")``: the sample is skipped and counted.
+``(x + 4) / 4``. An undecodable member raises ``BadSample("bad_audio")``, what the sample readers skip and count
+(they do not read audio members yet: the model refuses to train with an audio tower, validation/common.py).
 """
 
 from __future__ import annotations

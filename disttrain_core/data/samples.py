@@ -171,16 +171,25 @@ def frame_indices(data: bytes, max_frames: int) -> list[int]:
     return [round(i * (count - 1) / (max_frames - 1)) for i in range(max_frames)]
 
 
-def decode_frame(data: bytes, index: int, sizes: tuple[int, ...], max_pixels: int) -> list[np.ndarray]:
-    """Frame ``index`` of a video member, as ``decode_image`` decodes a still one; BadSample("bad_video")."""
-    image_size_of(data, max_pixels)
+def decode_frame(
+    data: bytes, index: int, sizes: tuple[int, ...], max_pixels: int, opened: dict | None = None
+) -> list[np.ndarray]:
+    """Frame ``index`` of a video member, as ``decode_image`` decodes a still one; BadSample("bad_video").
+    ``opened``: the videos of this row already open (by identity), so a row's frames, asked for in order, decode
+    each video once from its start (WebP and GIF seek forward incrementally, backward from the first frame)."""
+    video = opened.get(id(data)) if opened is not None else None
+    if video is None:
+        image_size_of(data, max_pixels)
     try:
-        image = Image.open(io.BytesIO(data))
-        image.seek(index)
-        image = image.convert("RGB")
+        if video is None:
+            video = Image.open(io.BytesIO(data))
+            if opened is not None:
+                opened[id(data)] = video
+        video.seek(index)
+        frame = video.convert("RGB")
         out = []
         for size in sizes:
-            pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.uint8)
+            pixels = np.asarray(frame.resize((size, size), Image.BILINEAR), dtype=np.uint8)
             out.append(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
         return out
     except Exception as error:  # PIL raises many types for corrupt data
@@ -252,12 +261,13 @@ class SampleEncoder:
         fails (a header that reads, a body that does not)."""
         decoded = []
         gen_image = None
+        opened: dict[int, Image.Image] = {}  # this row's videos, each decoded once
         for index, data in enumerate(planned.images):
             sizes = [self.image_size]
             if index == len(planned.images) - 1 and self.has_generator:
                 sizes.append(self.gen_image_size)
             if isinstance(data, tuple):  # a video's frame
-                tensors = decode_frame(data[0], data[1], tuple(sizes), self.max_image_pixels)
+                tensors = decode_frame(data[0], data[1], tuple(sizes), self.max_image_pixels, opened)
             else:
                 tensors = decode_image(data, tuple(sizes), self.max_image_pixels)
             decoded.append(tensors[0])

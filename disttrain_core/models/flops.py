@@ -78,7 +78,13 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
     results: dict[str, ModuleFlops] = {}
 
     def upstream(name: str) -> bool:
-        return any(trainable[m] for m in CHAIN[: CHAIN.index(name)])
+        """Does anything trainable feed ``name``? The image and audio towers are side by side, not in a row."""
+        before = CHAIN[: CHAIN.index(name)]
+        if name == "audio_projector":
+            before = ("audio_encoder",)
+        elif name.startswith("audio_"):
+            before = ()
+        return any(trainable[m] for m in before)
 
     with torch.device("meta"):
         if cfg.encoder is not None:

@@ -93,6 +93,18 @@ PRESETS = {
             "4,096-token sequence)",
         ),
         WorkloadPreset(
+            "video_8f_224",
+            8.0,
+            "8 frames per clip, each an image of the sequence (frames concatenated, no pooling)",
+            224,
+            1,
+            0,
+            0,
+            (),
+            "Video-LLaVA (Lin et al. 2023): 8 frames sampled uniformly from each clip at 224 px, as the runtime's "
+            "data.video_frames=8 does; every frame's 256 ViT-H/14 patches enter the sequence (docs/DATA.md)",
+        ),
+        WorkloadPreset(
             "gen_256",
             1.0,
             "one input image, one generated",

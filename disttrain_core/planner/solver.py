@@ -33,7 +33,6 @@ on small clusters.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -85,6 +84,7 @@ class Orchestrator(SearchBounds, Relaxation):
         self.allow_ep = allow_ep
         self._llm_parts: dict[tuple, tuple[float, float, float] | None] = {}  # refined_bound's LLM terms
         self._stage_times: dict[tuple, float] = {}
+        self._pps: dict[tuple[int, int], tuple[int, ...]] = {}  # LLM pipeline sizes per (vpp, dp)
 
     # ------------------------------------------------------------------ enumeration
     def tp_ok(self, unit: str, tp: int) -> bool:
@@ -96,13 +96,17 @@ class Orchestrator(SearchBounds, Relaxation):
         multiple of pp."""
         return list(self._llm_pps(vpp, dp))
 
-    @functools.cache  # noqa: B019 - one Orchestrator per plan, a handful of (vpp, dp) pairs
     def _llm_pps(self, vpp: int, dp: int) -> tuple[int, ...]:
-        layers = self.w.units["llm"].layers
-        m = self.m.batch // (self.m.micro * dp)
-        return tuple(
-            p for p in divisors(layers) if layers % (p * vpp) == 0 and (vpp == 1 or (p > 1 and m % p == 0 and m >= p))
-        )
+        found = self._pps.get((vpp, dp))
+        if found is None:
+            layers = self.w.units["llm"].layers
+            m = self.m.batch // (self.m.micro * dp)
+            found = self._pps[vpp, dp] = tuple(
+                p
+                for p in divisors(layers)
+                if layers % (p * vpp) == 0 and (vpp == 1 or (p > 1 and m % p == 0 and m >= p))
+            )
+        return found
 
     def enc_pp_options(self) -> list[int]:
         return divisors(self.w.units["encoder"].layers) if self.has_enc else [1]

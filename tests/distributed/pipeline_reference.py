@@ -13,7 +13,7 @@ from disttrain_core.data.tokenizer import ByteTokenizer
 def microbatches(cfg, count: int = 8, size: int = 2):
     loader = MicrobatchLoader(
         ShardStream(resolve_shards(cfg.data.path), 0, 1, seed=cfg.trainer.seed),
-        SampleEncoder(cfg.model, ByteTokenizer(), cfg.trainer.seed, cfg.data.max_image_pixels),
+        SampleEncoder(cfg.model, ByteTokenizer(), cfg.trainer.seed, cfg.data.max_image_pixels, cfg.data.video_frames),
         micro_batch_size=size,
         microbatches_per_step=count,
     )

@@ -112,7 +112,7 @@ def _reference_diloco(shards, warmup: int, every: int, outer_lr: float, momentum
     loaders = [
         MicrobatchLoader(
             ShardStream(paths, rank, world, seed=cfg.trainer.seed, shuffle=False),
-            SampleEncoder(cfg.model, tokenizer, seed=cfg.trainer.seed, max_image_pixels=cfg.data.max_image_pixels),
+            SampleEncoder(cfg.model, tokenizer, cfg.trainer.seed, cfg.data.max_image_pixels, cfg.data.video_frames),
             micro,
             per_rank,
         )

@@ -105,3 +105,17 @@ def test_an_audio_model_is_refused_by_training_and_planning_in_one_line():
         validate_config(cfg)
     with pytest.raises(PlanningError, match="does not train or plan yet"):
         workload_of(cfg.model)
+
+
+def test_the_audio_towers_flops_do_not_count_the_image_tower_as_upstream():
+    """The image and audio towers sit side by side: a frozen audio encoder's projector takes no input gradient,
+    whether the image encoder trains or not (it did when the towers were counted as one chain)."""
+    from disttrain_core.models.flops import module_flops
+
+    frozen = ["model/audio_encoder=audio_tiny", "model.freeze.audio_encoder=true"]
+    both = module_flops(compose([*frozen, "model.freeze.encoder=true", "model.freeze.encoder_projector=true"]).model)
+    audio_only = module_flops(compose(frozen).model)
+    trained = module_flops(compose(["model/audio_encoder=audio_tiny"]).model)
+    assert audio_only["audio_projector"].train == both["audio_projector"].train
+    assert audio_only["audio_projector"].train < trained["audio_projector"].train  # its input gradient, when due
+    assert audio_only["audio_encoder"].train == audio_only["audio_encoder"].forward  # frozen, nothing upstream
