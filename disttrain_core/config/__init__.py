@@ -51,6 +51,8 @@ from .schema import (  # noqa: F401
 CONF_DIR = REPO_ROOT / "conf"
 RECIPES_DIR = REPO_ROOT / "recipes"
 
+# The model presets compose these (conf/model/<part>/*.yaml): ``model/encoder=vit_h14`` swaps one module.
+MODEL_MODULE_GROUPS = ("model/encoder", "model/audio_encoder", "model/llm", "model/generator")
 # Config groups selectable on the command line (``group=option``).
 CONFIG_GROUPS = (
     "model",
@@ -64,13 +66,8 @@ CONFIG_GROUPS = (
     "paths",
     "hparams_search",
     "recipe",
-    "model/encoder",
-    "model/audio_encoder",
-    "model/llm",
-    "model/generator",
+    *MODEL_MODULE_GROUPS,
 )
-# The model presets compose these (conf/model/<part>/*.yaml): ``model/encoder=vit_h14`` swaps one module.
-MODEL_MODULE_GROUPS = ("model/encoder", "model/audio_encoder", "model/llm", "model/generator")
 
 
 def resolve_accelerator(accelerator: str) -> str:

@@ -127,9 +127,13 @@ def image_size_of(data: bytes, max_pixels: int) -> tuple[int, int]:
         width, height = Image.open(io.BytesIO(data)).size
     except Exception as error:  # PIL raises many types for corrupt data
         raise BadSample("bad_image", f"{type(error).__name__}: {error}") from error
+    _check_pixels(width, height, max_pixels)
+    return width, height
+
+
+def _check_pixels(width: int, height: int, max_pixels: int) -> None:
     if width * height > max_pixels:
         raise BadSample("huge_image", f"{width}x{height} > data.max_image_pixels={max_pixels}")
-    return width, height
 
 
 def decode_image(data: bytes, sizes: tuple[int, ...], max_pixels: int) -> list[np.ndarray]:
@@ -156,14 +160,18 @@ def _animated_header(data: bytes) -> bool:
     return webp or (data[:8] == b"\x89PNG\r\n\x1a\n" and b"acTL" in data[:256])
 
 
-def frame_indices(data: bytes, max_frames: int) -> list[int]:
+def frame_indices(data: bytes, max_frames: int, max_pixels: int | None = None) -> list[int]:
     """The frames of an image member the row takes: [0] for a still image; for an animated one (a video: webp,
-    gif, apng) ``max_frames`` of them spread evenly from the first to the last (all when it has fewer)."""
+    gif, apng) ``max_frames`` of them spread evenly from the first to the last (all when it has fewer). With
+    ``max_pixels``, also ``image_size_of``'s check, from the same header read."""
     try:
-        count = int(getattr(Image.open(io.BytesIO(data)), "n_frames", 1))
+        image = Image.open(io.BytesIO(data))
+        count = int(getattr(image, "n_frames", 1))
     except Exception as error:  # PIL raises many types for corrupt data
         reason = "bad_video" if _animated_header(data) else "bad_image"
         raise BadSample(reason, f"{type(error).__name__}: {error}") from error
+    if max_pixels is not None:
+        _check_pixels(image.width, image.height, max_pixels)
     if count <= 1 or max_frames <= 1:
         return [0]
     if count <= max_frames:
@@ -243,9 +251,8 @@ class SampleEncoder:
                     kept.append(("text", ids))
                     budget -= len(ids)
             elif self.has_encoder and budget >= self.patches:
-                frames = frame_indices(value, self.video_frames)  # type: ignore[arg-type]
+                frames = frame_indices(value, self.video_frames, self.max_image_pixels)  # type: ignore[arg-type]
                 total_images += len(frames) - 1  # a video's frames are images to the encoder, each its patches
-                image_size_of(value, self.max_image_pixels)  # type: ignore[arg-type]
                 for frame in frames:
                     if budget < self.patches:
                         break

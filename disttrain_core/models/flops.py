@@ -30,6 +30,16 @@ from .unet import UNet
 from .vit import VisionTransformer
 
 CHAIN = ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm", "generator_projector", "generator")
+# What feeds each module, directly or not: the image and the audio tower sit side by side in front of the LLM.
+FEEDS = {
+    "encoder": (),
+    "encoder_projector": ("encoder",),
+    "audio_encoder": (),
+    "audio_projector": ("audio_encoder",),
+    "llm": ("encoder", "encoder_projector", "audio_encoder", "audio_projector"),
+    "generator_projector": ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm"),
+    "generator": CHAIN[: CHAIN.index("generator")],
+}
 UNITS = {
     "encoder": "image",
     "encoder_projector": "image",
@@ -78,13 +88,7 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
     results: dict[str, ModuleFlops] = {}
 
     def upstream(name: str) -> bool:
-        """Does anything trainable feed ``name``? The image and audio towers are side by side, not in a row."""
-        before = CHAIN[: CHAIN.index(name)]
-        if name == "audio_projector":
-            before = ("audio_encoder",)
-        elif name.startswith("audio_"):
-            before = ()
-        return any(trainable[m] for m in before)
+        return any(trainable[m] for m in FEEDS[name])
 
     with torch.device("meta"):
         if cfg.encoder is not None:

@@ -161,10 +161,12 @@ class SearchBounds:
     def _llm_part(self, opt: LlmOption, pp: int, enc, gen, S: int, m: int, bw: float):
         """(fill, steady stage time, data-parallel tail) of the LLM at ``pp`` stages beside these units, with its
         recompute policy and shard mode as ``evaluate`` picks them; None where none fits."""
-        sep_gen = gen is not None and not gen.colocated
-        riders = (enc is not None and enc.colocated, gen is not None and gen.colocated)
-        key = (opt, pp, riders, gen.pp if sep_gen else 0, gen is not None, S > 1, S - (enc.pp if enc else 0), bw)
-        key += (enc if riders[0] else None, gen if riders[1] else None)
+        # What the LLM's memory and stage times see of the other units (LayoutModel._memory_key, llm_end_extras,
+        # breakdown.role_memory's stages after it and ``S > 1``): a colocated module itself; a separate encoder only
+        # as being there; a separate generator by its stage count
+        enc_key = enc if enc is None or enc.colocated else "separate"
+        gen_key = gen if gen is None or gen.colocated else ("separate", gen.pp)
+        key = (opt, pp, enc_key, gen_key, bw)
         cached = self._llm_parts.get(key, False)
         if cached is not False:
             return cached
