@@ -161,12 +161,12 @@ def heldout_loss(run_dir: Path, options: dict[str, str]) -> float:
     from disttrain_core.data.loader import MicrobatchLoader
     from disttrain_core.data.reader import ShardStream, resolve_shards
     from disttrain_core.data.samples import SampleEncoder
-    from disttrain_core.data.tokenizer import build_tokenizer
+    from disttrain_core.data.tokenizer import tokenizer_for
     from disttrain_core.models import build_model, materialize
     from disttrain_core.train.checkpoint import latest_checkpoint, read_tensors
 
     cfg = typed_config(compose([*MODEL, f"data.path={options['_heldout_dir']}", "data.generate_if_missing=false"]))
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = tokenizer_for(cfg)
     model = build_model(cfg.model, tokenizer, device="meta")
     materialize(model, "cpu", seed=0, std=cfg.model.init_std)
     weights = read_tensors(latest_checkpoint(run_dir / "checkpoints"))

@@ -62,14 +62,14 @@ def load_model(checkpoint: Path, device: str):
     from omegaconf import OmegaConf
 
     from disttrain_core.config import typed_config
-    from disttrain_core.data.tokenizer import build_tokenizer
+    from disttrain_core.data.tokenizer import tokenizer_for
     from disttrain_core.train.sampling import model_from_checkpoint
 
     config = checkpoint.parent.parent / "config.yaml"
     if not config.is_file():
         raise ConfigError(f"{checkpoint} has no run config.yaml beside its checkpoints/ ({config}): give a run's")
     cfg = typed_config(OmegaConf.to_container(OmegaConf.load(config), resolve=True))
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    tokenizer = tokenizer_for(cfg)
     try:
         return model_from_checkpoint(checkpoint, cfg, tokenizer, device), cfg, tokenizer
     except ValueError as error:

@@ -106,6 +106,14 @@ class UNetConfig:
     # Attention heads per level (diffusers' attention_head_dim; SD 1.x: [8,8,8,8]); empty: channels // head_dim.
     attention_heads: list[int] = field(default_factory=list)
     cross_attention_dim: int = 1024  # width of the conditioning from the LLM
+    # How that conditioning reaches the U-Net: "cross_attention" (Stable Diffusion: each transformer's second
+    # attention attends to it) or "film" (AudioLDM: pooled over its tokens, a linear of it is added to the timestep
+    # embedding, or concatenated with film_concat; the second attention then attends to the features themselves)
+    conditioning: str = "cross_attention"
+    film_concat: bool = False
+    # The latent grid it denoises, [height, width] (AudioLDM: [256, 16], 10.24 s of 64 mel bins through its VAE);
+    # empty: the image generator's, model.gen_image_size / model.latent_downsample square
+    latent_shape: list[int] = field(default_factory=list)
     norm_groups: int = 32
     num_train_timesteps: int = 1000
     beta_start: float = 0.00085
@@ -127,6 +135,8 @@ class FreezeConfig:
     llm: bool = False
     generator_projector: bool = False
     generator: bool = False
+    audio_generator_projector: bool = False
+    audio_generator: bool = False
 
 
 @dataclass
@@ -146,9 +156,13 @@ class ModelConfig:
     llm: LlamaConfig = field(default_factory=LlamaConfig)
     encoder: Optional[VitConfig] = None
     generator: Optional[UNetConfig] = None
-    # An audio tower beside the image encoder (conf/model/audio_encoder): counted by tools/model_info.py; training
-    # with audio samples is refused until the data path feeds them (validation/settings.py says so).
+    # An audio tower beside the image encoder (conf/model/audio_encoder); it runs in the LLM unit's first stage.
     audio_encoder: Optional[AudioEncoderConfig] = None
+    # An audio generator beside the image generator (conf/model/audio_generator: AudioLDM's latent-diffusion U-Net,
+    # FiLM-conditioned on the LLM's generation queries): built and counted by tools/model_info.py; training and
+    # planning refuse it in one line until its targets reach it.
+    audio_generator: Optional[UNetConfig] = None
+    audio_generator_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     encoder_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     audio_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     generator_projector: ProjectorConfig = field(default_factory=ProjectorConfig)

@@ -37,6 +37,9 @@ class SyntheticDataConfig:
     # a frame count uniform on 2..video_frames_max; 0 keeps the default shards free of video
     video_fraction: float = 0.0
     video_frames_max: int = 16
+    # A share of the samples given one audio clip too (FLAC, 16 kHz mono: a tone the caption before it names, its
+    # pitch and its glide), 0.5-2 s long; 0 keeps the default shards free of audio
+    audio_fraction: float = 0.0
 
 
 @dataclass

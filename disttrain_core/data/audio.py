@@ -5,8 +5,8 @@ The features follow Whisper's front end: mono, resampled to ``sample_rate`` (sci
 zero-padded to ``clip_seconds``, a centred STFT with a periodic Hann window of ``n_fft`` samples every
 ``hop_length`` (its last frame dropped), the power spectrum through a Slaney-style mel filterbank (as librosa's
 ``mel(htk=False, norm="slaney")``), ``log10`` floored at 1e-10, clipped to 8 below its maximum, then
-``(x + 4) / 4``. An undecodable member raises ``BadSample("bad_audio")``, what the sample readers skip and count
-(they do not read audio members yet: the model refuses to train with an audio tower, validation/common.py).
+``(x + 4) / 4``. An undecodable member raises ``BadSample("bad_audio")``, what the sample readers skip and count:
+``check_audio`` from the header when a sample is planned, ``decode_audio`` when its features are computed.
 """
 
 from __future__ import annotations
@@ -19,9 +19,31 @@ import numpy as np
 import torch
 
 from ..config import AudioEncoderConfig
-from .samples import BadSample
+from .bad_sample import BadSample
 
-AUDIO_EXTENSIONS = ("flac", "wav", "ogg", "mp3")
+
+def audio_frames(cfg: AudioEncoderConfig) -> int:
+    """Log-mel frames per clip (Whisper drops the centred STFT's last frame): 3,000 for 30 s at 100 per second."""
+    return round(cfg.clip_seconds * cfg.sample_rate) // cfg.hop_length
+
+
+def audio_tokens(cfg: AudioEncoderConfig) -> int:
+    """The audio encoder's output positions per clip, each one ``<audio>`` placeholder of the row: the frames
+    after its stride-2 convolution (1,500 for Whisper)."""
+    return (audio_frames(cfg) + 1) // 2
+
+
+def check_audio(data: bytes) -> None:
+    """BadSample("bad_audio") unless the member's header reads as audio with at least one sample (nothing
+    decoded: what planning a row needs)."""
+    import soundfile
+
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception as error:  # libsndfile raises its own error types for corrupt or unknown data
+        raise BadSample("bad_audio", f"{type(error).__name__}: {error}") from error
+    if info.frames <= 0 or info.samplerate <= 0:
+        raise BadSample("bad_audio", f"{info.frames} frames at {info.samplerate} Hz")
 
 
 def decode_audio(data: bytes, sample_rate: int) -> np.ndarray:

@@ -22,6 +22,16 @@ class Batch:
     doc_ids: torch.Tensor | None = None  # [B, S] int64
     positions: torch.Tensor | None = None  # [B, S] int64
     keys: list[str] = field(default_factory=list)
+    # Audio clips (model.audio_encoder): log-mel features of all samples' clips in order, and clips per sample.
+    # Left out, a batch has none ([0, 1, 1] and zeros), as a text batch has no images.
+    audio: torch.Tensor | None = None  # [A, n_mels, frames] float32
+    audio_counts: torch.Tensor | None = None  # [B] int64
+
+    def __post_init__(self) -> None:
+        if self.audio is None:
+            self.audio = torch.zeros((0, 1, 1), dtype=torch.float32)
+        if self.audio_counts is None:
+            self.audio_counts = torch.zeros(self.tokens.shape[0], dtype=torch.int64, device=self.tokens.device)
 
     @property
     def size(self) -> int:
@@ -38,15 +48,14 @@ class Batch:
         return self.map(lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
     def select(self, samples: range) -> Batch:
-        """The sub-batch of a contiguous range of samples (with their images)."""
-        counts = self.image_counts.tolist()
-        first = sum(counts[: samples.start])
-        last = first + sum(counts[samples.start : samples.stop])
+        """The sub-batch of a contiguous range of samples (with their images and clips)."""
         rows = slice(samples.start, samples.stop)
         return Batch(
             tokens=self.tokens[rows],
             labels=self.labels[rows],
-            images=self.images[first:last],
+            images=self.images[_items_of(self.image_counts, samples)],
+            audio=self.audio[_items_of(self.audio_counts, samples)],
+            audio_counts=self.audio_counts[rows],
             image_counts=self.image_counts[rows],
             gen_images=self.gen_images[rows],
             gen_weight=self.gen_weight[rows],
@@ -64,13 +73,23 @@ class Batch:
         return float(self.gen_weight.sum())
 
 
+def _items_of(counts: torch.Tensor, samples: range) -> slice:
+    """The rows of a per-item tensor (images, clips) that belong to ``samples``, given each sample's count."""
+    listed = counts.tolist()
+    first = sum(listed[: samples.start])
+    return slice(first, first + sum(listed[samples.start : samples.stop]))
+
+
 def concat(parts: list[Batch]) -> Batch:
     """The rows of ``parts`` one after the other (batches without document masks)."""
     if len(parts) == 1:
         return parts[0]
     names = ("tokens", "labels", "images", "image_counts", "gen_images", "gen_weight", "gen_noise", "gen_timesteps")
+    clips = [p.audio for p in parts if p.audio.shape[0]] or [parts[0].audio]  # a part without clips may be [0,1,1]
     return Batch(
         **{name: torch.cat([getattr(p, name) for p in parts]) for name in names},
+        audio=torch.cat(clips),
+        audio_counts=torch.cat([p.audio_counts for p in parts]),
         keys=[key for p in parts for key in p.keys],
     )
 
@@ -121,6 +140,8 @@ def with_empty_rows(rows: Batch, pad: int) -> Batch:
         labels=extend(rows.labels, -100),
         images=rows.images,
         image_counts=extend(rows.image_counts, 0),
+        audio=rows.audio,
+        audio_counts=extend(rows.audio_counts, 0),
         gen_images=extend(rows.gen_images, 0),
         gen_weight=extend(rows.gen_weight, 0),
         gen_noise=extend(rows.gen_noise, 0),

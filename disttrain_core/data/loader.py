@@ -103,6 +103,8 @@ def collate(samples: list[EncodedSample]) -> Batch:
         gen_noise=stack("gen_noise"),
         gen_timesteps=torch.tensor([s.gen_timestep for s in samples], dtype=torch.int64),
         keys=[s.key for s in samples],
+        audio=torch.from_numpy(np.concatenate([s.audio for s in samples])),
+        audio_counts=torch.tensor([s.audio.shape[0] for s in samples], dtype=torch.int64),
     )
 
 
@@ -131,6 +133,7 @@ class MicrobatchLoader:
         self.position = Position(int(state.get("epoch", 0)), int(state.get("index", 0)))
         self.skipped: Counter[str] = Counter(state.get("skipped", {}))
         self.truncated_images = int(state.get("truncated_images", 0))
+        self.truncated_audio = int(state.get("truncated_audio", 0))
         self._items: Iterator[LoadedItem] | None = None
 
     def _iterator(self) -> Iterator[LoadedItem]:
@@ -167,6 +170,7 @@ class MicrobatchLoader:
                     raise RuntimeError(f"{consecutive} unusable samples in a row; last: {sample.detail}")
                 continue
             self.truncated_images += sample.truncated_images
+            self.truncated_audio += sample.truncated_audio
             return sample
 
     def next_step(self) -> list[Batch]:
@@ -182,4 +186,5 @@ class MicrobatchLoader:
             "index": self.position.index,
             "skipped": dict(self.skipped),
             "truncated_images": self.truncated_images,
+            "truncated_audio": self.truncated_audio,
         }

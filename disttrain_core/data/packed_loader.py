@@ -114,10 +114,10 @@ def packed_loader(cfg, state: dict | None, held_out: bool = False) -> PackedStep
     corpus = None
     if packing.source == "corpus":
         from .corpus import CorpusDocuments
-        from .tokenizer import build_tokenizer
+        from .tokenizer import tokenizer_for
 
         path = cfg.data.val.path if held_out else packing.corpus
-        corpus = CorpusDocuments(path, build_tokenizer(cfg.data.tokenizer), boundaries[-1], seed)
+        corpus = CorpusDocuments(path, tokenizer_for(cfg), boundaries[-1], seed)
     return PackedStepLoader(
         packing.source,
         packing.documents_per_step,

@@ -36,9 +36,12 @@ log = logging.getLogger("disttrain_core.data.producer")
 
 def sample_costs(costs: tuple, samples) -> list[float]:
     """Training work per sample in FLOPs from the trainers' per-item ``costs`` (Layout.costs): its images
-    through the encoder, the LLM row, the generation target."""
-    per_image, per_row, per_target = costs
-    return [per_row + per_image * len(s.images) + per_target * float(s.gen_weight) for s in samples]
+    through the encoder, the LLM row, the generation target, its audio clips through the audio tower."""
+    per_image, per_row, per_target, per_clip = costs
+    return [
+        per_row + per_image * len(s.images) + per_target * float(s.gen_weight) + per_clip * len(s.audio)
+        for s in samples
+    ]
 
 
 def share_of(layout: Layout, index: int, count: int) -> range:
@@ -86,12 +89,16 @@ def _finish(planned: PlannedSample) -> EncodedSample | str:
 
 
 def blank(encoder: SampleEncoder, planned: PlannedSample) -> EncodedSample:
-    """A planned sample whose pixels did not decode: its place and shapes, zero images, no loss."""
+    """A planned sample whose pixels (or clips) did not decode: its place and shapes, zero images and clips, no
+    loss."""
     empty = PlannedSample(planned.key, planned.tokens, np.full_like(planned.labels, -100), [], 0.0)
     sample = encoder.finish(empty)
     size = encoder.image_size
     sample.images = np.zeros((len(planned.images), 3, size, size), dtype=np.uint8)
     sample.truncated_images = planned.truncated_images
+    if planned.audio:
+        sample.audio = np.zeros((len(planned.audio), *sample.audio.shape[1:]), dtype=np.float32)
+    sample.truncated_audio = planned.truncated_audio
     return sample
 
 
@@ -115,10 +122,10 @@ class BatchAssembler:
         except ValueError as error:  # ShardStream: no shards to read
             where = "data.blend's sources" if data.blend else f"data.path={data.path!r}"
             raise FileNotFoundError(f"no .tar shards at {where} on the producer's host ({error})") from None
-        from .tokenizer import build_tokenizer
+        from .tokenizer import tokenizer_for
 
         self.encoder = SampleEncoder(
-            cfg.model, build_tokenizer(data.tokenizer), trainer.seed, data.max_image_pixels, data.video_frames
+            cfg.model, tokenizer_for(cfg), trainer.seed, data.max_image_pixels, data.video_frames
         )
         self.batch_size = layout.slots * layout.samples_per_slot
         workers = int(data.producer.workers)
@@ -188,4 +195,5 @@ def planned_summary(samples: list[PlannedSample], slots: int) -> StepSummary:
     counts = torch.tensor([len(s.images) for s in samples], dtype=torch.int64).view(slots, per)
     tokens = torch.tensor([int((s.labels != -100).sum()) for s in samples], dtype=torch.int64).view(slots, per)
     weights = torch.tensor([s.gen_weight for s in samples], dtype=torch.float32).view(slots, per)
-    return StepSummary(counts, tokens.sum(dim=1), weights.sum(dim=1), counts.sum(dim=1))
+    clips = torch.tensor([len(s.audio) for s in samples], dtype=torch.int64).view(slots, per)
+    return StepSummary(counts, tokens.sum(dim=1), weights.sum(dim=1), counts.sum(dim=1), clips.sum(dim=1))

@@ -24,6 +24,8 @@ DTYPES = {
     "gen_weight": "float32",
     "gen_noise": "float32",
     "gen_timesteps": "int64",
+    "audio": "float32",
+    "audio_counts": "int64",
 }
 FIELDS = tuple(DTYPES)
 LAYOUT_FIELDS = ("slots", "samples_per_slot", "groups", "stages", "world")
@@ -43,9 +45,9 @@ class Layout:
     stages: int  # pipeline stages (1F1B), for Algorithm 3
     world: int  # trainer ranks that fetch every batch
     job: tuple = ()
-    # Training FLOPs per image, per sequence and per generation target (the trainers know the model: they
-    # send them, models/flops.py); a sample's cost for reordering (Algorithms 2 and 3).
-    costs: tuple = (1.0, 1.0, 1.0)
+    # Training FLOPs per image, per sequence, per generation target and per audio clip (the trainers know the
+    # model: they send them, models/flops.py); a sample's cost for reordering (Algorithms 2 and 3).
+    costs: tuple = (1.0, 1.0, 1.0, 0.0)
 
     def to_dict(self) -> dict:
         return {**{name: getattr(self, name) for name in LAYOUT_FIELDS}, "costs": list(self.costs)}
@@ -61,7 +63,7 @@ class Layout:
         costs = raw.get("costs")
         if not (
             isinstance(costs, list)
-            and len(costs) == 3
+            and len(costs) == 4
             and all(type(c) in (int, float) and math.isfinite(c) and c >= 0 for c in costs)
         ):
             raise ProtocolError(f"bad layout in HELLO: costs={costs!r}")
@@ -203,12 +205,14 @@ def encode_batch(batch: Batch) -> tuple[dict, bytes]:
 class StepSummary:
     """What a trainer that receives only its own block still needs of the whole global batch: every sample's
     image count (``[slots, samples_per_slot]``; the broker routes images between units by them) and, per slot, the
-    loss normalizers (train/step_data.py): loss tokens, generation samples, images. About 4 bytes a sample."""
+    loss normalizers and work counts (train/step_data.py): loss tokens, generation samples, images, audio clips.
+    About 4 bytes a sample."""
 
     image_counts: torch.Tensor  # int64 [slots, per]
     loss_tokens: torch.Tensor  # int64 [slots], labels that take a loss
     gen_samples: torch.Tensor  # float32 [slots], the generation weights' sum
     images: torch.Tensor  # int64 [slots]
+    clips: torch.Tensor  # int64 [slots]
 
     @classmethod
     def of(cls, batch: Batch, slots: int) -> StepSummary:
@@ -219,35 +223,38 @@ class StepSummary:
             (batch.labels != -100).view(slots, -1).sum(dim=1),
             batch.gen_weight.view(slots, per).sum(dim=1),
             counts.sum(dim=1),
+            batch.audio_counts.view(slots, per).sum(dim=1),
         )
 
     def totals(self) -> list[float]:
-        """Loss tokens, generation samples, sequences and images of the whole step (the counts train/step_data.py
-        normalizes the loss by)."""
+        """Loss tokens, generation samples, sequences, images and clips of the whole step (the counts
+        train/step_data.py normalizes the loss by and the throughput metrics count)."""
         return [
             float(self.loss_tokens.sum()),
             float(self.gen_samples.sum()),
             float(self.image_counts.numel()),
             float(self.images.sum()),
+            float(self.clips.sum()),
         ]
 
     def arrays(self) -> dict:
         return {
             "summary_image_counts": self.image_counts.to(torch.int32).numpy(),
-            "summary_counts": torch.stack([self.loss_tokens, self.images], dim=1).numpy(),
+            "summary_counts": torch.stack([self.loss_tokens, self.images, self.clips], dim=1).numpy(),
             "summary_gen_samples": self.gen_samples.numpy(),
         }
 
     @classmethod
     def from_arrays(cls, arrays: dict, slots: int, per: int) -> StepSummary:
-        shapes = {"summary_image_counts": (slots, per), "summary_counts": (slots, 2), "summary_gen_samples": (slots,)}
+        shapes = {"summary_image_counts": (slots, per), "summary_counts": (slots, 3), "summary_gen_samples": (slots,)}
         if any(arrays[name].shape != shape for name, shape in shapes.items()):
             raise ProtocolError(f"a step summary not of {slots} slots x {per} samples")
         counts = torch.from_numpy(arrays["summary_counts"])
         image_counts = torch.from_numpy(arrays["summary_image_counts"]).to(torch.int64)
-        if (image_counts < 0).any() or not torch.equal(image_counts.sum(dim=1), counts[:, 1]):
+        if (image_counts < 0).any() or not torch.equal(image_counts.sum(dim=1), counts[:, 1]) or (counts < 0).any():
             raise ProtocolError("a step summary whose image counts disagree with its totals")
-        return cls(image_counts, counts[:, 0], torch.from_numpy(arrays["summary_gen_samples"]), counts[:, 1])
+        gen = torch.from_numpy(arrays["summary_gen_samples"])
+        return cls(image_counts, counts[:, 0], gen, counts[:, 1], counts[:, 2])
 
 
 SUMMARY = {"summary_image_counts": "int32", "summary_counts": "int64", "summary_gen_samples": "float32"}
@@ -327,10 +334,11 @@ def _decode(meta: dict, payload, extra: dict | None = None, absent: dict | None 
     keys = meta.get("keys")
     if rows < 0 or not isinstance(keys, list) or len(keys) != rows:
         raise ProtocolError("batch keys do not match its rows")
-    per_row = ("labels", "image_counts", "gen_images", "gen_weight", "gen_noise", "gen_timesteps")
+    per_row = ("labels", "image_counts", "gen_images", "gen_weight", "gen_noise", "gen_timesteps", "audio_counts")
     if any(arrays[name].ndim == 0 or arrays[name].shape[0] != rows for name in per_row):
         raise ProtocolError("batch tensors disagree on the number of rows")
-    counts = arrays["image_counts"]
-    if arrays["images"].ndim == 0 or (counts < 0).any() or int(counts.sum()) != arrays["images"].shape[0]:
-        raise ProtocolError("batch image counts do not match its images")
+    for items, kind in (("images", "image"), ("audio", "audio")):
+        counts = arrays[f"{kind}_counts"]
+        if arrays[items].ndim == 0 or (counts < 0).any() or int(counts.sum()) != arrays[items].shape[0]:
+            raise ProtocolError(f"batch {kind} counts do not match its {items}")
     return Batch(**{name: torch.from_numpy(arrays[name]) for name in FIELDS}, keys=[str(k) for k in keys]), arrays

@@ -4,16 +4,22 @@ Accepted sample layouts (keys are the member extensions, lower case):
 
 * interleaved: ``json`` = ``{"texts": [...], "images": [...]}``, two lists of
   equal length where position i holds either a text or the member name of an
-  image (``"0.jpg"``), the other entry being null (MMC4 / OBELICS style);
+  image or audio clip (``"0.jpg"``, ``"1.flac"``), the other entry being null
+  (MMC4 / OBELICS style);
 * caption pairs (img2dataset): one image member (``jpg``, ``jpeg``, ``png`` or
-  ``webp``) plus ``txt`` or ``json`` with a ``"caption"`` field;
+  ``webp``) and/or one audio member (``flac``, ``wav``, ``ogg``, ``mp3``) plus
+  ``txt`` or ``json`` with a ``"caption"`` field;
 * text only: ``txt`` or ``json`` with ``"caption"`` / ``"text"``.
 
 One sample becomes one row of ``seq_len`` tokens (padded; never packed with
 other samples, so every row has its own generation target and the per-sample
 cost used for reordering is exact)::
 
-    <bos> text <img>*P text ... <gen>*G <img>*P text <eos> <pad>...
+    <bos> text <img>*P text <audio>*Q ... <gen>*G <img>*P text <eos> <pad>...
+
+An audio clip (with model.audio_encoder) becomes Q ``<audio>`` placeholders, its
+log-mel features computed here (data/audio.py); without an audio tower the clip is
+dropped and counted (``truncated_audio``), as a text model ignores images.
 
 If a sample does not fit, trailing content is dropped (a partial text
 segment is kept; an image is kept only whole) and counted as truncation.
@@ -31,25 +37,20 @@ from __future__ import annotations
 import io
 import json
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from PIL import Image
 
 from ..config import ModelConfig
+from .audio import audio_frames, audio_tokens, check_audio, decode_audio, log_mel
+from .bad_sample import BadSample
 from .tokenizer import Tokenizer
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif")  # an animated webp or gif is a video: its frames
+AUDIO_EXTENSIONS = ("flac", "wav", "ogg", "mp3")
 Image.MAX_IMAGE_PIXELS = None  # our own limit (data.max_image_pixels) is checked from the header
-
-
-class BadSample(Exception):
-    """A sample that must be skipped; ``reason`` is a short counter name."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 @dataclass
@@ -66,6 +67,12 @@ class EncodedSample:
     gen_noise: np.ndarray  # [C, h, w] float32
     gen_timestep: int
     truncated_images: int = 0
+    audio: np.ndarray = None  # [a, n_mels, frames] float32 log-mel features ([0, 1, 1] without an audio tower)
+    truncated_audio: int = 0
+
+    def __post_init__(self) -> None:
+        if self.audio is None:
+            self.audio = np.zeros((0, 1, 1), dtype=np.float32)
 
 
 @dataclass
@@ -80,10 +87,16 @@ class PlannedSample:
     images: list[bytes | tuple[bytes, int]]  # the images the row keeps, encoded; a video's frame: (video, index)
     gen_weight: float
     truncated_images: int = 0
+    audio: list[bytes] = field(default_factory=list)  # the clips the row keeps, encoded
+    truncated_audio: int = 0
+
+
+def _member_kind(name: str) -> str:
+    return "audio" if name.rsplit(".", 1)[-1] in AUDIO_EXTENSIONS else "image"
 
 
 def parse_segments(members: dict[str, bytes]) -> list[tuple[str, object]]:
-    """Ordered ``("text", str)`` / ``("image", bytes)`` segments of a raw sample."""
+    """Ordered ``("text", str)`` / ``("image", bytes)`` / ``("audio", bytes)`` segments of a raw sample."""
     meta = None
     if "json" in members:
         try:
@@ -102,7 +115,7 @@ def parse_segments(members: dict[str, bytes]) -> list[tuple[str, object]]:
                 name = str(image).lower()
                 if name not in members:
                     raise BadSample("missing_image", name)
-                segments.append(("image", members[name]))
+                segments.append((_member_kind(name), members[name]))
             elif text:
                 segments.append(("text", str(text)))
     else:
@@ -112,10 +125,13 @@ def parse_segments(members: dict[str, bytes]) -> list[tuple[str, object]]:
         if caption is None and "txt" in members:
             caption = members["txt"].decode("utf-8", errors="replace")
         image = next((members[ext] for ext in IMAGE_EXTENSIONS if ext in members), None)
+        clip = next((members[ext] for ext in AUDIO_EXTENSIONS if ext in members), None)
         if caption:
             segments.append(("text", str(caption)))
         if image is not None:
             segments.append(("image", image))
+        if clip is not None:
+            segments.append(("audio", clip))
     if not any(kind == "text" and str(value).strip() for kind, value in segments):
         raise BadSample("empty_text")
     return segments
@@ -230,6 +246,8 @@ class SampleEncoder:
         self.latent_side = model.gen_image_size // model.latent_downsample if self.has_generator else 0
         self.latent_channels = int(model.generator.in_channels) if self.has_generator else 0
         self.timesteps = int(model.generator.num_train_timesteps) if self.has_generator else 0
+        self.audio_cfg = model.audio_encoder if self.multimodal else None
+        self.audio_tokens = audio_tokens(self.audio_cfg) if self.audio_cfg is not None else 0
 
     def encode(self, key: str, members: dict[str, bytes]) -> EncodedSample:
         return self.finish(self.plan(key, members))
@@ -244,12 +262,18 @@ class SampleEncoder:
         budget = self.seq_len - 2 - self.gen_tokens
         kept: list[tuple[str, object]] = []
         total_images = sum(kind == "image" for kind, _ in segments)  # a video beyond the budget counts as one
+        total_audio = sum(kind == "audio" for kind, _ in segments)
         for kind, value in segments:
             if kind == "text":
                 ids = self.tokenizer.encode(str(value))[: max(budget, 0)]
                 if ids:
                     kept.append(("text", ids))
                     budget -= len(ids)
+            elif kind == "audio":
+                if self.audio_tokens and budget >= self.audio_tokens:
+                    check_audio(value)  # type: ignore[arg-type]
+                    kept.append(("audio", value))
+                    budget -= self.audio_tokens
             elif self.has_encoder and budget >= self.patches:
                 frames = frame_indices(value, self.video_frames, self.max_image_pixels)  # type: ignore[arg-type]
                 total_images += len(frames) - 1  # a video's frames are images to the encoder, each its patches
@@ -261,7 +285,9 @@ class SampleEncoder:
             if budget <= 0:
                 break
         kept_images = sum(kind == "image" for kind, _ in kept)
-        return self._planned(key, kept, total_images - kept_images)
+        planned = self._planned(key, kept, total_images - kept_images)
+        planned.truncated_audio = total_audio - len(planned.audio)
+        return planned
 
     def finish(self, planned: PlannedSample) -> EncodedSample:
         """The planned row with its images decoded and its generation noise drawn; BadSample if a pixel decode
@@ -304,7 +330,19 @@ class SampleEncoder:
             noise,
             timestep,
             planned.truncated_images,
+            self._clips(planned.audio),
+            planned.truncated_audio,
         )
+
+    def _clips(self, clips: list[bytes]) -> np.ndarray:
+        """The row's audio clips as log-mel features [a, n_mels, frames] ([0, 1, 1] without an audio tower)."""
+        cfg = self.audio_cfg
+        if cfg is None:
+            return np.zeros((0, 1, 1), dtype=np.float32)
+        features = [log_mel(decode_audio(clip, int(cfg.sample_rate)), cfg) for clip in clips]
+        if not features:
+            return np.zeros((0, int(cfg.n_mels), audio_frames(cfg)), dtype=np.float32)
+        return np.stack(features)
 
     def _planned(self, key: str, kept: list[tuple[str, object]], truncated_images: int) -> PlannedSample:
         """The row of ``kept`` segments (token-id lists and image bytes): tokens, labels, and the images it keeps."""
@@ -318,6 +356,8 @@ class SampleEncoder:
                 tokens += [tok.gen_id] * self.gen_tokens
             if kind == "text":
                 tokens += value  # type: ignore[operator]
+            elif kind == "audio":
+                tokens += [tok.audio_id] * self.audio_tokens
             else:
                 tokens += [tok.image_id] * self.patches
         if self.has_generator and gen_before is None:
@@ -329,8 +369,10 @@ class SampleEncoder:
         # Predict the next token only where it is text (or the <eos>): not an image or <gen> placeholder, nothing
         # after <eos>. By position and placeholder id, so any tokenizer works (pad may equal eos).
         following = np.append(token_array[1:], tok.pad_id)
-        is_text = (np.arange(seq_len) < length - 1) & (following != tok.image_id) & (following != tok.gen_id)
+        placeholder = (following == tok.image_id) | (following == tok.gen_id) | (following == tok.audio_id)
+        is_text = (np.arange(seq_len) < length - 1) & ~placeholder
         labels = np.where(is_text, following, -100).astype(np.int64)
         images = [value for kind, value in kept if kind == "image"]
+        clips = [value for kind, value in kept if kind == "audio"]
         weight = 1.0 if self.has_generator and images else 0.0
-        return PlannedSample(key, token_array, labels, images, weight, truncated_images)  # type: ignore[arg-type]
+        return PlannedSample(key, token_array, labels, images, weight, truncated_images, clips)  # type: ignore[arg-type]

@@ -17,7 +17,9 @@ Distributions (parameters in ``SyntheticDataConfig``; docs/DATA.md):
 * image size: shorter side log-normal (``image_side_log_mean/sigma``, capped
   at ``image_side_max``), aspect ratio log-normal (``aspect_log_sigma``);
   85% JPEG, 10% PNG, 5% WebP;
-* videos (``video_fraction`` of the images, 0 by default): animated WebP of 2..``video_frames_max`` frames.
+* videos (``video_fraction`` of the images, 0 by default): animated WebP of 2..``video_frames_max`` frames;
+* audio (``audio_fraction`` of the samples, 0 by default): one FLAC clip at the start, 0.5-2 s of a tone whose
+  pitch and glide the caption before it names ("sound of a high tone rising").
 
 Captions describe what is drawn ("photo of a red circle on blue, ..."),
 so the language model and the generator both have something to learn.
@@ -183,8 +185,35 @@ def make_sample(cfg: SyntheticDataConfig, index: int) -> dict[str, bytes]:
                 members[name] = _encode(_draw(rng, fg, shape, bg, cfg), fmt)
             texts.append(None)
             images.append(name)
+    if cfg.audio_fraction > 0 and rng.random() < cfg.audio_fraction:  # no draw without audio: same shards
+        caption, members["a.flac"] = _clip(rng)  # first, so a long document's images cannot crowd it out
+        texts[:0] = [caption, None]
+        images[:0] = [None, "a.flac"]
     members["json"] = json.dumps({"texts": texts, "images": images}).encode()
     return members
+
+
+PITCHES = {"low": 220.0, "middle": 440.0, "high": 880.0}
+GLIDES = {"rising": 1.5, "falling": 1 / 1.5, "steady": 1.0}
+
+
+def _clip(rng: random.Random) -> tuple[str, bytes]:
+    """A caption and a FLAC clip (16 kHz mono, 0.5-2 s) of the tone it names: a pitch that glides
+    geometrically by the named factor over the clip, with a little noise."""
+    import numpy as np
+    import soundfile
+
+    pitch, glide = rng.choice(sorted(PITCHES)), rng.choice(sorted(GLIDES))
+    rate, seconds = 16_000, rng.uniform(0.5, 2.0)
+    t = np.arange(int(rate * seconds)) / rate
+    ratio = GLIDES[glide]
+    frequency = PITCHES[pitch] * ratio ** (t / seconds)
+    phase = 2 * np.pi * np.cumsum(frequency) / rate
+    noise = np.random.default_rng(rng.getrandbits(32)).normal(0.0, 0.01, t.shape)
+    wave = (0.5 * np.sin(phase) + noise).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, wave, rate, format="FLAC")
+    return f"sound of a {pitch} tone {glide}", buffer.getvalue()
 
 
 def _write_shard(args: tuple[SyntheticDataConfig, str, int]) -> str:

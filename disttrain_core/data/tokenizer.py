@@ -23,6 +23,7 @@ class Tokenizer(Protocol):
     eos_id: int
     image_id: int  # placeholder replaced by one image patch embedding
     gen_id: int  # generation query token; its hidden state conditions the generator
+    audio_id: int  # placeholder replaced by one audio-encoder position (-1: this tokenizer has none)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -36,7 +37,8 @@ class ByteTokenizer:
     eos_id: int = 258
     image_id: int = 259
     gen_id: int = 260
-    vocab_size: int = 261
+    audio_id: int = 261
+    vocab_size: int = 262
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -51,6 +53,7 @@ EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>")
 PAD_NAMES = ("<pad>", "<|finetune_right_pad_id|>")
 IMAGE_TOKEN = "<image>"
 GEN_TOKEN = "<gen>"
+AUDIO_TOKEN = "<audio>"
 
 
 def _token_name(entry) -> str | None:
@@ -67,15 +70,17 @@ class HFTokenizer:
     directory, else the first well-known name present (``BOS_NAMES``, ``EOS_NAMES``, ``PAD_NAMES``);
     pad falls back to eos, bos to eos. ``<image>`` and ``<gen>`` are looked up by name and added as special
     tokens when absent, so ``vocab_size`` (every id, added ones included) can exceed the file's by two:
-    ``added`` lists what was added. Pickling keeps only the path, so a decode worker or another process
-    rebuilds the same tokenizer from the same file.
+    ``added`` lists what was added. ``<audio>`` is added only with ``audio=True`` (a model with an audio tower),
+    so a text or image model's vocabulary does not move; without it ``audio_id`` is -1. Pickling keeps the path
+    and that flag, so a decode worker or another process rebuilds the same tokenizer from the same file.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, audio: bool = False):
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as Backend
 
         self.path = str(path)
+        self.audio = bool(audio)
         file = Path(self.path)
         if file.is_dir():
             file = file / "tokenizer.json"
@@ -123,19 +128,20 @@ class HFTokenizer:
         pad = find("pad_token", PAD_NAMES)
         self.pad_id = eos if pad is None else pad
         self.added: list[str] = []
-        for name in (IMAGE_TOKEN, GEN_TOKEN):
+        for name in (IMAGE_TOKEN, GEN_TOKEN, AUDIO_TOKEN)[: 3 if self.audio else 2]:
             if backend.token_to_id(name) is None:
                 backend.add_special_tokens([AddedToken(name, special=True, normalized=False)])
                 self.added.append(name)
         self.image_id = backend.token_to_id(IMAGE_TOKEN)
         self.gen_id = backend.token_to_id(GEN_TOKEN)
+        self.audio_id = backend.token_to_id(AUDIO_TOKEN) if self.audio else -1
         # Text is text: a caption containing "<image>" must not become an image placeholder.
         backend.encode_special_tokens = True
         # Added tokens may leave gaps in the id space: the model needs a row for the largest id.
         largest = max(backend.get_added_tokens_decoder(), default=-1)
         self.vocab_size = max(backend.get_vocab_size(with_added_tokens=True), largest + 1)
         self._backend = backend
-        self._special = {self.pad_id, self.bos_id, self.eos_id, self.image_id, self.gen_id}
+        self._special = {self.pad_id, self.bos_id, self.eos_id, self.image_id, self.gen_id, self.audio_id}
 
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
@@ -145,7 +151,7 @@ class HFTokenizer:
         return self._backend.decode([i for i in ids if i not in self._special], skip_special_tokens=True)
 
     def __reduce__(self):
-        return HFTokenizer, (self.path,)
+        return HFTokenizer, (self.path, self.audio)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -154,9 +160,16 @@ class HFTokenizer:
 TOKENIZERS = {"byte": ByteTokenizer}
 
 
-def build_tokenizer(name: str) -> Tokenizer:
-    """``data.tokenizer``: a name of ``TOKENIZERS`` or the path of a tokenizer.json. Raises ValueError."""
+def build_tokenizer(name: str, audio: bool = False) -> Tokenizer:
+    """``data.tokenizer``: a name of ``TOKENIZERS`` or the path of a tokenizer.json (with an ``<audio>`` token
+    when ``audio``). Raises ValueError."""
     name = str(name)
     if name in TOKENIZERS:
         return TOKENIZERS[name]()
-    return HFTokenizer(name)
+    return HFTokenizer(name, audio)
+
+
+def tokenizer_for(cfg) -> Tokenizer:
+    """The run's tokenizer: ``data.tokenizer``, with an ``<audio>`` placeholder when the model has an audio
+    tower (model.audio_encoder)."""
+    return build_tokenizer(cfg.data.tokenizer, getattr(cfg.model, "audio_encoder", None) is not None)

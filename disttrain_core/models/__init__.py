@@ -19,7 +19,7 @@ __all__ = ["MODULE_NAMES", "MultimodalLLM", "build_model", "materialize", "param
 
 def build_model(cfg: ModelConfig, tokenizer: Tokenizer, device: str | torch.device = "meta") -> MultimodalLLM:
     with torch.device(device):
-        return MultimodalLLM(cfg, image_token_id=tokenizer.image_id, gen_token_id=tokenizer.gen_id)
+        return MultimodalLLM(cfg, tokenizer.image_id, tokenizer.gen_id, getattr(tokenizer, "audio_id", -1))
 
 
 def materialize(model: torch.nn.Module, device: str | torch.device, seed: int, std: float, prefix: str = "") -> None:

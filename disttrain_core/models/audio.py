@@ -14,31 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import AudioEncoderConfig
-from .common import FeedForwardGELU
-from .vit import VitAttention
+from ..data.audio import audio_frames, audio_tokens
+from .vit import VitBlock
 
-
-def audio_frames(cfg: AudioEncoderConfig) -> int:
-    """Log-mel frames per clip (Whisper drops the centred STFT's last frame): 3,000 for 30 s at 100 per second."""
-    return round(cfg.clip_seconds * cfg.sample_rate) // cfg.hop_length
-
-
-def audio_tokens(cfg: AudioEncoderConfig) -> int:
-    """Output positions per clip: the frames after the stride-2 convolution (1,500 for Whisper)."""
-    return (audio_frames(cfg) + 1) // 2
-
-
-class AudioBlock(nn.Module):
-    def __init__(self, cfg: AudioEncoderConfig):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = VitAttention(cfg.dim, cfg.n_heads, key_bias=False)
-        self.norm2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = FeedForwardGELU(cfg.dim, cfg.mlp_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+__all__ = ["AudioEncoder", "audio_frames", "audio_tokens"]
 
 
 class AudioEncoder(nn.Module):
@@ -50,7 +29,9 @@ class AudioEncoder(nn.Module):
         self.conv1 = nn.Conv1d(cfg.n_mels, cfg.dim, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(cfg.dim, cfg.dim, kernel_size=3, stride=2, padding=1)
         self.positional_embedding = nn.Parameter(torch.empty(audio_tokens(cfg), cfg.dim))
-        self.blocks = nn.ModuleDict({str(i): AudioBlock(cfg) for i in range(cfg.n_layers)})
+        block = (cfg.dim, cfg.n_heads, cfg.mlp_dim, cfg.norm_eps)
+        self.blocks = nn.ModuleDict({str(i): VitBlock(*block, key_bias=False) for i in range(cfg.n_layers)})
+        self.sequence = None  # sequence parallelism: the blocks' SequenceSplit (as the ViT's)
         self.norm_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.out_dim = cfg.dim
 
@@ -58,7 +39,7 @@ class AudioEncoder(nn.Module):
     def tokens_per_clip(self) -> int:
         return audio_tokens(self.cfg)
 
-    # A pipeline stage would run: embed (first stage), run_blocks (its blocks), head (last stage), as the ViT's.
+    # The LLM unit's first stage runs it whole; the pieces mirror the ViT's (embed, run_blocks, head).
     def embed(self, mels: torch.Tensor) -> torch.Tensor:
         """Log-mel features [N, n_mels, frames] -> the blocks' input [N, frames / 2, dim]."""
         x = mels.to(self.conv1.weight.dtype)
@@ -66,9 +47,12 @@ class AudioEncoder(nn.Module):
         return x + self.positional_embedding[: x.shape[1]].to(x.dtype)
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
+        seq = self.sequence
+        if seq is not None:
+            x = seq.scatter(x)
         for block in self.blocks.values():
             x = block(x)
-        return x
+        return x if seq is None else seq.leave(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm_post(x)

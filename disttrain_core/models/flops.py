@@ -30,6 +30,7 @@ from .unet import UNet
 from .vit import VisionTransformer
 
 CHAIN = ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm", "generator_projector", "generator")
+CHAIN += ("audio_generator_projector", "audio_generator")
 # What feeds each module, directly or not: the image and the audio tower sit side by side in front of the LLM.
 FEEDS = {
     "encoder": (),
@@ -39,6 +40,8 @@ FEEDS = {
     "llm": ("encoder", "encoder_projector", "audio_encoder", "audio_projector"),
     "generator_projector": ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm"),
     "generator": CHAIN[: CHAIN.index("generator")],
+    "audio_generator_projector": CHAIN[: CHAIN.index("generator_projector")],
+    "audio_generator": (*CHAIN[: CHAIN.index("generator_projector")], "audio_generator_projector"),
 }
 UNITS = {
     "encoder": "image",
@@ -48,6 +51,8 @@ UNITS = {
     "llm": "sequence",
     "generator_projector": "sample",
     "generator": "sample",
+    "audio_generator_projector": "audio_target",  # one generated clip (a sample's last clip)
+    "audio_generator": "audio_target",
 }
 
 
@@ -55,7 +60,7 @@ UNITS = {
 class ModuleFlops:
     forward: float  # FLOPs of one forward pass over one unit
     train: float  # forward + backward as training executes it
-    unit: str  # image | sequence | sample
+    unit: str  # image | clip | sequence | sample | audio_target
 
 
 def _count(module: torch.nn.Module, inputs: tuple, trainable: bool, input_grad: bool, fn=None) -> ModuleFlops:
@@ -79,6 +84,8 @@ def _trainable(cfg: ModelConfig) -> dict[str, bool]:
         "llm": True,
         "generator_projector": cfg.generator is not None,
         "generator": cfg.generator is not None,
+        "audio_generator_projector": cfg.audio_generator is not None,
+        "audio_generator": cfg.audio_generator is not None,
     }
     return {name: present[name] and not getattr(cfg.freeze, name) for name in CHAIN}
 
@@ -132,7 +139,28 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
             results["generator"] = _count(
                 unet, (latents, timesteps, context), trainable["generator"], context.requires_grad
             )
+        if cfg.audio_generator is not None:
+            results.update(_audio_generator(cfg, trainable, upstream))
     return {name: ModuleFlops(f.forward, f.train, UNITS[name]) for name, f in results.items()}
+
+
+def _audio_generator(cfg: ModelConfig, trainable: dict, upstream) -> dict[str, ModuleFlops]:
+    """The audio generator and its projector, per generated clip: the U-Net over its latent grid, conditioned on
+    the LLM's generation queries."""
+    gen = cfg.audio_generator
+    proj = MLPProjector(cfg.llm.dim, gen.cross_attention_dim, cfg.audio_generator_projector)
+    queries = torch.empty(1, cfg.gen_tokens, cfg.llm.dim, requires_grad=upstream("audio_generator_projector"))
+    out = {
+        "audio_generator_projector": _count(
+            proj, (queries,), trainable["audio_generator_projector"], queries.requires_grad
+        )
+    }
+    height, width = gen.latent_shape
+    latents = torch.empty(1, gen.in_channels, height, width)
+    context = torch.empty(1, cfg.gen_tokens, gen.cross_attention_dim, requires_grad=upstream("audio_generator"))
+    inputs = (latents, torch.zeros(1, dtype=torch.long), context)
+    out["audio_generator"] = _count(UNet(gen), inputs, trainable["audio_generator"], context.requires_grad)
+    return out
 
 
 @lru_cache(maxsize=32)
@@ -146,16 +174,19 @@ def module_flops(cfg) -> dict[str, ModuleFlops]:
     return _cached(OmegaConf.to_yaml(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg))
 
 
-def flops_per_item(cfg) -> tuple[float, float, float]:
-    """Training FLOPs per image (encoder side), per sequence (LLM row) and per generation target."""
+def flops_per_item(cfg) -> tuple[float, float, float, float]:
+    """Training FLOPs per image (encoder side), per sequence (LLM row), per generation target and per audio
+    clip (audio tower)."""
     per_unit = module_flops(cfg)
-    return tuple(sum(f.train for f in per_unit.values() if f.unit == unit) for unit in ("image", "sequence", "sample"))
+    units = ("image", "sequence", "sample", "clip")
+    return tuple(sum(f.train for f in per_unit.values() if f.unit == unit) for unit in units)  # type: ignore
 
 
-def batch_flops(cfg, sequences: int, images: int, gen_samples: int) -> float:
+def batch_flops(cfg, sequences: int, images: int, gen_samples: int, clips: int = 0, audio_targets: int = 0) -> float:
     """Training FLOPs of a batch with the given amounts of work."""
     per_unit = module_flops(cfg)
-    amount = {"image": images, "sequence": sequences, "sample": gen_samples}
+    amount = {"image": images, "sequence": sequences, "sample": gen_samples, "clip": clips}
+    amount["audio_target"] = audio_targets
     return sum(f.train * amount[f.unit] for f in per_unit.values())
 
 
@@ -164,6 +195,7 @@ def flops_per_sample(cfg) -> dict[str, float]:
     per_unit = module_flops(cfg)
     amount = {"image": cfg.nominal_images_per_sample, "clip": cfg.nominal_clips_per_sample, "sequence": 1.0}
     amount["sample"] = 1.0
+    amount["audio_target"] = min(1.0, cfg.nominal_clips_per_sample)  # at most one generated clip per sample
     return {name: f.train * amount[f.unit] for name, f in per_unit.items()}
 
 

@@ -3,9 +3,10 @@
 
 Sequence layout (built by the data pipeline, see data/samples.py)::
 
-    <bos> text <img>*P text <img>*P ... <gen>*G <img>*P text <eos> <pad>...
+    <bos> text <img>*P text <audio>*Q ... <gen>*G <img>*P text <eos> <pad>...
 
-Each ``<img>`` run is replaced by the P patch embeddings of one image. The
+Each ``<img>`` run is replaced by the P patch embeddings of one image, each ``<audio>`` run by the Q positions
+of one clip through the audio tower (model.audio_encoder). The
 final hidden states at the G ``<gen>`` positions, projected to the
 generator's conditioning width, drive a denoising step on the latents of the
 image that follows them (the last image of the sample). Because attention is
@@ -38,6 +39,8 @@ MODULE_NAMES = (
     "llm",
     "generator_projector",
     "generator",
+    "audio_generator_projector",
+    "audio_generator",
 )
 
 
@@ -51,11 +54,12 @@ def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
 
 
 class MultimodalLLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, image_token_id: int, gen_token_id: int):
+    def __init__(self, cfg: ModelConfig, image_token_id: int, gen_token_id: int, audio_token_id: int = -1):
         super().__init__()
         self.cfg = cfg
         self.image_token_id = image_token_id
         self.gen_token_id = gen_token_id
+        self.audio_token_id = audio_token_id
         self.llm = Llama(cfg.llm, cfg.seq_len)
         self.llm.output.chunk = int(cfg.loss_chunk)
         kernel = "varlen" if cfg.document_attention == "auto" else str(cfg.document_attention)
@@ -64,7 +68,12 @@ class MultimodalLLM(nn.Module):
         self.encoder = self.encoder_projector = None
         self.generator = self.generator_projector = self.latent_encoder = None
         self.audio_encoder = self.audio_projector = None
-        if cfg.audio_encoder is not None:  # counted and run here; training refuses it (validation/settings.py)
+        self.audio_generator = self.audio_generator_projector = None
+        if cfg.audio_generator is not None:  # built and counted; training refuses it (validation/modalities.py)
+            width = cfg.audio_generator.cross_attention_dim
+            self.audio_generator_projector = MLPProjector(cfg.llm.dim, width, cfg.audio_generator_projector)
+            self.audio_generator = DiffusionGenerator(cfg.audio_generator)
+        if cfg.audio_encoder is not None:
             self.audio_encoder = AudioEncoder(cfg.audio_encoder)
             self.audio_projector = MLPProjector(self.audio_encoder.out_dim, cfg.llm.dim, cfg.audio_projector)
         if cfg.encoder is not None:
@@ -90,15 +99,22 @@ class MultimodalLLM(nn.Module):
         """Log-mel features [N, n_mels, frames] -> embeddings in the LLM's width [N, frames / 2, D]."""
         return self.audio_projector(self.audio_encoder(mels))
 
-    def embed_tokens(self, tokens: torch.Tensor, image_embeds: torch.Tensor | None) -> torch.Tensor:
+    def embed_tokens(
+        self, tokens: torch.Tensor, image_embeds: torch.Tensor | None, audio_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
         h = self.llm.embed(tokens)
-        if image_embeds is not None:
-            # The image slots, in sequence order; their count is known from the shapes (images x patches),
-            # so the copy has a fixed shape and never reads a value back to the host.
-            count = image_embeds.shape[0] * image_embeds.shape[1]
-            slots = _positions(tokens.flatten() == self.image_token_id, count)
-            h = h.flatten(0, 1).index_copy(0, slots, image_embeds.flatten(0, 1).to(h.dtype)).view_as(h)
+        for embeds, token_id in ((image_embeds, self.image_token_id), (audio_embeds, self.audio_token_id)):
+            if embeds is not None:
+                # The slots, in sequence order; their count is known from the shapes (images x patches, clips x
+                # positions), so the copy has a fixed shape and never reads a value back to the host.
+                count = embeds.shape[0] * embeds.shape[1]
+                slots = _positions(tokens.flatten() == token_id, count)
+                h = h.flatten(0, 1).index_copy(0, slots, embeds.flatten(0, 1).to(h.dtype)).view_as(h)
         return h
+
+    def audio_embeddings(self, batch: Batch) -> torch.Tensor | None:
+        """The batch's clips through the audio tower (None without one)."""
+        return self.encode_audio(batch.audio) if self.audio_encoder is not None else None
 
     def lm_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed next-token loss of the normed final states (the head's logits in chunks of model.loss_chunk
@@ -122,7 +138,7 @@ class MultimodalLLM(nn.Module):
     # output_losses (last stage). The whole model is the three in a row.
     def input_embeddings(self, batch: Batch) -> torch.Tensor:
         image_embeds = self.encode_images(batch.images) if self.encoder is not None else None
-        return self.embed_tokens(batch.tokens, image_embeds)
+        return self.embed_tokens(batch.tokens, image_embeds, self.audio_embeddings(batch))
 
     def output_losses(self, hidden: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         hidden = self.llm.final_norm(hidden)

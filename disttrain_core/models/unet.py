@@ -27,6 +27,8 @@ from torch import nn
 
 from ..config import UNetConfig
 
+CONDITIONING = ("cross_attention", "film")
+
 
 def timestep_features(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
     """Sinusoidal timestep features [B, dim] (cosine half first, as in SD)."""
@@ -126,6 +128,12 @@ def level_head_dims(cfg: UNetConfig) -> list[int]:
     return [ch // n for ch, n in zip(chans, heads, strict=True)]
 
 
+def block_temb_dim(cfg: UNetConfig) -> int:
+    """The embedding width the residual blocks receive: the timestep MLP's 4 x channels, twice that when FiLM
+    conditioning is concatenated to it (AudioLDM's released checkpoints)."""
+    return 4 * cfg.block_out_channels[0] * (2 if cfg.conditioning == "film" and cfg.film_concat else 1)
+
+
 class UNetLevel(nn.Module):
     """One resolution level: residual blocks, optional transformers, optional resampler."""
 
@@ -133,12 +141,11 @@ class UNetLevel(nn.Module):
         self, res_in: list[int], channels: int, attention: bool, resample: str | None, head_dim: int, cfg: UNetConfig
     ):
         super().__init__()
-        temb_dim = 4 * cfg.block_out_channels[0]
+        temb_dim = block_temb_dim(cfg)
         self.resnets = nn.ModuleList(ResBlock(c, channels, temb_dim, cfg.norm_groups) for c in res_in)
+        context = channels if cfg.conditioning == "film" else cfg.cross_attention_dim
         self.attentions = (
-            nn.ModuleList(
-                SpatialTransformer(channels, head_dim, cfg.cross_attention_dim, cfg.norm_groups) for _ in res_in
-            )
+            nn.ModuleList(SpatialTransformer(channels, head_dim, context, cfg.norm_groups) for _ in res_in)
             if attention
             else None
         )
@@ -174,10 +181,17 @@ class UNet(nn.Module):
         if len(attn) != len(chans):
             raise ValueError("generator.cross_attention_blocks needs one entry per block_out_channels entry")
         head_dims = level_head_dims(cfg)
+        if cfg.conditioning not in CONDITIONING:
+            raise ValueError(
+                f"generator.conditioning={cfg.conditioning!r}: allowed values are {', '.join(CONDITIONING)}"
+            )
         temb_dim = 4 * chans[0]
         self.conv_in = nn.Conv2d(cfg.in_channels, chans[0], 3, padding=1)
         self.time_linear1 = nn.Linear(chans[0], temb_dim)
         self.time_linear2 = nn.Linear(temb_dim, temb_dim)
+        self.film = nn.Linear(cfg.cross_attention_dim, temb_dim) if cfg.conditioning == "film" else None
+        block_temb = block_temb_dim(cfg)
+        mid_context = chans[-1] if self.film is not None else cfg.cross_attention_dim
 
         skips = [chans[0]]
         self.down = nn.ModuleList()
@@ -189,9 +203,9 @@ class UNet(nn.Module):
             skips += [ch] * cfg.layers_per_block + ([] if last else [ch])
             in_ch = ch
 
-        self.mid_res1 = ResBlock(chans[-1], chans[-1], temb_dim, cfg.norm_groups)
-        self.mid_attn = SpatialTransformer(chans[-1], head_dims[-1], cfg.cross_attention_dim, cfg.norm_groups)
-        self.mid_res2 = ResBlock(chans[-1], chans[-1], temb_dim, cfg.norm_groups)
+        self.mid_res1 = ResBlock(chans[-1], chans[-1], block_temb, cfg.norm_groups)
+        self.mid_attn = SpatialTransformer(chans[-1], head_dims[-1], mid_context, cfg.norm_groups)
+        self.mid_res2 = ResBlock(chans[-1], chans[-1], block_temb, cfg.norm_groups)
 
         self.up = nn.ModuleList()
         prev = chans[-1]
@@ -216,20 +230,24 @@ class UNet(nn.Module):
         dtype = self.conv_in.weight.dtype
         temb = timestep_features(timesteps, self.cfg.block_out_channels[0]).to(dtype)
         temb = self.time_linear2(F.silu(self.time_linear1(temb)))
+        if self.film is not None:  # AudioLDM: one conditioning vector per sample, into the timestep embedding
+            film = self.film(context.to(dtype).mean(dim=1))
+            temb = torch.cat((temb, film), dim=-1) if self.cfg.film_concat else temb + film
         h = self.conv_in(sample.to(dtype))
         return UNetState(h, [h], temb, context)
 
     def run(self, segment: str, state: UNetState) -> UNetState:
         h, skips, temb, context = state.h, list(state.skips), state.temb, state.context
+        attend = None if self.film is not None else context  # FiLM: the second attention attends to the features
         if segment == "mid":
-            h = self.mid_res2(self.mid_attn(self.mid_res1(h, temb), context), temb)
+            h = self.mid_res2(self.mid_attn(self.mid_res1(h, temb), attend), temb)
             return UNetState(h, skips, temb, context)
         kind, index = segment.split(".")
         level = (self.down if kind == "down" else self.up)[int(index)]
         for i, resnet in enumerate(level.resnets):
             h = resnet(h if kind == "down" else torch.cat((h, skips.pop()), dim=1), temb)
             if level.attentions is not None:
-                h = level.attentions[i](h, context)
+                h = level.attentions[i](h, attend)
             if kind == "down":
                 skips.append(h)
         if level.resample is not None and kind == "down":

@@ -66,13 +66,23 @@ class VitAttention(nn.Module):
 
 
 class VitBlock(nn.Module):
-    def __init__(self, cfg: VitConfig):
+    """A pre-norm transformer block with GELU MLP: the ViT's, and the audio tower's (models/audio.py, whose key
+    projection has no bias); tensor parallelism, recompute and compile treat both alike."""
+
+    def __init__(
+        self, dim: int, n_heads: int, mlp_dim: int, norm_eps: float, activation: str = "gelu", key_bias: bool = True
+    ):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = VitAttention(cfg.dim, cfg.n_heads)
-        self.norm2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.mlp = FeedForwardGELU(cfg.dim, cfg.mlp_dim, activation=cfg.activation)
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps)
+        self.attn = VitAttention(dim, n_heads, key_bias=key_bias)
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps)
+        self.mlp = FeedForwardGELU(dim, mlp_dim, activation=activation)
         self.sequence = None  # sequence parallelism (models/llama.py DecoderBlock has the same)
+
+    @classmethod
+    def of(cls, cfg: VitConfig) -> VitBlock:
+        """A block of the ViT ``cfg`` describes."""
+        return cls(cfg.dim, cfg.n_heads, cfg.mlp_dim, cfg.norm_eps, cfg.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq = self.sequence
@@ -93,7 +103,7 @@ class VisionTransformer(nn.Module):
         self.class_embedding = nn.Parameter(torch.empty(cfg.dim)) if cfg.class_token else None
         self.positional_embedding = nn.Parameter(torch.empty(self.num_patches + int(cfg.class_token), cfg.dim))
         self.norm_pre = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.blocks = nn.ModuleDict({str(i): VitBlock(cfg) for i in range(vit_block_count(cfg))})
+        self.blocks = nn.ModuleDict({str(i): VitBlock.of(cfg) for i in range(vit_block_count(cfg))})
         full = cfg.feature_layer is None  # a selected hidden state skips the output norm and projection
         self.norm_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps) if full else None
         self.proj = nn.Linear(cfg.dim, cfg.output_dim, bias=False) if full and cfg.output_dim else None

@@ -89,7 +89,7 @@ class GeneratorStage(nn.Module):
         self.in_shapes = None if self.is_first else boundary_shapes(unet, cfg, runs[index].start)
         self.out_shapes = None if self.is_last else boundary_shapes(unet, cfg, runs[index].stop)
         self._drop_others(model, set(self.segments))
-        for name in ("encoder", "encoder_projector", "llm"):
+        for name in ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm"):
             setattr(model, name, None)
         self.model = model
 

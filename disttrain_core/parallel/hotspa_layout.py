@@ -66,11 +66,11 @@ _TP_DIMS = {  # parallel/tensor_parallel.py LLAMA_PLAN: column-parallel weights 
 def llm_param_specs(cfg: Config, tokenizer: Tokenizer | None = None) -> dict[str, ParamSpec]:
     """Every trainable parameter of a text-only Llama, named as the stages name it, with its tp dimension
     and layer (meta device: nothing is allocated)."""
-    from ..data.tokenizer import build_tokenizer
+    from ..data.tokenizer import tokenizer_for
     from ..models import build_model
     from .tensor_parallel import LLAMA_PLAN
 
-    tokenizer = tokenizer or build_tokenizer(cfg.data.tokenizer)
+    tokenizer = tokenizer or tokenizer_for(cfg)
     assert set(_TP_DIMS) == set(LLAMA_PLAN), "the tensor-parallel plan changed: update _TP_DIMS"
     model = build_model(cfg.model, tokenizer, device="meta")
     specs = {}

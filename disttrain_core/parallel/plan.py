@@ -22,7 +22,7 @@ import math
 from dataclasses import replace
 
 from ..config import Config
-from .units import UnitLayout, build_layout
+from .units import UnitLayout, build_layout, with_audio_tower
 
 MODES = ("ddp", "megatron", "manual", "auto", "hotspa", "local_sgd")
 
@@ -61,7 +61,12 @@ def layout_shard(p, default: str) -> str:
 
 def units_of(cfg: Config) -> UnitLayout:
     """The layout of one config. HotSPa's is its home strategy's, resolved with every bucket's by
-    ``resolve_run``; ``auto`` has none until the planner chose one."""
+    ``resolve_run``; ``auto`` has none until the planner chose one. An audio tower joins the LLM unit."""
+    layout = _units_of(cfg)
+    return layout if cfg.model.audio_encoder is None else with_audio_tower(layout)
+
+
+def _units_of(cfg: Config) -> UnitLayout:
     p, model = cfg.parallel, cfg.model
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
     same = {name: (p.recompute, p.recompute_every) for name in ("encoder", "llm", "generator")}

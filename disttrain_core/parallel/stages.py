@@ -35,6 +35,7 @@ from ..models.vit import vit_block_count
 from .context_parallel import SequenceSlices, scale_gradient
 from .generator_stages import GeneratorStage
 from .stage_output import GENERATION_FIELDS, StageOutput
+from .units import AUDIO_MODULES
 
 
 def split_evenly(count: int, parts: int, what: str) -> list[range]:
@@ -107,7 +108,7 @@ class EncoderStage(nn.Module):
         if not self.is_last:
             _drop(vit, ("norm_post", "proj"))
             model.encoder_projector = None
-        _drop(model, ("llm", "generator_projector", "generator", "latent_encoder"))
+        _drop(model, ("llm", "generator_projector", "generator", "latent_encoder", *AUDIO_MODULES))
         self.model = model
         self.vit_row = (vit.tokens_per_image, vit.cfg.dim)
         self.splittable_backward = not self.is_first
@@ -150,6 +151,8 @@ class LlmStage(nn.Module):
             model.llm.tok_embeddings = None
         if not (self.is_first and holds_encoder):
             _drop(model, ("encoder", "encoder_projector"))
+        if not self.is_first:
+            _drop(model, AUDIO_MODULES)
         if not self.is_last:
             model.llm.norm = model.llm.output = None
         if not (self.is_last and holds_generator):
@@ -162,6 +165,8 @@ class LlmStage(nn.Module):
         self.batch_fields = llm_stage_fields(
             self.is_first, self.is_last, model.encoder is not None, model.generator is not None, self.sends_queries
         )
+        if model.audio_encoder is not None:
+            self.batch_fields += ("audio_counts", "audio")
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
         m, cp = self.model, self.context
@@ -172,7 +177,7 @@ class LlmStage(nn.Module):
                 image_embeds = inbound  # from the encoder unit, or None for a text-only model
                 if cp is not None and image_embeds is not None:  # the encoder unit hears one CP rank
                     image_embeds = sum_gradient(image_embeds, cp.group)
-            hidden = m.embed_tokens(batch.tokens, image_embeds)
+            hidden = m.embed_tokens(batch.tokens, image_embeds, m.audio_embeddings(batch))
             if cp is not None:
                 hidden = cp.slice(hidden)
         else:
@@ -250,7 +255,10 @@ def build_unit_stage(
     if unit_name == "generator":
         return GeneratorStage(model, index, count)
     holds_encoder, holds_generator = "encoder" in modules, "generator" in modules
-    return LlmStage(model, index, count, holds_encoder, holds_generator, context, split)
+    stage = LlmStage(model, index, count, holds_encoder, holds_generator, context, split)
+    if cfg.audio_encoder is not None and "audio_encoder" not in modules:
+        raise ValueError(f"an LLM unit of modules {modules} without the audio tower model.audio_encoder has")
+    return stage
 
 
 def build_rank_stages(

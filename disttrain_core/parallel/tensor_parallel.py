@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ..comm.sequence_split import SequenceSplit
+from ..models.audio import AudioEncoder
 from ..models.llama import DecoderBlock, Llama
 from ..models.moe import MoeFeedForward
 from ..models.unet import SpatialTransformer
@@ -101,7 +102,8 @@ def _sequence_plan(plan: dict) -> dict:
 def apply_tensor_parallel(
     module: nn.Module, mesh, sequence_overlap: bool = False, sequence_parallel: bool = False
 ) -> int:
-    """Shard every Llama, ViT and U-Net transformer block of ``module`` over ``mesh``; returns how many.
+    """Shard every Llama, ViT (audio tower included) and U-Net transformer block of ``module`` over ``mesh``;
+    returns how many.
 
     ``sequence_parallel``: the Llama and ViT block stacks run Megatron's sequence parallelism
     (comm/sequence_split.py): between the TP regions each rank holds 1/tp of the sequence.
@@ -140,7 +142,7 @@ def apply_tensor_parallel(
 
 
 def enable_sequence_parallel(module: nn.Module, group, skip_dense_llama: bool = False) -> None:
-    """One ``SequenceSplit`` per Llama and ViT block stack of ``module``, shared by its blocks (whose norms then
+    """One ``SequenceSplit`` per Llama, ViT and audio block stack of ``module``, shared by its blocks (whose norms then
     see 1/tp of the rows: ``sequence_parallel_partial_params``). ``skip_dense_llama``: a Llama of dense blocks
     runs the chunked overlap instead."""
     for child in module.modules():
@@ -148,7 +150,7 @@ def enable_sequence_parallel(module: nn.Module, group, skip_dense_llama: bool = 
             blocks = list(child.layers.values())
             if skip_dense_llama and not any(isinstance(b.feed_forward, MoeFeedForward) for b in blocks):
                 continue
-        elif isinstance(child, VisionTransformer):
+        elif isinstance(child, (VisionTransformer, AudioEncoder)):
             blocks = list(child.blocks.values())
         else:
             continue

@@ -4,7 +4,8 @@ its own data, tensor and pipeline parallel sizes, joined into one pipeline.
 A unit holds one or more model modules. The LLM unit always exists; the image
 encoder (with its projector) and the generator (with its projector) either form
 their own units or are *colocated* with the LLM unit (the encoder then runs in the
-LLM's first pipeline stage, the generator in its last, as Megatron-LM does).
+LLM's first pipeline stage, the generator in its last, as Megatron-LM does). An
+audio tower (model.audio_encoder) is always colocated: the LLM's first stage runs it.
 
 Ranks. Units take contiguous blocks of global ranks in data-flow order (encoder,
 LLM, generator). Inside a unit, tensor parallelism is innermost, then context
@@ -25,9 +26,10 @@ that sample, whatever the two DP sizes (2 and 3 included).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ENCODER_MODULES = ("encoder", "encoder_projector")
+AUDIO_MODULES = ("audio_encoder", "audio_projector")  # always in the LLM unit's first stage (for now)
 LLM_MODULES = ("llm",)
 GENERATOR_MODULES = ("generator_projector", "generator")
 
@@ -190,4 +192,16 @@ def build_layout(
             )
         )
         first += units[-1].size
+    return UnitLayout(tuple(units))
+
+
+def with_audio_tower(layout: UnitLayout) -> UnitLayout:
+    """The layout with the audio tower (model.audio_encoder and its projector) in the LLM unit, where its first
+    pipeline stage runs it on the clips of the samples it embeds."""
+    units = []
+    for unit in layout.units:
+        if unit.name == "llm":
+            at = unit.modules.index("llm")
+            unit = replace(unit, modules=(*unit.modules[:at], *AUDIO_MODULES, *unit.modules[at:]))
+        units.append(unit)
     return UnitLayout(tuple(units))

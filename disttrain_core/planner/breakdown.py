@@ -116,6 +116,9 @@ def role_memory(
         if enc is not None and enc.colocated and first:
             act += c.activation_bytes("encoder", llm.tp, model.images(micro), policy) * flight
             extra.append(("encoder", flight))
+        if "audio_encoder" in c.work.units and first:
+            act += c.activation_bytes("audio_encoder", llm.tp, model.items("audio_encoder", micro), policy) * flight
+            extra.append(("audio_encoder", flight))
         if gen is not None and gen.colocated and last:
             act += c.activation_bytes("generator", llm.tp, micro, policy)
             extra.append(("generator", 1))

@@ -103,12 +103,23 @@ class LayoutModel:
         enc = self.w.get("encoder")
         return samples * (enc.items_per_sample if enc else 0.0)
 
+    def items(self, unit: str, samples: float) -> float:
+        """What ``unit`` counts its work in for ``samples`` samples: images (encoder), clips (audio tower),
+        samples (LLM rows, generation targets)."""
+        if unit in ("encoder", "audio_encoder"):
+            return samples * self.w.units[unit].items_per_sample
+        return samples
+
+    def audio_time(self, tp: int, samples: float, policy: str | None = None) -> float:
+        """Seconds the audio tower adds to the LLM's first stage for ``samples`` samples (0 without one)."""
+        return self.colocated_time("audio_encoder", tp, samples, policy) if "audio_encoder" in self.w.units else 0.0
+
     def pp_bw(self, gpus: int) -> float:
         return self.c.link_bw(gpus)
 
     def stage_time(self, unit: str, choice: UnitChoice, samples: float, bw: float, policy: str | None = None) -> float:
         """Seconds per microbatch of one stage of a separate unit (compute share + boundary p2p)."""
-        items = self.images(samples) if unit == "encoder" else samples
+        items = self.items(unit, samples)
         compute = self.c.rank_compute(unit, choice.tp, items, choice.cp, choice.ep)
         compute *= self.c.recompute_factor(unit, policy) / choice.pp
         boundary = self.c.boundary_bytes(unit, samples) if unit != "generator" else 0.0
@@ -123,7 +134,7 @@ class LayoutModel:
         return samples * self.w.seq_len / cp * self.w.llm_dim * self.c.settings.act_bytes
 
     def colocated_time(self, unit: str, tp: int, samples: float, policy: str | None = None) -> float:
-        items = self.images(samples) if unit == "encoder" else samples
+        items = self.items(unit, samples)
         return self.c.compute(unit, tp, items) * self.c.recompute_factor(unit, policy)
 
     # ------------------------------------------------------------------------ memory
@@ -291,9 +302,10 @@ class LayoutModel:
     def llm_end_extras(
         self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None, bw: float, policy: str | None
     ) -> tuple[float, float]:
-        """Seconds per microbatch the LLM's first and last stages run beyond their blocks: a colocated encoder;
-        a colocated generator, or the send of the generation queries to the generator unit."""
+        """Seconds per microbatch the LLM's first and last stages run beyond their blocks: a colocated encoder
+        and the audio tower; a colocated generator, or the send of the generation queries to the generator unit."""
         first = self.colocated_time("encoder", llm.tp, self.micro, policy) if enc is not None and enc.colocated else 0.0
+        first += self.audio_time(llm.tp, self.micro, policy)
         last = 0.0
         if gen is not None and gen.colocated:
             last = self.colocated_time("generator", llm.tp, self.micro, policy)
@@ -334,6 +346,10 @@ class LayoutModel:
         stages and reduce over its dp x cp ranks)."""
         llm_tail = self.unit_tail("llm", llm, llm.dp, shards["llm"], m)
         extra = 0.0
+        if "audio_encoder" in self.w.units:  # the audio tower: always on the LLM's first stage
+            extra = self.unit_tail(
+                "audio_encoder", UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp), llm.dp, shards["llm"], m
+            )
         tails = []
         for name, ch in (("encoder", enc), ("generator", gen)):
             if ch is None:

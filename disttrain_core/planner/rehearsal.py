@@ -74,7 +74,7 @@ def _expert_share(model, ep: int) -> set[int]:
 def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, float]:
     """Model-state bytes of stage ``stage_index`` of ``unit``, built on meta with the runtime's code."""
     from ..comm.buckets import FlatBuckets, bucket_numel
-    from ..data.tokenizer import build_tokenizer
+    from ..data.tokenizer import tokenizer_for
     from ..parallel.fsdp import apply_fsdp
     from ..parallel.recompute import apply_recompute
     from ..parallel.stages import build_unit_stage
@@ -85,7 +85,7 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
     _fake_group(replicas * unit.tp)
     try:
         fsdp_mesh, tp_mesh = _meshes(unit)
-        tokenizer = build_tokenizer(cfg.data.tokenizer)
+        tokenizer = tokenizer_for(cfg)
         split = cfg.parallel.get("pp_split")  # rehearsed per rank (vpp 1): a split of pp stages
         split = split if split is not None and not isinstance(split, str) and len(split) == unit.pp else None
         stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, unit.pp, split=split)

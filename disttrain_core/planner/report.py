@@ -123,6 +123,8 @@ def plan_table(result: PlanResult) -> str:
             f"{row['pp']:4d} {row['vpp']:4d} {row.get('shard', 'zero1'):>6s} {row.get('recompute', 'none'):>13s} "
             f"{mem:>14s}"
         )
+        if name == "llm" and "audio_encoder" in result.model.w.units:
+            lines.append(f"{'audio':10s} {'in the LLM unit (its first stage, its tp)':>40s}")
     lines += [
         "",
         f"schedule {d['schedule']}, {d['pipeline_stages']} pipeline stages, {d['microbatches']} microbatches; "

@@ -100,6 +100,8 @@ def _build(cfg: ModelConfig) -> Workload:
         units["encoder"] = _encoder_work(cfg, model, flops)
     if cfg.generator is not None:
         units["generator"] = _generator_work(cfg, model, flops)
+    if cfg.audio_encoder is not None:
+        units["audio_encoder"] = _audio_work(cfg, model, flops)
     return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units, int(cfg.loss_chunk))
 
 
@@ -162,6 +164,35 @@ def _encoder_work(cfg: ModelConfig, model, flops) -> UnitWork:
     )
 
 
+def _audio_work(cfg: ModelConfig, model, flops) -> UnitWork:
+    """The audio tower's UnitWork (its projector included), per clip. It always rides on the LLM unit's first
+    stage (parallel/units.py), whose TP splits its blocks as the ViT's."""
+    from ..data.audio import audio_tokens
+
+    freeze, audio = cfg.freeze, cfg.audio_encoder
+    tower, proj = model.audio_encoder, model.audio_projector
+    blocks = _count(tower.blocks)
+    proj_flops = flops["audio_projector"].train
+    tokens = audio_tokens(audio)
+    return UnitWork(
+        name="audio_encoder",
+        train_flops=flops["audio_encoder"].train + proj_flops,
+        flops_not_tp=proj_flops,
+        params_tp=blocks,
+        params_rep=_count(tower) - blocks + _count(proj),
+        trainable_fraction=_trainable((tower, freeze.audio_encoder), (proj, freeze.audio_projector)),
+        items_per_sample=float(cfg.nominal_clips_per_sample),
+        layers=audio.n_layers,
+        tokens=tokens,
+        dim=audio.dim,
+        heads=audio.n_heads,
+        mlp_ratio=audio.mlp_dim / audio.dim,
+        gated_mlp=False,
+        boundary_floats=tokens * cfg.llm.dim,
+        params_first=_count(tower) - blocks + _count(proj),
+    )
+
+
 def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
     """The U-Net generator's UnitWork (its projector included; activations counted, planner/activation_count.py).
     TP splits each spatial transformer's attention and feed-forward (models/flops.py ``unet_tensor_parallel``):
@@ -210,7 +241,7 @@ def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 13
+WORKLOAD_VERSION = 14
 
 
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:
@@ -269,11 +300,11 @@ def _cached(cfg_yaml: str) -> Workload:
 def workload_of(model_cfg) -> Workload:
     """The workload of a model config (cached: building 72B on meta takes a few seconds)."""
     node = model_cfg if OmegaConf.is_config(model_cfg) else OmegaConf.structured(model_cfg)
-    if node.get("audio_encoder") is not None:
-        from ..validation.common import audio_refusal
+    if node.get("audio_generator") is not None:
+        from ..validation.common import audio_generator_refusal
         from .costs import PlanningError
 
-        raise PlanningError(audio_refusal(node.audio_encoder))
+        raise PlanningError(audio_generator_refusal(node.audio_generator))
     return _cached(OmegaConf.to_yaml(node))
 
 
@@ -285,11 +316,9 @@ def measured_data(cfg, limit: int = 256) -> tuple[float, float] | None:
 
     from ..data.reader import RawSample, _read_shard, resolve_shards
     from ..data.samples import BadSample, SampleEncoder
-    from ..data.tokenizer import build_tokenizer
+    from ..data.tokenizer import tokenizer_for
 
-    encoder = SampleEncoder(
-        cfg.model, build_tokenizer(cfg.data.tokenizer), 0, cfg.data.max_image_pixels, cfg.data.video_frames
-    )
+    encoder = SampleEncoder(cfg.model, tokenizer_for(cfg), 0, cfg.data.max_image_pixels, cfg.data.video_frames)
     counts = []
     busy = 0.0
     for shard in resolve_shards(cfg.data.path):

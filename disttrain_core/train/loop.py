@@ -28,7 +28,7 @@ from ..base.clock import DeviceClock
 from ..base.faults import inject
 from ..comm.engine import interleaved_mode
 from ..config import training_precision
-from ..data.tokenizer import build_tokenizer
+from ..data.tokenizer import tokenizer_for
 from ..models import build_model
 from ..models.flops import batch_flops, document_flops, llm_flop_terms
 from ..parallel.compile import CompileWatch
@@ -87,7 +87,8 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         self._flop_terms = llm_flop_terms(cfg.model) if self.packing else None  # counted once, not per step
         self.token_file = cfg.data.format == "tokens"  # pre-tokenized windows, positioned by step like packing
         self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing or self.token_file
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.audio_data = not (self.packing or self.token_file)  # samples that may carry audio members
+        self.tokenizer = tokenizer_for(cfg)
         timeout = timedelta(seconds=trainer.dist_timeout_s)
         self.engine, self.count_group, self.schedule, self.broker = build_engine(
             run, fabric, self.tokenizer, self.accumulation, self.global_stream, timeout
@@ -238,8 +239,8 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         sequences = sum(r.sequences for r in window)
         # batch_flops is linear in the amounts: one call for the window (each call prints the model config to
         # YAML for its cache key, ~8 ms; once per step showed in a GPU step's host time)
-        images = sum(r.images for r in window)
-        flops = batch_flops(self.cfg.model, sequences, images, sequences if self.cfg.model.generator else 0)
+        images, clips = sum(r.images for r in window), sum(r.clips for r in window)
+        flops = batch_flops(self.cfg.model, sequences, images, sequences if self.cfg.model.generator else 0, clips)
         if self.packing:  # documents, not padded rows: attention inside each document (models/flops.py)
             flops, self._packed_flops = self._packed_flops, 0.0
         metrics = {
@@ -263,6 +264,9 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
             "data/skipped_samples": float(sum(self.loader.skipped.values())),
             "data/truncated_images": float(self.loader.truncated_images),
         }
+        dropped_audio = self.loader.state_dict().get("truncated_audio", 0) if self.audio_data else 0
+        if dropped_audio or self.cfg.model.audio_encoder is not None:  # clips cut (or, without an audio tower, all)
+            metrics["data/truncated_audio"] = float(dropped_audio)
         if self.cfg.data.blend and self.stream is not None:  # each source's share of the samples read so far
             index = int(self.loader.state_dict().get("index", 0))
             metrics.update({f"data/blend/{name}": share for name, share in self.stream.shares(index).items()})

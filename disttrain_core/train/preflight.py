@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import Config
-from ..data.tokenizer import build_tokenizer
+from ..data.tokenizer import tokenizer_for
 from ..models import build_model
 from ..models.common import count_parameters
 from ..models.hf import PretrainedError, check_pretrained
@@ -27,7 +27,7 @@ STATE_ERRORS = (PretrainedError, CheckpointMismatch, FileNotFoundError)
 def check_state_sources(cfg: Config, run_dir: Path) -> None:
     if cfg.model.init_from in (None, "") and cfg.trainer.resume in (None, "", "none"):
         return
-    model = build_model(cfg.model, build_tokenizer(cfg.data.tokenizer), device="meta")
+    model = build_model(cfg.model, tokenizer_for(cfg), device="meta")
     if cfg.model.init_from not in (None, ""):
         check_pretrained(cfg.model, {name: count_parameters(m) for name, m in model.submodules().items()})
     for checkpoint in resume_candidates(cfg.trainer.resume, run_dir):

@@ -34,6 +34,7 @@ class StepValues:
     lr: float
     sequences: int
     images: int
+    clips: int  # audio clips
     loss_tokens: int
     data_wait_s: float
     step_time_s: float
@@ -58,7 +59,7 @@ def read_results(results: list[StepResult], weight: float) -> list[StepValues]:
         ]
     ).tolist()
     values = []
-    for r, (lm_sum, gen_sum, grad_norm, tokens, gen, sequences, images) in zip(results, rows, strict=True):
+    for r, (lm_sum, gen_sum, grad_norm, tokens, gen, sequences, images, clips) in zip(results, rows, strict=True):
         lm_loss, gen_loss = lm_sum / max(tokens, 1.0), gen_sum / max(gen, 1.0)
         values.append(
             StepValues(
@@ -69,6 +70,7 @@ def read_results(results: list[StepResult], weight: float) -> list[StepValues]:
                 lr=r.lr,
                 sequences=int(sequences),
                 images=int(images),
+                clips=int(clips),
                 loss_tokens=int(tokens),
                 data_wait_s=r.data_wait_s,
                 step_time_s=DeviceClock.elapsed(r.started, r.ended),

@@ -13,7 +13,7 @@ class StepData:
     """Mixed into the Trainer (train/loop.py), whose attributes it reads."""
 
     def _global_counts(self, microbatches: list[Batch], trace=None) -> GlobalCounts:
-        """The loss normalizers of this step: the tokens, generation samples, sequences and images of the samples
+        """The loss normalizers of this step: the tokens, generation samples, sequences, images and clips of the samples
         the loss is normalized over -- the global batch, or (local SGD after its warm-up) one worker's share."""
         step = self.step + 1
         group = None
@@ -38,6 +38,7 @@ class StepData:
                     sum(mb.gen_samples() for mb in microbatches),
                     sum(mb.size for mb in microbatches),
                     sum(int(mb.images.shape[0]) for mb in microbatches),
+                    sum(int(mb.audio.shape[0]) for mb in microbatches),
                 ],
                 dtype=torch.float64,
             ),

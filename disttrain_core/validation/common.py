@@ -110,10 +110,10 @@ def _declared_type(node) -> type | None:
     return kind if dataclasses.is_dataclass(kind) else None
 
 
-def audio_refusal(audio) -> str:
-    """Why a model with an audio encoder cannot train or be planned yet (one line, with what to type)."""
-    width = f"{audio.dim}-wide, {audio.n_layers} blocks" if audio is not None else ""
+def audio_generator_refusal(gen) -> str:
+    """Why a model with an audio generator cannot train or be planned yet (one line, with what to type)."""
     return (
-        f"model.audio_encoder ({width}) does not train or plan yet: its samples' data path, unit and plan are "
-        "still to come; tools/model_info.py counts it. Drop it with ~model/audio_encoder"
+        f"model.audio_generator ({list(gen.block_out_channels)} channels) is built and counted (tools/model_info.py) "
+        "but does not train or plan yet: generated clips as targets are still to come; drop it with "
+        "~model/audio_generator"
     )

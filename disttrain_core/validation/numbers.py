@@ -154,6 +154,7 @@ def _run_rules() -> list[Rule]:
         within(f"{s}.images_geometric_p", 0, 1, open_low=True),
         at_least(f"{s}.max_images", 1),
         within(f"{s}.video_fraction", 0, 1),
+        within(f"{s}.audio_fraction", 0, 1),
         at_least(f"{s}.video_frames_max", 2, "a video has 2 frames or more"),
         at_least("data.video_frames", 1, "use 1 (a video's first frame) or more, e.g. 8"),
         # log-normal parameters: bounded so the drawn caption lengths and image sides stay finite and small

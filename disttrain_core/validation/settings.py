@@ -14,7 +14,6 @@ from .common import (
     CPU_PROCESSES_PER_CORE,
     ConfigError,
     _require,
-    audio_refusal,
     check_references,
     externally_launched,
     resolve_accelerator,
@@ -30,6 +29,7 @@ from .data import (
     check_val_tokens,
     check_validation_run,
 )
+from .modalities import validate_audio, validate_synthetic_modalities
 from .numbers import check_bounds
 from .producer import check_pool_settings
 
@@ -42,16 +42,16 @@ def _tokenizer(cfg: Config):
     except OSError:
         stamp = None
     try:
-        return _load_tokenizer(name, stamp)
+        return _load_tokenizer(name, stamp, cfg.model.audio_encoder is not None)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
 @functools.lru_cache(maxsize=4)
-def _load_tokenizer(name: str, stamp: int | None):  # stamp: the file's mtime, so an edited file is read again
+def _load_tokenizer(name: str, stamp: int | None, audio: bool):  # stamp: the file's mtime (an edit reads it again)
     from ..data.tokenizer import build_tokenizer
 
-    return build_tokenizer(name)
+    return build_tokenizer(name, audio)
 
 
 def validate_model(cfg: Config) -> None:
@@ -86,7 +86,8 @@ def validate_model(cfg: Config) -> None:
         f"model.llm.vocab_size={llm.vocab_size} is smaller than the {vocab} ids of "
         f"data.tokenizer={cfg.data.tokenizer}; set model.llm.vocab_size={vocab} (or more)",
     )
-    _require(m.audio_encoder is None, audio_refusal(m.audio_encoder))
+    validate_audio(cfg)
+    validate_synthetic_modalities(cfg)
     if m.family == "llama":
         _require(
             m.encoder is None and m.generator is None,

@@ -36,7 +36,7 @@ def _blocks(m):
     tokens = (m.encoder.image_size // m.encoder.patch_size) ** 2 + int(m.encoder.class_token)
     return {
         "llm": (lambda: llm.layers["0"], m.seq_len, m.llm.dim, (llm.rope,), m.llm.n_layers),
-        "encoder": (lambda: VitBlock(m.encoder), tokens, m.encoder.dim, (), vit_block_count(m.encoder)),
+        "encoder": (lambda: VitBlock.of(m.encoder), tokens, m.encoder.dim, (), vit_block_count(m.encoder)),
     }
 
 

@@ -88,6 +88,9 @@ ELSEWHERE = {
     "python train.py model/encoder=vit_tiny model/llm=llama_tiny model/generator=unet_tiny": (
         "tests/unit/test_model_modules.py::test_the_modules_of_mllm_tiny_train_as_the_preset"
     ),
+    "python train.py model=any2any_tiny data=synthetic_any2any": (
+        "tests/distributed/test_any2any.py::test_one_process_trains_on_images_video_and_audio"
+    ),
     # the vocabulary size 476 is the embedded data's; the test reads the size its tokenizer reports
     "python tools/train_tokenizer.py out=data/tokenizer": (
         "tests/unit/test_tokenizer.py::test_the_tool_writes_a_tokenizer_the_trainer_reads"

@@ -1,5 +1,5 @@
 """The audio tower (models/audio.py) and its front end (data/audio.py): decoding, Whisper's log-mel features, the
-published sizes, and the one line that refuses to train or plan it before its data path exists."""
+published sizes, the settings refused in one line, and its place in the planner's model."""
 
 from __future__ import annotations
 
@@ -96,15 +96,41 @@ def test_whisper_large_v3_is_pinned_at_its_published_size():
     assert abs((table["audio_encoder"] + decoder) / 1.55e9 - 1) < 0.01
 
 
-def test_an_audio_model_is_refused_by_training_and_planning_in_one_line():
-    from disttrain_core.planner import PlanningError, workload_of
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model/audio_encoder=audio_tiny", "model.audio_encoder.dim=66"], "dim=66 is not divisible by .*n_heads=4"),
+        (["model=any2any_tiny", "model.seq_len=48"], "cannot hold one audio clip \\(50 <audio> positions\\)"),
+        (["model=any2any_tiny", "model.audio_encoder.n_fft=20000"], "n_fft=20000 and hop_length=80 must satisfy"),
+        (["model=any2any_tiny", "parallel=hotspa"], "hotspa does not run an audio tower.*parallel=ddp"),
+        (["model=llama_tiny", "model/audio_encoder=audio_tiny"], "family=llama .* takes no audio tower"),
+        # a sample modality with no tower to read it (embedded data, before anything is generated)
+        (["data=synthetic_any2any"], "audio_fraction=0.5 draws audio clips, but model mllm_tiny has no audio tower"),
+        (["model=llama_tiny", "data=synthetic_video"], "video_fraction=0.3 draws videos, but model llama_tiny has no"),
+        (["model/audio_generator=audioldm_tiny"], "audio_generator .* does not train or plan yet.*~model/audio_gen"),
+    ],
+)
+def test_audio_settings_that_cannot_work_are_one_line_errors(overrides, message):
     from disttrain_core.validation import ConfigError, validate_config
 
-    cfg = compose(["model/audio_encoder=audio_tiny"])
-    with pytest.raises(ConfigError, match="does not train or plan yet.*~model/audio_encoder"):
-        validate_config(cfg)
-    with pytest.raises(PlanningError, match="does not train or plan yet"):
-        workload_of(cfg.model)
+    with pytest.raises(ConfigError, match=message) as info:
+        validate_config(compose(overrides))
+    assert "\n" not in str(info.value)
+
+
+def test_the_planner_places_the_audio_tower_on_the_llms_first_stage():
+    """The workload counts the tower per clip; the LLM's first stage carries its time and memory (evaluate.py,
+    breakdown.py), so the plan of a model with one is slower and fuller than without."""
+    from disttrain_core.planner import workload_of
+    from disttrain_core.planner.api import make_plan
+
+    base = ["cluster=h100_80g", "cluster.num_gpus=64", "model=mllm9b"]
+    work = workload_of(compose([*base, "model/audio_encoder=whisper_base"]).model)
+    audio = work.units["audio_encoder"]
+    assert audio.items_per_sample == 1.0 and audio.tokens == 1500 and audio.params_tp > 0
+    plain = make_plan(compose(base))
+    heard = make_plan(compose([*base, "model/audio_encoder=whisper_base"]))
+    assert heard.plan.evaluation.iteration_s > plain.plan.evaluation.iteration_s
 
 
 def test_the_audio_towers_flops_do_not_count_the_image_tower_as_upstream():
@@ -119,3 +145,40 @@ def test_the_audio_towers_flops_do_not_count_the_image_tower_as_upstream():
     assert audio_only["audio_projector"].train == both["audio_projector"].train
     assert audio_only["audio_projector"].train < trained["audio_projector"].train  # its input gradient, when due
     assert audio_only["audio_encoder"].train == audio_only["audio_encoder"].forward  # frozen, nothing upstream
+
+
+def test_audioldm_is_pinned_at_its_published_sizes():
+    """AudioLDM's U-Net (paper Table 1, U-Net only): S 181M with the FiLM vector added to the timestep embedding;
+    L 739M with it concatenated, as the released checkpoints do (S's released one: 185,036,552, the count
+    diffusers' UNet2DConditionModel gives for cvssp/audioldm-s-full-v2's config)."""
+    counts = {}
+    for option, extra in (
+        ("audioldm_s", []),
+        ("audioldm_s", ["model.audio_generator.film_concat=true"]),
+        ("audioldm_l", []),
+    ):
+        cfg = compose(["model=mllm_tiny", f"model/audio_generator={option}", *extra]).model
+        table = parameter_table(build_model(cfg, ByteTokenizer(), device="meta"))
+        counts[(option, bool(extra))] = table["audio_generator"]
+    assert counts[("audioldm_s", False)] == 180_776_712 and abs(counts[("audioldm_s", False)] / 181e6 - 1) < 0.01
+    assert counts[("audioldm_s", True)] == 185_036_552
+    assert counts[("audioldm_l", False)] == 739_139_080 and abs(counts[("audioldm_l", False)] / 739e6 - 1) < 0.01
+
+
+def test_film_conditioning_reaches_every_block_through_the_timestep_embedding():
+    """A FiLM U-Net (AudioLDM's conditioning): the pooled conditioning changes the output, its linear gets a
+    gradient, and the transformers' second attention attends to the features (no context width in it)."""
+    from disttrain_core.models.unet import UNet
+
+    cfg = compose(["model=mllm_tiny", "model/audio_generator=audioldm_tiny"]).model.audio_generator
+    unet = UNet(cfg)
+    init_weights(unet, seed=0, std=0.02)
+    assert unet.down[1].attentions[0].attn2.to_k.in_features == 64  # the level's channels, not a context width
+    latents, steps = torch.randn(2, 8, 8, 8), torch.tensor([10, 500])
+    context = torch.randn(2, 4, cfg.cross_attention_dim, requires_grad=True)
+    out = unet(latents, steps, context)
+    other = unet(latents, steps, context.detach() + 1.0)
+    assert out.shape == latents.shape and not torch.allclose(out, other)
+    out.sum().backward()
+    assert unet.film.weight.grad is not None and unet.film.weight.grad.abs().sum() > 0
+    assert context.grad is not None and context.grad.abs().sum() > 0

@@ -59,7 +59,7 @@ def test_vit_block(precision, bound):
 
     e = compose(["model=mllm_small"]).model.encoder
     tokens = (e.image_size // e.patch_size) ** 2 + int(e.class_token)
-    block = VitBlock(e)
+    block = VitBlock.of(e)
     measured = _per_item(block, lambda b: (torch.randn(b, tokens, e.dim, requires_grad=True),), precision)
     costs = _costs(["model=mllm_small"], precision)
     predicted = costs.activation_bytes("encoder", 1, 1, "none") / vit_block_count(e)

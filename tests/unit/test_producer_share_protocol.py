@@ -68,7 +68,7 @@ def test_a_share_round_trips_and_its_summary_counts_the_whole_step():
     assert torch.equal(slots[1].tokens, whole.tokens[5:7]) and torch.equal(slots[0].image_counts, torch.tensor([0, 2]))
     assert slots[0].images.shape == (2, 3, 2, 2) and not slots[0].images.any()  # not wanted: zeros, right shape
     assert not slots[0].labels.any() and slots[0].labels.shape == (2, 6)
-    assert summary.totals() == [float((whole.labels != -100).sum()), 4.0, 8.0, 5.0]
+    assert summary.totals() == [float((whole.labels != -100).sum()), 4.0, 8.0, 5.0, 0.0]  # ..., no audio clips
     assert torch.equal(summary.image_counts, whole.image_counts.view(2, 4))
     assert StepSummary.of(whole, 2).image_counts.shape == (2, 4)
 

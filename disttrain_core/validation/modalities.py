@@ -1,0 +1,66 @@
+"""The modalities a run's samples carry against the towers its model has: an audio tower's own shape, where it can
+train, and embedded data that would draw a modality no tower reads."""
+
+from __future__ import annotations
+
+from ..config import Config
+from .common import _require, audio_generator_refusal
+
+
+def validate_audio(cfg: Config) -> None:
+    """model.audio_encoder's shape, and the layouts it trains in: every layout but HotSPa's, with the tower in the
+    LLM unit's first stage (parallel/units.py; the planner places it there too)."""
+    m, audio = cfg.model, cfg.model.audio_encoder
+    if m.audio_generator is not None:
+        _require(False, audio_generator_refusal(m.audio_generator))
+    if audio is None:
+        return
+    _require(
+        m.family == "mllm",
+        f"model.family={m.family} (model.name={m.name}) takes no audio tower; add model.family=mllm (with an image "
+        "encoder) or drop it with ~model/audio_encoder",
+    )
+    _require(
+        audio.dim % audio.n_heads == 0,
+        f"model.audio_encoder.dim={audio.dim} is not divisible by model.audio_encoder.n_heads={audio.n_heads}",
+    )
+    _require(
+        audio.n_fft <= round(audio.clip_seconds * audio.sample_rate) and audio.hop_length <= audio.n_fft,
+        f"model.audio_encoder: n_fft={audio.n_fft} and hop_length={audio.hop_length} must satisfy hop_length <= "
+        f"n_fft <= the clip's {round(audio.clip_seconds * audio.sample_rate)} samples (clip_seconds x sample_rate)",
+    )
+    from ..data.audio import audio_tokens
+
+    tokens, gen = audio_tokens(audio), m.gen_tokens if m.generator is not None else 0
+    _require(
+        m.seq_len >= tokens + gen + 3,
+        f"model.seq_len={m.seq_len} cannot hold one audio clip ({tokens} <audio> positions) plus {gen} generation "
+        "tokens; raise model.seq_len or shorten model.audio_encoder.clip_seconds",
+    )
+    _require(
+        cfg.parallel.mode != "hotspa",
+        "parallel.mode=hotspa does not run an audio tower (its strategies cut the LLM into buckets of packed text); "
+        "use parallel=ddp or a manual layout (parallel=disagg_tiny), where the LLM unit's first stage runs it",
+    )
+
+
+def validate_synthetic_modalities(cfg: Config) -> None:
+    """Embedded data told to draw audio clips or videos for a model without the tower that reads them: one line,
+    before anything is generated (real shards' clips without a tower are dropped and counted: data/truncated_audio)."""
+    m, synthetic = cfg.model, cfg.data.synthetic
+    if cfg.data.format != "webdataset":
+        return
+    if synthetic.audio_fraction > 0:
+        _require(
+            m.audio_encoder is not None,
+            f"data.synthetic.audio_fraction={synthetic.audio_fraction} draws audio clips, but model "
+            f"{m.name} has no audio tower to read them; add model/audio_encoder=audio_tiny (or model=any2any_tiny), "
+            "or set data.synthetic.audio_fraction=0",
+        )
+    if synthetic.video_fraction > 0:
+        _require(
+            m.encoder is not None,
+            f"data.synthetic.video_fraction={synthetic.video_fraction} draws videos, but model {m.name} has no "
+            "image encoder to read their frames; pick a multimodal model (model=mllm_tiny) or set "
+            "data.synthetic.video_fraction=0",
+        )

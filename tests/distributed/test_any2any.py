@@ -1,0 +1,56 @@
+"""A model that reads images, video frames and audio clips (model=any2any_tiny) on embedded data with all three:
+disaggregated and tensor-parallel layouts, and a data producer, reproduce one process (fp32, 5 steps, losses and
+final parameters within 1e-4). The audio tower rides on the LLM unit's first stage, TP-split with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..conftest import read_metrics
+from .test_units import assert_same_run, train
+
+pytestmark = pytest.mark.distributed
+
+MODEL = ["model=any2any_tiny", "optim.global_batch_size=8", "optim.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def any2any_shards(tmp_path_factory):
+    """2 shards x 24 samples: 30% of the images short videos, half the samples with a clip."""
+    from disttrain_core.config import SyntheticDataConfig
+    from disttrain_core.data.synthetic import generate_shards
+
+    out = tmp_path_factory.mktemp("any2any") / "shards"
+    config = SyntheticDataConfig(
+        num_shards=2, samples_per_shard=24, image_side_max=128, video_fraction=0.3, audio_fraction=0.5
+    )
+    generate_shards(config, out, processes=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(any2any_shards, tmp_path_factory):
+    return train(any2any_shards, tmp_path_factory.mktemp("any2any_one") / "one", *MODEL)
+
+
+def test_one_process_trains_on_images_video_and_audio(reference):
+    metrics = [m for m in read_metrics(reference) if "loss" in m]
+    assert len(metrics) == 5 and metrics[-1]["loss"] < metrics[0]["loss"]
+    assert metrics[-1]["data/skipped_samples"] == 0
+    assert "data/truncated_audio" in metrics[-1]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # encoder unit, LLM at tp=2 with the audio tower TP-split in it, generator unit: 4 processes
+        pytest.param(["parallel=disagg4_tp2"], id="disagg4_tp2"),
+        # two data-parallel replicas fed by a data producer, each receiving only its block (clips included)
+        pytest.param(
+            ["trainer.devices=2", "data.producer.workers=1", "data.producer.per_rank=true"], id="dp2_producer"
+        ),
+        pytest.param(["parallel=disagg4_pp2"], id="disagg4_pp2", marks=pytest.mark.slow),
+    ],
+)
+def test_layouts_match_one_process(layout, reference, any2any_shards, tmp_path):
+    assert_same_run(train(any2any_shards, tmp_path / "run", *MODEL, *layout), reference)
