@@ -7,6 +7,16 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+# Per-row audio fields and their shapes and types when a batch leaves them out (no audio tower / generator).
+EMPTY_AUDIO = (
+    ("audio_counts", (), torch.int64),
+    ("gen_audio", (1, 1), torch.float32),
+    ("audio_gen_weight", (), torch.float32),
+    ("audio_gen_noise", (1, 1, 1), torch.float32),
+    ("audio_gen_timesteps", (), torch.int64),
+)
+PER_ROW_AUDIO = tuple(name for name, _, _ in EMPTY_AUDIO)
+
 
 @dataclass
 class Batch:
@@ -26,12 +36,20 @@ class Batch:
     # Left out, a batch has none ([0, 1, 1] and zeros), as a text batch has no images.
     audio: torch.Tensor | None = None  # [A, n_mels, frames] float32
     audio_counts: torch.Tensor | None = None  # [B] int64
+    # The audio generator's target (model.audio_generator): each row's last clip's features (zeros if none), its
+    # weight (1 with a clip), seeded diffusion noise and timestep. Left out: one zero per row.
+    gen_audio: torch.Tensor | None = None  # [B, n_mels, frames] float32
+    audio_gen_weight: torch.Tensor | None = None  # [B] float32
+    audio_gen_noise: torch.Tensor | None = None  # [B, C, h, w] float32
+    audio_gen_timesteps: torch.Tensor | None = None  # [B] int64
 
     def __post_init__(self) -> None:
+        rows, device = self.tokens.shape[0], self.tokens.device
         if self.audio is None:
             self.audio = torch.zeros((0, 1, 1), dtype=torch.float32)
-        if self.audio_counts is None:
-            self.audio_counts = torch.zeros(self.tokens.shape[0], dtype=torch.int64, device=self.tokens.device)
+        for name, shape, dtype in EMPTY_AUDIO:
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros((rows, *shape), dtype=dtype, device=device))
 
     @property
     def size(self) -> int:
@@ -55,7 +73,7 @@ class Batch:
             labels=self.labels[rows],
             images=self.images[_items_of(self.image_counts, samples)],
             audio=self.audio[_items_of(self.audio_counts, samples)],
-            audio_counts=self.audio_counts[rows],
+            **{name: getattr(self, name)[rows] for name in PER_ROW_AUDIO},
             image_counts=self.image_counts[rows],
             gen_images=self.gen_images[rows],
             gen_weight=self.gen_weight[rows],
@@ -70,7 +88,8 @@ class Batch:
         return int((self.labels != -100).sum())
 
     def gen_samples(self) -> float:
-        return float(self.gen_weight.sum())
+        """Generation targets: images, and clips with an audio generator (one loss, normalized by both)."""
+        return float(self.gen_weight.sum()) + float(self.audio_gen_weight.sum())
 
 
 def _items_of(counts: torch.Tensor, samples: range) -> slice:
@@ -89,7 +108,7 @@ def concat(parts: list[Batch]) -> Batch:
     return Batch(
         **{name: torch.cat([getattr(p, name) for p in parts]) for name in names},
         audio=torch.cat(clips),
-        audio_counts=torch.cat([p.audio_counts for p in parts]),
+        **{name: torch.cat([getattr(p, name) for p in parts]) for name in PER_ROW_AUDIO},
         keys=[key for p in parts for key in p.keys],
     )
 
@@ -141,7 +160,7 @@ def with_empty_rows(rows: Batch, pad: int) -> Batch:
         images=rows.images,
         image_counts=extend(rows.image_counts, 0),
         audio=rows.audio,
-        audio_counts=extend(rows.audio_counts, 0),
+        **{name: extend(getattr(rows, name), 0) for name in PER_ROW_AUDIO},
         gen_images=extend(rows.gen_images, 0),
         gen_weight=extend(rows.gen_weight, 0),
         gen_noise=extend(rows.gen_noise, 0),

@@ -105,6 +105,10 @@ def collate(samples: list[EncodedSample]) -> Batch:
         keys=[s.key for s in samples],
         audio=torch.from_numpy(np.concatenate([s.audio for s in samples])),
         audio_counts=torch.tensor([s.audio.shape[0] for s in samples], dtype=torch.int64),
+        gen_audio=stack("gen_audio"),
+        audio_gen_weight=torch.tensor([s.audio_gen_weight for s in samples], dtype=torch.float32),
+        audio_gen_noise=stack("audio_gen_noise"),
+        audio_gen_timesteps=torch.tensor([s.audio_gen_timestep for s in samples], dtype=torch.int64),
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batch import Batch, concat
+from .batch import PER_ROW_AUDIO, Batch, concat
 from .transport import ProtocolError, pack_arrays, unpack_arrays
 
 DTYPES = {
@@ -26,6 +26,10 @@ DTYPES = {
     "gen_timesteps": "int64",
     "audio": "float32",
     "audio_counts": "int64",
+    "gen_audio": "float32",
+    "audio_gen_weight": "float32",
+    "audio_gen_noise": "float32",
+    "audio_gen_timesteps": "int64",
 }
 FIELDS = tuple(DTYPES)
 LAYOUT_FIELDS = ("slots", "samples_per_slot", "groups", "stages", "world")
@@ -221,7 +225,7 @@ class StepSummary:
         return cls(
             counts,
             (batch.labels != -100).view(slots, -1).sum(dim=1),
-            batch.gen_weight.view(slots, per).sum(dim=1),
+            (batch.gen_weight + batch.audio_gen_weight).view(slots, per).sum(dim=1),
             counts.sum(dim=1),
             batch.audio_counts.view(slots, per).sum(dim=1),
         )
@@ -334,7 +338,7 @@ def _decode(meta: dict, payload, extra: dict | None = None, absent: dict | None 
     keys = meta.get("keys")
     if rows < 0 or not isinstance(keys, list) or len(keys) != rows:
         raise ProtocolError("batch keys do not match its rows")
-    per_row = ("labels", "image_counts", "gen_images", "gen_weight", "gen_noise", "gen_timesteps", "audio_counts")
+    per_row = ("labels", "image_counts", "gen_images", "gen_weight", "gen_noise", "gen_timesteps", *PER_ROW_AUDIO)
     if any(arrays[name].ndim == 0 or arrays[name].shape[0] != rows for name in per_row):
         raise ProtocolError("batch tensors disagree on the number of rows")
     for items, kind in (("images", "image"), ("audio", "audio")):

@@ -34,7 +34,6 @@ skips such samples and counts them by reason.
 
 from __future__ import annotations
 
-import io
 import json
 import zlib
 from dataclasses import dataclass, field
@@ -46,11 +45,11 @@ from PIL import Image
 from ..config import ModelConfig
 from .audio import audio_frames, audio_tokens, check_audio, decode_audio, log_mel
 from .bad_sample import BadSample
+from .images import decode_frame, decode_image, frame_indices
 from .tokenizer import Tokenizer
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif")  # an animated webp or gif is a video: its frames
 AUDIO_EXTENSIONS = ("flac", "wav", "ogg", "mp3")
-Image.MAX_IMAGE_PIXELS = None  # our own limit (data.max_image_pixels) is checked from the header
 
 
 @dataclass
@@ -69,10 +68,20 @@ class EncodedSample:
     truncated_images: int = 0
     audio: np.ndarray = None  # [a, n_mels, frames] float32 log-mel features ([0, 1, 1] without an audio tower)
     truncated_audio: int = 0
+    # The audio generator's target (model.audio_generator): the last clip's features, its weight, seeded noise and
+    # timestep ([1, 1], 0, [1, 1, 1], 0 without one)
+    gen_audio: np.ndarray = None
+    audio_gen_weight: float = 0.0
+    audio_gen_noise: np.ndarray = None
+    audio_gen_timestep: int = 0
 
     def __post_init__(self) -> None:
         if self.audio is None:
             self.audio = np.zeros((0, 1, 1), dtype=np.float32)
+        if self.gen_audio is None:
+            self.gen_audio = np.zeros((1, 1), dtype=np.float32)
+        if self.audio_gen_noise is None:
+            self.audio_gen_noise = np.zeros((1, 1, 1), dtype=np.float32)
 
 
 @dataclass
@@ -89,6 +98,7 @@ class PlannedSample:
     truncated_images: int = 0
     audio: list[bytes] = field(default_factory=list)  # the clips the row keeps, encoded
     truncated_audio: int = 0
+    audio_gen_weight: float = 0.0  # 1: the audio generator trains on the row's last clip
 
 
 def _member_kind(name: str) -> str:
@@ -137,89 +147,6 @@ def parse_segments(members: dict[str, bytes]) -> list[tuple[str, object]]:
     return segments
 
 
-def image_size_of(data: bytes, max_pixels: int) -> tuple[int, int]:
-    """(width, height) from the image's header alone (no pixels decoded); BadSample if unreadable or too big."""
-    try:
-        width, height = Image.open(io.BytesIO(data)).size
-    except Exception as error:  # PIL raises many types for corrupt data
-        raise BadSample("bad_image", f"{type(error).__name__}: {error}") from error
-    _check_pixels(width, height, max_pixels)
-    return width, height
-
-
-def _check_pixels(width: int, height: int, max_pixels: int) -> None:
-    if width * height > max_pixels:
-        raise BadSample("huge_image", f"{width}x{height} > data.max_image_pixels={max_pixels}")
-
-
-def decode_image(data: bytes, sizes: tuple[int, ...], max_pixels: int) -> list[np.ndarray]:
-    """Decode once, resize to each square size; uint8 [3, s, s] arrays."""
-    image_size_of(data, max_pixels)
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.draft("RGB", (max(sizes), max(sizes)))  # JPEG: decode at reduced scale when possible
-        image = image.convert("RGB")
-        resized: dict[int, np.ndarray] = {}
-        for size in sizes:
-            if size not in resized:
-                pixels = np.asarray(image.resize((size, size), Image.BILINEAR), dtype=np.uint8)
-                resized[size] = np.ascontiguousarray(pixels.transpose(2, 0, 1))
-        return [resized[size] for size in sizes]
-    except Exception as error:  # PIL raises many types for corrupt data
-        raise BadSample("bad_image", f"{type(error).__name__}: {error}") from error
-
-
-def _animated_header(data: bytes) -> bool:
-    """Does an unreadable member say it is animated: a WebP whose VP8X header sets the animation flag, or a PNG
-    with an animation-control chunk near its start (APNG)?"""
-    webp = data[:4] == b"RIFF" and data[8:16] == b"WEBPVP8X" and len(data) > 20 and bool(data[20] & 0x02)
-    return webp or (data[:8] == b"\x89PNG\r\n\x1a\n" and b"acTL" in data[:256])
-
-
-def frame_indices(data: bytes, max_frames: int, max_pixels: int | None = None) -> list[int]:
-    """The frames of an image member the row takes: [0] for a still image; for an animated one (a video: webp,
-    gif, apng) ``max_frames`` of them spread evenly from the first to the last (all when it has fewer). With
-    ``max_pixels``, also ``image_size_of``'s check, from the same header read."""
-    try:
-        image = Image.open(io.BytesIO(data))
-        count = int(getattr(image, "n_frames", 1))
-    except Exception as error:  # PIL raises many types for corrupt data
-        reason = "bad_video" if _animated_header(data) else "bad_image"
-        raise BadSample(reason, f"{type(error).__name__}: {error}") from error
-    if max_pixels is not None:
-        _check_pixels(image.width, image.height, max_pixels)
-    if count <= 1 or max_frames <= 1:
-        return [0]
-    if count <= max_frames:
-        return list(range(count))
-    return [round(i * (count - 1) / (max_frames - 1)) for i in range(max_frames)]
-
-
-def decode_frame(
-    data: bytes, index: int, sizes: tuple[int, ...], max_pixels: int, opened: dict | None = None
-) -> list[np.ndarray]:
-    """Frame ``index`` of a video member, as ``decode_image`` decodes a still one; BadSample("bad_video").
-    ``opened``: the videos of this row already open (by identity), so a row's frames, asked for in order, decode
-    each video once from its start (WebP and GIF seek forward incrementally, backward from the first frame)."""
-    video = opened.get(id(data)) if opened is not None else None
-    if video is None:
-        image_size_of(data, max_pixels)
-    try:
-        if video is None:
-            video = Image.open(io.BytesIO(data))
-            if opened is not None:
-                opened[id(data)] = video
-        video.seek(index)
-        frame = video.convert("RGB")
-        out = []
-        for size in sizes:
-            pixels = np.asarray(frame.resize((size, size), Image.BILINEAR), dtype=np.uint8)
-            out.append(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
-        return out
-    except Exception as error:  # PIL raises many types for corrupt data
-        raise BadSample("bad_video", f"frame {index}: {type(error).__name__}: {error}") from error
-
-
 def sample_seed(seed: int, key: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
 
@@ -248,6 +175,7 @@ class SampleEncoder:
         self.timesteps = int(model.generator.num_train_timesteps) if self.has_generator else 0
         self.audio_cfg = model.audio_encoder if self.multimodal else None
         self.audio_tokens = audio_tokens(self.audio_cfg) if self.audio_cfg is not None else 0
+        self.audio_gen = model.audio_generator if self.audio_cfg is not None else None  # validation: both or none
 
     def encode(self, key: str, members: dict[str, bytes]) -> EncodedSample:
         return self.finish(self.plan(key, members))
@@ -287,6 +215,7 @@ class SampleEncoder:
         kept_images = sum(kind == "image" for kind, _ in kept)
         planned = self._planned(key, kept, total_images - kept_images)
         planned.truncated_audio = total_audio - len(planned.audio)
+        planned.audio_gen_weight = 1.0 if self.audio_gen is not None and planned.audio else 0.0
         return planned
 
     def finish(self, planned: PlannedSample) -> EncodedSample:
@@ -320,7 +249,8 @@ class SampleEncoder:
         else:
             noise, timestep = np.zeros(0, dtype=np.float32), 0
             gen_image = np.zeros(0, dtype=np.uint8)
-        return EncodedSample(
+        clips = self._clips(planned.audio)
+        sample = EncodedSample(
             planned.key,
             planned.tokens,
             planned.labels,
@@ -330,9 +260,23 @@ class SampleEncoder:
             noise,
             timestep,
             planned.truncated_images,
-            self._clips(planned.audio),
+            clips,
             planned.truncated_audio,
         )
+        if self.audio_gen is not None:
+            self._audio_target(sample, planned.key, float(planned.audio_gen_weight) if len(clips) else 0.0)
+        return sample
+
+    def _audio_target(self, sample: EncodedSample, key: str, weight: float) -> None:
+        """The audio generator's target: the row's last clip (zeros and weight 0 without one), with noise and a
+        timestep seeded by the sample (another stream than the image generator's)."""
+        gen, clips = self.audio_gen, sample.audio
+        sample.gen_audio = clips[-1] if len(clips) else np.zeros(clips.shape[1:], dtype=np.float32)
+        sample.audio_gen_weight = weight
+        generator = torch.Generator().manual_seed(sample_seed(self.seed, "audio:" + key))
+        shape = (int(gen.in_channels), *map(int, gen.latent_shape))
+        sample.audio_gen_noise = torch.randn(*shape, generator=generator).numpy()
+        sample.audio_gen_timestep = int(torch.randint(0, int(gen.num_train_timesteps), (1,), generator=generator))
 
     def _clips(self, clips: list[bytes]) -> np.ndarray:
         """The row's audio clips as log-mel features [a, n_mels, frames] ([0, 1, 1] without an audio tower)."""

@@ -51,7 +51,7 @@ UNITS = {
     "llm": "sequence",
     "generator_projector": "sample",
     "generator": "sample",
-    "audio_generator_projector": "audio_target",  # one generated clip (a sample's last clip)
+    "audio_generator_projector": "audio_target",  # per row: every row runs it, weight 0 without a clip
     "audio_generator": "audio_target",
 }
 
@@ -195,26 +195,39 @@ def flops_per_sample(cfg) -> dict[str, float]:
     per_unit = module_flops(cfg)
     amount = {"image": cfg.nominal_images_per_sample, "clip": cfg.nominal_clips_per_sample, "sequence": 1.0}
     amount["sample"] = 1.0
-    amount["audio_target"] = min(1.0, cfg.nominal_clips_per_sample)  # at most one generated clip per sample
+    amount["audio_target"] = 1.0  # every row runs the audio generator (weight 0 without a clip), as the image one
     return {name: f.train * amount[f.unit] for name, f in per_unit.items()}
 
 
 UNET_TP_MODULES = ("attn1", "attn2", "ff")  # of each spatial transformer: what tensor parallelism splits
 
 
-def unet_tensor_parallel(cfg: ModelConfig) -> tuple[float, int, float]:
+def latent_grid(cfg: ModelConfig, unet=None) -> tuple[int, int]:
+    """The latent grid a U-Net denoises: its ``latent_shape`` (the audio generator's), else the image
+    generator's ``gen_image_size / latent_downsample`` square."""
+    unet = cfg.generator if unet is None else unet
+    if unet is not None and list(unet.latent_shape):
+        height, width = unet.latent_shape
+        return int(height), int(width)
+    side = cfg.gen_image_size // cfg.latent_downsample
+    return side, side
+
+
+def unet_tensor_parallel(cfg: ModelConfig, unet_cfg=None) -> tuple[float, int, float]:
     """What tensor parallelism splits in the U-Net (parallel/tensor_parallel.py: each spatial transformer's
     attention and GEGLU feed-forward), per sample: (the share of the U-Net's forward FLOPs in them, the
     all-reduces one training step of a sample runs (three row-parallel outputs per transformer forward, three
     input gradients backward), the elements those all-reduces carry). FLOPs counted on meta (forward only:
-    FlopCounterMode's module attribution is exact there); their parameters: planner/workload.py's pieces."""
+    FlopCounterMode's module attribution is exact there); their parameters: planner/workload.py's pieces.
+    ``unet_cfg``: another U-Net than the image generator (the audio generator)."""
     from .unet import SpatialTransformer
 
-    side = cfg.gen_image_size // cfg.latent_downsample
+    gen = cfg.generator if unet_cfg is None else unet_cfg
+    height, width = latent_grid(cfg, gen)
     with torch.device("meta"):
-        unet = UNet(cfg.generator)
-        latents = torch.empty(1, cfg.generator.in_channels, side, side)
-        context = torch.empty(1, cfg.gen_tokens, cfg.generator.cross_attention_dim)
+        unet = UNet(gen)
+        latents = torch.empty(1, gen.in_channels, height, width)
+        context = torch.empty(1, cfg.gen_tokens, gen.cross_attention_dim)
         shapes: list[tuple[int, ...]] = []
         hooks = [
             m.register_forward_hook(lambda _m, args, _out: shapes.append(tuple(args[0].shape)))

@@ -109,7 +109,23 @@ def _meta_batch(cfg: ModelConfig):
         gen_weight=torch.ones(1),
         gen_noise=torch.zeros(1, channels, latent, latent),
         gen_timesteps=torch.zeros(1, dtype=torch.long),
+        **_meta_audio(cfg),
     )
+
+
+def _meta_audio(cfg: ModelConfig) -> dict:
+    """The audio fields of the one-row meta batch: a clip for the tower, a target for the generator."""
+    from ..data.audio import audio_frames
+
+    audio, gen = cfg.audio_encoder, cfg.audio_generator
+    if audio is None:
+        return {}
+    mels = torch.zeros(1, audio.n_mels, audio_frames(audio))
+    out = {"audio": mels, "audio_counts": torch.ones(1, dtype=torch.long)}
+    if gen is not None:
+        out.update(gen_audio=mels[0:1], audio_gen_weight=torch.ones(1), audio_gen_timesteps=torch.zeros(1).long())
+        out["audio_gen_noise"] = torch.zeros(1, gen.in_channels, *gen.latent_shape)
+    return out
 
 
 def _training_step_ops(cfg: ModelConfig) -> list[str]:
@@ -118,7 +134,7 @@ def _training_step_ops(cfg: ModelConfig) -> list[str]:
 
     tokenizer = ByteTokenizer()
     with torch.device("meta"):
-        model = MultimodalLLM(cfg, tokenizer.image_id, tokenizer.gen_id)
+        model = MultimodalLLM(cfg, tokenizer.image_id, tokenizer.gen_id, tokenizer.audio_id)
         batch = _meta_batch(cfg)
     recorder = _Recorder()
     with recorder:

@@ -79,6 +79,37 @@ def latent_encoder_names() -> list[str]:
     return sorted(_LATENT_ENCODERS)
 
 
+class MelLatentEncoder(nn.Module):
+    """The audio generator's stand-in for AudioLDM's frozen mel VAE, parameter-free like ``PixelLatentEncoder``:
+
+        log-mel [B, n_mels, frames] -> resized (bilinear) to [4 h, 4 w] (frames x mel bins) -> 4 x 4 space-to-depth
+        (16 channels) -> fixed 16 -> C channel mixing (seeded, never trained) -> [B, C, h, w]
+
+    for the generator's latent grid ``[h, w]`` (``latent_shape``; AudioLDM's VAE: 10.24 s of 64 bins to [256, 16]).
+    The log-mels (data/audio.py) lie in about [-1, 1.5]; the mixing's orthonormal rows keep that scale."""
+
+    def __init__(self, channels: int, shape: tuple[int, int]):
+        super().__init__()
+        if not 1 <= channels <= 16:
+            raise ValueError(f"audio_generator.in_channels={channels}: the mel latents have 1 to 16 channels")
+        self.channels, self.shape = channels, (int(shape[0]), int(shape[1]))
+        self.register_buffer("mixing", torch.empty(0), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        generator = torch.Generator().manual_seed(1)
+        rows = torch.linalg.qr(torch.randn(16, 16, generator=generator))[0][: self.channels]
+        self.mixing = rows.to(self.mixing.device)
+
+    @torch.no_grad()
+    def forward(self, mels: torch.Tensor) -> torch.Tensor:
+        h, w = self.shape
+        x = mels.float().transpose(1, 2).unsqueeze(1)  # [B, 1, frames, n_mels]
+        x = F.interpolate(x, size=(4 * h, 4 * w), mode="bilinear", align_corners=False)
+        x = F.pixel_unshuffle(x, 4)  # [B, 16, h, w]
+        return torch.einsum("cd,bdhw->bchw", self.mixing.to(x.device), x)
+
+
 def build_latent_encoder(cfg: ModelConfig) -> nn.Module:
     if cfg.latent_encoder not in _LATENT_ENCODERS:
         raise ValueError(

@@ -25,7 +25,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..data.batch import Batch
 from .audio import AudioEncoder
-from .latents import build_latent_encoder
+from .latents import MelLatentEncoder, build_latent_encoder
 from .llama import Documents, Llama
 from .projector import MLPProjector
 from .unet import DiffusionGenerator
@@ -68,11 +68,14 @@ class MultimodalLLM(nn.Module):
         self.encoder = self.encoder_projector = None
         self.generator = self.generator_projector = self.latent_encoder = None
         self.audio_encoder = self.audio_projector = None
-        self.audio_generator = self.audio_generator_projector = None
-        if cfg.audio_generator is not None:  # built and counted; training refuses it (validation/modalities.py)
-            width = cfg.audio_generator.cross_attention_dim
-            self.audio_generator_projector = MLPProjector(cfg.llm.dim, width, cfg.audio_generator_projector)
-            self.audio_generator = DiffusionGenerator(cfg.audio_generator)
+        self.audio_generator = self.audio_generator_projector = self.audio_latent_encoder = None
+        if cfg.audio_generator is not None:  # the same <gen> queries condition it; its target: the row's last clip
+            gen = cfg.audio_generator
+            self.audio_generator_projector = MLPProjector(
+                cfg.llm.dim, gen.cross_attention_dim, cfg.audio_generator_projector
+            )
+            self.audio_generator = DiffusionGenerator(gen)
+            self.audio_latent_encoder = MelLatentEncoder(gen.in_channels, tuple(gen.latent_shape))
         if cfg.audio_encoder is not None:
             self.audio_encoder = AudioEncoder(cfg.audio_encoder)
             self.audio_projector = MLPProjector(self.audio_encoder.out_dim, cfg.llm.dim, cfg.audio_projector)
@@ -131,8 +134,22 @@ class MultimodalLLM(nn.Module):
         latents = self.latent_encoder(batch.gen_images)
         return self.generator(latents, batch.gen_noise, batch.gen_timesteps, context, batch.gen_weight)
 
+    def audio_generation_loss_from_queries(self, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The audio generator's summed denoising loss on the rows' last clips (weight 0 for rows without one)."""
+        context = self.audio_generator_projector(queries)
+        latents = self.audio_latent_encoder(batch.gen_audio)
+        return self.audio_generator(
+            latents, batch.audio_gen_noise, batch.audio_gen_timesteps, context, batch.audio_gen_weight
+        )
+
     def generation_loss_sum(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
-        return self.generation_loss_from_queries(self.generation_queries(hidden, batch.tokens), batch)
+        """Every generator's summed denoising loss: the image's, plus the audio's with an audio generator (one
+        generation loss, normalized by the targets of both: Batch.gen_samples)."""
+        queries = self.generation_queries(hidden, batch.tokens)
+        loss = self.generation_loss_from_queries(queries, batch)
+        if self.audio_generator is not None:
+            loss = loss + self.audio_generation_loss_from_queries(queries, batch)
+        return loss
 
     # A pipeline stage runs: input_embeddings (first stage), llm.run_layers (its layers),
     # output_losses (last stage). The whole model is the three in a row.
@@ -148,7 +165,7 @@ class MultimodalLLM(nn.Module):
         }
         if self.generator is not None:
             out["gen_loss_sum"] = self.generation_loss_sum(hidden, batch)
-            out["gen_samples"] = batch.gen_weight.sum()
+            out["gen_samples"] = batch.gen_weight.sum() + batch.audio_gen_weight.sum()
         return out
 
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:

@@ -89,7 +89,8 @@ class GeneratorStage(nn.Module):
         self.in_shapes = None if self.is_first else boundary_shapes(unet, cfg, runs[index].start)
         self.out_shapes = None if self.is_last else boundary_shapes(unet, cfg, runs[index].stop)
         self._drop_others(model, set(self.segments))
-        for name in ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm"):
+        others = ("audio_generator_projector", "audio_generator", "audio_latent_encoder")
+        for name in ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm", *others):
             setattr(model, name, None)
         self.model = model
 
@@ -100,7 +101,7 @@ class GeneratorStage(nn.Module):
         unet = model.generator.unet
         if not self.is_first:
             model.generator_projector = model.latent_encoder = None
-            unet.conv_in = unet.time_linear1 = unet.time_linear2 = None
+            unet.conv_in = unet.time_linear1 = unet.time_linear2 = unet.film = None
         if not self.is_last:
             unet.norm_out = unet.conv_out = None
         for kind, levels in (("down", unet.down), ("up", unet.up)):

@@ -22,7 +22,7 @@ import math
 from dataclasses import replace
 
 from ..config import Config
-from .units import UnitLayout, build_layout, with_audio_tower
+from .units import UnitLayout, build_layout, with_audio_modules
 
 MODES = ("ddp", "megatron", "manual", "auto", "hotspa", "local_sgd")
 
@@ -61,9 +61,11 @@ def layout_shard(p, default: str) -> str:
 
 def units_of(cfg: Config) -> UnitLayout:
     """The layout of one config. HotSPa's is its home strategy's, resolved with every bucket's by
-    ``resolve_run``; ``auto`` has none until the planner chose one. An audio tower joins the LLM unit."""
-    layout = _units_of(cfg)
-    return layout if cfg.model.audio_encoder is None else with_audio_tower(layout)
+    ``resolve_run``; ``auto`` has none until the planner chose one. The audio tower and generator join the LLM
+    unit."""
+    layout, m = _units_of(cfg), cfg.model
+    tower, generator = m.audio_encoder is not None, m.audio_generator is not None
+    return with_audio_modules(layout, tower, generator) if tower or generator else layout
 
 
 def _units_of(cfg: Config) -> UnitLayout:

@@ -35,7 +35,10 @@ from ..models.vit import vit_block_count
 from .context_parallel import SequenceSlices, scale_gradient
 from .generator_stages import GeneratorStage
 from .stage_output import GENERATION_FIELDS, StageOutput
-from .units import AUDIO_MODULES
+from .units import AUDIO_GENERATOR_MODULES, AUDIO_MODULES
+
+AUDIO_GENERATION = (*AUDIO_GENERATOR_MODULES, "audio_latent_encoder")
+AUDIO_TARGET_FIELDS = ("gen_audio", "audio_gen_weight", "audio_gen_noise", "audio_gen_timesteps")
 
 
 def split_evenly(count: int, parts: int, what: str) -> list[range]:
@@ -108,7 +111,7 @@ class EncoderStage(nn.Module):
         if not self.is_last:
             _drop(vit, ("norm_post", "proj"))
             model.encoder_projector = None
-        _drop(model, ("llm", "generator_projector", "generator", "latent_encoder", *AUDIO_MODULES))
+        _drop(model, ("llm", "generator_projector", "generator", "latent_encoder", *AUDIO_MODULES, *AUDIO_GENERATION))
         self.model = model
         self.vit_row = (vit.tokens_per_image, vit.cfg.dim)
         self.splittable_backward = not self.is_first
@@ -154,6 +157,8 @@ class LlmStage(nn.Module):
         if not self.is_first:
             _drop(model, AUDIO_MODULES)
         if not self.is_last:
+            _drop(model, AUDIO_GENERATION)
+        if not self.is_last:
             model.llm.norm = model.llm.output = None
         if not (self.is_last and holds_generator):
             _drop(model, ("generator_projector", "generator", "latent_encoder"))
@@ -167,6 +172,8 @@ class LlmStage(nn.Module):
         )
         if model.audio_encoder is not None:
             self.batch_fields += ("audio_counts", "audio")
+        if model.audio_generator is not None:
+            self.batch_fields += ("tokens", *AUDIO_TARGET_FIELDS)
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
         m, cp = self.model, self.context
@@ -196,11 +203,15 @@ class LlmStage(nn.Module):
         whole = hidden
         if cp is not None and (m.generator is not None or self.sends_queries):
             whole = cp.gather(hidden)  # the <gen> positions are anywhere in the sequence
-        if m.generator is not None:
-            sums["gen_loss_sum"] = m.generation_loss_sum(whole, batch)
-            if cp is not None:  # every CP rank computes it; its gradients are summed over them
-                sums["gen_loss_sum"] = sums["gen_loss_sum"] / cp.size
-        send = m.generation_queries(whole, batch.tokens) if self.sends_queries else None
+        queries = m.generation_queries(whole, batch.tokens) if self.sends_queries or m.generator is not None else None
+        if m.generator is not None:  # colocated: every generator's loss (the audio one's too)
+            sums["gen_loss_sum"] = m.generation_loss_from_queries(queries, batch)
+        if m.audio_generator is not None:  # always here, whether the image generator is or not
+            audio = m.audio_generation_loss_from_queries(queries, batch)
+            sums["gen_loss_sum"] = sums["gen_loss_sum"] + audio if "gen_loss_sum" in sums else audio
+        if cp is not None and "gen_loss_sum" in sums:  # every CP rank computes it; its gradients sum over them
+            sums["gen_loss_sum"] = sums["gen_loss_sum"] / cp.size
+        send = queries if self.sends_queries else None
         if send is not None and cp is not None:  # the gradient comes back to every CP rank: count it once
             send = scale_gradient(send, 1.0 / cp.size)
         return StageOutput(send, sums)

@@ -5,7 +5,8 @@ A unit holds one or more model modules. The LLM unit always exists; the image
 encoder (with its projector) and the generator (with its projector) either form
 their own units or are *colocated* with the LLM unit (the encoder then runs in the
 LLM's first pipeline stage, the generator in its last, as Megatron-LM does). An
-audio tower (model.audio_encoder) is always colocated: the LLM's first stage runs it.
+audio tower (model.audio_encoder) is always colocated: the LLM's first stage runs it; an audio generator
+(model.audio_generator) too: the LLM's last stage runs it.
 
 Ranks. Units take contiguous blocks of global ranks in data-flow order (encoder,
 LLM, generator). Inside a unit, tensor parallelism is innermost, then context
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field, replace
 
 ENCODER_MODULES = ("encoder", "encoder_projector")
 AUDIO_MODULES = ("audio_encoder", "audio_projector")  # always in the LLM unit's first stage (for now)
+AUDIO_GENERATOR_MODULES = ("audio_generator_projector", "audio_generator")  # always in its last stage
 LLM_MODULES = ("llm",)
 GENERATOR_MODULES = ("generator_projector", "generator")
 
@@ -195,13 +197,16 @@ def build_layout(
     return UnitLayout(tuple(units))
 
 
-def with_audio_tower(layout: UnitLayout) -> UnitLayout:
-    """The layout with the audio tower (model.audio_encoder and its projector) in the LLM unit, where its first
-    pipeline stage runs it on the clips of the samples it embeds."""
+def with_audio_modules(layout: UnitLayout, tower: bool, generator: bool) -> UnitLayout:
+    """The layout with the audio tower (model.audio_encoder and its projector) and the audio generator (with its
+    projector) in the LLM unit: its first pipeline stage runs the tower on the clips of the samples it embeds, its
+    last the generator on the generation queries it computes."""
     units = []
     for unit in layout.units:
         if unit.name == "llm":
             at = unit.modules.index("llm")
-            unit = replace(unit, modules=(*unit.modules[:at], *AUDIO_MODULES, *unit.modules[at:]))
+            before = AUDIO_MODULES if tower else ()
+            after = AUDIO_GENERATOR_MODULES if generator else ()
+            unit = replace(unit, modules=(*unit.modules[:at], *before, *unit.modules[at:], *after))
         units.append(unit)
     return UnitLayout(tuple(units))

@@ -191,21 +191,23 @@ def saved_bytes_per_item(
         return count(2) - count(1)
 
 
-def unet_activation_counts(cfg, side: int, mixed: bool, device: str = "cuda") -> tuple[float, dict[str, float]]:
-    """The generator's U-Net (model config ``cfg``, latents ``side`` x ``side``): bytes saved per item without
-    recompute, and (full, selective_op, largest_block) what recompute keeps and reruns (planner/workload.py);
-    ``mixed``: under bf16 autocast with ``device``'s policy."""
+def unet_activation_counts(
+    cfg, grid: tuple[int, int], mixed: bool, device: str = "cuda", unet_cfg=None
+) -> tuple[float, dict[str, float]]:
+    """A U-Net (model config ``cfg``'s generator, or ``unet_cfg``; latents of ``grid``): bytes saved per item
+    without recompute, and (full, selective_op, largest_block) what recompute keeps and reruns
+    (planner/workload.py); ``mixed``: under bf16 autocast with ``device``'s policy."""
     import torch
 
     from ..models.unet import UNet
 
-    g = cfg.generator
+    g = cfg.generator if unet_cfg is None else unet_cfg
 
     def make():
         return UNet(g).requires_grad_(True)
 
     def inputs(batch: int):
-        latents = torch.empty(batch, g.in_channels, side, side)
+        latents = torch.empty(batch, g.in_channels, *grid)
         context = torch.empty(batch, cfg.gen_tokens, g.cross_attention_dim, requires_grad=True)
         return latents, torch.zeros(batch, dtype=torch.long), context
 

@@ -119,6 +119,9 @@ def role_memory(
         if "audio_encoder" in c.work.units and first:
             act += c.activation_bytes("audio_encoder", llm.tp, model.items("audio_encoder", micro), policy) * flight
             extra.append(("audio_encoder", flight))
+        if "audio_generator" in c.work.units and last:
+            act += c.activation_bytes("audio_generator", llm.tp, micro, policy)
+            extra.append(("audio_generator", 1))
         if gen is not None and gen.colocated and last:
             act += c.activation_bytes("generator", llm.tp, micro, policy)
             extra.append(("generator", 1))

@@ -110,9 +110,10 @@ class LayoutModel:
             return samples * self.w.units[unit].items_per_sample
         return samples
 
-    def audio_time(self, tp: int, samples: float, policy: str | None = None) -> float:
-        """Seconds the audio tower adds to the LLM's first stage for ``samples`` samples (0 without one)."""
-        return self.colocated_time("audio_encoder", tp, samples, policy) if "audio_encoder" in self.w.units else 0.0
+    def audio_time(self, unit: str, tp: int, samples: float, policy: str | None = None) -> float:
+        """Seconds the audio tower (``audio_encoder``: on the LLM's first stage) or the audio generator
+        (``audio_generator``: on its last) adds to that stage for ``samples`` samples (0 without one)."""
+        return self.colocated_time(unit, tp, samples, policy) if unit in self.w.units else 0.0
 
     def pp_bw(self, gpus: int) -> float:
         return self.c.link_bw(gpus)
@@ -303,14 +304,15 @@ class LayoutModel:
         self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None, bw: float, policy: str | None
     ) -> tuple[float, float]:
         """Seconds per microbatch the LLM's first and last stages run beyond their blocks: a colocated encoder
-        and the audio tower; a colocated generator, or the send of the generation queries to the generator unit."""
+        and the audio tower; the audio generator, and a colocated generator or the send of the generation queries
+        to the generator unit."""
         first = self.colocated_time("encoder", llm.tp, self.micro, policy) if enc is not None and enc.colocated else 0.0
-        first += self.audio_time(llm.tp, self.micro, policy)
-        last = 0.0
+        first += self.audio_time("audio_encoder", llm.tp, self.micro, policy)
+        last = self.audio_time("audio_generator", llm.tp, self.micro, policy)
         if gen is not None and gen.colocated:
-            last = self.colocated_time("generator", llm.tp, self.micro, policy)
+            last += self.colocated_time("generator", llm.tp, self.micro, policy)
         elif gen is not None:
-            last = self.c.p2p_s(self.c.boundary_bytes("llm", self.micro), bw)
+            last += self.c.p2p_s(self.c.boundary_bytes("llm", self.micro), bw)
         return first, last
 
     def llm_stage_costs(self, llm: UnitChoice, first: float, last: float, policy: str | None) -> StageCosts:
@@ -345,20 +347,20 @@ class LayoutModel:
         """The slowest unit's data-parallel traffic and optimizer step (colocated modules ride with the LLM's
         stages and reduce over its dp x cp ranks)."""
         llm_tail = self.unit_tail("llm", llm, llm.dp, shards["llm"], m)
-        extra = 0.0
-        if "audio_encoder" in self.w.units:  # the audio tower: always on the LLM's first stage
-            extra = self.unit_tail(
-                "audio_encoder", UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp), llm.dp, shards["llm"], m
-            )
+        colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp)
+        ends = {"first": 0.0, "last": 0.0}  # the modules riding on the LLM's first and last stages
+        for name, end in (("audio_encoder", "first"), ("audio_generator", "last")):  # always there
+            if name in self.w.units:
+                ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m)
         tails = []
-        for name, ch in (("encoder", enc), ("generator", gen)):
+        for name, ch, end in (("encoder", enc, "first"), ("generator", gen, "last")):
             if ch is None:
                 continue
             if ch.colocated:
-                colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp)
-                extra = max(extra, self.unit_tail(name, colocated, llm.dp, shards["llm"], m))
+                ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m)
             else:
                 tails.append(self.unit_tail(name, ch, ch.dp, shards[name], m))
+        extra = max(ends.values())  # the slower end's (with pp=1 one stage holds both: see docs/PLANNER.md "Limits")
         return max([llm_tail + extra, *tails])
 
     def _data_time(self, choices: dict[str, UnitChoice], gpus: int) -> float:

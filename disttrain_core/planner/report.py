@@ -125,6 +125,8 @@ def plan_table(result: PlanResult) -> str:
         )
         if name == "llm" and "audio_encoder" in result.model.w.units:
             lines.append(f"{'audio':10s} {'in the LLM unit (its first stage, its tp)':>40s}")
+        if name == "llm" and "audio_generator" in result.model.w.units:
+            lines.append(f"{'audio gen':10s} {'in the LLM unit (its last stage, its tp)':>40s}")
     lines += [
         "",
         f"schedule {d['schedule']}, {d['pipeline_stages']} pipeline stages, {d['microbatches']} microbatches; "

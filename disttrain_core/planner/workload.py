@@ -102,6 +102,8 @@ def _build(cfg: ModelConfig) -> Workload:
         units["generator"] = _generator_work(cfg, model, flops)
     if cfg.audio_encoder is not None:
         units["audio_encoder"] = _audio_work(cfg, model, flops)
+    if cfg.audio_generator is not None:
+        units["audio_generator"] = _generator_work(cfg, model, flops, "audio_generator")
     return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units, int(cfg.loss_chunk))
 
 
@@ -193,38 +195,40 @@ def _audio_work(cfg: ModelConfig, model, flops) -> UnitWork:
     )
 
 
-def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
-    """The U-Net generator's UnitWork (its projector included; activations counted, planner/activation_count.py).
-    TP splits each spatial transformer's attention and feed-forward (models/flops.py ``unet_tensor_parallel``):
-    their parameters are params_tp, their share of the U-Net's FLOPs is split; its activations are counted whole
-    (an over-estimate under TP)."""
-    from ..models.flops import unet_tensor_parallel
+def _generator_work(cfg: ModelConfig, model, flops, name: str = "generator") -> UnitWork:
+    """A U-Net generator's UnitWork (its projector included; activations counted, planner/activation_count.py):
+    the image generator's, or (``name="audio_generator"``) the audio generator's, which rides on the LLM's last
+    stage and is never cut into pipeline stages. TP splits each spatial transformer's attention and feed-forward
+    (models/flops.py ``unet_tensor_parallel``): their parameters are params_tp, their share of the U-Net's FLOPs is
+    split; its activations are counted whole (an over-estimate under TP)."""
+    from ..models.flops import latent_grid, unet_tensor_parallel
     from ..models.unet import level_head_dims
     from ..parallel.generator_stages import cut_floats
 
-    freeze = cfg.freeze
-    unet, proj = model.generator, model.generator_projector
-    side = cfg.gen_image_size // cfg.latent_downsample
-    counts = unet_counts(cfg, side)
+    gen = getattr(cfg, name)
+    unet, proj = getattr(model, name), getattr(model, f"{name}_projector")
+    grid = latent_grid(cfg, gen)
+    counts = unet_counts(cfg, grid, gen)
     fp32, counted_mixed = counts["fp32"], {device: counts[device] for device in ("cuda", "cpu")}
-    share, reduces, reduce_floats = unet_tensor_parallel(cfg)
+    share, reduces, reduce_floats = unet_tensor_parallel(cfg, gen)
     pieces = _unet_pieces(unet.unet, proj)
     split_params = sum(split for _, split in pieces)
-    unet_train = flops["generator"].train
-    gen = cfg.generator
+    unet_train, proj_train = flops[name].train, flops[f"{name}_projector"].train
     attended = [level for level, on in enumerate(gen.cross_attention_blocks) if on] + [len(gen.block_out_channels) - 1]
     heads = math.gcd(*(gen.block_out_channels[i] // level_head_dims(gen)[i] for i in attended))
+    image = name == "generator"
+    frozen = getattr(cfg.freeze, name), getattr(cfg.freeze, f"{name}_projector")
     return UnitWork(
-        name="generator",
-        train_flops=unet_train + flops["generator_projector"].train,
-        flops_not_tp=unet_train * (1.0 - share) + flops["generator_projector"].train,
+        name=name,
+        train_flops=unet_train + proj_train,
+        flops_not_tp=unet_train * (1.0 - share) + proj_train,
         params_tp=split_params,
         params_rep=_count(unet) - split_params + _count(proj),
-        trainable_fraction=_trainable((unet, freeze.generator), (proj, freeze.generator_projector)),
-        items_per_sample=1.0,
+        trainable_fraction=_trainable((unet, frozen[0]), (proj, frozen[1])),
+        items_per_sample=1.0,  # every row runs it (weight 0 without a target)
         layers=1,
-        tokens=side * side,
-        dim=cfg.generator.block_out_channels[0],
+        tokens=grid[0] * grid[1],
+        dim=gen.block_out_channels[0],
         heads=heads,  # the gcd of the transformers' head counts: TP must divide every one (tp_allowed)
         mlp_ratio=0.0,
         gated_mlp=False,
@@ -234,14 +238,14 @@ def _generator_work(cfg: ModelConfig, model, flops) -> UnitWork:
         counted_mixed=counted_mixed,
         tp_reduces=reduces,
         tp_reduce_floats=reduce_floats,
-        pieces=pieces,
-        cut_floats=tuple(cut_floats(unet.unet, cfg)),
+        pieces=pieces if image else (),
+        cut_floats=tuple(cut_floats(unet.unet, cfg)) if image else (),
         params_first=_count(unet) - split_params + _count(proj),
     )
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 14
+WORKLOAD_VERSION = 15
 
 
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:
@@ -262,13 +266,16 @@ def _write_json(path: Path, value) -> None:
         pass
 
 
-def unet_counts(cfg: ModelConfig, side: int) -> dict[str, dict[str, float]]:
-    """The U-Net's activation counts per item (planner/activation_count.py): "fp32", and under bf16 autocast
-    "cuda" and "cpu", each {"none", "full", "selective_op", "largest_block"}. About 15 s of fake forwards for
-    SD 2.1's U-Net, and the same U-Net serves many model presets: kept on disk by the U-Net's own config."""
+def unet_counts(cfg: ModelConfig, grid: tuple[int, int], unet=None) -> dict[str, dict[str, float]]:
+    """A U-Net's activation counts per item (planner/activation_count.py; the image generator's, or ``unet``):
+    "fp32", and under bf16 autocast "cuda" and "cpu", each {"none", "full", "selective_op", "largest_block"}.
+    About 15 s of fake forwards for SD 2.1's U-Net, and the same U-Net serves many model presets: kept on disk by
+    the U-Net's own config."""
     from .activation_count import unet_activation_counts
 
-    key = OmegaConf.to_yaml(OmegaConf.create({"generator": asdict(cfg.generator), "gen_tokens": cfg.gen_tokens}))
+    unet = cfg.generator if unet is None else unet
+    key = OmegaConf.to_yaml(OmegaConf.create({"generator": asdict(unet), "gen_tokens": cfg.gen_tokens}))
+    side = grid[0] if grid[0] == grid[1] else f"{grid[0]}x{grid[1]}"  # a square's key as before: the disk cache
     path = _cache_file(f"{key}|side={side}", "unet_counts")
     try:
         return json.loads(path.read_text())
@@ -276,7 +283,7 @@ def unet_counts(cfg: ModelConfig, side: int) -> dict[str, dict[str, float]]:
         pass
     out = {}
     for name, mixed, device in (("fp32", False, "cuda"), ("cuda", True, "cuda"), ("cpu", True, "cpu")):
-        saved, kept = unet_activation_counts(cfg, side, mixed, device)
+        saved, kept = unet_activation_counts(cfg, grid, mixed, device, unet)
         out[name] = {"none": saved, **kept}
     _write_json(path, out)
     return out
@@ -300,11 +307,6 @@ def _cached(cfg_yaml: str) -> Workload:
 def workload_of(model_cfg) -> Workload:
     """The workload of a model config (cached: building 72B on meta takes a few seconds)."""
     node = model_cfg if OmegaConf.is_config(model_cfg) else OmegaConf.structured(model_cfg)
-    if node.get("audio_generator") is not None:
-        from ..validation.common import audio_generator_refusal
-        from .costs import PlanningError
-
-        raise PlanningError(audio_generator_refusal(node.audio_generator))
     return _cached(OmegaConf.to_yaml(node))
 
 

@@ -240,7 +240,9 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         # batch_flops is linear in the amounts: one call for the window (each call prints the model config to
         # YAML for its cache key, ~8 ms; once per step showed in a GPU step's host time)
         images, clips = sum(r.images for r in window), sum(r.clips for r in window)
-        flops = batch_flops(self.cfg.model, sequences, images, sequences if self.cfg.model.generator else 0, clips)
+        m = self.cfg.model
+        gens = (sequences if m.generator else 0, clips, sequences if m.audio_generator else 0)  # every row runs them
+        flops = batch_flops(m, sequences, images, *gens)
         if self.packing:  # documents, not padded rows: attention inside each document (models/flops.py)
             flops, self._packed_flops = self._packed_flops, 0.0
         metrics = {

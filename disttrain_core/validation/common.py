@@ -108,12 +108,3 @@ def _declared_type(node) -> type | None:
     if not dataclasses.is_dataclass(kind):
         kind = node._metadata.object_type
     return kind if dataclasses.is_dataclass(kind) else None
-
-
-def audio_generator_refusal(gen) -> str:
-    """Why a model with an audio generator cannot train or be planned yet (one line, with what to type)."""
-    return (
-        f"model.audio_generator ({list(gen.block_out_channels)} channels) is built and counted (tools/model_info.py) "
-        "but does not train or plan yet: generated clips as targets are still to come; drop it with "
-        "~model/audio_generator"
-    )

@@ -4,15 +4,14 @@ train, and embedded data that would draw a modality no tower reads."""
 from __future__ import annotations
 
 from ..config import Config
-from .common import _require, audio_generator_refusal
+from .common import _require
 
 
 def validate_audio(cfg: Config) -> None:
     """model.audio_encoder's shape, and the layouts it trains in: every layout but HotSPa's, with the tower in the
     LLM unit's first stage (parallel/units.py; the planner places it there too)."""
     m, audio = cfg.model, cfg.model.audio_encoder
-    if m.audio_generator is not None:
-        _require(False, audio_generator_refusal(m.audio_generator))
+    validate_audio_generator(cfg)
     if audio is None:
         return
     _require(
@@ -41,6 +40,36 @@ def validate_audio(cfg: Config) -> None:
         cfg.parallel.mode != "hotspa",
         "parallel.mode=hotspa does not run an audio tower (its strategies cut the LLM into buckets of packed text); "
         "use parallel=ddp or a manual layout (parallel=disagg_tiny), where the LLM unit's first stage runs it",
+    )
+
+
+def validate_audio_generator(cfg: Config) -> None:
+    """model.audio_generator: trained on the row's last clip (features from the audio tower's front end),
+    conditioned on the image generator's <gen> queries, in the LLM unit's last stage."""
+    m, gen = cfg.model, cfg.model.audio_generator
+    if gen is None:
+        return
+    _require(
+        m.audio_encoder is not None and m.generator is not None,
+        "model.audio_generator trains on the clips the audio tower reads, conditioned on the image generator's <gen> "
+        "queries: it needs model.audio_encoder and model.generator (model=any2any_tiny has both), or drop it with "
+        "~model/audio_generator",
+    )
+    _require(
+        gen.conditioning in ("cross_attention", "film"),
+        f"model.audio_generator.conditioning={gen.conditioning!r}: allowed values are cross_attention and film",
+    )
+    _require(
+        1 <= gen.in_channels <= 16,
+        f"model.audio_generator.in_channels={gen.in_channels}: the mel latents (4 x 4 space-to-depth, mixed) have 1 to "
+        "16 channels; AudioLDM's have 8",
+    )
+    step = 2 ** (len(gen.block_out_channels) - 1)
+    shape = list(gen.latent_shape)
+    _require(
+        len(shape) == 2 and all(n >= step and n % step == 0 for n in shape),
+        f"model.audio_generator.latent_shape={shape}: give [frames, mel bins] of the latent grid, each a multiple of "
+        f"{step} (the U-Net halves it {step.bit_length() - 1} times), e.g. [256, 16] as AudioLDM's",
     )
 
 

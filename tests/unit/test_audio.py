@@ -107,7 +107,9 @@ def test_whisper_large_v3_is_pinned_at_its_published_size():
         # a sample modality with no tower to read it (embedded data, before anything is generated)
         (["data=synthetic_any2any"], "audio_fraction=0.5 draws audio clips, but model mllm_tiny has no audio tower"),
         (["model=llama_tiny", "data=synthetic_video"], "video_fraction=0.3 draws videos, but model llama_tiny has no"),
-        (["model/audio_generator=audioldm_tiny"], "audio_generator .* does not train or plan yet.*~model/audio_gen"),
+        (["model/audio_generator=audioldm_tiny"], "audio_generator trains on the clips the audio tower reads.*needs"),
+        (["model=any2any_tiny", "model.audio_generator.latent_shape=[5,8]"], "latent_shape=\\[5, 8\\].* multiple of 2"),
+        (["model=any2any_tiny", "model.audio_generator.in_channels=32"], "in_channels=32: the mel latents"),
     ],
 )
 def test_audio_settings_that_cannot_work_are_one_line_errors(overrides, message):

@@ -137,3 +137,31 @@ def test_the_audio_placeholder_joins_a_tokenizer_file_only_for_a_model_with_a_to
     import pickle
 
     assert pickle.loads(pickle.dumps(heard)).audio_id == 5
+
+
+def test_the_audio_generator_trains_on_each_rows_last_clip():
+    """With model.audio_generator the row's last clip is its target (weight 1; zeros and 0 without a clip), with
+    seeded noise on its latent grid; the mel latent encoder maps features to that grid; the generation loss sums
+    both generators and counts both targets."""
+    from disttrain_core.models import build_model, materialize
+    from disttrain_core.models.latents import MelLatentEncoder
+
+    enc = encoder_for()
+    two = enc.encode("k", interleaved("a", ("a.flac", clip(0.3)), "b", ("b.flac", clip(0.6))))
+    none = enc.encode("n", interleaved("no sound"))
+    assert two.audio_gen_weight == 1.0 and np.array_equal(two.gen_audio, two.audio[-1])
+    assert none.audio_gen_weight == 0.0 and not none.gen_audio.any() and none.gen_audio.shape == (32, 100)
+    assert two.audio_gen_noise.shape == (8, 8, 8) and not np.array_equal(two.audio_gen_noise, none.audio_gen_noise)
+    again = enc.encode("k", interleaved("a", ("a.flac", clip(0.3)), "b", ("b.flac", clip(0.6))))
+    assert np.array_equal(again.audio_gen_noise, two.audio_gen_noise)  # seeded by the sample, not the process
+    latents = MelLatentEncoder(8, (8, 8))(torch.from_numpy(two.gen_audio)[None])
+    assert latents.shape == (1, 8, 8, 8) and latents.abs().max() > 0
+    batch = collate([two, none])
+    assert batch.gen_samples() == 0.0 + 1.0  # no image target (neither row has an image), one clip
+    cfg = typed_config(compose(["model=any2any_tiny"]))
+    model = build_model(cfg.model, tokenizer_for(cfg), device="meta")
+    materialize(model, "cpu", seed=0, std=0.02)
+    out = model(batch)
+    assert float(out["gen_samples"]) == batch.gen_samples()
+    out["gen_loss_sum"].backward()
+    assert all(p.grad is not None for p in model.audio_generator.parameters())

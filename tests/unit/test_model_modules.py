@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from disttrain_core.config import CONF_DIR, compose, group_options
+from disttrain_core.config import CONF_DIR, MODEL_MODULE_GROUPS, compose, group_options
 
 from ..conftest import base_overrides, read_metrics
 
-MODULE_GROUPS = ("model/encoder", "model/audio_encoder", "model/llm", "model/generator")
-# The audio towers are in no preset yet (they do not train yet): tests/unit/test_audio.py and test_models.py
+MODULE_GROUPS = MODEL_MODULE_GROUPS
 
 
 def _model(overrides: list[str]) -> dict:

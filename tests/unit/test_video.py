@@ -13,9 +13,10 @@ import pytest
 from PIL import Image
 
 from disttrain_core.config import SyntheticDataConfig, compose
+from disttrain_core.data.images import frame_indices
 from disttrain_core.data.loader import MicrobatchLoader
 from disttrain_core.data.reader import ShardStream
-from disttrain_core.data.samples import BadSample, SampleEncoder, frame_indices
+from disttrain_core.data.samples import BadSample, SampleEncoder
 from disttrain_core.data.synthetic import generate_shards, make_sample
 from disttrain_core.data.tokenizer import ByteTokenizer
 
