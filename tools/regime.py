@@ -2,7 +2,7 @@
 rigid layout's predicted MFU, over a grid of models, cluster sizes and workload presets fixed before the sweep
 (disttrain_core/planner/presets.py, each number with its source). Report, do not fit: no preset is tuned.
 
-    python tools/regime.py                                  # 3 models x 5 sizes x 7 presets
+    python tools/regime.py                                  # 3 models x 5 sizes x 9 presets
     python tools/regime.py models=mllm72b gpus=1172 format=json
     python tools/regime.py presets=laion_pairs,gen_512 picture=none
 

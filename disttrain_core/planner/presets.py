@@ -28,12 +28,19 @@ class WorkloadPreset:
     frozen: tuple[str, ...]  # modules without gradients (model.freeze.<name>)
     source: str
     skewed: bool = False  # images per sample vary (planner/stragglers.py law_of); False: always the mean
+    clips_per_sample: float = 0.0  # audio clips per sample, through the audio tower ``audio_encoder``
+    audio_encoder: str = ""  # a conf/model/audio_encoder option
 
     def overrides(self) -> list[str]:
         out = [
             f"model.nominal_images_per_sample={self.images_per_sample * self.tiles:g}",
             f"model.encoder.image_size={self.encoder_px}",
         ]
+        if self.clips_per_sample:
+            out += [
+                f"model/audio_encoder={self.audio_encoder}",
+                f"model.nominal_clips_per_sample={self.clips_per_sample:g}",
+            ]
         out += [f"model.gen_image_size={self.generated_px}"] if self.generated_per_sample else ["model.generator=null"]
         out += [f"model.freeze.{name}=true" for name in self.frozen]
         return out
@@ -137,6 +144,21 @@ PRESETS = {
             768,
             (),
             "the same with Stable Diffusion 2.1 (768-v) at 768 px",
+        ),
+        WorkloadPreset(
+            "audio_image",
+            1.0,
+            "one image and one audio clip per sample",
+            224,
+            1,
+            0,
+            0,
+            (),
+            "AudioCaps (Kim et al. 2019): 10 s captioned AudioSet clips, which Whisper large-v3's encoder (Radford "
+            "et al. 2022) reads as its 30 s window, 1,500 positions per clip (the audio tower in the LLM's first "
+            "stage, where the runtime runs it); one LAION-style image at 224 px beside each",
+            clips_per_sample=1.0,
+            audio_encoder="whisper_large_v3",
         ),
     )
 }

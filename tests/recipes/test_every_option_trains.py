@@ -34,6 +34,8 @@ COMPANION_OVERRIDES = {
     ("model", "mllm_small"): ["optim.global_batch_size=4", "optim.micro_batch_size=2"],
     # packed text documents: a text-only model
     ("data", "longtail_text"): ["model=llama_tiny"],
+    # embedded data with audio clips: a model with an audio tower (else a one-line error)
+    ("data", "synthetic_any2any"): ["model=any2any_tiny"],
 }
 TRAINED_ELSEWHERE = {
     ("parallel", name)

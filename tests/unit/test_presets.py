@@ -4,6 +4,7 @@ patches per input, the generator and its latent size, frozen modules; and each c
 import pytest
 
 from disttrain_core.config import compose
+from disttrain_core.data.audio import audio_tokens
 from disttrain_core.planner.fit import validate_run
 from disttrain_core.planner.presets import PRESETS
 from disttrain_core.planner.workload import workload_of
@@ -28,6 +29,11 @@ def test_a_preset_is_what_the_planner_counts(name):
         assert work["generator"].tokens == side * side
     else:
         assert "generator" not in work
+    if preset.clips_per_sample:  # the audio tower, counted per clip
+        assert work["audio_encoder"].items_per_sample == preset.clips_per_sample
+        assert work["audio_encoder"].tokens == 1500
+    else:
+        assert "audio_encoder" not in work
 
 
 @pytest.mark.parametrize("model", ["mllm9b", "mllm15b", "mllm72b"])
@@ -38,7 +44,9 @@ def test_every_preset_fits_the_sequences_of_the_models_it_is_swept_with(model):
         cfg = compose([f"model={model}", *preset.overrides()])
         patches = (preset.encoder_px // cfg.model.encoder.patch_size) ** 2
         gen = cfg.model.gen_tokens if preset.generated_per_sample else 0
-        assert preset.images_per_sample * preset.tiles * patches + gen <= cfg.model.seq_len, preset.name
+        audio = cfg.model.audio_encoder
+        clips = preset.clips_per_sample * (audio_tokens(audio) if audio is not None else 0)  # <audio> positions
+        assert preset.images_per_sample * preset.tiles * patches + gen + clips <= cfg.model.seq_len, preset.name
 
 
 def test_a_preset_says_whether_its_images_per_sample_vary():
