@@ -93,22 +93,28 @@ def collate(samples: list[EncodedSample]) -> Batch:
     def stack(name: str) -> torch.Tensor:
         return torch.from_numpy(np.stack([getattr(s, name) for s in samples]))
 
+    def joined(name: str) -> dict[str, torch.Tensor]:  # a per-item field (images, clips) and its per-row counts
+        parts = [getattr(s, name) for s in samples]
+        counts = torch.tensor([part.shape[0] for part in parts], dtype=torch.int64)
+        return {name: torch.from_numpy(np.concatenate(parts)), f"{name.rstrip('s')}_counts": counts}
+
+    def row(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([getattr(s, name) for s in samples], dtype=dtype)
+
     return Batch(
         tokens=stack("tokens"),
         labels=stack("labels"),
-        images=torch.from_numpy(np.concatenate([s.images for s in samples])),
-        image_counts=torch.tensor([s.images.shape[0] for s in samples], dtype=torch.int64),
+        **joined("images"),
         gen_images=stack("gen_image"),
-        gen_weight=torch.tensor([s.gen_weight for s in samples], dtype=torch.float32),
+        gen_weight=row("gen_weight", torch.float32),
         gen_noise=stack("gen_noise"),
-        gen_timesteps=torch.tensor([s.gen_timestep for s in samples], dtype=torch.int64),
+        gen_timesteps=row("gen_timestep", torch.int64),
         keys=[s.key for s in samples],
-        audio=torch.from_numpy(np.concatenate([s.audio for s in samples])),
-        audio_counts=torch.tensor([s.audio.shape[0] for s in samples], dtype=torch.int64),
+        **joined("audio"),
         gen_audio=stack("gen_audio"),
-        audio_gen_weight=torch.tensor([s.audio_gen_weight for s in samples], dtype=torch.float32),
+        audio_gen_weight=row("audio_gen_weight", torch.float32),
         audio_gen_noise=stack("audio_gen_noise"),
-        audio_gen_timesteps=torch.tensor([s.audio_gen_timestep for s in samples], dtype=torch.int64),
+        audio_gen_timesteps=row("audio_gen_timestep", torch.int64),
     )
 
 

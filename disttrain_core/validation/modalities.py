@@ -39,7 +39,7 @@ def validate_audio(cfg: Config) -> None:
     _require(
         cfg.parallel.mode != "hotspa",
         "parallel.mode=hotspa does not run an audio tower (its strategies cut the LLM into buckets of packed text); "
-        "use parallel=ddp or a manual layout (parallel=disagg_tiny), where the LLM unit's first stage runs it",
+        "use parallel=dp or a manual layout such as parallel=disagg4_tp2, where the LLM unit's first stage runs it",
     )
 
 

@@ -102,7 +102,10 @@ def test_whisper_large_v3_is_pinned_at_its_published_size():
         (["model/audio_encoder=audio_tiny", "model.audio_encoder.dim=66"], "dim=66 is not divisible by .*n_heads=4"),
         (["model=any2any_tiny", "model.seq_len=48"], "cannot hold one audio clip \\(50 <audio> positions\\)"),
         (["model=any2any_tiny", "model.audio_encoder.n_fft=20000"], "n_fft=20000 and hop_length=80 must satisfy"),
-        (["model=any2any_tiny", "parallel=hotspa"], "hotspa does not run an audio tower.*parallel=ddp"),
+        (
+            ["model=any2any_tiny", "parallel=hotspa"],
+            "hotspa does not run an audio tower.*parallel=dp or a manual layout such as parallel=disagg4_tp2",
+        ),
         (["model=llama_tiny", "model/audio_encoder=audio_tiny"], "family=llama .* takes no audio tower"),
         # a sample modality with no tower to read it (embedded data, before anything is generated)
         (["data=synthetic_any2any"], "audio_fraction=0.5 draws audio clips, but model mllm_tiny has no audio tower"),
