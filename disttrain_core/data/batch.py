@@ -46,7 +46,7 @@ class Batch:
     def __post_init__(self) -> None:
         rows, device = self.tokens.shape[0], self.tokens.device
         if self.audio is None:
-            self.audio = torch.zeros((0, 1, 1), dtype=torch.float32)
+            self.audio = torch.zeros((0, 1, 1), dtype=torch.float32, device=device)
         for name, shape, dtype in EMPTY_AUDIO:
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros((rows, *shape), dtype=dtype, device=device))

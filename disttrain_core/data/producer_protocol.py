@@ -174,12 +174,13 @@ def _ordered_pair(raw, bound: int) -> bool:
 
 
 def parse_fields(raw) -> tuple[str, ...]:
-    """The Batch fields a trainer wants (None: all); ``image_counts`` always comes (a share is cut by it)."""
+    """The Batch fields a trainer wants (None: all); ``image_counts`` and ``audio_counts`` always come (a share is
+    cut by them, and the images and clips it leaves out keep their shapes)."""
     if raw is None:
         return FIELDS
     if not isinstance(raw, list) or not all(isinstance(f, str) and f in DTYPES for f in raw):
         raise ProtocolError(f"bad fields in HELLO: {raw!r} (choose from {', '.join(FIELDS)})")
-    wanted = {"image_counts", *raw}
+    wanted = {"image_counts", "audio_counts", *raw}
     return tuple(f for f in FIELDS if f in wanted)
 
 

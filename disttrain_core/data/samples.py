@@ -215,7 +215,6 @@ class SampleEncoder:
         kept_images = sum(kind == "image" for kind, _ in kept)
         planned = self._planned(key, kept, total_images - kept_images)
         planned.truncated_audio = total_audio - len(planned.audio)
-        planned.audio_gen_weight = 1.0 if self.audio_gen is not None and planned.audio else 0.0
         return planned
 
     def finish(self, planned: PlannedSample) -> EncodedSample:
@@ -293,8 +292,14 @@ class SampleEncoder:
         tok = self.tokenizer
         seq_len = self.seq_len
         tokens = [tok.bos_id]
+        # The <gen> queries go before every generation target, so causal attention never shows them one: before
+        # the last image (the image target), or without one before the last clip (the audio generator's target).
         image_indices = [i for i, seg in enumerate(kept) if seg[0] == "image"]
-        gen_before = image_indices[-1] if image_indices else None
+        clip_indices = [i for i, seg in enumerate(kept) if seg[0] == "audio"] if self.audio_gen is not None else []
+        targets = image_indices or clip_indices
+        gen_before = targets[-1] if targets else None
+        # the audio target: the last clip, if the queries come before it (else it would condition itself)
+        heard = bool(clip_indices) and gen_before is not None and clip_indices[-1] >= gen_before
         for i, (kind, value) in enumerate(kept):
             if i == gen_before and self.has_generator:
                 tokens += [tok.gen_id] * self.gen_tokens
@@ -319,4 +324,6 @@ class SampleEncoder:
         images = [value for kind, value in kept if kind == "image"]
         clips = [value for kind, value in kept if kind == "audio"]
         weight = 1.0 if self.has_generator and images else 0.0
-        return PlannedSample(key, token_array, labels, images, weight, truncated_images, clips)  # type: ignore[arg-type]
+        planned = PlannedSample(key, token_array, labels, images, weight, truncated_images, clips)  # type: ignore
+        planned.audio_gen_weight = 1.0 if heard else 0.0
+        return planned

@@ -18,8 +18,8 @@ Distributions (parameters in ``SyntheticDataConfig``; docs/DATA.md):
   at ``image_side_max``), aspect ratio log-normal (``aspect_log_sigma``);
   85% JPEG, 10% PNG, 5% WebP;
 * videos (``video_fraction`` of the images, 0 by default): animated WebP of 2..``video_frames_max`` frames;
-* audio (``audio_fraction`` of the samples, 0 by default): one FLAC clip at the start, 0.5-2 s of a tone whose
-  pitch and glide the caption before it names ("sound of a high tone rising").
+* audio (``audio_fraction`` of the samples, 0 by default): one FLAC clip at the end, 0.5-2 s of a tone whose
+  pitch and glide a caption before the last image names ("sound of a high tone rising").
 
 Captions describe what is drawn ("photo of a red circle on blue, ..."),
 so the language model and the generator both have something to learn.
@@ -186,9 +186,14 @@ def make_sample(cfg: SyntheticDataConfig, index: int) -> dict[str, bytes]:
             texts.append(None)
             images.append(name)
     if cfg.audio_fraction > 0 and rng.random() < cfg.audio_fraction:  # no draw without audio: same shards
-        caption, members["a.flac"] = _clip(rng)  # first, so a long document's images cannot crowd it out
-        texts[:0] = [caption, None]
-        images[:0] = [None, "a.flac"]
+        caption, members["a.flac"] = _clip(rng)
+        # its caption before the last image and the clip after it: the <gen> queries, placed before the last
+        # image (data/samples.py), see both targets' captions and neither target
+        at = len(texts) - (1 if images[-1] is not None else 0)
+        texts[at:at] = [caption]
+        images[at:at] = [None]
+        texts.append(None)
+        images.append("a.flac")
     members["json"] = json.dumps({"texts": texts, "images": images}).encode()
     return members
 

@@ -166,7 +166,8 @@ class LlmStage(nn.Module):
         self.holds_encoder = holds_encoder
         self.receives_images = self.is_first and cfg.encoder is not None and not holds_encoder
         self.sends_queries = self.is_last and cfg.generator is not None and not holds_generator
-        self.splittable_backward = not self.is_first and not (self.is_last and holds_generator)
+        data_fed = self.is_first or (self.is_last and (holds_generator or model.audio_generator is not None))
+        self.splittable_backward = not data_fed  # pixels, tokens or noisy latents enter the stage directly
         self.batch_fields = llm_stage_fields(
             self.is_first, self.is_last, model.encoder is not None, model.generator is not None, self.sends_queries
         )

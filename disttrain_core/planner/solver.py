@@ -88,7 +88,9 @@ class Orchestrator(SearchBounds, Relaxation):
 
     # ------------------------------------------------------------------ enumeration
     def tp_ok(self, unit: str, tp: int) -> bool:
-        return self.w.units[unit].tp_allowed(tp)
+        """Can ``unit`` run at ``tp``? The LLM's TP group also splits the audio tower it holds."""
+        riders = ("audio_encoder",) if unit == "llm" and "audio_encoder" in self.w.units else ()
+        return all(self.w.units[name].tp_allowed(tp) for name in (unit, *riders))
 
     def llm_pp_options(self, vpp: int, dp: int = 1) -> list[int]:
         """Pipeline sizes of the LLM: divisors of its blocks into pp x vpp stages. Virtual stages (vpp > 1) need

@@ -58,10 +58,11 @@ def validate_unit_tp(cfg: Config, unit, where: str) -> None:
             f"parallel.comm.tp_overlap=true splits the sequence over the TP group, but tp={unit.tp} does "
             f"not divide model.seq_len={m.seq_len}; change one of them or set tp_overlap=false",
         )
-    if "encoder" in unit.modules:
-        vit = m.encoder
-        for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
-            _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.encoder.{what}={value}")
+    for module in ("encoder", "audio_encoder"):  # ViT blocks, split over the TP group of the unit holding them
+        if module in unit.modules:
+            vit = getattr(m, module)
+            for what, value in (("n_heads", vit.n_heads), ("mlp_dim", vit.mlp_dim)):
+                _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.{module}.{what}={value}")
     # the generator unit of a manual layout: its tp was chosen for it. Sharing another unit's TP group
     # (megatron mode, or colocated with the LLM), a U-Net whose heads do not divide stays replicated there.
     if unit.name == "generator" and cfg.parallel.mode == "manual":

@@ -165,3 +165,31 @@ def test_the_audio_generator_trains_on_each_rows_last_clip():
     assert float(out["gen_samples"]) == batch.gen_samples()
     out["gen_loss_sum"].backward()
     assert all(p.grad is not None for p in model.audio_generator.parameters())
+
+
+def test_the_generation_queries_never_see_a_target():
+    """<gen> goes before the last image; a clip before it is input only (weight 0), a clip after it the audio
+    target; without an image, <gen> goes before the last clip."""
+    enc, tok = encoder_for(), ByteTokenizer()
+    before = enc.encode("b", interleaved("hear", ("a.flac", clip()), "see", ("i.png", png())))
+    after = enc.encode("a", interleaved("see", ("i.png", png()), "hear", ("a.flac", clip())))
+    for sample, weight in ((before, 0.0), (after, 1.0)):
+        first_gen = int(np.argmax(sample.tokens == tok.gen_id))
+        last_audio = int(np.flatnonzero(sample.tokens == tok.audio_id)[-1])
+        assert sample.audio_gen_weight == weight and (last_audio > first_gen) == bool(weight)
+        assert sample.gen_weight == 1.0 and int(np.flatnonzero(sample.tokens == tok.image_id)[0]) > first_gen
+
+
+def test_a_trainer_that_reads_no_audio_still_receives_its_shares_counts():
+    """A share leaves out the clips of a trainer that does not read them (an encoder unit, a middle stage): their
+    counts still come, so the absent clips' zeros agree with them."""
+    from disttrain_core.data.producer_protocol import Want, decode_share, encode_share
+
+    enc = encoder_for()
+    rows = [enc.encode(f"{i}", interleaved("x", ("a.flac", clip()))) for i in range(4)]
+    batch = collate(rows)
+    want = Want.of(range(0, 2), ("tokens",))
+    assert "audio_counts" in want.fields and "audio" not in want.fields
+    meta, payload = encode_share(batch, 2, want)
+    slots, summary = decode_share(meta, bytearray(payload), 2, 2, want, 1 << 26)
+    assert [s.audio_counts.tolist() for s in slots] == [[1, 1], [1, 1]] and summary.clips.tolist() == [2, 2]
