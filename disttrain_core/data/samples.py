@@ -263,7 +263,7 @@ class SampleEncoder:
             planned.truncated_audio,
         )
         if self.audio_gen is not None:
-            self._audio_target(sample, planned.key, float(planned.audio_gen_weight) if len(clips) else 0.0)
+            self._audio_target(sample, planned.key, planned.audio_gen_weight)  # 0 unless a clip follows <gen>
         return sample
 
     def _audio_target(self, sample: EncodedSample, key: str, weight: float) -> None:

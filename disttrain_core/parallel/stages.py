@@ -158,7 +158,6 @@ class LlmStage(nn.Module):
             _drop(model, AUDIO_MODULES)
         if not self.is_last:
             _drop(model, AUDIO_GENERATION)
-        if not self.is_last:
             model.llm.norm = model.llm.output = None
         if not (self.is_last and holds_generator):
             _drop(model, ("generator_projector", "generator", "latent_encoder"))
@@ -267,10 +266,7 @@ def build_unit_stage(
     if unit_name == "generator":
         return GeneratorStage(model, index, count)
     holds_encoder, holds_generator = "encoder" in modules, "generator" in modules
-    stage = LlmStage(model, index, count, holds_encoder, holds_generator, context, split)
-    if cfg.audio_encoder is not None and "audio_encoder" not in modules:
-        raise ValueError(f"an LLM unit of modules {modules} without the audio tower model.audio_encoder has")
-    return stage
+    return LlmStage(model, index, count, holds_encoder, holds_generator, context, split)
 
 
 def build_rank_stages(
