@@ -37,6 +37,11 @@ class UnitsConfig:
     encoder: UnitConfig = field(default_factory=UnitConfig)
     llm: UnitConfig = field(default_factory=UnitConfig)
     generator: UnitConfig = field(default_factory=UnitConfig)
+    # The audio tower and the audio generator (model.audio_encoder, model.audio_generator): in the LLM unit's
+    # first / last stage unless colocate=false gives them processes of their own, beside the image encoder /
+    # generator unit (a branch: same pp, fed by / feeding the LLM directly).
+    audio_encoder: UnitConfig = field(default_factory=lambda: UnitConfig(colocate=True))
+    audio_generator: UnitConfig = field(default_factory=lambda: UnitConfig(colocate=True))
 
 
 @dataclass

@@ -196,4 +196,4 @@ def planned_summary(samples: list[PlannedSample], slots: int) -> StepSummary:
     tokens = torch.tensor([int((s.labels != -100).sum()) for s in samples], dtype=torch.int64).view(slots, per)
     weights = torch.tensor([s.gen_weight + s.audio_gen_weight for s in samples], dtype=torch.float32).view(slots, per)
     clips = torch.tensor([len(s.audio) for s in samples], dtype=torch.int64).view(slots, per)
-    return StepSummary(counts, tokens.sum(dim=1), weights.sum(dim=1), counts.sum(dim=1), clips.sum(dim=1))
+    return StepSummary(counts, tokens.sum(dim=1), weights.sum(dim=1), counts.sum(dim=1), clips.sum(dim=1), clips)

@@ -209,26 +209,29 @@ def encode_batch(batch: Batch) -> tuple[dict, bytes]:
 @dataclass(frozen=True)
 class StepSummary:
     """What a trainer that receives only its own block still needs of the whole global batch: every sample's
-    image count (``[slots, samples_per_slot]``; the broker routes images between units by them) and, per slot, the
-    loss normalizers and work counts (train/step_data.py): loss tokens, generation samples, images, audio clips.
-    About 4 bytes a sample."""
+    image and clip counts (``[slots, samples_per_slot]``; the broker routes embeddings between units by them) and,
+    per slot, the loss normalizers and work counts (train/step_data.py): loss tokens, generation samples, images,
+    audio clips. About 8 bytes a sample."""
 
     image_counts: torch.Tensor  # int64 [slots, per]
     loss_tokens: torch.Tensor  # int64 [slots], labels that take a loss
     gen_samples: torch.Tensor  # float32 [slots], the generation weights' sum
     images: torch.Tensor  # int64 [slots]
     clips: torch.Tensor  # int64 [slots]
+    clip_counts: torch.Tensor  # int64 [slots, per]
 
     @classmethod
     def of(cls, batch: Batch, slots: int) -> StepSummary:
         per = batch.size // slots
         counts = batch.image_counts.view(slots, per)
+        clips = batch.audio_counts.view(slots, per)
         return cls(
             counts,
             (batch.labels != -100).view(slots, -1).sum(dim=1),
             (batch.gen_weight + batch.audio_gen_weight).view(slots, per).sum(dim=1),
             counts.sum(dim=1),
-            batch.audio_counts.view(slots, per).sum(dim=1),
+            clips.sum(dim=1),
+            clips,
         )
 
     def totals(self) -> list[float]:
@@ -245,24 +248,37 @@ class StepSummary:
     def arrays(self) -> dict:
         return {
             "summary_image_counts": self.image_counts.to(torch.int32).numpy(),
+            "summary_clip_counts": self.clip_counts.to(torch.int32).numpy(),
             "summary_counts": torch.stack([self.loss_tokens, self.images, self.clips], dim=1).numpy(),
             "summary_gen_samples": self.gen_samples.numpy(),
         }
 
     @classmethod
     def from_arrays(cls, arrays: dict, slots: int, per: int) -> StepSummary:
-        shapes = {"summary_image_counts": (slots, per), "summary_counts": (slots, 3), "summary_gen_samples": (slots,)}
+        shapes = {
+            "summary_image_counts": (slots, per),
+            "summary_clip_counts": (slots, per),
+            "summary_counts": (slots, 3),
+            "summary_gen_samples": (slots,),
+        }
         if any(arrays[name].shape != shape for name, shape in shapes.items()):
             raise ProtocolError(f"a step summary not of {slots} slots x {per} samples")
         counts = torch.from_numpy(arrays["summary_counts"])
         image_counts = torch.from_numpy(arrays["summary_image_counts"]).to(torch.int64)
-        if (image_counts < 0).any() or not torch.equal(image_counts.sum(dim=1), counts[:, 1]) or (counts < 0).any():
-            raise ProtocolError("a step summary whose image counts disagree with its totals")
+        clip_counts = torch.from_numpy(arrays["summary_clip_counts"]).to(torch.int64)
+        for per_sample, total in ((image_counts, counts[:, 1]), (clip_counts, counts[:, 2])):
+            if (per_sample < 0).any() or not torch.equal(per_sample.sum(dim=1), total) or (counts < 0).any():
+                raise ProtocolError("a step summary whose image or clip counts disagree with its totals")
         gen = torch.from_numpy(arrays["summary_gen_samples"])
-        return cls(image_counts, counts[:, 0], gen, counts[:, 1], counts[:, 2])
+        return cls(image_counts, counts[:, 0], gen, counts[:, 1], counts[:, 2], clip_counts)
 
 
-SUMMARY = {"summary_image_counts": "int32", "summary_counts": "int64", "summary_gen_samples": "float32"}
+SUMMARY = {
+    "summary_image_counts": "int32",
+    "summary_clip_counts": "int32",
+    "summary_counts": "int64",
+    "summary_gen_samples": "float32",
+}
 
 
 def block_of(batch: Batch, slots: int, block: range) -> Batch:

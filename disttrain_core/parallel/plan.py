@@ -11,9 +11,9 @@
   is the home strategy's, the one that holds the model state.
 * ``local_sgd``: the whole model on every process, as ``ddp``; workers of ``parallel.local_sgd.shard_group``
   processes step alone between syncs (train/local_sgd/engine.py).
-* ``manual``: ``parallel.units.{encoder,llm,generator}`` each with its own
-  dp/tp/pp, or ``colocate: true`` for the encoder or generator to fold it into the
-  LLM unit.
+* ``manual``: ``parallel.units.{encoder,audio_encoder,llm,generator,audio_generator}`` each with its own
+  dp/tp/pp, or ``colocate: true`` for an encoder or generator to fold it into the LLM unit (the audio
+  units' default).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import math
 from dataclasses import replace
 
 from ..config import Config
-from .units import UnitLayout, build_layout, with_audio_modules
+from .units import UnitLayout, branch_groups, build_layout, with_audio_modules
 
 MODES = ("ddp", "megatron", "manual", "auto", "hotspa", "local_sgd")
 
@@ -68,6 +68,19 @@ def units_of(cfg: Config) -> UnitLayout:
     return with_audio_modules(layout, tower, generator) if tower or generator else layout
 
 
+def separate_audio_units(cfg: Config) -> tuple[str, ...]:
+    """The audio units on processes of their own (``parallel.units.<name>.colocate=false``, manual layouts of a
+    model with that module)."""
+    if cfg.parallel.mode != "manual":
+        return ()
+    units, model = cfg.parallel.units, cfg.model
+    return tuple(
+        name
+        for name in ("audio_encoder", "audio_generator")
+        if getattr(model, name) is not None and not getattr(units, name).colocate
+    )
+
+
 def _units_of(cfg: Config) -> UnitLayout:
     p, model = cfg.parallel, cfg.model
     has_encoder, has_generator = model.encoder is not None, model.generator is not None
@@ -95,23 +108,17 @@ def _units_of(cfg: Config) -> UnitLayout:
             sizes, has_encoder, has_generator, folded, folded, same, shard, {"llm": p.cp}, {"llm": p.ep}
         )
     if p.mode == "manual":
-        units = p.units
-        sizes = {
-            name: (u.dp, u.tp, u.pp)
-            for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
-        }
-        recompute = {
-            name: (u.recompute, u.recompute_every)
-            for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
-        }
-        shard = {
-            name: (u.shard, u.hsdp_replicas)
-            for name, u in (("encoder", units.encoder), ("llm", units.llm), ("generator", units.generator))
-        }
-        cp = {name: getattr(units, name).cp for name in ("encoder", "llm", "generator")}
-        ep = {name: getattr(units, name).ep for name in ("encoder", "llm", "generator")}
-        colocate = (units.encoder.colocate, units.generator.colocate)
-        return build_layout(sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep)
+        names = ("encoder", "llm", "generator", *separate_audio_units(cfg))
+        units = {name: getattr(p.units, name) for name in names}
+        sizes = {name: (u.dp, u.tp, u.pp) for name, u in units.items()}
+        recompute = {name: (u.recompute, u.recompute_every) for name, u in units.items()}
+        shard = {name: (u.shard, u.hsdp_replicas) for name, u in units.items()}
+        cp = {name: u.cp for name, u in units.items()}
+        ep = {name: u.ep for name, u in units.items()}
+        colocate = (p.units.encoder.colocate, p.units.generator.colocate)
+        return build_layout(
+            sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep, separate_audio_units(cfg)
+        )
     if p.mode == "hotspa":
         raise ValueError("parallel.mode=hotspa: its layouts (one per bucket) are resolved by resolve_run")
     if p.mode == "auto":
@@ -133,7 +140,7 @@ def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
     from ..schedule.actions import Schedule
     from ..schedule.generators import build_schedule, interleaved_units
 
-    rows = sum(unit.pp for unit in layout.units)
+    rows = len(layout.rows)
     if cfg.schedule.csv:
         schedule = Schedule.from_csv(cfg.schedule.csv, num_microbatches=microbatches)
         if schedule.num_ranks != rows:
@@ -145,7 +152,8 @@ def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
         return build_schedule("1f1b", 1, microbatches)  # one stage: forward and backward per microbatch
     if len(layout.units) > 1 and cfg.schedule.name == "interleaved_1f1b":
         vpp = cfg.schedule.vpp
-        units = [(unit.pp, vpp if unit.name == "llm" else 1) for unit in layout.units]
+        groups = [[layout.units[u] for u in group] for group in branch_groups(layout.units)]
+        units = [(group[0].pp, vpp if group[0].name == "llm" else 1) for group in groups]
         return interleaved_units(units, microbatches)
     vpp = cfg.schedule.vpp if len(layout.units) == 1 else 1
     return build_schedule(cfg.schedule.name, rows, microbatches, vpp)
@@ -176,29 +184,56 @@ def build_pipeline(cfg: Config, layout: UnitLayout, microbatches: int):
     schedule = pipeline_schedule(cfg, layout, microbatches)
     samples = cfg.optim.micro_batch_size * layout.llm.dp
     validate_pipeline(layout, schedule, samples)
-    broker, rows_of_units = pipeline_broker(layout, schedule, samples)
+    broker, rows_of_units = pipeline_broker(layout, schedule, samples, tokens_per_item(cfg))
     return schedule, broker, rows_of_units
 
 
-def pipeline_broker(layout: UnitLayout, schedule, samples_per_microbatch: int):
-    """The broker for a schedule over a layout, and the schedule rows of each unit."""
+def tokens_per_item(cfg: Config) -> dict[str, int]:
+    """Embedding rows per image and per clip that an encoder unit's last stage sends the LLM."""
+    from ..data.audio import audio_tokens
+
+    model, out = cfg.model, {}
+    if model.encoder is not None:
+        out["encoder"] = (model.encoder.image_size // model.encoder.patch_size) ** 2
+    if model.audio_encoder is not None:
+        out["audio_encoder"] = audio_tokens(model.audio_encoder)
+    return out
+
+
+def _row_kind(unit, pp: int, per_item: dict[str, int]):
+    from .broker import SAMPLE_ROWS, RowKind
+
+    counts = {"encoder": "image", "audio_encoder": "clip"}.get(unit.name)
+    if counts is None:
+        return SAMPLE_ROWS
+    return RowKind(counts, per_item.get(unit.name, 1) if pp == unit.pp - 1 else 1)
+
+
+def pipeline_broker(layout: UnitLayout, schedule, samples_per_microbatch: int, per_item: dict[str, int] | None = None):
+    """The broker for a schedule over a layout, and the schedule rows of each unit; ``per_item``: the embedding
+    rows per image / clip of the encoder units (``tokens_per_item``; 1 where only row counts matter)."""
     from .broker import CommBroker
 
     rows = schedule.num_ranks
     if len(layout.units) == 1:
         unit = layout.units[0]
-        row_places = [(unit, row) for row in range(rows)]
-        stage_places = [(unit, schedule.stage_to_rank[s]) for s in range(schedule.num_stages)]
+        row_places = [[(unit, row)] for row in range(rows)]
         rows_of_units = {unit.name: list(range(rows))}
     else:
-        row_places = [layout.stage_unit(row) for row in range(rows)]
-        stage_places = [layout.stage_unit(schedule.stage_to_rank[s]) for s in range(schedule.num_stages)]
-        rows_of_units, row = {}, 0
-        for unit in layout.units:
-            rows_of_units[unit.name] = list(range(row, row + unit.pp))
-            row += unit.pp
-    image_rows = [unit.name == "encoder" for unit, _ in stage_places]
-    broker = CommBroker(stage_places, row_places, image_rows, samples_per_microbatch)
-    # Until a step sets the real counts: one image per sample, so every piece that can ever travel does.
-    broker.set_image_counts([[1] * samples_per_microbatch for _ in range(schedule.num_microbatches)])
+        row_places = [layout.row_places(row) for row in range(rows)]
+        rows_of_units = {}
+        for row, places in enumerate(layout.rows):
+            for u, _ in places:
+                rows_of_units.setdefault(layout.units[u].name, []).append(row)
+    stage_places = [row_places[schedule.stage_to_rank[s]] for s in range(schedule.num_stages)]
+    row_kinds = []
+    for s in range(schedule.num_stages):
+        after = stage_places[s + 1] if s + 1 < schedule.num_stages else []
+        sections = after if len(after) > 1 and len(stage_places[s]) == 1 else stage_places[s]
+        row_kinds.append([_row_kind(unit, pp, per_item or {}) for unit, pp in sections])
+    broker = CommBroker(stage_places, row_places, row_kinds, samples_per_microbatch)
+    # Until a step sets the real counts: one image and one clip per sample, so every piece that can ever travel
+    # does.
+    ones = [[1] * samples_per_microbatch for _ in range(schedule.num_microbatches)]
+    broker.set_counts(ones, ones)
     return broker, rows_of_units

@@ -32,13 +32,11 @@ from ..models import build_model
 from ..models.llama import Documents
 from ..models.mllm import MultimodalLLM
 from ..models.vit import vit_block_count
+from .audio_stages import AUDIO_GENERATION, AUDIO_TARGET_FIELDS, AudioEncoderStage, AudioGeneratorStage
 from .context_parallel import SequenceSlices, scale_gradient
 from .generator_stages import GeneratorStage
 from .stage_output import GENERATION_FIELDS, StageOutput
-from .units import AUDIO_GENERATOR_MODULES, AUDIO_MODULES
-
-AUDIO_GENERATION = (*AUDIO_GENERATOR_MODULES, "audio_latent_encoder")
-AUDIO_TARGET_FIELDS = ("gen_audio", "audio_gen_weight", "audio_gen_noise", "audio_gen_timesteps")
+from .units import AUDIO_MODULES
 
 
 def split_evenly(count: int, parts: int, what: str) -> list[range]:
@@ -121,15 +119,15 @@ class EncoderStage(nn.Module):
         vit = self.model.encoder
         x = vit.embed(batch.images) if self.is_first else inbound
         x = vit.run_blocks(x)
-        if self.is_last:
-            x = self.model.encoder_projector(vit.head(x))
+        if self.is_last:  # one row per embedding token: the LLM's inbound sections share the row shape [D]
+            x = self.model.encoder_projector(vit.head(x)).flatten(0, 1)
         return StageOutput(x)
 
     def inbound_row(self) -> tuple[int, ...] | None:
         return None if self.is_first else self.vit_row
 
     def outbound_row(self) -> tuple[int, ...]:
-        return (self.model.encoder.num_patches, self.model.cfg.llm.dim) if self.is_last else self.vit_row
+        return (self.model.cfg.llm.dim,) if self.is_last else self.vit_row
 
 
 class LlmStage(nn.Module):
@@ -140,12 +138,12 @@ class LlmStage(nn.Module):
         model: MultimodalLLM,
         index: int,
         count: int,
-        holds_encoder: bool,
-        holds_generator: bool,
+        modules: tuple[str, ...],
         context: SequenceSlices | None = None,
         split=None,
     ):
         super().__init__()
+        holds_encoder, holds_generator = "encoder" in modules, "generator" in modules
         self.is_first, self.is_last = index == 0, index == count - 1
         self.context = context  # context parallelism: this rank's slice of every sequence
         cfg = model.cfg
@@ -154,18 +152,27 @@ class LlmStage(nn.Module):
             model.llm.tok_embeddings = None
         if not (self.is_first and holds_encoder):
             _drop(model, ("encoder", "encoder_projector"))
-        if not self.is_first:
+        if not (self.is_first and "audio_encoder" in modules):
             _drop(model, AUDIO_MODULES)
         if not self.is_last:
-            _drop(model, AUDIO_GENERATION)
             model.llm.norm = model.llm.output = None
+        if not (self.is_last and "audio_generator" in modules):
+            _drop(model, AUDIO_GENERATION)
         if not (self.is_last and holds_generator):
             _drop(model, ("generator_projector", "generator", "latent_encoder"))
         self.model = model
         self.holds_encoder = holds_encoder
-        self.receives_images = self.is_first and cfg.encoder is not None and not holds_encoder
-        self.sends_queries = self.is_last and cfg.generator is not None and not holds_generator
-        data_fed = self.is_first or (self.is_last and (holds_generator or model.audio_generator is not None))
+        # The encoder units feeding this stage (sections of its inbound tensor, in unit order) and the generator
+        # units its generation queries go to (one copy each), parallel/broker.py.
+        def separate(names: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(name for name in names if getattr(cfg, name) is not None and name not in modules)
+
+        self.inbound_units = separate(("encoder", "audio_encoder")) if self.is_first else ()
+        self.outbound_units = separate(("generator", "audio_generator")) if self.is_last else ()
+        self.inbound_sections = len(self.inbound_units) if self.inbound_units else None  # the executor splits
+        self.sends_queries = bool(self.outbound_units)
+        generates = model.generator is not None or model.audio_generator is not None
+        data_fed = self.is_first or (self.is_last and generates)
         self.splittable_backward = not data_fed  # pixels, tokens or noisy latents enter the stage directly
         self.batch_fields = llm_stage_fields(
             self.is_first, self.is_last, model.encoder is not None, model.generator is not None, self.sends_queries
@@ -175,16 +182,19 @@ class LlmStage(nn.Module):
         if model.audio_generator is not None:
             self.batch_fields += ("tokens", *AUDIO_TARGET_FIELDS)
 
-    def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
+    def forward(self, inbound, batch: Batch) -> StageOutput:
+        """``inbound``: the previous stage's hidden states; in the first stage, one embedding section per encoder
+        unit (``inbound_units``; a tuple, [tokens, D] each), or None."""
         m, cp = self.model, self.context
         if self.is_first:
-            if self.holds_encoder and m.encoder is not None:
-                image_embeds = m.encode_images(batch.images)
-            else:
-                image_embeds = inbound  # from the encoder unit, or None for a text-only model
-                if cp is not None and image_embeds is not None:  # the encoder unit hears one CP rank
-                    image_embeds = sum_gradient(image_embeds, cp.group)
-            hidden = m.embed_tokens(batch.tokens, image_embeds, m.audio_embeddings(batch))
+            received = {}
+            for name, part in zip(self.inbound_units, inbound if inbound is not None else (), strict=True):
+                if cp is not None:  # the encoder units hear one CP rank
+                    part = sum_gradient(part, cp.group)
+                received[name] = part.unsqueeze(0)  # embed_tokens fills the slots in order from any [n, P, D]
+            image_embeds = m.encode_images(batch.images) if m.encoder is not None else received.get("encoder")
+            audio_embeds = m.audio_embeddings(batch) if m.audio_encoder is not None else received.get("audio_encoder")
+            hidden = m.embed_tokens(batch.tokens, image_embeds, audio_embeds)
             if cp is not None:
                 hidden = cp.slice(hidden)
         else:
@@ -201,9 +211,10 @@ class LlmStage(nn.Module):
         labels = batch.labels if cp is None else cp.slice(batch.labels, fill=-100)
         sums = {"lm_loss_sum": m.lm_loss_sum(hidden, labels)}
         whole = hidden
-        if cp is not None and (m.generator is not None or self.sends_queries):
+        needs_queries = self.sends_queries or m.generator is not None or m.audio_generator is not None
+        if cp is not None and needs_queries:
             whole = cp.gather(hidden)  # the <gen> positions are anywhere in the sequence
-        queries = m.generation_queries(whole, batch.tokens) if self.sends_queries or m.generator is not None else None
+        queries = m.generation_queries(whole, batch.tokens) if needs_queries else None
         if m.generator is not None:  # colocated: every generator's loss (the audio one's too)
             sums["gen_loss_sum"] = m.generation_loss_from_queries(queries, batch)
         if m.audio_generator is not None:  # always here, whether the image generator is or not
@@ -211,7 +222,9 @@ class LlmStage(nn.Module):
             sums["gen_loss_sum"] = sums["gen_loss_sum"] + audio if "gen_loss_sum" in sums else audio
         if cp is not None and "gen_loss_sum" in sums:  # every CP rank computes it; its gradients sum over them
             sums["gen_loss_sum"] = sums["gen_loss_sum"] / cp.size
-        send = queries if self.sends_queries else None
+        send = None
+        if self.sends_queries:  # one copy per generator unit: their gradients sum in the cat's backward
+            send = queries if len(self.outbound_units) == 1 else torch.cat([queries] * len(self.outbound_units))
         if send is not None and cp is not None:  # the gradient comes back to every CP rank: count it once
             send = scale_gradient(send, 1.0 / cp.size)
         return StageOutput(send, sums)
@@ -219,7 +232,7 @@ class LlmStage(nn.Module):
     def inbound_row(self) -> tuple[int, ...] | None:
         cfg = self.model.cfg
         if self.is_first:
-            return (self.model_patches(), cfg.llm.dim) if self.receives_images else None
+            return (cfg.llm.dim,) if self.inbound_units else None
         return (self.sequence_rows(), cfg.llm.dim)
 
     def sequence_rows(self) -> int:
@@ -231,10 +244,6 @@ class LlmStage(nn.Module):
         if not self.is_last:
             return (self.sequence_rows(), cfg.llm.dim)
         return (cfg.gen_tokens, cfg.llm.dim) if self.sends_queries else None
-
-    def model_patches(self) -> int:
-        vit = self.model.cfg.encoder
-        return (vit.image_size // vit.patch_size) ** 2
 
 
 def fields_read(stages) -> tuple[str, ...] | None:
@@ -265,8 +274,11 @@ def build_unit_stage(
         return EncoderStage(model, index, count)
     if unit_name == "generator":
         return GeneratorStage(model, index, count)
-    holds_encoder, holds_generator = "encoder" in modules, "generator" in modules
-    return LlmStage(model, index, count, holds_encoder, holds_generator, context, split)
+    if unit_name == "audio_encoder":
+        return AudioEncoderStage(model, index, count)
+    if unit_name == "audio_generator":
+        return AudioGeneratorStage(model, index, count)
+    return LlmStage(model, index, count, modules, context, split)
 
 
 def build_rank_stages(

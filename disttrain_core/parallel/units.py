@@ -1,20 +1,27 @@
-"""Parallelism units: the encoder, the LLM backbone and the generator, each with
-its own data, tensor and pipeline parallel sizes, joined into one pipeline.
+"""Parallelism units: the encoders, the LLM backbone and the generators, each with
+its own data, tensor and pipeline parallel sizes, joined by the broker.
 
 A unit holds one or more model modules. The LLM unit always exists; the image
-encoder (with its projector) and the generator (with its projector) either form
-their own units or are *colocated* with the LLM unit (the encoder then runs in the
-LLM's first pipeline stage, the generator in its last, as Megatron-LM does). An
-audio tower (model.audio_encoder) is always colocated: the LLM's first stage runs it; an audio generator
-(model.audio_generator) too: the LLM's last stage runs it.
+encoder (with its projector), the audio tower (``audio_encoder``), the image
+generator and the audio generator each either form their own unit or are
+*colocated* with the LLM unit (encoders then run in the LLM's first pipeline stage,
+generators in its last, as Megatron-LM does).
+
+Pipeline rows. Units run in data-flow order: the encoder units side by side (a
+*branch group*: every encoder unit runs the same schedule rows, each on its own
+modality, and all of them feed the LLM's first stage), then the LLM's stages, then
+the generator units side by side (each fed the same generation queries by the LLM's
+last stage). Units of one branch group have the same pipeline depth, so row ``r``
+of the schedule is run by stage ``r`` of every unit of its group.
 
 Ranks. Units take contiguous blocks of global ranks in data-flow order (encoder,
-LLM, generator). Inside a unit, tensor parallelism is innermost, then context
-parallelism, then data parallelism, then pipeline stages (Megatron's tp-cp-dp-pp order):
-``rank = first + ((pp * dp_size + dp) * cp_size + cp) * tp_size + tp``, so TP peers are
-neighbours (one node), CP peers next, and the replicas of a stage are adjacent. The
-``inner`` index ``cp * tp_size + tp`` numbers the ranks of one replica of one stage: they all
-work on the same samples (TP on slices of the weights, CP on slices of each sequence).
+audio encoder, LLM, generator, audio generator). Inside a unit, tensor parallelism is
+innermost, then context parallelism, then data parallelism, then pipeline stages
+(Megatron's tp-cp-dp-pp order): ``rank = first + ((pp * dp_size + dp) * cp_size + cp) *
+tp_size + tp``, so TP peers are neighbours (one node), CP peers next, and the replicas
+of a stage are adjacent. The ``inner`` index ``cp * tp_size + tp`` numbers the ranks of
+one replica of one stage: they all work on the same samples (TP on slices of the
+weights, CP on slices of each sequence).
 
 Samples. Each optimizer step's global batch is cut into ``M`` global microbatches of
 ``B = micro_batch_size x dp_llm`` samples; microbatch ``k`` flows through every stage
@@ -30,10 +37,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 ENCODER_MODULES = ("encoder", "encoder_projector")
-AUDIO_MODULES = ("audio_encoder", "audio_projector")  # always in the LLM unit's first stage (for now)
-AUDIO_GENERATOR_MODULES = ("audio_generator_projector", "audio_generator")  # always in its last stage
+AUDIO_MODULES = ("audio_encoder", "audio_projector")
+AUDIO_GENERATOR_MODULES = ("audio_generator_projector", "audio_generator")
 LLM_MODULES = ("llm",)
 GENERATOR_MODULES = ("generator_projector", "generator")
+# Units that may run on processes of their own, and their modules. A branch group's units run side by side.
+UNIT_MODULES = {
+    "encoder": ENCODER_MODULES,
+    "audio_encoder": AUDIO_MODULES,
+    "llm": LLM_MODULES,
+    "generator": GENERATOR_MODULES,
+    "audio_generator": AUDIO_GENERATOR_MODULES,
+}
+ENCODER_UNITS = ("encoder", "audio_encoder")
+GENERATOR_UNITS = ("generator", "audio_generator")
+UNIT_NAMES = tuple(UNIT_MODULES)
 
 
 @dataclass(frozen=True)
@@ -95,14 +113,40 @@ class ParallelismUnit:
         return range(dp * per, (dp + 1) * per)
 
 
+def branch_groups(units: tuple[ParallelismUnit, ...]) -> list[list[int]]:
+    """Unit indices in pipeline order, grouped: the encoder units, the LLM unit, the generator units (a unit
+    named otherwise is a group of its own)."""
+    groups: list[list[int]] = []
+    for index, unit in enumerate(units):
+        previous = units[groups[-1][0]].name if groups else None
+        together = any(unit.name in g and previous in g for g in (ENCODER_UNITS, GENERATOR_UNITS))
+        if together:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
 @dataclass(frozen=True)
 class UnitLayout:
     units: tuple[ParallelismUnit, ...]
-    stages: tuple[tuple[int, int], ...] = field(init=False)  # global stage -> (unit index, pp index)
+    # pipeline row -> the (unit index, pp index) of every unit running it (several for a branch group)
+    rows: tuple[tuple[tuple[int, int], ...], ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        stages = tuple((u, p) for u, unit in enumerate(self.units) for p in range(unit.pp))
-        object.__setattr__(self, "stages", stages)
+        rows = []
+        for group in branch_groups(self.units):
+            depths = {self.units[u].pp for u in group}
+            if len(depths) > 1:
+                names = ", ".join(f"{self.units[u].name} pp={self.units[u].pp}" for u in group)
+                raise ValueError(f"units side by side need the same pipeline depth ({names}): make them equal")
+            rows += [tuple((u, p) for u in group) for p in range(depths.pop())]
+        object.__setattr__(self, "rows", tuple(rows))
+
+    @property
+    def stages(self) -> tuple[tuple[int, int], ...]:
+        """Pipeline row -> (unit index, pp index) of its first unit (the only one outside branch groups)."""
+        return tuple(row[0] for row in self.rows)
 
     @property
     def world_size(self) -> int:
@@ -127,16 +171,26 @@ class UnitLayout:
         return next(u for u in self.units if rank in u.ranks)
 
     def stage_of(self, rank: int) -> int:
+        """The pipeline row ``rank`` runs."""
         unit = self.unit_of(rank)
-        return self.stages.index((self.units.index(unit), unit.coords(rank)[2]))
+        place = (self.units.index(unit), unit.coords(rank)[2])
+        return next(r for r, row in enumerate(self.rows) if place in row)
 
     def stage_unit(self, stage: int) -> tuple[ParallelismUnit, int]:
-        unit_index, pp = self.stages[stage]
-        return self.units[unit_index], pp
+        """(unit, pp index) of the first unit running pipeline row ``stage``."""
+        return self.row_places(stage)[0]
+
+    def row_places(self, row: int) -> list[tuple[ParallelismUnit, int]]:
+        """(unit, pp index) of every unit running pipeline row ``row``."""
+        return [(self.units[u], p) for u, p in self.rows[row]]
 
     def stage_ranks(self, stage: int) -> list[int]:
-        unit, pp = self.stage_unit(stage)
-        return [unit.rank_at(d, i, pp) for d in range(unit.dp) for i in range(unit.inner)]
+        return [
+            unit.rank_at(d, i, pp)
+            for unit, pp in self.row_places(stage)
+            for d in range(unit.dp)
+            for i in range(unit.inner)
+        ]
 
     def describe(self) -> str:
         def sizes(u: ParallelismUnit) -> str:
@@ -157,21 +211,29 @@ def build_layout(
     shard: dict[str, tuple[str, int]] | None = None,
     cp: dict[str, int] | None = None,
     ep: dict[str, int] | None = None,
+    audio: tuple[str, ...] = (),
 ) -> UnitLayout:
     """Units in data-flow order from per-unit (dp, tp, pp) sizes, (policy, every) recompute settings,
-    (mode, hsdp_replicas) shard settings and context-parallel sizes (colocated modules take the LLM unit's)."""
+    (mode, hsdp_replicas) shard settings and context-parallel sizes (colocated modules take the LLM unit's).
+    ``audio`` names the audio units on processes of their own (``audio_encoder``, ``audio_generator``); the
+    colocated audio modules join the LLM unit afterwards (``with_audio_modules``)."""
     llm_modules = list(LLM_MODULES)
-    plan: list[tuple[str, tuple[str, ...]]] = []
+    before: list[str] = []
+    after: list[str] = []
     if has_encoder:
         if colocate_encoder:
             llm_modules = list(ENCODER_MODULES) + llm_modules
         else:
-            plan.append(("encoder", ENCODER_MODULES))
-    if has_generator and colocate_generator:
-        llm_modules += list(GENERATOR_MODULES)
-    plan.append(("llm", tuple(llm_modules)))
-    if has_generator and not colocate_generator:
-        plan.append(("generator", GENERATOR_MODULES))
+            before.append("encoder")
+    if has_generator:
+        if colocate_generator:
+            llm_modules += list(GENERATOR_MODULES)
+        else:
+            after.append("generator")
+    before += [name for name in ("audio_encoder",) if name in audio]
+    after += [name for name in ("audio_generator",) if name in audio]
+    plan = [(name, UNIT_MODULES[name]) for name in before]
+    plan += [("llm", tuple(llm_modules))] + [(name, UNIT_MODULES[name]) for name in after]
     units, first = [], 0
     for name, modules in plan:
         dp, tp, pp = sizes[name]
@@ -199,8 +261,10 @@ def build_layout(
 
 def with_audio_modules(layout: UnitLayout, tower: bool, generator: bool) -> UnitLayout:
     """The layout with the audio tower (model.audio_encoder and its projector) and the audio generator (with its
-    projector) in the LLM unit: its first pipeline stage runs the tower on the clips of the samples it embeds, its
-    last the generator on the generation queries it computes."""
+    projector) in the LLM unit, where they have no unit of their own: its first pipeline stage runs the tower on
+    the clips of the samples it embeds, its last the generator on the generation queries it computes."""
+    tower = tower and not layout.has_unit("audio_encoder")
+    generator = generator and not layout.has_unit("audio_generator")
     units = []
     for unit in layout.units:
         if unit.name == "llm":

@@ -177,11 +177,15 @@ class PipelineExecutor:
     def _forward(self, state: _StepState, action: Action, loss_fn, sums) -> torch.Tensor | None:
         stage, k = action.stage, action.microbatch
         module = self.stages[stage]
-        inbound = None
+        inbound = feed = None
         if module.inbound_row() is not None:
             inbound = state.take(ACT, stage, k).requires_grad_(True)
+            feed = inbound.to(self._compute_dtype(module))
+            sections = getattr(module, "inbound_sections", None)
+            if sections is not None:  # one part per unit of the sending branch group, in its order
+                feed = feed.split(state.section_sizes(ACT, stage, k, sections))
         with self.autocast():
-            out = module(None if inbound is None else inbound.to(self._compute_dtype(module)), state.batches[k])
+            out = module(feed, state.batches[k])
         loss = None
         if out.loss_sums:
             loss = loss_fn(out.loss_sums)
@@ -277,6 +281,13 @@ class _StepState:
         if not parts:
             return torch.zeros((0, *self._row_shape(kind, stage)), dtype=self.x.dtype, device=self.x.device)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def section_sizes(self, kind: str, stage: int, k: int, sections: int) -> list[int]:
+        """Rows of each section of what ``take`` returns (the broker's pieces name their section)."""
+        sizes = [0] * sections
+        for piece in self.x.routing.incoming(kind, stage, k, self.x.rank):
+            sizes[getattr(piece, "section", 0)] += len(piece.rows)
+        return sizes
 
     def finish(self) -> None:
         wait_all(self.send_works)

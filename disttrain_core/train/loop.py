@@ -129,7 +129,7 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         self.metrics = MetricsLogger(self.run_dir, self.rank == 0, cfg.logger, config)
         self.timelines = None
         if trainer.record_timeline and self.schedule is not None:
-            first_pipeline = [unit.rank(0, 0, pp) for unit, pp in self.broker.row_places]
+            first_pipeline = [places[0][0].rank(0, 0, places[0][1]) for places in self.broker.row_places]
             self.timelines = TimelineReporter(
                 self.run_dir, self.rank, first_pipeline, self.schedule, fabric.barrier, self.metrics
             )

@@ -58,14 +58,16 @@ class StepData:
         summary = self._summary()
         if summary is not None:  # the producer sent this block only
             if self.broker is not None:
-                self.broker.set_image_counts(summary.image_counts.tolist())
+                self.broker.set_counts(summary.image_counts.tolist(), summary.clip_counts.tolist())
             return microbatches
         if not self.global_stream:
             return microbatches
         if self.packing and self.cfg.parallel.mode == "hotspa":  # HotSPa splits the buckets per strategy
             return microbatches
         if self.broker is not None:
-            self.broker.set_image_counts([mb.image_counts.tolist() for mb in microbatches])
+            self.broker.set_counts(
+                [mb.image_counts.tolist() for mb in microbatches], [mb.audio_counts.tolist() for mb in microbatches]
+            )
         return self._replica_share(microbatches, self.dp_rank)
 
     def _replica_share(self, microbatches: list[Batch], replica: int) -> list[Batch]:

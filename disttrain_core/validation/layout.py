@@ -5,8 +5,10 @@ from __future__ import annotations
 from ..config import Config
 from .common import _require, world_size
 from .float8 import check_float8_layout
+from ..parallel.units import UNIT_NAMES
 from .unit_shapes import validate_moe_unit, validate_unit_pp, validate_unit_tp
 
+COLOCATABLE = tuple(name for name in UNIT_NAMES if name != "llm")
 MAX_PARALLEL_SIZE = 65_536  # dp, tp or pp beyond this (and the world size) is a typo
 
 
@@ -25,7 +27,7 @@ def _validate_context_settings(cfg: Config) -> None:
     """The context- and expert-parallel sizes, before the layout is resolved (ddp layouts divide the world by cp)."""
     p = cfg.parallel
     _require(p.cp >= 1, f"parallel.cp={p.cp}: use 1 (no context parallelism) or more")
-    for name in ("encoder", "llm", "generator"):
+    for name in UNIT_NAMES:
         cp = getattr(p.units, name).cp
         _require(cp >= 1, f"parallel.units.{name}.cp={cp}: use 1 (no context parallelism) or more")
         _require(
@@ -33,7 +35,7 @@ def _validate_context_settings(cfg: Config) -> None:
             f"parallel.units.{name}.cp={cp}: context parallelism splits the LLM's sequences only; set it to 1 "
             "(give the unit more dp instead)",
         )
-    for name in ("encoder", "generator"):
+    for name in COLOCATABLE:
         ep = getattr(p.units, name).ep
         _require(ep == 1, f"parallel.units.{name}.ep={ep}: expert parallelism applies to the LLM's MoE blocks; set 1")
     for where, ep in (("parallel.ep", p.ep), ("parallel.units.llm.ep", p.units.llm.ep)):
@@ -96,7 +98,7 @@ def _validate_shard_settings(p) -> None:
     from ..parallel.fsdp import SHARD_MODES
 
     settings = [("parallel", p)] + [
-        (f"parallel.units.{n}", getattr(p.units, n)) for n in ("encoder", "llm", "generator")
+        (f"parallel.units.{n}", getattr(p.units, n)) for n in UNIT_NAMES
     ]
     for where, s in settings:
         if s.shard is not None:
@@ -112,7 +114,7 @@ def _validate_shard_settings(p) -> None:
             "parallel.shard / parallel.zero1 / parallel.hsdp_replicas set every unit of a ddp or megatron layout; "
             "this layout has units: set parallel.units.<encoder|llm|generator>.shard",
         )
-        for name in ("encoder", "generator"):
+        for name in COLOCATABLE:
             unit = getattr(p.units, name)
             _require(
                 not (unit.colocate and (unit.shard != "zero1" or unit.hsdp_replicas != 1)),
@@ -133,7 +135,7 @@ def _check_sizes_fit(cfg: Config) -> None:
     p, world = cfg.parallel, world_size(cfg)
     limit = max(world, MAX_PARALLEL_SIZE)
     sizes = [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)]
-    for name in ("encoder", "llm", "generator"):
+    for name in UNIT_NAMES:
         unit = getattr(p.units, name)
         sizes += [(f"parallel.units.{name}.{size}", getattr(unit, size)) for size in ("dp", "tp", "pp", "cp")]
     for where, value in sizes:
@@ -193,12 +195,16 @@ def _validate_mode_and_units(cfg: Config) -> None:
         f"parallel.modality_stages={p.modality_stages!r}: allowed values are separate and folded",
     )
     _require(p.dp == -1 or p.dp >= 1, f"parallel.dp={p.dp}: use -1 (derive from the world size) or a positive size")
-    for name in ("encoder", "llm", "generator"):
+    for name in UNIT_NAMES:
         u = getattr(p.units, name)
-        _require(min(u.dp, u.tp, u.pp, u.vpp) >= 1, f"parallel.units.{name}: dp, tp, pp and vpp must be at least 1")
+        _require(
+            min(u.dp, u.tp, u.pp, u.vpp) >= 1,
+            f"parallel.units.{name}: dp={u.dp} tp={u.tp} pp={u.pp} vpp={u.vpp}; each must be at least 1 (a unit "
+            "needs devices to run on: give it some, or colocate=true to run it inside the LLM unit)",
+        )
     _require(
         not p.units.llm.colocate,
-        "parallel.units.llm.colocate: only the encoder or the generator can be colocated (with the LLM)",
+        "parallel.units.llm.colocate: only the encoders or the generators can be colocated (with the LLM)",
     )
 
 
@@ -207,7 +213,7 @@ def _validate_recompute_settings(p) -> None:
     from ..parallel.recompute import POLICIES
 
     settings = [("parallel", p)] + [
-        (f"parallel.units.{n}", getattr(p.units, n)) for n in ("encoder", "llm", "generator")
+        (f"parallel.units.{n}", getattr(p.units, n)) for n in UNIT_NAMES
     ]
     for where, s in settings:
         _require(
@@ -221,7 +227,7 @@ def _validate_recompute_settings(p) -> None:
             f"parallel.recompute={p.recompute} sets every unit of a ddp or megatron layout; this layout has units: "
             "set parallel.units.<encoder|llm|generator>.recompute",
         )
-        for name in ("encoder", "generator"):
+        for name in COLOCATABLE:
             unit = getattr(p.units, name)
             _require(
                 not (unit.colocate and unit.recompute != "none"),

@@ -12,6 +12,7 @@ def validate_audio(cfg: Config) -> None:
     LLM unit's first stage (parallel/units.py; the planner places it there too)."""
     m, audio = cfg.model, cfg.model.audio_encoder
     validate_audio_generator(cfg)
+    validate_audio_units(cfg)
     if audio is None:
         return
     _require(
@@ -92,4 +93,37 @@ def validate_synthetic_modalities(cfg: Config) -> None:
             f"data.synthetic.video_fraction={synthetic.video_fraction} draws videos, but model {m.name} has no "
             "image encoder to read their frames; pick a multimodal model (model=mllm_tiny) or set "
             "data.synthetic.video_fraction=0",
+        )
+
+
+def validate_audio_units(cfg: Config) -> None:
+    """``parallel.units.audio_encoder`` / ``audio_generator`` with ``colocate=false``: units of their own beside the
+    image encoder / generator unit (parallel/units.py), one pipeline stage each, in manual layouts of a model with
+    the module."""
+    p, m = cfg.parallel, cfg.model
+    for name, partner in (("audio_encoder", "encoder"), ("audio_generator", "generator")):
+        unit = getattr(p.units, name)
+        if unit.colocate:
+            continue
+        where = f"parallel.units.{name}.colocate=false"
+        _require(
+            p.mode == "manual",
+            f"{where} gives the {name} processes of its own in a manual layout; parallel.mode={p.mode} places it in "
+            f"the LLM unit: use parallel.mode=manual (e.g. parallel=disagg5_audio) or drop the setting",
+        )
+        _require(
+            getattr(m, name) is not None,
+            f"{where} but model.{name} is null (model.name={m.name}); pick a model with one (model=any2any_tiny) or "
+            "drop the setting",
+        )
+        _require(
+            unit.pp == 1 and unit.vpp == 1,
+            f"parallel.units.{name}.pp={unit.pp} vpp={unit.vpp}: the {name} unit runs as one pipeline stage; use "
+            "pp=1 (give it dp or tp instead)",
+        )
+        side = getattr(p.units, partner)
+        _require(
+            getattr(m, partner) is None or side.colocate or side.pp == 1,
+            f"parallel.units.{partner}.pp={side.pp}: the {partner} and {name} units run side by side, one pipeline "
+            f"stage each; set parallel.units.{partner}.pp=1 or colocate one of them",
         )

@@ -65,8 +65,8 @@ def validate_unit_tp(cfg: Config, unit, where: str) -> None:
                 _require(value % unit.tp == 0, f"{where}: tp={unit.tp} does not divide model.{module}.{what}={value}")
     # the generator unit of a manual layout: its tp was chosen for it. Sharing another unit's TP group
     # (megatron mode, or colocated with the LLM), a U-Net whose heads do not divide stays replicated there.
-    if unit.name == "generator" and cfg.parallel.mode == "manual":
-        _validate_generator_tp(m.generator, unit.tp, where)
+    if unit.name in ("generator", "audio_generator") and cfg.parallel.mode == "manual":
+        _validate_generator_tp(getattr(m, unit.name), unit.tp, where)
 
 
 def _validate_generator_tp(gen, tp: int, where: str) -> None:

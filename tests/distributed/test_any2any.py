@@ -1,6 +1,7 @@
 """A model that reads images, video frames and audio clips (model=any2any_tiny) on embedded data with all three:
 disaggregated and tensor-parallel layouts, and a data producer, reproduce one process (fp32, 5 steps, losses and
-final parameters within 1e-4). The audio tower rides on the LLM unit's first stage, TP-split with it."""
+final parameters within 1e-4). The audio tower rides on the LLM unit's first stage, TP-split with it, or runs as a
+unit of its own beside the image encoder's (and the audio generator beside the image generator's)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,19 @@ def test_one_process_trains_on_images_video_and_audio(reference):
             ["trainer.devices=2", "data.producer.workers=1", "data.producer.per_rank=true"], id="dp2_producer"
         ),
         pytest.param(["parallel=disagg4_pp2"], id="disagg4_pp2", marks=pytest.mark.slow),
+        # the image encoder and the audio tower as units of their own side by side (the tower at dp=2 against the
+        # LLM's dp=1), both feeding the LLM; the image and the audio generator side by side, both fed its queries;
+        # a data producer sends each process only what its unit reads, the broker routing by the step's clip counts
+        pytest.param(
+            [
+                "parallel=disagg5_audio",
+                "parallel.units.audio_encoder.dp=2",
+                "trainer.devices=6",
+                "data.producer.workers=1",
+                "data.producer.per_rank=true",
+            ],
+            id="audio_units",
+        ),
     ],
 )
 def test_layouts_match_one_process(layout, reference, any2any_shards, tmp_path):

@@ -113,6 +113,22 @@ def test_whisper_large_v3_is_pinned_at_its_published_size():
         (["model/audio_generator=audioldm_tiny"], "audio_generator trains on the clips the audio tower reads.*needs"),
         (["model=any2any_tiny", "model.audio_generator.latent_shape=[5,8]"], "latent_shape=\\[5, 8\\].* multiple of 2"),
         (["model=any2any_tiny", "model.audio_generator.in_channels=32"], "in_channels=32: the mel latents"),
+        # audio units of their own
+        (["model=mllm_tiny", "parallel=disagg5_audio"], "audio_encoder.colocate=false but model.audio_encoder is null"),
+        (["model=any2any_tiny", "parallel.units.audio_encoder.colocate=false"], "parallel.mode=ddp places it in the"),
+        (["model=any2any_tiny", "parallel=disagg5_audio", "parallel.units.audio_encoder.pp=2"], "runs as one pipeline"),
+        (
+            ["model=any2any_tiny", "parallel=disagg5_audio", "parallel.units.encoder.pp=2"],
+            "encoder.pp=2: the encoder and audio_encoder units run side by side",
+        ),
+        (
+            ["model=any2any_tiny", "parallel=disagg5_audio", "parallel.units.audio_encoder.dp=0"],
+            "audio_encoder: dp=0 tp=1 pp=1 vpp=1; each must be at least 1 .*colocate=true",
+        ),
+        (
+            ["model=any2any_tiny", "parallel=disagg5_audio", "parallel.units.audio_encoder.tp=3", "trainer.devices=7"],
+            "tp=3 does not divide model.audio_encoder.n_heads=4",
+        ),
     ],
 )
 def test_audio_settings_that_cannot_work_are_one_line_errors(overrides, message):

@@ -125,10 +125,10 @@ def test_the_brokers_remembered_pieces_follow_each_steps_image_counts():
     layout = build_layout({"encoder": (1, 1, 1), "llm": (1, 1, 2)}, True, False, False, False)
     broker, _ = pipeline_broker(layout, build_schedule("gpipe", 3, 2), 2)
     encoder_rank = layout.units[0].rank_at(0, 0, 0)
-    broker.set_image_counts([[1, 2], [3, 1]])
+    broker.set_counts([[1, 2], [3, 1]])
     first = [broker.outgoing(ACT, 0, k, encoder_rank) for k in (0, 1)]
     assert [len(p.rows) for pieces in first for p in pieces] == [3, 4]
-    broker.set_image_counts([[2, 2], [0, 1]])
+    broker.set_counts([[2, 2], [0, 1]])
     again = [broker.outgoing(ACT, 0, k, encoder_rank) for k in (0, 1)]
     assert [len(p.rows) for pieces in again for p in pieces] == [4, 1]
     last = layout.units[1].rank_at(0, 0, 1)  # the LLM's second stage: text rows from its first

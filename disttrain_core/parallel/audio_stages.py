@@ -1,0 +1,81 @@
+"""The audio units' stages, when the audio tower or the audio generator runs on processes of its own
+(``parallel.units.audio_encoder.colocate=false``, ``parallel.units.audio_generator.colocate=false``).
+
+* The audio encoder stage embeds the clips of its replica's samples (log-mel features through the tower and its
+  projector) and sends the LLM one row of LLM width per tower position: ``[clips x positions, D]``, the section
+  of the LLM first stage's inbound tensor that the broker fills from this unit (parallel/broker.py).
+* The audio generator stage receives the generation queries of its replica's samples ``[samples, G, D]`` and
+  computes the audio denoising loss (the rows' last clips; weight 0 for rows without one).
+
+Each is one pipeline stage (pp=1): both modules are small beside the LLM, and a stage boundary inside the tower or
+the U-Net is not needed to balance them (validation/layout.py says so for pp > 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..data.batch import Batch
+from ..models.mllm import MultimodalLLM
+from .stage_output import StageOutput
+from .units import AUDIO_GENERATOR_MODULES, AUDIO_MODULES
+
+AUDIO_GENERATION = (*AUDIO_GENERATOR_MODULES, "audio_latent_encoder")
+AUDIO_TARGET_FIELDS = ("gen_audio", "audio_gen_weight", "audio_gen_noise", "audio_gen_timesteps")
+
+
+def keep_only(model: MultimodalLLM, keep: tuple[str, ...]) -> None:
+    """Every top-level module of the model but ``keep`` becomes None (parameter names stay the whole model's)."""
+    for name, _ in list(model.named_children()):
+        if name not in keep:
+            setattr(model, name, None)
+
+
+def one_stage(unit: str, index: int, count: int) -> None:
+    if count != 1:
+        raise ValueError(f"parallel.units.{unit}.pp={count}: the {unit} unit runs as one pipeline stage; use pp=1")
+
+
+class AudioEncoderStage(nn.Module):
+    kind = "audio_encoder"
+    splittable_backward = False  # the features enter the stage directly
+    batch_fields = ("image_counts", "audio_counts", "audio")
+
+    def __init__(self, model: MultimodalLLM, index: int = 0, count: int = 1):
+        super().__init__()
+        one_stage("audio_encoder", index, count)
+        self.is_first = self.is_last = True
+        keep_only(model, AUDIO_MODULES)
+        self.model = model
+
+    def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
+        return StageOutput(self.model.encode_audio(batch.audio).flatten(0, 1))
+
+    def inbound_row(self) -> None:
+        return None
+
+    def outbound_row(self) -> tuple[int, ...]:
+        return (self.model.cfg.llm.dim,)
+
+
+class AudioGeneratorStage(nn.Module):
+    kind = "audio_generator"
+    splittable_backward = False  # noisy latents and timesteps enter the stage directly
+    batch_fields = ("image_counts", "audio_counts", *AUDIO_TARGET_FIELDS)
+
+    def __init__(self, model: MultimodalLLM, index: int = 0, count: int = 1):
+        super().__init__()
+        one_stage("audio_generator", index, count)
+        self.is_first = self.is_last = True
+        keep_only(model, AUDIO_GENERATION)
+        self.model = model
+
+    def forward(self, inbound: torch.Tensor, batch: Batch) -> StageOutput:
+        return StageOutput(None, {"gen_loss_sum": self.model.audio_generation_loss_from_queries(inbound, batch)})
+
+    def inbound_row(self) -> tuple[int, ...]:
+        return (self.model.cfg.gen_tokens, self.model.cfg.llm.dim)
+
+    def outbound_row(self) -> None:
+        return None
