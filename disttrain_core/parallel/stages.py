@@ -162,6 +162,7 @@ class LlmStage(nn.Module):
             _drop(model, ("generator_projector", "generator", "latent_encoder"))
         self.model = model
         self.holds_encoder = holds_encoder
+
         # The encoder units feeding this stage (sections of its inbound tensor, in unit order) and the generator
         # units its generation queries go to (one copy each), parallel/broker.py.
         def separate(names: tuple[str, ...]) -> tuple[str, ...]:

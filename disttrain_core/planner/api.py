@@ -216,9 +216,10 @@ def make_plan(
     return PlanResult(plan, model, summary)
 
 
-def choices_of_config(cfg, layout=None) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | None]:
-    """The planner's view of a configured (non-auto) layout: (llm, encoder, generator). ``layout``: the run's
-    resolved one; None: ``cfg``'s, resolved here (a candidate the planner weighs, a tool's config)."""
+def choices_of_config(cfg, layout=None) -> tuple[UnitChoice, UnitChoice | None, UnitChoice | None, dict]:
+    """The planner's view of a configured (non-auto) layout: (llm, encoder, generator, the audio units' choices by
+    name), as ``LayoutModel.evaluate`` takes them. ``layout``: the run's resolved one; None: ``cfg``'s, resolved
+    here (a candidate the planner weighs, a tool's config)."""
     from ..parallel.resolved import config_layout
 
     layout = layout or config_layout(cfg)
@@ -244,7 +245,8 @@ def choices_of_config(cfg, layout=None) -> tuple[UnitChoice, UnitChoice | None, 
             return COLOCATED
         return UnitChoice(unit.tp, unit.dp, unit.pp)
 
-    return llm, side("encoder"), side("generator")
+    audio = {name: side(name) for name in ("audio_encoder", "audio_generator") if cfg.model[name] is not None}
+    return llm, side("encoder"), side("generator"), audio
 
 
 def _configured_model(cfg, layout, settings, hw) -> LayoutModel:
@@ -274,13 +276,13 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     )
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
     model = _configured_model(cfg, layout, settings, hw)
-    llm, enc, gen = choices_of_config(cfg, layout)
-    choices = {"llm": llm}
+    llm, enc, gen, audio = choices_of_config(cfg, layout)
+    choices = {"llm": llm, **audio}
     if enc is not None:
         choices["encoder"] = enc
     if gen is not None:
         choices["generator"] = gen
-    S = sum(unit.pp for unit in layout.units)
+    S = len(layout.rows)
     m = int(cfg.optim.global_batch_size) // (int(cfg.optim.micro_batch_size) * layout.llm.dp)
     schedule = cfg.schedule.name if S > 1 else "none"
     roles = []
@@ -317,9 +319,9 @@ def auto_pp_split(cfg, layout=None) -> tuple[list[int], list[float]]:
     peak = None if listed else 1.0
     hw = Hardware.from_config(cfg.cluster, precision, peak, tf32=bool(cfg.trainer.tf32))
     model = _configured_model(cfg, layout, settings, hw)
-    llm, enc, gen = choices_of_config(cfg, layout)
+    llm, enc, gen, audio = choices_of_config(cfg, layout)
     policy = layout.llm.recompute
-    first, last = model.llm_end_extras(llm, enc, gen, model.pp_bw(layout.world_size), policy)
+    first, last = model.llm_end_extras(llm, enc, gen, model.pp_bw(layout.world_size), policy, audio)
     costs = model.llm_stage_costs(llm, first, last, policy)
     split = costs.best(llm.pp * stages_of(cfg, layout))
     return split, costs.stage_times(split)

@@ -6,6 +6,7 @@ import copy
 import json
 from pathlib import Path
 
+from ..parallel.units import UNIT_NAMES
 from ..validation import ConfigError
 from .api import make_plan, runtime_has_ep
 from .report import plan_dict, plan_table, predicted_timelines
@@ -28,7 +29,7 @@ def layout_container(plan_evaluation, every: int = 2, with_ep: bool = False) -> 
     a plan with ep > 1 is never made without it (make_plan)."""
     choices = plan_evaluation.choices
     units = {}
-    for name in ("encoder", "llm", "generator"):
+    for name in UNIT_NAMES:
         choice = choices.get(name)
         if choice is None:
             units[name] = {"dp": 1, "tp": 1, "pp": 1, "vpp": 1, "colocate": name != "llm"}

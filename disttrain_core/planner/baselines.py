@@ -34,10 +34,11 @@ def exhaustive(solver: Orchestrator) -> Plan:
                     for gen in solver.side_options("generator", B):
                         if used + (gen.gpus if gen is not None else 0) > N:
                             continue
-                        count += 1
-                        result = solver.m.evaluate(llm, e, gen)
-                        if result.feasible and (best is None or result.iteration_s < best.iteration_s):
-                            best = result
+                        for audio in solver.audio_products(B):  # evaluate refuses what cannot run
+                            count += 1
+                            result = solver.m.evaluate(llm, e, gen, audio)
+                            if result.feasible and (best is None or result.iteration_s < best.iteration_s):
+                                best = result
     if best is None:
         raise PlanningError(solver.no_layout_reason())
     return Plan("exhaustive", best, N, time.perf_counter() - started, count)

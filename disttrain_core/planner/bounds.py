@@ -3,7 +3,8 @@
 Three bounds, each below every integer layout it stands for (the search skips whatever its bound says cannot win,
 so a bound above a layout would lose it; tests/unit/test_planner_search.py compares with exhaustive search):
 
-* an LLM option's (``llm_entries``): its compute on the largest pipeline that fits, its least ZeRO-1 tail;
+* an LLM option's, per placement of the audio units (``llm_entries``): its compute on the largest pipeline that
+  fits beside the separate audio units, the riding audio modules on its end stages, its least ZeRO-1 tail;
 * a combination's cheap one (``expand``): every unit's warm-up on one stage, the steady phase balanced over all
   devices and at least the largest LLM pipeline that fits;
 * a combination's refined one (``refined_bound``): the LLM exact (recompute policy, shard mode, stage times) at
@@ -46,40 +47,54 @@ class SearchBounds:
             }
             p2p = p2p_l if pl_min > 1 else 0.0
             K_l = C_l * opt.width
-            steady = max(K_l / (opt.width * fitting[-1]) + p2p, K_l / N)
-            lower = (C_l + pl_min * p2p) / vpp + (m - 1) * steady + min(tails[p] for p in fitting)
-            yield lower, opt, (m, pl_min, pps, C_l, p2p, tails)
+            least_tail = min(tails[p] for p in fitting)
+            for audio in self.audio_placements(mdl.micro * dp):
+                terms = self.audio_terms(opt, audio)
+                x_first, x_last, t_ae, t_ag, g_a, K_a = terms
+                room = [p for p in fitting if opt.width * p <= N - g_a]
+                if not room:
+                    continue
+                ends = max(x_first, x_last)  # a riding module on the first / last stage (both: pp=1, more)
+                steady = max(K_l / (opt.width * room[-1]) + p2p + ends, K_l / (N - g_a), (K_l + K_a) / N, t_ae, t_ag)
+                fill = (C_l + pl_min * p2p + x_first + x_last) / vpp + t_ae + t_ag
+                lower = fill + (m - 1) * steady + least_tail
+                yield lower, opt, (m, pl_min, pps, C_l, p2p, tails, audio, terms)
 
     def expand(self, opt: LlmOption, context):
-        """Every (lower bound, opt, encoder option, generator option, device bounds) of one LLM option."""
-        N, mdl = self.m.devices, self.m
-        m, pl_min, pps, C_l, p2p, tails = context
+        """Every (lower bound, opt, encoder option, generator option, device bounds, audio placement) of one LLM
+        option and audio placement (a separate audio unit beside a separate image encoder / generator holds it at
+        one stage)."""
+        mdl = self.m
+        m, pl_min, pps, C_l, p2p, tails, audio, (x_ae, x_ag, t_ae, t_ag, g_a, K_a) = context
+        N = mdl.devices - g_a  # what the separate audio units leave
+        beside_enc = any(n == "audio_encoder" and not ch.colocated for n, ch in audio.items())
+        beside_gen = any(n == "audio_generator" and not ch.colocated for n, ch in audio.items())
         tp, dp, vpp = opt.tp, opt.dp, opt.vpp
         B = mdl.micro * dp
         a_l = opt.width
         K_l = C_l * a_l
         widths = [a_l * p for p in pps]
-        enc_pps = self.enc_pp_options()
+        enc_pps = [1] if beside_enc else self.enc_pp_options()
         spread = mdl.c.settings.pp_split
         gens = []
         for gen in self.side_options("generator", B):
             if gen is None:
-                gens.append((gen, 0.0, 0.0, 0, 0.0))
+                gens.append((gen, x_ag, t_ag, 0, t_ag))
             elif gen.colocated:
-                gens.append((gen, mdl.colocated_time("generator", tp, mdl.micro), 0.0, 0, 0.0))
-            elif self.gen_fits(gen, B / gen.dp):
-                # (its stage time in the steady phase, its whole time in the fill)
+                gens.append((gen, mdl.colocated_time("generator", tp, mdl.micro) + x_ag, t_ag, 0, t_ag))
+            elif self.gen_fits(gen, B / gen.dp) and not (beside_gen and gen.pp > 1):
+                # (its stage time in the steady phase, its whole time in the fill; beside the audio generator's)
                 whole = mdl.c.compute("generator", gen.tp, B / gen.dp)
-                gens.append((gen, 0.0, whole / gen.pp, gen.gpus, whole))
+                gens.append((gen, x_ag, max(whole / gen.pp, t_ag), gen.gpus, max(whole, t_ag)))
         low = bisect.bisect_left(pps, pl_min)
         for enc in self.side_options("encoder", B):
-            x_e = C_e = 0.0
+            x_e, C_e = x_ae, 0.0  # the riding audio tower (a separate one: its row, t_ae)
             a_e = pe_min = 0
             if enc is not None and enc.colocated:
-                x_e = mdl.colocated_time("encoder", tp, mdl.micro)
+                x_e += mdl.colocated_time("encoder", tp, mdl.micro)
             elif enc is not None:
                 pe_min = self.enc_pp_min(enc, B / enc.dp, m, pl_min)
-                if pe_min is None:
+                if pe_min is None or pe_min > enc_pps[-1]:
                     continue
                 a_e = enc.tp * enc.dp
                 C_e = mdl.c.compute("encoder", enc.tp, mdl.images(B / enc.dp))
@@ -103,28 +118,35 @@ class SearchBounds:
                 ends = max(x_e, x_g) if spread is None else (x_e + x_g) / pps[top - 1]
                 steady = max(
                     t_g,
+                    t_ae,
                     K_l / y_max + p2p + ends,
                     K_e / x_max if x_max else 0.0,
                     (K_e + K_l) / budget,
+                    (K_e + K_l + K_a) / (budget + g_a),  # the separate audio units' work on their devices too
                 )
                 # the colocated modules run on the LLM's end stages, whose fill shares its virtual stages
-                lower = C_e + (C_l + pl_min * p2p + x_e + x_g) / vpp + fill_g + (m - 1) * steady + tails[pps[top - 1]]
-                yield lower, opt, enc, gen, ((x_min, x_max), (a_l * pl_min, y_max))
+                fill = max(C_e, t_ae) + (C_l + pl_min * p2p + x_e + x_g) / vpp + fill_g
+                lower = fill + (m - 1) * steady + tails[pps[top - 1]]
+                yield lower, opt, enc, gen, ((x_min, x_max), (a_l * pl_min, y_max)), audio
 
-    def refined_bound(self, opt: LlmOption, enc, gen, bounds) -> float:
+    def refined_bound(self, opt: LlmOption, enc, gen, bounds, audio: dict | None = None) -> float:
         """A tighter lower bound of one combination (inf: no layout of it fits): the least, over the LLM pipeline
         sizes its bounds allow, of the iteration with the LLM's own recompute policy and shard mode (the first that
         fits, as ``evaluate`` picks them), so the LLM's exact stage times, fill and data-parallel tail, on the link
         of the fewest devices the combination can use; the separate encoder on the most devices the LLM leaves it
-        and on its fewest stages in the fill. The other units' recompute and shard modes are left out: what
-        ``evaluate`` adds to each layout only adds."""
+        and on its fewest stages in the fill; separate audio units at their own stage times, side by side with the
+        image encoder / generator row. The other units' recompute and shard modes are left out: what ``evaluate``
+        adds to each layout only adds."""
         mdl, c = self.m, self.m.c
         B = mdl.micro * opt.dp
         m = mdl.batch // B
+        audio = audio or {}
         (x_min, _), (y_min, y_max) = bounds
         sep_enc = enc is not None and not enc.colocated
         sep_gen = gen is not None and not gen.colocated
-        g_gpus = gen.gpus if sep_gen else 0
+        side = dict(mdl.separate(audio, *audio))
+        bw_free = max(c.hw.intra_bw, c.hw.inter_bw)
+        g_gpus = (gen.gpus if sep_gen else 0) + sum(ch.gpus for ch in side.values())
         a_e = enc.tp * enc.dp if sep_enc else 1
         enc_pps = [p for p in self.enc_pp_options() if a_e * p >= x_min] if sep_enc else []
         monotone = c.hw.intra_bw >= c.hw.inter_bw  # more devices, no faster a link
@@ -134,31 +156,46 @@ class SearchBounds:
             if not y_min <= y <= y_max:
                 continue
             fewest = y + g_gpus
-            if sep_enc:
+            if sep_enc and "audio_encoder" in side:
+                room = [1] if enc_pps and enc_pps[0] == 1 and a_e + fewest <= mdl.devices else []
+                if not room:
+                    continue
+                fewest += a_e
+            elif sep_enc:
                 left = (mdl.devices - g_gpus - y) // a_e
                 room = enc_pps[: bisect.bisect_right(enc_pps, left)]
                 if not room:
                     continue
                 fewest += a_e * room[0]
-            bw = c.link_bw(fewest) if monotone else max(c.hw.intra_bw, c.hw.inter_bw)
+            elif fewest > mdl.devices:
+                continue
+            bw = c.link_bw(fewest) if monotone else bw_free
             first_enc = UnitChoice(enc.tp, enc.dp, room[0]) if sep_enc else enc
-            S = (room[0] if sep_enc else 0) + pp + (gen.pp if sep_gen else 0)
-            llm = self._llm_part(opt, pp, first_enc, gen, S, m, bw)
+            enc_rows = room[0] if sep_enc else int("audio_encoder" in side)
+            S = enc_rows + pp + (gen.pp if sep_gen else int("audio_generator" in side))
+            llm = self._llm_part(opt, pp, first_enc, gen, S, m, bw, audio)
             if llm is None:  # no recompute policy and shard mode fit the LLM
                 continue
             fill, steady, tail = llm
+            enc_fill = gen_fill = 0.0
             if sep_enc:
                 samples = B / enc.dp
-                fill += room[0] * self._stage_time("encoder", first_enc, samples, bw)
+                enc_fill = room[0] * self._stage_time("encoder", first_enc, samples, bw)
                 steady = max(steady, self._stage_time("encoder", UnitChoice(enc.tp, enc.dp, room[-1]), samples, bw))
             if sep_gen:
-                t_gen = self._stage_time("generator", gen, B / gen.dp, bw)
-                fill += gen.pp * t_gen
-                steady = max(steady, t_gen)
-            best = min(best, fill + (m - 1) * steady + tail)
+                gen_fill = gen.pp * self._stage_time("generator", gen, B / gen.dp, bw)
+                steady = max(steady, gen_fill / gen.pp)
+            for name, ch in side.items():  # one stage beside the image encoder's / generator's row
+                t = self.audio_fastest_stage(name, ch, B, bw)
+                steady = max(steady, t)
+                if name == "audio_encoder":
+                    enc_fill = max(enc_fill, t)
+                else:
+                    gen_fill = max(gen_fill, t)
+            best = min(best, fill + enc_fill + gen_fill + (m - 1) * steady + tail)
         return best
 
-    def _llm_part(self, opt: LlmOption, pp: int, enc, gen, S: int, m: int, bw: float):
+    def _llm_part(self, opt: LlmOption, pp: int, enc, gen, S: int, m: int, bw: float, audio: dict | None = None):
         """(fill, steady stage time, data-parallel tail) of the LLM at ``pp`` stages beside these units, with its
         recompute policy and shard mode as ``evaluate`` picks them; None where none fits."""
         # What the LLM's memory and stage times see of the other units (LayoutModel._memory_key, llm_end_extras,
@@ -166,13 +203,15 @@ class SearchBounds:
         # as being there; a separate generator by its stage count
         enc_key = enc if enc is None or enc.colocated else "separate"
         gen_key = gen if gen is None or gen.colocated else ("separate", gen.pp)
-        key = (opt, pp, enc_key, gen_key, bw)
+        audio = audio or {}
+        riders = tuple((name, ch.colocated) for name, ch in sorted(audio.items()))  # what the LLM sees of them
+        key = (opt, pp, enc_key, gen_key, bw, riders)
         cached = self._llm_parts.get(key, False)
         if cached is not False:
             return cached
         mdl, c = self.m, self.m.c
         llm = opt.choice(pp)
-        choices = {"llm": llm}
+        choices = {"llm": llm, **audio}
         if enc is not None:
             choices["encoder"] = enc
         if gen is not None:
@@ -181,7 +220,7 @@ class SearchBounds:
         result = None
         if used <= mdl.limit:
             t_llm = mdl.stage_time("llm", llm, mdl.micro, bw, policy)
-            first, last = mdl.llm_end_extras(llm, enc, gen, bw, policy)
+            first, last = mdl.llm_end_extras(llm, enc, gen, bw, policy, choices)
             if pp == 1:
                 ends = first + last
             else:  # on the first and last stage; a balanced parallel.pp_split may spread them over all

@@ -82,23 +82,26 @@ def role_memory(
     layout's UnitChoice per unit; ``S`` pipeline stages over all units, ``m`` microbatches per step)."""
     c, micro = model.c, model.micro
     B = micro * choices["llm"].dp
-    enc, gen, llm = choices.get("encoder"), choices.get("generator"), choices["llm"]
-    r = enc.pp if enc is not None and not enc.colocated else 0
+    llm = choices["llm"]
+    r = model.group_rows(choices)[0]  # the encoder units' pipeline rows
     logits = 0.0
-    if name == "encoder":
-        items = model.images(B / enc.dp)
+    if name in ("encoder", "audio_encoder"):  # the first rows (the audio tower: one stage)
+        enc = choices[name]
+        items = model.items(name, B / enc.dp)
         flight = in_flight(schedule, S, pp, m)
         state = c.state(name, enc.tp, enc.dp, enc.pp, shard, pp, hsdp_replicas)
         act = c.activation_bytes(name, enc.tp, items, policy) / enc.pp * flight
         recompute = c.recompute_transient_bytes(name, enc.tp, items, policy)
         step = c.step_transient_bytes(name, enc.tp, enc.pp, shard, flight, pp, pipelined=S > 1)
-    elif name == "generator":  # the last unit; pp > 1: the U-Net cut at level boundaries, activations spread evenly
+    elif name in ("generator", "audio_generator"):  # the last rows; pp > 1: the U-Net cut at level boundaries
+        gen = choices[name]
         flight = in_flight(schedule, S, r + llm.pp + pp, m) if gen.pp > 1 else 1
         state = c.state(name, gen.tp, gen.dp, gen.pp, shard, pp, hsdp_replicas)
         act = c.activation_bytes(name, gen.tp, B / gen.dp, policy) / gen.pp * flight
         recompute = c.recompute_transient_bytes(name, gen.tp, B / gen.dp, policy)
         step = c.step_transient_bytes(name, gen.tp, gen.pp, shard, flight, pp, pipelined=S > 1)
     else:
+        enc, gen = choices.get("encoder"), choices.get("generator")
         # context parallelism: 1/cp of every sequence's activations and logits; expert parallelism: 1/ep of
         # the experts (costs.py); modules colocated with the LLM run whole sequences on every CP rank
         flight = in_flight(schedule, S, r + pp, m)
@@ -116,10 +119,10 @@ def role_memory(
         if enc is not None and enc.colocated and first:
             act += c.activation_bytes("encoder", llm.tp, model.images(micro), policy) * flight
             extra.append(("encoder", flight))
-        if "audio_encoder" in c.work.units and first:
+        if model.rides("audio_encoder", choices) and first:
             act += c.activation_bytes("audio_encoder", llm.tp, model.items("audio_encoder", micro), policy) * flight
             extra.append(("audio_encoder", flight))
-        if "audio_generator" in c.work.units and last:
+        if model.rides("audio_generator", choices) and last:
             act += c.activation_bytes("audio_generator", llm.tp, micro, policy)
             extra.append(("audio_generator", 1))
         if gen is not None and gen.colocated and last:

@@ -1,10 +1,12 @@
 """The exact iteration-time and memory model of one layout (what both solvers optimize).
 
 A layout is a choice per unit: the LLM's (tp, dp, pp, vpp, cp, ep); the encoder's and the
-generator's (tp, dp, pp), or *colocated* inside the LLM's first / last stage. Following
-DistTrain §5.1, with ``m`` microbatches of ``B = micro_batch x dp_llm`` samples and
-per-stage forward+backward times ``T_s`` of the pipeline's stages in order
-(encoder stages, LLM stages, generator stage):
+generator's (tp, dp, pp), the audio tower's and the audio generator's (tp, dp; one stage), each
+or *colocated* inside the LLM's first / last stage. Following DistTrain §5.1, with ``m``
+microbatches of ``B = micro_batch x dp_llm`` samples and per-stage forward+backward times
+``T_s`` of the pipeline's rows in order (encoder rows, LLM stages, generator rows; units side
+by side in one row -- the image encoder and the audio tower, the two generators -- take the
+slower one's time, parallel/units.py):
 
     T_iter = sum_s T_s  [LLM part / vpp]  +  (m - 1) * max_s T_s  +  max_unit (sync + optimizer)
 
@@ -29,12 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..parallel.units import ENCODER_UNITS, GENERATOR_UNITS, UNIT_NAMES
 from .costs import CostModel
-from .memory import FSDP
+from .layout_memory import AUDIO_UNITS, AUTO_RECOMPUTE, AUTO_SHARD, LayoutMemory  # noqa: F401  (re-exported)
 from .stage_split import StageCosts, per_rank_times
 
-AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full")  # least recomputation first
-AUTO_SHARD = ("zero1", "zero2", "zero3")  # least traffic first
+UNIT_ORDER = UNIT_NAMES  # the units' device blocks, in data-flow order (parallel/units.py)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class Evaluation:
     llm_split: list[int] = field(default_factory=list)  # blocks per LLM stage when parallel.pp_split is set
 
 
-class LayoutModel:
+class LayoutModel(LayoutMemory):
     """Evaluates layouts for one workload, cost model, batch and device count."""
 
     def __init__(self, costs: CostModel, global_batch: int, micro_batch: int, devices: int):
@@ -118,12 +120,29 @@ class LayoutModel:
     def pp_bw(self, gpus: int) -> float:
         return self.c.link_bw(gpus)
 
+    def rides(self, name: str, choices: dict) -> bool:
+        """Does the audio module ``name`` (audio_encoder, audio_generator) run in the LLM unit: the model has it
+        and the layout gives it no unit of its own."""
+        choice = choices.get(name)
+        return name in self.w.units and (choice is None or choice.colocated)
+
+    @staticmethod
+    def separate(choices: dict, *names: str) -> list[tuple[str, UnitChoice]]:
+        """(name, choice) of the units among ``names`` on devices of their own."""
+        return [(n, choices[n]) for n in names if choices.get(n) is not None and not choices[n].colocated]
+
+    def group_rows(self, choices: dict) -> tuple[int, int]:
+        """Pipeline rows of the encoder units and of the generator units (units side by side share rows)."""
+        enc = [ch.pp for _, ch in self.separate(choices, *ENCODER_UNITS)]
+        gen = [ch.pp for _, ch in self.separate(choices, *GENERATOR_UNITS)]
+        return max(enc, default=0), max(gen, default=0)
+
     def stage_time(self, unit: str, choice: UnitChoice, samples: float, bw: float, policy: str | None = None) -> float:
         """Seconds per microbatch of one stage of a separate unit (compute share + boundary p2p)."""
         items = self.items(unit, samples)
         compute = self.c.rank_compute(unit, choice.tp, items, choice.cp, choice.ep)
         compute *= self.c.recompute_factor(unit, policy) / choice.pp
-        boundary = self.c.boundary_bytes(unit, samples) if unit != "generator" else 0.0
+        boundary = self.c.boundary_bytes(unit, samples) if unit not in GENERATOR_UNITS else 0.0
         if unit == "generator":  # between its own stages (the U-Net's state at a level boundary)
             boundary = self.c.generator_cut_bytes(choice.pp, samples)
         if unit == "llm" and choice.pp > 1:
@@ -138,76 +157,11 @@ class LayoutModel:
         items = self.items(unit, samples)
         return self.c.compute(unit, tp, items) * self.c.recompute_factor(unit, policy)
 
-    # ------------------------------------------------------------------------ memory
-    def unit_memory(self, name: str, choices: dict, S: int, m: int, policy: str, shard: str | None = None) -> float:
-        """Bytes on the fullest device of unit ``name`` (the LLM's counts its colocated modules) under a
-        recompute policy and a shard mode: the fuller of its first and last pipeline stage
-        (planner/breakdown.py: model state, gathered FSDP2 parameters and autocast copies, in-flight
-        activations, logits, the recompute transient, the runtime overhead)."""
-        from .breakdown import role_memory
-
-        shard = self.c.shard_of(shard)
-        key = self._memory_key(name, choices, S, m, policy, shard)
-        cached = self._memory_cache.get(key)
-        if cached is None:
-            stages = choices[name].pp
-            ends = {0, stages - 1}
-            cached = max(role_memory(self, name, choices, S, m, policy, shard, p).total for p in ends)
-            self._memory_cache[key] = cached
-        return cached
-
-    @staticmethod
-    def _memory_key(name: str, choices: dict, S: int, m: int, policy: str, shard: str) -> tuple:
-        """What a unit's memory depends on (the solver evaluates the same unit in many layouts;
-        planner/breakdown.py ``role_memory``). The LLM's: its own choice, which modules ride on its end stages,
-        and the stages from its first to the last (its first stage's in-flight microbatches), not the separate
-        units' TP and DP. The others': their choice, the LLM's dp (their samples per slot) and the stage count."""
-        llm, enc, gen = choices["llm"], choices.get("encoder"), choices.get("generator")
-        if name == "llm":
-            before = enc.pp if enc is not None and not enc.colocated else 0
-            riders = (enc is not None and enc.colocated, gen is not None and gen.colocated)
-            return (name, llm, riders, S - before, m, policy, shard)
-        return (name, choices[name], llm.dp, S, m, policy, shard)
-
-    def memory_options(self) -> list[tuple[str, str]]:
-        """(shard, recompute) pairs to try, cheapest first: ``planner.shard`` / ``planner.recompute`` or, under
-        ``auto``, sharding before recomputation (FSDP2's traffic overlaps compute; recompute adds compute):
-        zero1, zero2, zero3 without recompute, then each recompute policy with each shard mode."""
-        settings = self.c.settings
-        shards = AUTO_SHARD if settings.shard == "auto" else (settings.shard,)
-        policies = AUTO_RECOMPUTE if settings.recompute == "auto" else (settings.recompute,)
-        return [(shard, policy) for policy in policies for shard in shards]
-
-    def recompute_policies(
-        self, choices: dict, S: int, m: int
-    ) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
-        """Each unit's recompute policy, memory and shard mode: the settings, or under ``auto`` the first
-        option of ``memory_options`` that fits the device. A unit with one replica (data x context ranks: FSDP2
-        shards over both) cannot shard: zero1. An expert-parallel LLM shards its dense parameters only (its
-        experts are stepped whole on every replica: planner/memory.py ``unit_model_state``)."""
-        policies, memory, shards = {}, {}, {}
-        for name, choice in choices.items():
-            if not choice.colocated:
-                policies[name], memory[name], shards[name] = self.unit_fit(name, choices, S, m)
-        return policies, memory, shards
-
-    def unit_fit(self, name: str, choices: dict, S: int, m: int) -> tuple[str, float, str]:
-        """One unit's (recompute policy, bytes per device, shard mode): ``recompute_policies`` for one unit."""
-        key = self._memory_key(name, choices, S, m, "", "")
-        found = self._choice_cache.get(key)
-        if found is None:
-            choice = choices[name]
-            for shard, policy in self.memory_options():
-                if shard in FSDP and choice.dp * choice.cp < 2:
-                    shard = "zero1"
-                used = self.unit_memory(name, choices, S, m, policy, shard)
-                if used <= self.limit:
-                    break
-            found = self._choice_cache[key] = (policy, used, shard)
-        return found
-
     # -------------------------------------------------------------------- evaluation
-    def evaluate(self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None) -> Evaluation:
+    def evaluate(
+        self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None, audio: dict | None = None
+    ) -> Evaluation:
+        """One layout; ``audio``: the audio units' choices (absent or COLOCATED: in the LLM unit)."""
         B = self.micro * llm.dp
         m = self.batch // B
         choices = {"llm": llm}
@@ -215,6 +169,7 @@ class LayoutModel:
             choices["encoder"] = enc
         if gen is not None:
             choices["generator"] = gen
+        choices.update({name: ch for name, ch in (audio or {}).items() if ch is not None and name in self.w.units})
         gpus = sum(ch.gpus for ch in choices.values())
         bw = self.pp_bw(gpus)
 
@@ -222,14 +177,14 @@ class LayoutModel:
         if problem is not None:
             return Evaluation(float("inf"), False, gpus, m, [], {}, 0.0, problem, choices)
 
-        S = (enc.pp if enc is not None and not enc.colocated else 0) + llm.pp
-        S += gen.pp if gen is not None and not gen.colocated else 0
+        before, after = self.group_rows(choices)
+        S = before + llm.pp + after
         policies, memory, shards = self.recompute_policies(choices, S, m)
-        stages, split = self._pipeline_stages(llm, enc, gen, B, bw, policies)
+        stages, split = self._pipeline_stages(choices, B, bw, policies)
 
         warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
         steady = (m - 1) * max(t for _, t in stages)
-        sync = self._sync_time(llm, enc, gen, m, shards)
+        sync = self._sync_time(choices, m, shards)
         iteration = warmup + steady + sync
         if self.data_s_per_sample:
             iteration += self._data_time(choices, gpus)
@@ -253,12 +208,17 @@ class LayoutModel:
         return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies, shards, split)
 
     def _placement_problem(self, choices: dict[str, UnitChoice], gpus: int) -> str | None:
-        """Why the units cannot be placed (too many devices, or a TP group straddling nodes); None if they can."""
+        """Why the units cannot be placed (too many devices, a TP group straddling nodes, units side by side of
+        different depths); None if they can."""
         if gpus > self.devices:
             return f"needs {gpus} devices, {self.devices} available"
+        for group in (ENCODER_UNITS, GENERATOR_UNITS):
+            side = self.separate(choices, *group)
+            if len(side) > 1 and any(ch.pp != 1 for _, ch in side):
+                return f"{' and '.join(n for n, _ in side)} side by side run one pipeline stage each"
         per_node = self.c.hw.per_node
         offset = 0
-        for name in ("encoder", "llm", "generator"):
+        for name in UNIT_ORDER:
             ch = choices.get(name)
             if ch is None or ch.colocated:
                 continue
@@ -267,24 +227,28 @@ class LayoutModel:
             offset += ch.gpus
         return None
 
+    def _group_stages(self, choices: dict, names: tuple[str, ...], B: int, bw: float, policies: dict) -> list:
+        """(unit, seconds) of the pipeline rows of a group of units side by side: each row the slowest unit's."""
+        rows: list[tuple[str, float]] = []
+        for name, ch in self.separate(choices, *names):
+            t = self.stage_time(name, ch, B / ch.dp, bw, policies[name])
+            for row in range(ch.pp):
+                if row == len(rows):
+                    rows.append((name, t))
+                elif t > rows[row][1]:
+                    rows[row] = (name, t)
+        return rows
+
     def _pipeline_stages(
-        self,
-        llm: UnitChoice,
-        enc: UnitChoice | None,
-        gen: UnitChoice | None,
-        B: int,
-        bw: float,
-        policies: dict[str, str],
+        self, choices: dict, B: int, bw: float, policies: dict[str, str]
     ) -> tuple[list[tuple[str, float]], list[int]]:
         """(unit, forward+backward seconds per microbatch) of every pipeline stage, in pipeline order; the LLM's
         blocks per stage where parallel.pp_split is set (else [] and the blocks and head spread evenly)."""
+        llm, enc, gen = choices["llm"], choices.get("encoder"), choices.get("generator")
         p_llm = policies["llm"]  # colocated modules recompute as the LLM unit does
         t_llm = self.stage_time("llm", llm, self.micro, bw, p_llm)
-        first, last = self.llm_end_extras(llm, enc, gen, bw, p_llm)
-        stages: list[tuple[str, float]] = []
-        if enc is not None and not enc.colocated:
-            t_enc = self.stage_time("encoder", enc, B / enc.dp, bw, policies["encoder"])
-            stages += [("encoder", t_enc)] * enc.pp
+        first, last = self.llm_end_extras(llm, enc, gen, bw, p_llm, choices)
+        stages = self._group_stages(choices, ENCODER_UNITS, B, bw, policies)
         costs = self.llm_stage_costs(llm, first, last, p_llm) if self.c.settings.pp_split is not None else None
         split = self.llm_split(llm, costs)
         if split:
@@ -295,24 +259,33 @@ class LayoutModel:
             llm_times[0] += first
             llm_times[-1] += last
         stages += [("llm", t) for t in llm_times]
-        if gen is not None and not gen.colocated:
-            t_gen = self.stage_time("generator", gen, B / gen.dp, bw, policies["generator"])
-            stages += [("generator", t_gen)] * gen.pp
+        stages += self._group_stages(choices, GENERATOR_UNITS, B, bw, policies)
         return stages, split
 
     def llm_end_extras(
-        self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None, bw: float, policy: str | None
+        self,
+        llm: UnitChoice,
+        enc: UnitChoice | None,
+        gen: UnitChoice | None,
+        bw: float,
+        policy: str | None,
+        choices: dict | None = None,
     ) -> tuple[float, float]:
         """Seconds per microbatch the LLM's first and last stages run beyond their blocks: a colocated encoder
-        and the audio tower; the audio generator, and a colocated generator or the send of the generation queries
-        to the generator unit."""
+        and audio tower; a colocated generator and audio generator, and one send of the generation queries to each
+        generator unit. ``choices``: the layout's (the audio units' placement; without: in the LLM unit)."""
+        choices = choices or {}
         first = self.colocated_time("encoder", llm.tp, self.micro, policy) if enc is not None and enc.colocated else 0.0
-        first += self.audio_time("audio_encoder", llm.tp, self.micro, policy)
-        last = self.audio_time("audio_generator", llm.tp, self.micro, policy)
+        if self.rides("audio_encoder", choices):
+            first += self.audio_time("audio_encoder", llm.tp, self.micro, policy)
+        last = 0.0
+        if self.rides("audio_generator", choices):
+            last += self.audio_time("audio_generator", llm.tp, self.micro, policy)
         if gen is not None and gen.colocated:
             last += self.colocated_time("generator", llm.tp, self.micro, policy)
-        elif gen is not None:
-            last += self.c.p2p_s(self.c.boundary_bytes("llm", self.micro), bw)
+        sends = (gen is not None and not gen.colocated) + len(self.separate(choices, "audio_generator"))
+        if sends:
+            last += sends * self.c.p2p_s(self.c.boundary_bytes("llm", self.micro), bw)
         return first, last
 
     def llm_stage_costs(self, llm: UnitChoice, first: float, last: float, policy: str | None) -> StageCosts:
@@ -341,20 +314,21 @@ class LayoutModel:
         sync = c.sync_s(name, ch.tp, dp, ch.pp, shard, m, ch.cp, ch.ep)
         return sync + c.optimizer_s(name, ch.tp, dp, ch.pp, ch.cp, ch.ep)
 
-    def _sync_time(
-        self, llm: UnitChoice, enc: UnitChoice | None, gen: UnitChoice | None, m: int, shards: dict[str, str]
-    ) -> float:
+    def _sync_time(self, choices: dict, m: int, shards: dict[str, str]) -> float:
         """The slowest unit's data-parallel traffic and optimizer step (colocated modules ride with the LLM's
         stages and reduce over its dp x cp ranks)."""
+        llm = choices["llm"]
         llm_tail = self.unit_tail("llm", llm, llm.dp, shards["llm"], m)
         colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp)
         ends = {"first": 0.0, "last": 0.0}  # the modules riding on the LLM's first and last stages
-        for name, end in (("audio_encoder", "first"), ("audio_generator", "last")):  # always there
-            if name in self.w.units:
+        for name, end in (("audio_encoder", "first"), ("audio_generator", "last")):
+            if self.rides(name, choices):
                 ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m)
         tails = []
-        for name, ch, end in (("encoder", enc, "first"), ("generator", gen, "last")):
-            if ch is None:
+        sides = [(n, "first") for n in ENCODER_UNITS] + [(n, "last") for n in GENERATOR_UNITS]
+        for name, end in sides:
+            ch = choices.get(name)
+            if ch is None or (name in AUDIO_UNITS and ch.colocated):  # a riding audio module: counted above
                 continue
             if ch.colocated:
                 ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m)
@@ -370,14 +344,6 @@ class LayoutModel:
         single = all(ch.colocated for name, ch in choices.items() if name != "llm")
         decoded = self.batch * (llm.tp * llm.cp * llm.pp if single else gpus)
         return self.data_s_per_sample * decoded / self.data_cores
-
-    def _memory_reason(self, name: str, used: float) -> str:
-        """Why a unit needing ``used`` bytes per device does not fit."""
-        c = self.c
-        return (
-            f"{name} needs {used / 1e9:.1f} GB per device, over {self.limit / 1e9:.1f} GB "
-            f"({c.settings.memory_margin:.0%} of {c.hw.memory_bytes / 1e9:.0f} GB)"
-        )
 
     def logits(self, samples: float, cp: int = 1, tp: int = 1) -> float:
         """Logits and loss temporaries of the last LLM stage: its 1/cp of each sequence's positions, or one chunk of

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..parallel.units import UNIT_NAMES
 from .api import PlanResult
 from .evaluate import Evaluation, LayoutModel
 from .solver import Plan
 
-UNITS = ("encoder", "llm", "generator")
+UNITS = UNIT_NAMES  # in data-flow order (parallel/units.py)
+SHORT = {"audio_encoder": "audio", "audio_generator": "audio gen"}  # the table's unit column
 
 
 def model_flops_per_iteration(model: LayoutModel) -> float:
@@ -115,17 +117,19 @@ def plan_table(result: PlanResult) -> str:
     ]
     for name, row in d["units"].items():
         if row.get("colocated"):
-            lines.append(f"{name:10s} {'colocated with the LLM (its first/last stage)':>40s}")
+            lines.append(f"{SHORT.get(name, name):10s} {'colocated with the LLM (its first/last stage)':>40s}")
             continue
         mem = f"{row['memory_gb']:.1f} GB" if "memory_gb" in row else ""
         lines.append(
-            f"{name:10s} {row['gpus']:6d} {row['dp']:5d} {row['tp']:3d} {row.get('cp', 1):3d} {row.get('ep', 1):3d} "
+            f"{SHORT.get(name, name):10s} {row['gpus']:6d} {row['dp']:5d} {row['tp']:3d} {row.get('cp', 1):3d} "
+            f"{row.get('ep', 1):3d} "
             f"{row['pp']:4d} {row['vpp']:4d} {row.get('shard', 'zero1'):>6s} {row.get('recompute', 'none'):>13s} "
             f"{mem:>14s}"
         )
-        if name == "llm" and "audio_encoder" in result.model.w.units:
+        riding = [n for n in ("audio_encoder", "audio_generator") if n in result.model.w.units and n not in d["units"]]
+        if name == "llm" and "audio_encoder" in riding:
             lines.append(f"{'audio':10s} {'in the LLM unit (its first stage, its tp)':>40s}")
-        if name == "llm" and "audio_generator" in result.model.w.units:
+        if name == "llm" and "audio_generator" in riding:
             lines.append(f"{'audio gen':10s} {'in the LLM unit (its last stage, its tp)':>40s}")
     lines += [
         "",

@@ -27,8 +27,13 @@ The LLM's options also carry context parallelism ``cp`` and expert parallelism `
 planner/options.py): its devices per stage are then ``tp x cp x dp`` and ``K = C(tp, cp, ep) * tp * cp * dp``,
 with ``C`` a rank's time (planner/costs.py ``rank_compute``).
 
-``solver=exhaustive`` evaluates every integer layout with the same model, for checking
-on small clusters.
+The audio tower and the audio generator (models with them) are units too: colocated in the LLM unit, or on
+devices of their own beside the image encoder / generator (one pipeline stage each, so a separate image encoder
+beside a separate audio tower has pp=1, and the same for the generators). Each LLM option enters the heap once per
+placement; a separate unit's size is one more device count of the relaxation (planner/audio_search.py).
+
+``solver=exhaustive`` evaluates every integer layout with the same model and options, for checking on small
+clusters.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from .audio_search import AudioSearch
 from .bounds import SearchBounds
 from .costs import PlanningError
-from .evaluate import COLOCATED, Evaluation, LayoutModel, UnitChoice
+from .evaluate import AUDIO_UNITS, COLOCATED, Evaluation, LayoutModel, UnitChoice
 from .infeasible import no_layout_reason
 from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption, cp_candidates, divisors, ep_candidates
 from .relaxation import Relaxation
@@ -57,7 +63,7 @@ class Plan:
     baselines: dict[str, Plan] = field(default_factory=dict)
 
 
-class Orchestrator(SearchBounds, Relaxation):
+class Orchestrator(SearchBounds, Relaxation, AudioSearch):
     """Algorithm 1 over one LayoutModel: the options, their memory bounds and the best-first search (the bounds:
     planner/bounds.py; the convex relaxation and its rounding: planner/relaxation.py)."""
 
@@ -80,6 +86,8 @@ class Orchestrator(SearchBounds, Relaxation):
         self.allow_colocation = allow_colocation
         self.has_enc = w.get("encoder") is not None
         self.has_gen = w.get("generator") is not None
+        self.audio_units = tuple(name for name in AUDIO_UNITS if name in w.units)
+        self._audio: dict[tuple[str, int], list[UnitChoice]] = {}  # audio_options per (unit, samples)
         self.cp_options = cp_candidates(w.seq_len, cp_options, min_cp_tokens)  # planner/options.py
         self.allow_ep = allow_ep
         self._llm_parts: dict[tuple, tuple[float, float, float] | None] = {}  # refined_bound's LLM terms
@@ -197,10 +205,11 @@ class Orchestrator(SearchBounds, Relaxation):
             yield from self.expand(opt, context)
 
     def solve(self) -> Plan:
-        """Best first: LLM options, then their combinations, leave one heap in order of their bounds. An LLM option
-        that leaves it is expanded into its combinations; a combination that leaves it the first time has its
-        bound refined (``refined_bound``) and goes back, the second time it is relaxed and rounded. The search
-        stops when the least bound left reaches the best layout found: no combination left can beat it."""
+        """Best first: LLM options (one entry per placement of the audio units), then their combinations, leave one
+        heap in order of their bounds. An LLM option that leaves it is expanded into its combinations; a combination
+        that leaves it the first time has its bound refined (``refined_bound``) and goes back, the second time it is
+        relaxed and rounded. The search stops when the least bound left reaches the best layout found: no
+        combination left can beat it."""
         started = time.perf_counter()
         N = self.m.devices
         heap: list = []
@@ -222,15 +231,15 @@ class Orchestrator(SearchBounds, Relaxation):
                 for combo in self.expand(*items[index]):
                     push(combo[0], combo[1:], 1)
                 continue
-            opt, enc, gen, bounds = items[index]
+            opt, enc, gen, bounds, audio = items[index]
             if stage == 1:
-                tighter = self.refined_bound(opt, enc, gen, bounds)
+                tighter = self.refined_bound(opt, enc, gen, bounds, audio)
                 if tighter < float("inf"):
                     push(max(lower, tighter), items[index], 2)
                 continue
             solved += 1
-            relaxed = self._relax(opt, enc, gen, bounds)
-            for candidate in self._round(relaxed, opt, enc, gen):
+            relaxed = self._relax(opt, enc, gen, bounds, audio)
+            for candidate in self._round(relaxed, opt, enc, gen, audio):
                 if candidate.feasible and (best is None or candidate.iteration_s < best.iteration_s):
                     best = candidate
         if best is None:

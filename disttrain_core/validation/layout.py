@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ..config import Config
+from ..parallel.units import UNIT_NAMES
 from .common import _require, world_size
 from .float8 import check_float8_layout
-from ..parallel.units import UNIT_NAMES
 from .unit_shapes import validate_moe_unit, validate_unit_pp, validate_unit_tp
 
 COLOCATABLE = tuple(name for name in UNIT_NAMES if name != "llm")
@@ -97,9 +97,7 @@ def _validate_shard_settings(p) -> None:
     """Names and combinations of the shard settings, before the layout is resolved."""
     from ..parallel.fsdp import SHARD_MODES
 
-    settings = [("parallel", p)] + [
-        (f"parallel.units.{n}", getattr(p.units, n)) for n in UNIT_NAMES
-    ]
+    settings = [("parallel", p)] + [(f"parallel.units.{n}", getattr(p.units, n)) for n in UNIT_NAMES]
     for where, s in settings:
         if s.shard is not None:
             _require(s.shard in SHARD_MODES, f"{where}.shard={s.shard!r}: allowed values are {', '.join(SHARD_MODES)}")
@@ -212,9 +210,7 @@ def _validate_recompute_settings(p) -> None:
     """Names and values of the recompute settings, and where a layout with units sets them."""
     from ..parallel.recompute import POLICIES
 
-    settings = [("parallel", p)] + [
-        (f"parallel.units.{n}", getattr(p.units, n)) for n in UNIT_NAMES
-    ]
+    settings = [("parallel", p)] + [(f"parallel.units.{n}", getattr(p.units, n)) for n in UNIT_NAMES]
     for where, s in settings:
         _require(
             s.recompute in POLICIES,

@@ -139,19 +139,27 @@ def test_audio_settings_that_cannot_work_are_one_line_errors(overrides, message)
     assert "\n" not in str(info.value)
 
 
-def test_the_planner_places_the_audio_tower_on_the_llms_first_stage():
-    """The workload counts the tower per clip; the LLM's first stage carries its time and memory (evaluate.py,
-    breakdown.py), so the plan of a model with one is slower and fuller than without."""
-    from disttrain_core.planner import workload_of
+def test_the_planner_weighs_the_audio_tower_riding_on_the_llm_or_on_devices_of_its_own():
+    """The workload counts the tower per clip. Riding in the LLM unit, its first stage carries the tower's time and
+    memory (evaluate.py, breakdown.py); on a device of its own beside the image encoder, it takes the 64th device
+    the LLM cannot use and hides in the encoder's row: the plan does that, and is no slower than without audio."""
+    from disttrain_core.planner import COLOCATED, workload_of
     from disttrain_core.planner.api import make_plan
 
     base = ["cluster=h100_80g", "cluster.num_gpus=64", "model=mllm9b"]
     work = workload_of(compose([*base, "model/audio_encoder=whisper_base"]).model)
     audio = work.units["audio_encoder"]
     assert audio.items_per_sample == 1.0 and audio.tokens == 1500 and audio.params_tp > 0
-    plain = make_plan(compose(base))
+    plain = make_plan(compose(base)).plan.evaluation
     heard = make_plan(compose([*base, "model/audio_encoder=whisper_base"]))
-    assert heard.plan.evaluation.iteration_s > plain.plan.evaluation.iteration_s
+    found = heard.plan.evaluation
+    assert not found.choices["audio_encoder"].colocated and found.gpus == plain.gpus + 1
+    assert found.iteration_s == pytest.approx(plain.iteration_s, rel=1e-6)
+    choices = found.choices
+    riding = heard.model.evaluate(
+        choices["llm"], choices["encoder"], choices["generator"], {"audio_encoder": COLOCATED}
+    )
+    assert riding.iteration_s > found.iteration_s
 
 
 def test_the_audio_towers_flops_do_not_count_the_image_tower_as_upstream():

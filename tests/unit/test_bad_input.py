@@ -26,7 +26,7 @@ CASES = [
     (["model/encoder=vit_huge"], "model/encoder=vit_huge is not a known model/encoder option (conf/model/encoder"),
     (["model/generator=null"], "model/generator=null: drop a module with ~model/generator"),
     (["data=synthetic_any2any"], "audio_fraction=0.5 draws audio clips, but model mllm_tiny has no audio tower"),
-    (["parallel=disagg2", "parallel.units.encoder.dp=0"], "parallel.units.encoder: dp=0 tp=1 pp=1 vpp=1; each must be at least 1"),
+    (["parallel=disagg2", "parallel.units.encoder.dp=0"], "parallel.units.encoder: dp=0 tp=1 pp=1 vpp=1; each must be"),
     (["model=llama_tiny", "model/encoder=vit_tiny"], "add model.family=mllm to train one"),
     (["~model/encoder"], "model.family=mllm needs an encoder; choose one (model/encoder=vit_tiny"),
     (["trainer.resume=/no/such/run"], "trainer.resume='/no/such/run'"),

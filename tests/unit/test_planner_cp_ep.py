@@ -211,7 +211,7 @@ def test_auto_layout_writes_cp_and_ep_only_where_the_runtime_has_it():
 
 def test_a_configured_cp_layout_is_seen_by_the_planner():
     cfg = compose(["model=llama_tiny", "parallel=megatron_tp2", "parallel.dp=2", "parallel.cp=2", "trainer.devices=8"])
-    llm, enc, gen = choices_of_config(cfg)
+    llm, enc, gen, _ = choices_of_config(cfg)
     assert (llm.tp, llm.cp, llm.dp, llm.gpus) == (2, 2, 2, 8) and enc is None and gen is None
     assert COLOCATED.gpus == 0
 

@@ -48,7 +48,7 @@ def test_auto_at_pp4_is_within_10_percent_of_the_exhaustive_best(name, even_is_b
     blocks = cfg.model.llm.n_layers
     assert sum(split) == blocks and len(split) == 4 and min(split) >= 1, split
     model = build_layout_model(cfg, 4)
-    llm, enc, gen = choices_of_config(cfg)
+    llm, enc, gen, _ = choices_of_config(cfg)
     first, last = model.llm_end_extras(llm, enc, gen, model.pp_bw(4), "none")
     costs = model.llm_stage_costs(llm, first, last, "none")
     assert costs.stage_times(split) == pytest.approx(seconds)

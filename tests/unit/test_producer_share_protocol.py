@@ -93,7 +93,11 @@ def test_a_bad_share_frame_is_a_protocol_error():
     bad = bytearray(payload)
     entry = next(t for t in tables if t["name"] == "summary_image_counts")
     bad[entry["offset"]] = 9  # one sample's image count no longer adds up to its slot's total
-    with pytest.raises(ProtocolError, match="image counts disagree with its totals"):
+    with pytest.raises(ProtocolError, match="image or clip counts disagree with its totals"):
+        decode_share(meta, bad, 2, 4, want, 1 << 20)
+    bad = bytearray(payload)  # the per-sample clip counts (the broker routes the audio units' rows by them)
+    bad[next(t for t in tables if t["name"] == "summary_clip_counts")["offset"]] = 9
+    with pytest.raises(ProtocolError, match="image or clip counts disagree with its totals"):
         decode_share(meta, bad, 2, 4, want, 1 << 20)
     with pytest.raises(ProtocolError, match="step summary not of 2 slots x 8"):
         decode_share(meta, bytearray(payload), 2, 8, Want.of(range(0, 2), ("tokens",)), 1 << 20)

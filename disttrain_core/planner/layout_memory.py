@@ -1,0 +1,91 @@
+"""The memory side of the layout model (planner/evaluate.py ``LayoutModel``): each unit's fullest device under a
+recompute policy and a shard mode, and the cheapest (shard, recompute) pair that fits."""
+
+from __future__ import annotations
+
+from .memory import FSDP
+
+AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full")  # least recomputation first
+AUTO_SHARD = ("zero1", "zero2", "zero3")  # least traffic first
+AUDIO_UNITS = ("audio_encoder", "audio_generator")
+
+
+class LayoutMemory:
+    """Mixed into LayoutModel (``self.c``: its CostModel, ``self.limit``, the caches, ``group_rows``)."""
+
+    def unit_memory(self, name: str, choices: dict, S: int, m: int, policy: str, shard: str | None = None) -> float:
+        """Bytes on the fullest device of unit ``name`` (the LLM's counts its colocated modules) under a
+        recompute policy and a shard mode: the fuller of its first and last pipeline stage
+        (planner/breakdown.py: model state, gathered FSDP2 parameters and autocast copies, in-flight
+        activations, logits, the recompute transient, the runtime overhead)."""
+        from .breakdown import role_memory
+
+        shard = self.c.shard_of(shard)
+        key = self._memory_key(name, choices, S, m, policy, shard)
+        cached = self._memory_cache.get(key)
+        if cached is None:
+            stages = choices[name].pp
+            ends = {0, stages - 1}
+            cached = max(role_memory(self, name, choices, S, m, policy, shard, p).total for p in ends)
+            self._memory_cache[key] = cached
+        return cached
+
+    def _memory_key(self, name: str, choices: dict, S: int, m: int, policy: str, shard: str) -> tuple:
+        """What a unit's memory depends on (the solver evaluates the same unit in many layouts;
+        planner/breakdown.py ``role_memory``). The LLM's: its own choice, which modules ride on its end stages,
+        and the stages from its first to the last (its first stage's in-flight microbatches), not the separate
+        units' TP and DP. The others': their choice, the LLM's dp (their samples per slot) and the stage count."""
+        llm, enc, gen = choices["llm"], choices.get("encoder"), choices.get("generator")
+        if name == "llm":
+            riders = (
+                enc is not None and enc.colocated,
+                gen is not None and gen.colocated,
+                *(choices[n].colocated for n in AUDIO_UNITS if choices.get(n) is not None),
+            )
+            return (name, llm, riders, S - self.group_rows(choices)[0], m, policy, shard)
+        return (name, choices[name], llm.dp, S, m, policy, shard)
+
+    def memory_options(self) -> list[tuple[str, str]]:
+        """(shard, recompute) pairs to try, cheapest first: ``planner.shard`` / ``planner.recompute`` or, under
+        ``auto``, sharding before recomputation (FSDP2's traffic overlaps compute; recompute adds compute):
+        zero1, zero2, zero3 without recompute, then each recompute policy with each shard mode."""
+        settings = self.c.settings
+        shards = AUTO_SHARD if settings.shard == "auto" else (settings.shard,)
+        policies = AUTO_RECOMPUTE if settings.recompute == "auto" else (settings.recompute,)
+        return [(shard, policy) for policy in policies for shard in shards]
+
+    def recompute_policies(
+        self, choices: dict, S: int, m: int
+    ) -> tuple[dict[str, str], dict[str, float], dict[str, str]]:
+        """Each unit's recompute policy, memory and shard mode: the settings, or under ``auto`` the first
+        option of ``memory_options`` that fits the device. A unit with one replica (data x context ranks: FSDP2
+        shards over both) cannot shard: zero1. An expert-parallel LLM shards its dense parameters only (its
+        experts are stepped whole on every replica: planner/memory.py ``unit_model_state``)."""
+        policies, memory, shards = {}, {}, {}
+        for name, choice in choices.items():
+            if not choice.colocated:
+                policies[name], memory[name], shards[name] = self.unit_fit(name, choices, S, m)
+        return policies, memory, shards
+
+    def unit_fit(self, name: str, choices: dict, S: int, m: int) -> tuple[str, float, str]:
+        """One unit's (recompute policy, bytes per device, shard mode): ``recompute_policies`` for one unit."""
+        key = self._memory_key(name, choices, S, m, "", "")
+        found = self._choice_cache.get(key)
+        if found is None:
+            choice = choices[name]
+            for shard, policy in self.memory_options():
+                if shard in FSDP and choice.dp * choice.cp < 2:
+                    shard = "zero1"
+                used = self.unit_memory(name, choices, S, m, policy, shard)
+                if used <= self.limit:
+                    break
+            found = self._choice_cache[key] = (policy, used, shard)
+        return found
+
+    def _memory_reason(self, name: str, used: float) -> str:
+        """Why a unit needing ``used`` bytes per device does not fit."""
+        c = self.c
+        return (
+            f"{name} needs {used / 1e9:.1f} GB per device, over {self.limit / 1e9:.1f} GB "
+            f"({c.settings.memory_margin:.0%} of {c.hw.memory_bytes / 1e9:.0f} GB)"
+        )
