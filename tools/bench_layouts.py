@@ -13,6 +13,14 @@ timeline per pipelined layout.
     python tools/bench_layouts.py                  # 2 processes, 5 alternations, ~8 minutes on 2 cores
     python tools/bench_layouts.py processes=4      # 4 processes, ~12 minutes
     python tools/bench_layouts.py layouts=all repeats=1 format=json
+    python tools/bench_layouts.py workload=audio    # the audio tower as a unit of its own, ~8 minutes
+
+The audio workload (issue 42) is ``any2any_tiny`` with an audio tower grown until its stage takes about as long as
+the rest of the model's on this CPU (512 wide, 12 blocks, every sample with a 1 s clip), on shards where every
+sample carries one: the regime where an encoder weighs as much as the backbone. On 2 processes:
+  disagg2_audio        the audio tower's unit | the LLM unit with the image encoder and both generators
+                       colocated, 1F1B
+  megatron_folded_pp2  the baseline above: the audio tower folded into the first LLM stage with the ViT
 
 Layouts on 2 processes:
   disagg2              encoder unit | LLM unit with the generator colocated, 1F1B
@@ -54,7 +62,9 @@ OPTIONS = {
     "samples_per_shard": "256",
     "processes": "2",  # 2 or 4
     "repeats": "5",  # alternations of the layouts
+    "workload": "image",  # image (the encoder-heavy ViT) or audio (an audio tower as heavy as the rest)
 }
+AUDIO_OUT = REPO_ROOT / "docs" / "results" / "bench_layouts_audio.json"
 
 # The encoder-heavy model: ViT 256 wide, 16 layers, on shards averaging ~3.5 images per sample.
 MODEL = [
@@ -91,9 +101,32 @@ LAYOUTS_4 = {
     "disagg4_enc2": ["parallel=disagg4_enc2"],
     "megatron_folded_pp2_dp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=4"],
 }
-DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2_llm2", "disagg4_enc2"}
+# The audio workload: every sample has a 1 s clip; the tower is 512 wide and 12 blocks deep.
+MODEL_AUDIO = [
+    "model=any2any_tiny",
+    "model.audio_encoder.dim=512",
+    "model.audio_encoder.n_layers=12",
+    "model.audio_encoder.mlp_dim=2048",
+    "model.audio_encoder.n_heads=8",
+    "model.nominal_clips_per_sample=1.0",
+]
+DATA_SHAPE_AUDIO = [*DATA_SHAPE, "data.synthetic.audio_fraction=1.0"]
+LAYOUTS_AUDIO = {
+    "disagg2_audio": [
+        "parallel=disagg2",
+        "parallel.units.encoder.colocate=true",
+        "parallel.units.audio_encoder.colocate=false",
+    ],
+    "megatron_folded_pp2": LAYOUTS["megatron_folded_pp2"],
+}
+DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2_llm2", "disagg4_enc2", "disagg2_audio"}
 BASELINES = {2: "megatron_folded_pp2", 4: "megatron_folded_pp2_dp2"}
 DEFAULT_LAYOUTS = {2: "disagg2,megatron_folded_pp2", 4: "disagg4_enc2_llm2,megatron_folded_pp2_dp2"}
+
+
+def shapes(options: dict) -> tuple[list[str], list[str]]:
+    """(model overrides, data overrides) of the workload."""
+    return (MODEL_AUDIO, DATA_SHAPE_AUDIO) if options["workload"] == "audio" else (MODEL, DATA_SHAPE)
 
 
 def train(run_dir: Path, data_dir: Path, options: dict, layout: list[str]) -> list[dict]:
@@ -101,8 +134,8 @@ def train(run_dir: Path, data_dir: Path, options: dict, layout: list[str]) -> li
         sys.executable,
         str(REPO_ROOT / "train.py"),
         f"hydra.run.dir={run_dir}",
-        *MODEL,
-        *DATA_SHAPE,
+        *shapes(options)[0],
+        *shapes(options)[1],
         f"data.path={data_dir}",
         f"trainer.max_steps={options['steps']}",
         "trainer.log_every_n_steps=2",
@@ -126,7 +159,8 @@ def predicted_step_s(data_dir: Path, options: dict, layout: list[str]) -> dict:
     from disttrain_core.config import compose
     from disttrain_core.planner import build_layout_model, choices_of_config
 
-    overrides = [*MODEL, *DATA_SHAPE, f"data.path={data_dir}", f"optim.global_batch_size={options['global_batch']}"]
+    model, data = shapes(options)
+    overrides = [*model, *data, f"data.path={data_dir}", f"optim.global_batch_size={options['global_batch']}"]
     overrides += [f"optim.micro_batch_size={options['micro_batch']}", *layout]
     cfg = compose(overrides)
     model = build_layout_model(cfg, devices=int(options["processes"]), progress=lambda *_: None)
@@ -162,8 +196,13 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"processes={options['processes']} repeats={options['repeats']}: use processes=2 or 4, repeats>=1"
         )
+    audio = options["workload"] == "audio"
+    if options["workload"] not in ("image", "audio") or (audio and processes != 2):
+        raise SystemExit(f"workload={options['workload']} processes={processes}: use workload=image, or audio on 2")
     offered, baseline = (LAYOUTS if processes == 2 else LAYOUTS_4), BASELINES[processes]
-    requested = DEFAULT_LAYOUTS[processes] if options["layouts"] == "default" else options["layouts"]
+    offered = LAYOUTS_AUDIO if audio else offered
+    default = "disagg2_audio,megatron_folded_pp2" if audio else DEFAULT_LAYOUTS[processes]
+    requested = default if options["layouts"] == "default" else options["layouts"]
     names = list(offered) if requested == "all" else requested.split(",")
     unknown = [n for n in names if n not in offered]
     if unknown or baseline not in names or not DISAGGREGATED & set(names):
@@ -172,11 +211,12 @@ def main(argv: list[str]) -> int:
             f"and one of {', '.join(sorted(DISAGGREGATED & offered.keys()))}"
         )
     chosen = {n: offered[n] for n in names}
-    out = Path(options["out"]).resolve()
+    out = Path(AUDIO_OUT if audio and options["out"] == OPTIONS["out"] else options["out"]).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {
-        "model_overrides": MODEL,
-        "data_overrides": DATA_SHAPE,
+        "workload": options["workload"],
+        "model_overrides": shapes(options)[0],
+        "data_overrides": shapes(options)[1],
         "processes": processes,
         "global_batch": int(options["global_batch"]),
         "micro_batch": int(options["micro_batch"]),
@@ -192,7 +232,7 @@ def main(argv: list[str]) -> int:
                 sys.executable,
                 str(REPO_ROOT / "tools" / "make_shards.py"),
                 f"out={data_dir}",
-                *DATA_SHAPE,
+                *shapes(options)[1],
                 f"data.synthetic.samples_per_shard={options['samples_per_shard']}",
             ],
             check=True,

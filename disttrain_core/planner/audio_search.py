@@ -97,6 +97,16 @@ class AudioSearch:
             K_a += work
         return x_first, x_last, t_ae, t_ag, g_a, K_a
 
+    def audio_relax_terms(self, audio: dict, samples: int) -> list[tuple[str, float, float, float]]:
+        """(name, least device-seconds per microbatch, fewest devices, most devices) of each separate audio unit:
+        its device count in the relaxation (planner/relaxation.py)."""
+        terms = []
+        for name, side in self.m.separate(audio, *audio):
+            options = side.options if isinstance(side, SizedLater) else (side,)
+            work = self.audio_least(name, side, samples)[1]
+            terms.append((name, work, float(options[0].gpus), float(options[-1].gpus)))
+        return terms
+
     def audio_fastest_stage(self, name: str, side, samples: int, bw: float) -> float:
         """The least stage time (compute and boundary send) over a separate audio unit's sizes."""
         options = side.options if isinstance(side, SizedLater) else (side,)

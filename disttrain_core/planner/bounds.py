@@ -144,9 +144,12 @@ class SearchBounds:
         (x_min, _), (y_min, y_max) = bounds
         sep_enc = enc is not None and not enc.colocated
         sep_gen = gen is not None and not gen.colocated
-        side = dict(mdl.separate(audio, *audio))
+        side = dict(mdl.separate(audio, *audio)) if audio else {}
+        riders = tuple((name, ch.colocated) for name, ch in sorted(audio.items()))  # what the LLM sees of them
+        beside_enc, beside_gen = "audio_encoder" in side, "audio_generator" in side
         bw_free = max(c.hw.intra_bw, c.hw.inter_bw)
         g_gpus = (gen.gpus if sep_gen else 0) + sum(ch.gpus for ch in side.values())
+        gen_rows = gen.pp if sep_gen else int(beside_gen)
         a_e = enc.tp * enc.dp if sep_enc else 1
         enc_pps = [p for p in self.enc_pp_options() if a_e * p >= x_min] if sep_enc else []
         monotone = c.hw.intra_bw >= c.hw.inter_bw  # more devices, no faster a link
@@ -156,7 +159,7 @@ class SearchBounds:
             if not y_min <= y <= y_max:
                 continue
             fewest = y + g_gpus
-            if sep_enc and "audio_encoder" in side:
+            if sep_enc and beside_enc:
                 room = [1] if enc_pps and enc_pps[0] == 1 and a_e + fewest <= mdl.devices else []
                 if not room:
                     continue
@@ -171,9 +174,8 @@ class SearchBounds:
                 continue
             bw = c.link_bw(fewest) if monotone else bw_free
             first_enc = UnitChoice(enc.tp, enc.dp, room[0]) if sep_enc else enc
-            enc_rows = room[0] if sep_enc else int("audio_encoder" in side)
-            S = enc_rows + pp + (gen.pp if sep_gen else int("audio_generator" in side))
-            llm = self._llm_part(opt, pp, first_enc, gen, S, m, bw, audio)
+            S = (room[0] if sep_enc else int(beside_enc)) + pp + gen_rows
+            llm = self._llm_part(opt, pp, first_enc, gen, S, m, bw, audio, riders)
             if llm is None:  # no recompute policy and shard mode fit the LLM
                 continue
             fill, steady, tail = llm
@@ -195,16 +197,15 @@ class SearchBounds:
             best = min(best, fill + enc_fill + gen_fill + (m - 1) * steady + tail)
         return best
 
-    def _llm_part(self, opt: LlmOption, pp: int, enc, gen, S: int, m: int, bw: float, audio: dict | None = None):
+    def _llm_part(self, opt: LlmOption, pp: int, enc, gen, S: int, m: int, bw: float, audio: dict, riders: tuple):
         """(fill, steady stage time, data-parallel tail) of the LLM at ``pp`` stages beside these units, with its
-        recompute policy and shard mode as ``evaluate`` picks them; None where none fits."""
+        recompute policy and shard mode as ``evaluate`` picks them; None where none fits. ``riders``: each audio
+        unit's (name, colocated), all the LLM sees of them."""
         # What the LLM's memory and stage times see of the other units (LayoutModel._memory_key, llm_end_extras,
         # breakdown.role_memory's stages after it and ``S > 1``): a colocated module itself; a separate encoder only
         # as being there; a separate generator by its stage count
         enc_key = enc if enc is None or enc.colocated else "separate"
         gen_key = gen if gen is None or gen.colocated else ("separate", gen.pp)
-        audio = audio or {}
-        riders = tuple((name, ch.colocated) for name, ch in sorted(audio.items()))  # what the LLM sees of them
         key = (opt, pp, enc_key, gen_key, bw, riders)
         cached = self._llm_parts.get(key, False)
         if cached is not False:

@@ -31,11 +31,7 @@ class Relaxation:
         sep_enc = enc is not None and not enc.colocated
         g_gpus = gen.gpus if gen is not None and not gen.colocated else 0
         t_g = c.compute("generator", gen.tp, B / gen.dp) / gen.pp if g_gpus else 0.0
-        sides = []  # (name, K_a, fewest devices, most devices) of each separate audio unit
-        for name, side in mdl.separate(audio or {}, *(audio or {})):
-            options = getattr(side, "options", (side,))
-            work = min(c.compute(name, o.tp, mdl.items(name, B / o.dp)) * o.gpus for o in options)
-            sides.append((name, work, float(options[0].gpus), float(options[-1].gpus)))
+        sides = self.audio_relax_terms(audio or {}, B)
         x_e = mdl.colocated_time("encoder", tp, mdl.micro) if enc is not None and enc.colocated else 0.0
         x_g = mdl.colocated_time("generator", tp, mdl.micro) if gen is not None and gen.colocated else 0.0
         a_l = opt.width

@@ -46,11 +46,13 @@ TRAINED_ELSEWHERE = {
         "disagg4_llm2_gen1",
         "megatron_pp2",
         "hotspa",  # tests/distributed/test_hotspa.py: 5 steps against one process
-        "disagg5_audio",  # tests/distributed/test_any2any.py: 5 steps against one process (model=any2any_tiny)
     )
 }
 # Trained by a test of its own (the option -> the test file that trains it, with the option on its command line).
-TRAINED_BY_TEST = {("data", "tokens"): "tests/distributed/test_token_file_training.py"}  # 4 steps, 1 and 2 processes
+TRAINED_BY_TEST = {
+    ("data", "tokens"): "tests/distributed/test_token_file_training.py",  # 4 steps, 1 and 2 processes
+    ("parallel", "disagg5_audio"): "tests/distributed/test_any2any.py",  # 5 steps against one process
+}
 TRAINED_ELSEWHERE |= set(TRAINED_BY_TEST)
 # Run as typed (reduced alike) by tests/recipes/test_cookbook.py: the README's commands.
 TRAINED_ELSEWHERE |= {
