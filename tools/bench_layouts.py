@@ -16,7 +16,7 @@ timeline per pipelined layout.
     python tools/bench_layouts.py workload=audio    # the audio tower as a unit of its own, ~8 minutes
 
 The audio workload (issue 42) is ``any2any_tiny`` with an audio tower grown until its stage takes about as long as
-the rest of the model's on this CPU (512 wide, 12 blocks, every sample with a 1 s clip), on shards where every
+the rest of the model's on this CPU (384 wide, 8 blocks, every sample with a 1 s clip), on shards where every
 sample carries one: the regime where an encoder weighs as much as the backbone. On 2 processes:
   disagg2_audio        the audio tower's unit | the LLM unit with the image encoder and both generators
                        colocated, 1F1B
@@ -101,12 +101,12 @@ LAYOUTS_4 = {
     "disagg4_enc2": ["parallel=disagg4_enc2"],
     "megatron_folded_pp2_dp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=4"],
 }
-# The audio workload: every sample has a 1 s clip; the tower is 512 wide and 12 blocks deep.
+# The audio workload: every sample has a 1 s clip; the tower is 384 wide and 8 blocks deep.
 MODEL_AUDIO = [
     "model=any2any_tiny",
-    "model.audio_encoder.dim=512",
-    "model.audio_encoder.n_layers=12",
-    "model.audio_encoder.mlp_dim=2048",
+    "model.audio_encoder.dim=384",
+    "model.audio_encoder.n_layers=8",
+    "model.audio_encoder.mlp_dim=1536",
     "model.audio_encoder.n_heads=8",
     "model.nominal_clips_per_sample=1.0",
 ]
@@ -180,7 +180,8 @@ def measure(run_dir: Path, data_dir: Path, options: dict, layout: list[str], out
     }
     reports = [json.loads(p.read_text()) for p in sorted((run_dir / "timelines").glob("step_*.json"))]
     if reports:
-        picture = out.parent / f"layouts_{run_dir.name}.png"
+        prefix = "layouts_audio_" if options["workload"] == "audio" else "layouts_"
+        picture = out.parent / f"{prefix}{run_dir.name}.png"
         shutil.copy(reports[-1]["png"], picture)
         entry["picture"] = str(picture.relative_to(REPO_ROOT) if picture.is_relative_to(REPO_ROOT) else picture)
         entry["simulated_bubble_fraction"] = statistics.median(
