@@ -218,7 +218,7 @@ class LlmStage(nn.Module):
         queries = m.generation_queries(whole, batch.tokens) if needs_queries else None
         if m.generator is not None:  # colocated: every generator's loss (the audio one's too)
             sums["gen_loss_sum"] = m.generation_loss_from_queries(queries, batch)
-        if m.audio_generator is not None:  # always here, whether the image generator is or not
+        if m.audio_generator is not None:  # colocated here, whether the image generator is or not
             audio = m.audio_generation_loss_from_queries(queries, batch)
             sums["gen_loss_sum"] = sums["gen_loss_sum"] + audio if "gen_loss_sum" in sums else audio
         if cp is not None and "gen_loss_sum" in sums:  # every CP rank computes it; its gradients sum over them
