@@ -118,20 +118,22 @@ class CommBroker:
         rank c, the sequence slices stay where they are)."""
         mine_side, other_side = (senders, receivers) if sending else (receivers, senders)
         me, me_pp = next(place for place in mine_side if rank in place[0].ranks)
+        # (section, the rows' kind, the peer place); ``fan``: this side is the LLM's, holding every section
+        fan = len(other_side) > 1 and len(mine_side) == 1
         if len(mine_side) > 1 and len(other_side) > 1:  # inside a branch group: each unit with itself
-            links = [(0, kinds[i], kinds[i], place) for i, place in enumerate(other_side) if place[0] is me]
-        elif len(other_side) > 1:  # the LLM's side: a section per unit of the group
-            links = [(i, kinds[i], kinds, place) for i, place in enumerate(other_side)]
+            links = [(0, kinds[i], place) for i, place in enumerate(other_side) if place[0] is me]
+        elif fan:  # the LLM's side: a section per unit of the group
+            links = [(i, kinds[i], place) for i, place in enumerate(other_side)]
         else:  # one unit across (a branch unit sees only its section)
             i = next(i for i, place in enumerate(mine_side) if place[0] is me)
-            links = [(i if len(mine_side) > 1 else 0, kinds[i], kinds[i], other_side[0])]
+            links = [(i if len(mine_side) > 1 else 0, kinds[i], other_side[0])]
         d, _, _ = me.coords(rank)
         t = me.inner_index(rank)
         mine = me.block(d, self.samples)
         pieces = []
-        for section, kind, layout, (other, other_pp) in links:
+        for section, kind, (other, other_pp) in links:
             offset = 0
-            if isinstance(layout, list):  # the LLM's sections before this one, for its own samples
+            if fan:  # the LLM's sections before this one, for its own samples
                 offset = sum(len(self._rows(mine, mine, kinds[j], k)) for j in range(section))
             for o in range(other.dp):
                 theirs = other.block(o, self.samples)

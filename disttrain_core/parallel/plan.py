@@ -108,7 +108,8 @@ def _units_of(cfg: Config) -> UnitLayout:
             sizes, has_encoder, has_generator, folded, folded, same, shard, {"llm": p.cp}, {"llm": p.ep}
         )
     if p.mode == "manual":
-        names = ("encoder", "llm", "generator", *separate_audio_units(cfg))
+        audio = separate_audio_units(cfg)
+        names = ("encoder", "llm", "generator", *audio)
         units = {name: getattr(p.units, name) for name in names}
         sizes = {name: (u.dp, u.tp, u.pp) for name, u in units.items()}
         recompute = {name: (u.recompute, u.recompute_every) for name, u in units.items()}
@@ -116,9 +117,7 @@ def _units_of(cfg: Config) -> UnitLayout:
         cp = {name: u.cp for name, u in units.items()}
         ep = {name: u.ep for name, u in units.items()}
         colocate = (p.units.encoder.colocate, p.units.generator.colocate)
-        return build_layout(
-            sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep, separate_audio_units(cfg)
-        )
+        return build_layout(sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep, audio)
     if p.mode == "hotspa":
         raise ValueError("parallel.mode=hotspa: its layouts (one per bucket) are resolved by resolve_run")
     if p.mode == "auto":

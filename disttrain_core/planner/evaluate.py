@@ -36,8 +36,6 @@ from .costs import CostModel
 from .layout_memory import AUDIO_UNITS, AUTO_RECOMPUTE, AUTO_SHARD, LayoutMemory  # noqa: F401  (re-exported)
 from .stage_split import StageCosts, per_rank_times
 
-UNIT_ORDER = UNIT_NAMES  # the units' device blocks, in data-flow order (parallel/units.py)
-
 
 @dataclass(frozen=True)
 class UnitChoice:
@@ -218,7 +216,7 @@ class LayoutModel(LayoutMemory):
                 return f"{' and '.join(n for n, _ in side)} side by side run one pipeline stage each"
         per_node = self.c.hw.per_node
         offset = 0
-        for name in UNIT_ORDER:
+        for name in UNIT_NAMES:  # the units' device blocks, in data-flow order
             ch = choices.get(name)
             if ch is None or ch.colocated:
                 continue
