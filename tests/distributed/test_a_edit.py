@@ -1,5 +1,5 @@
 """A-EDiT (parallel.local_sgd.method=a_edit): syncs by time, not by step. Two workers of one process; rank 1 is
-an emulated straggler (trainer.straggler, 3x its step's CPU time), so between syncs worker 0 takes more steps
+an emulated straggler (trainer.straggler, 6x its step's CPU time), so between syncs worker 0 takes more steps
 than worker 1, which only happens if nothing keeps the workers in lock-step between syncs."""
 
 import json
@@ -29,7 +29,7 @@ RUN = [
     "parallel.local_sgd.step_weight=0.5",  # the workers weighted half by their steps (the path runs)
     "parallel.local_sgd.warmup_steps=2",
     "trainer.straggler.ranks=[1]",
-    "trainer.straggler.factor=3",
+    "trainer.straggler.factor=6",
     "trainer.threads_per_rank=1",
     "trainer.checkpoint.every_n_steps=8",
     "trainer.checkpoint.keep_last=50",  # the resume test takes the first one
@@ -59,7 +59,7 @@ def a_edit_run(shards, tmp_path_factory):
 def test_fast_worker_takes_more_steps_and_the_run_ends_at_a_sync(a_edit_run):
     rounds = _rounds(a_edit_run)
     fast, slow = (sum(r["taken"][w] for r in rounds) for w in (0, 1))
-    assert fast > 1.5 * slow, rounds  # about 3x: the straggler's busy work
+    assert fast > 1.5 * slow, rounds  # the straggler works 6x per step; a CI run under load measured 1.38x at factor 3
     assert [r["sync"] for r in rounds] == list(range(1, len(rounds) + 1))
     assert [r["over"] for r in rounds] == [False] * (len(rounds) - 1) + [True]
     last = rounds[-1]["steps"]
