@@ -24,6 +24,7 @@ from .model import (  # noqa: F401  re-exported: ``from disttrain_core.config im
     ProjectorConfig,
     RopeScalingConfig,
     UNetConfig,
+    VideoEncoderConfig,
     VitConfig,
 )
 from .schema import (  # noqa: F401
@@ -52,7 +53,8 @@ CONF_DIR = REPO_ROOT / "conf"
 RECIPES_DIR = REPO_ROOT / "recipes"
 
 # The model presets compose these (conf/model/<part>/*.yaml): ``model/encoder=vit_h14`` swaps one module.
-MODEL_MODULE_GROUPS = ("model/encoder", "model/audio_encoder", "model/llm", "model/generator", "model/audio_generator")
+MODEL_MODULE_GROUPS = ("model/encoder", "model/audio_encoder", "model/video_encoder", "model/llm", "model/generator")
+MODEL_MODULE_GROUPS += ("model/audio_generator",)
 # Config groups selectable on the command line (``group=option``).
 CONFIG_GROUPS = (
     "model",

@@ -30,6 +30,22 @@ class VitConfig:
 
 
 @dataclass
+class VideoEncoderConfig(VitConfig):
+    """A video tower (models/video.py): a ViT of its own run on every frame, its patch embeddings averaged over
+    each group of ``temporal_merge`` consecutive frames, so a video of F frames gives ceil(F / temporal_merge) x P
+    ``<video>`` positions (Qwen2-VL merges frame pairs the same way, with 3-D patches). The data workers pad a
+    video's last group by repeating its last frame. Defaults: a ViT-L/14 at 224 px merging frame pairs."""
+
+    dim: int = 1024
+    n_layers: int = 24
+    n_heads: int = 16
+    mlp_dim: int = 4096
+    output_dim: int = 0
+    class_token: bool = False
+    temporal_merge: int = 2  # frames averaged into one group of P tokens (1: every frame its own P tokens)
+
+
+@dataclass
 class AudioEncoderConfig:
     """A Whisper-encoder-family audio tower (models/audio.py): log-mel features (computed in the data workers,
     data/audio.py), two 1-D convolutions (the second halves the frame rate), learned positions, pre-norm
@@ -132,6 +148,8 @@ class FreezeConfig:
     encoder_projector: bool = False
     audio_encoder: bool = False
     audio_projector: bool = False
+    video_encoder: bool = False
+    video_projector: bool = False
     llm: bool = False
     generator_projector: bool = False
     generator: bool = False
@@ -158,6 +176,10 @@ class ModelConfig:
     generator: Optional[UNetConfig] = None
     # An audio tower beside the image encoder (conf/model/audio_encoder); it runs in the LLM unit's first stage.
     audio_encoder: Optional[AudioEncoderConfig] = None
+    # A video tower beside the image encoder (conf/model/video_encoder): a video member's frames go to it instead of
+    # the image encoder; it runs in the LLM unit's first stage or, with parallel.units.video_encoder.colocate=false,
+    # as a unit of its own. Without one, a video's frames are images to the image encoder.
+    video_encoder: Optional[VideoEncoderConfig] = None
     # An audio generator beside the image generator (conf/model/audio_generator: AudioLDM's latent-diffusion U-Net,
     # FiLM-conditioned on the LLM's generation queries): built and counted by tools/model_info.py; training and
     # planning refuse it in one line until its targets reach it.
@@ -165,6 +187,7 @@ class ModelConfig:
     audio_generator_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     encoder_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     audio_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    video_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     generator_projector: ProjectorConfig = field(default_factory=ProjectorConfig)
     gen_tokens: int = 77  # generation query tokens; their LLM states condition the U-Net
     gen_image_size: int = 768  # pixel size of the generation target image
@@ -173,6 +196,8 @@ class ModelConfig:
     gen_loss_weight: float = 1.0
     nominal_images_per_sample: float = 1.0  # for per-sample FLOP tables and planning
     nominal_clips_per_sample: float = 1.0  # audio clips per sample (with model.audio_encoder), for FLOP tables
+    # frame groups (temporal_merge frames each) per sample (with model.video_encoder), for FLOP tables
+    nominal_video_groups_per_sample: float = 4.0
     # The batch this model is meant to train with; optim.global_batch_size / micro_batch_size default
     # to these (conf/optim/adamw.yaml), so `model=mllm72b` plans and trains at its own scale.
     reference_global_batch: int = 16

@@ -41,6 +41,8 @@ class UnitsConfig:
     # first / last stage unless colocate=false gives them processes of their own, beside the image encoder /
     # generator unit (a branch: same pp, fed by / feeding the LLM directly).
     audio_encoder: UnitConfig = field(default_factory=lambda: UnitConfig(colocate=True))
+    # The video tower (model.video_encoder): likewise, in the LLM unit's first stage unless colocate=false.
+    video_encoder: UnitConfig = field(default_factory=lambda: UnitConfig(colocate=True))
     audio_generator: UnitConfig = field(default_factory=lambda: UnitConfig(colocate=True))
 
 

@@ -7,15 +7,19 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-# Per-row audio fields and their shapes and types when a batch leaves them out (no audio tower / generator).
+# Per-row audio and video fields and their shapes and types when a batch leaves them out (no audio tower /
+# generator, no video tower).
 EMPTY_AUDIO = (
     ("audio_counts", (), torch.int64),
+    ("video_counts", (), torch.int64),
     ("gen_audio", (1, 1), torch.float32),
     ("audio_gen_weight", (), torch.float32),
     ("audio_gen_noise", (1, 1, 1), torch.float32),
     ("audio_gen_timesteps", (), torch.int64),
 )
 PER_ROW_AUDIO = tuple(name for name, _, _ in EMPTY_AUDIO)
+# The per-row item counts the broker routes encoder embeddings by (images, audio clips, video frame groups).
+ITEM_COUNTS = ("image_counts", "audio_counts", "video_counts")
 
 
 @dataclass
@@ -42,11 +46,17 @@ class Batch:
     audio_gen_weight: torch.Tensor | None = None  # [B] float32
     audio_gen_noise: torch.Tensor | None = None  # [B, C, h, w] float32
     audio_gen_timesteps: torch.Tensor | None = None  # [B] int64
+    # Video frame groups (model.video_encoder): temporal_merge frames each, all samples' groups in order, and groups
+    # per sample. Left out: none ([0, 1, 3, 1, 1] and zeros).
+    video: torch.Tensor | None = None  # [V, k, 3, H, W] uint8
+    video_counts: torch.Tensor | None = None  # [B] int64
 
     def __post_init__(self) -> None:
         rows, device = self.tokens.shape[0], self.tokens.device
         if self.audio is None:
             self.audio = torch.zeros((0, 1, 1), dtype=torch.float32, device=device)
+        if self.video is None:
+            self.video = torch.zeros((0, 1, 3, 1, 1), dtype=torch.uint8, device=device)
         for name, shape, dtype in EMPTY_AUDIO:
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros((rows, *shape), dtype=dtype, device=device))
@@ -66,13 +76,14 @@ class Batch:
         return self.map(lambda tensor: tensor.to(device, non_blocking=non_blocking))
 
     def select(self, samples: range) -> Batch:
-        """The sub-batch of a contiguous range of samples (with their images and clips)."""
+        """The sub-batch of a contiguous range of samples (with their images, clips and frame groups)."""
         rows = slice(samples.start, samples.stop)
         return Batch(
             tokens=self.tokens[rows],
             labels=self.labels[rows],
             images=self.images[_items_of(self.image_counts, samples)],
             audio=self.audio[_items_of(self.audio_counts, samples)],
+            video=self.video[_items_of(self.video_counts, samples)],
             **{name: getattr(self, name)[rows] for name in PER_ROW_AUDIO},
             image_counts=self.image_counts[rows],
             gen_images=self.gen_images[rows],
@@ -105,9 +116,11 @@ def concat(parts: list[Batch]) -> Batch:
         return parts[0]
     names = ("tokens", "labels", "images", "image_counts", "gen_images", "gen_weight", "gen_noise", "gen_timesteps")
     clips = [p.audio for p in parts if p.audio.shape[0]] or [parts[0].audio]  # a part without clips may be [0,1,1]
+    groups = [p.video for p in parts if p.video.shape[0]] or [parts[0].video]
     return Batch(
         **{name: torch.cat([getattr(p, name) for p in parts]) for name in names},
         audio=torch.cat(clips),
+        video=torch.cat(groups),
         **{name: torch.cat([getattr(p, name) for p in parts]) for name in PER_ROW_AUDIO},
         keys=[key for p in parts for key in p.keys],
     )
@@ -160,6 +173,7 @@ def with_empty_rows(rows: Batch, pad: int) -> Batch:
         images=rows.images,
         image_counts=extend(rows.image_counts, 0),
         audio=rows.audio,
+        video=rows.video,
         **{name: extend(getattr(rows, name), 0) for name in PER_ROW_AUDIO},
         gen_images=extend(rows.gen_images, 0),
         gen_weight=extend(rows.gen_weight, 0),

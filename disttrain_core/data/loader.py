@@ -93,7 +93,7 @@ def collate(samples: list[EncodedSample]) -> Batch:
     def stack(name: str) -> torch.Tensor:
         return torch.from_numpy(np.stack([getattr(s, name) for s in samples]))
 
-    def joined(name: str) -> dict[str, torch.Tensor]:  # a per-item field (images, clips) and its per-row counts
+    def joined(name: str) -> dict[str, torch.Tensor]:  # a per-item field (images, clips, groups) and per-row counts
         parts = [getattr(s, name) for s in samples]
         counts = torch.tensor([part.shape[0] for part in parts], dtype=torch.int64)
         return {name: torch.from_numpy(np.concatenate(parts)), f"{name.rstrip('s')}_counts": counts}
@@ -115,6 +115,7 @@ def collate(samples: list[EncodedSample]) -> Batch:
         audio_gen_weight=row("audio_gen_weight", torch.float32),
         audio_gen_noise=stack("audio_gen_noise"),
         audio_gen_timesteps=row("audio_gen_timestep", torch.int64),
+        **joined("video"),
     )
 
 

@@ -36,10 +36,15 @@ log = logging.getLogger("disttrain_core.data.producer")
 
 def sample_costs(costs: tuple, samples) -> list[float]:
     """Training work per sample in FLOPs from the trainers' per-item ``costs`` (Layout.costs): its images
-    through the encoder, the LLM row, the generation target, its audio clips through the audio tower."""
-    per_image, per_row, per_target, per_clip = costs
+    through the encoder, the LLM row, the generation target, its audio clips through the audio tower and its
+    video frame groups through the video tower."""
+    per_image, per_row, per_target, per_clip, per_group = costs
     return [
-        per_row + per_image * len(s.images) + per_target * float(s.gen_weight) + per_clip * len(s.audio)
+        per_row
+        + per_image * len(s.images)
+        + per_target * float(s.gen_weight)
+        + per_clip * len(s.audio)
+        + per_group * len(s.video)
         for s in samples
     ]
 
@@ -98,6 +103,8 @@ def blank(encoder: SampleEncoder, planned: PlannedSample) -> EncodedSample:
     sample.truncated_images = planned.truncated_images
     if planned.audio:
         sample.audio = np.zeros((len(planned.audio), *sample.audio.shape[1:]), dtype=np.float32)
+    if planned.video:
+        sample.video = np.zeros((len(planned.video), *sample.video.shape[1:]), dtype=np.uint8)
     sample.truncated_audio = planned.truncated_audio
     return sample
 
@@ -196,4 +203,7 @@ def planned_summary(samples: list[PlannedSample], slots: int) -> StepSummary:
     tokens = torch.tensor([int((s.labels != -100).sum()) for s in samples], dtype=torch.int64).view(slots, per)
     weights = torch.tensor([s.gen_weight + s.audio_gen_weight for s in samples], dtype=torch.float32).view(slots, per)
     clips = torch.tensor([len(s.audio) for s in samples], dtype=torch.int64).view(slots, per)
-    return StepSummary(counts, tokens.sum(dim=1), weights.sum(dim=1), counts.sum(dim=1), clips.sum(dim=1), clips)
+    groups = torch.tensor([len(s.video) for s in samples], dtype=torch.int64).view(slots, per)
+    return StepSummary(
+        counts, tokens.sum(dim=1), weights.sum(dim=1), counts.sum(dim=1), clips.sum(dim=1), clips, groups
+    )

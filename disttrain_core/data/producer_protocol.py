@@ -30,6 +30,8 @@ DTYPES = {
     "audio_gen_weight": "float32",
     "audio_gen_noise": "float32",
     "audio_gen_timesteps": "int64",
+    "video": "uint8",
+    "video_counts": "int64",
 }
 FIELDS = tuple(DTYPES)
 LAYOUT_FIELDS = ("slots", "samples_per_slot", "groups", "stages", "world")
@@ -49,9 +51,9 @@ class Layout:
     stages: int  # pipeline stages (1F1B), for Algorithm 3
     world: int  # trainer ranks that fetch every batch
     job: tuple = ()
-    # Training FLOPs per image, per sequence, per generation target and per audio clip (the trainers know the
-    # model: they send them, models/flops.py); a sample's cost for reordering (Algorithms 2 and 3).
-    costs: tuple = (1.0, 1.0, 1.0, 0.0)
+    # Training FLOPs per image, per sequence, per generation target, per audio clip and per video frame group (the
+    # trainers know the model: they send them, models/flops.py); a sample's cost for reordering (Algorithms 2, 3).
+    costs: tuple = (1.0, 1.0, 1.0, 0.0, 0.0)
 
     def to_dict(self) -> dict:
         return {**{name: getattr(self, name) for name in LAYOUT_FIELDS}, "costs": list(self.costs)}
@@ -67,7 +69,7 @@ class Layout:
         costs = raw.get("costs")
         if not (
             isinstance(costs, list)
-            and len(costs) == 4
+            and len(costs) == 5
             and all(type(c) in (int, float) and math.isfinite(c) and c >= 0 for c in costs)
         ):
             raise ProtocolError(f"bad layout in HELLO: costs={costs!r}")
@@ -174,13 +176,13 @@ def _ordered_pair(raw, bound: int) -> bool:
 
 
 def parse_fields(raw) -> tuple[str, ...]:
-    """The Batch fields a trainer wants (None: all); ``image_counts`` and ``audio_counts`` always come (a share is
-    cut by them, and the images and clips it leaves out keep their shapes)."""
+    """The Batch fields a trainer wants (None: all); the image, clip and frame-group counts always come (a share is
+    cut by them, and the items it leaves out keep their shapes)."""
     if raw is None:
         return FIELDS
     if not isinstance(raw, list) or not all(isinstance(f, str) and f in DTYPES for f in raw):
         raise ProtocolError(f"bad fields in HELLO: {raw!r} (choose from {', '.join(FIELDS)})")
-    wanted = {"image_counts", "audio_counts", *raw}
+    wanted = {"image_counts", "audio_counts", "video_counts", *raw}
     return tuple(f for f in FIELDS if f in wanted)
 
 
@@ -209,9 +211,9 @@ def encode_batch(batch: Batch) -> tuple[dict, bytes]:
 @dataclass(frozen=True)
 class StepSummary:
     """What a trainer that receives only its own block still needs of the whole global batch: every sample's
-    image and clip counts (``[slots, samples_per_slot]``; the broker routes embeddings between units by them) and,
-    per slot, the loss normalizers and work counts (train/step_data.py): loss tokens, generation samples, images,
-    audio clips. About 8 bytes a sample."""
+    image, clip and video frame-group counts (``[slots, samples_per_slot]``; the broker routes embeddings between
+    units by them) and, per slot, the loss normalizers and work counts (train/step_data.py): loss tokens, generation
+    samples, images, audio clips, frame groups. About 12 bytes a sample."""
 
     image_counts: torch.Tensor  # int64 [slots, per]
     loss_tokens: torch.Tensor  # int64 [slots], labels that take a loss
@@ -219,6 +221,7 @@ class StepSummary:
     images: torch.Tensor  # int64 [slots]
     clips: torch.Tensor  # int64 [slots]
     clip_counts: torch.Tensor  # int64 [slots, per]
+    group_counts: torch.Tensor  # int64 [slots, per], video frame groups
 
     @classmethod
     def of(cls, batch: Batch, slots: int) -> StepSummary:
@@ -232,10 +235,11 @@ class StepSummary:
             counts.sum(dim=1),
             clips.sum(dim=1),
             clips,
+            batch.video_counts.view(slots, per),
         )
 
     def totals(self) -> list[float]:
-        """Loss tokens, generation samples, sequences, images and clips of the whole step (the counts
+        """Loss tokens, generation samples, sequences, images, clips and frame groups of the whole step (the counts
         train/step_data.py normalizes the loss by and the throughput metrics count)."""
         return [
             float(self.loss_tokens.sum()),
@@ -243,12 +247,14 @@ class StepSummary:
             float(self.image_counts.numel()),
             float(self.images.sum()),
             float(self.clips.sum()),
+            float(self.group_counts.sum()),
         ]
 
     def arrays(self) -> dict:
         return {
             "summary_image_counts": self.image_counts.to(torch.int32).numpy(),
             "summary_clip_counts": self.clip_counts.to(torch.int32).numpy(),
+            "summary_group_counts": self.group_counts.to(torch.int32).numpy(),
             "summary_counts": torch.stack([self.loss_tokens, self.images, self.clips], dim=1).numpy(),
             "summary_gen_samples": self.gen_samples.numpy(),
         }
@@ -258,6 +264,7 @@ class StepSummary:
         shapes = {
             "summary_image_counts": (slots, per),
             "summary_clip_counts": (slots, per),
+            "summary_group_counts": (slots, per),
             "summary_counts": (slots, 3),
             "summary_gen_samples": (slots,),
         }
@@ -269,13 +276,17 @@ class StepSummary:
         for per_sample, total in ((image_counts, counts[:, 1]), (clip_counts, counts[:, 2])):
             if (per_sample < 0).any() or not torch.equal(per_sample.sum(dim=1), total) or (counts < 0).any():
                 raise ProtocolError("a step summary whose image or clip counts disagree with its totals")
+        group_counts = torch.from_numpy(arrays["summary_group_counts"]).to(torch.int64)
+        if (group_counts < 0).any():
+            raise ProtocolError("a step summary with negative frame-group counts")
         gen = torch.from_numpy(arrays["summary_gen_samples"])
-        return cls(image_counts, counts[:, 0], gen, counts[:, 1], counts[:, 2], clip_counts)
+        return cls(image_counts, counts[:, 0], gen, counts[:, 1], counts[:, 2], clip_counts, group_counts)
 
 
 SUMMARY = {
     "summary_image_counts": "int32",
     "summary_clip_counts": "int32",
+    "summary_group_counts": "int32",
     "summary_counts": "int64",
     "summary_gen_samples": "float32",
 }
@@ -330,7 +341,7 @@ def _absent(raw, want: Want, limit: int) -> dict[str, np.ndarray]:
     total = 0
     for name in names:
         shape = raw[name]
-        if not (isinstance(shape, list) and 0 < len(shape) <= 4 and all(type(n) is int and n >= 0 for n in shape)):
+        if not (isinstance(shape, list) and 0 < len(shape) <= 5 and all(type(n) is int and n >= 0 for n in shape)):
             raise ProtocolError(f"bad shape of absent field {name}: {shape!r}")
         total += math.prod(shape) * np.dtype(DTYPES[name]).itemsize
     if total > limit:
@@ -358,7 +369,7 @@ def _decode(meta: dict, payload, extra: dict | None = None, absent: dict | None 
     per_row = ("labels", "image_counts", "gen_images", "gen_weight", "gen_noise", "gen_timesteps", *PER_ROW_AUDIO)
     if any(arrays[name].ndim == 0 or arrays[name].shape[0] != rows for name in per_row):
         raise ProtocolError("batch tensors disagree on the number of rows")
-    for items, kind in (("images", "image"), ("audio", "audio")):
+    for items, kind in (("images", "image"), ("audio", "audio"), ("video", "video")):
         counts = arrays[f"{kind}_counts"]
         if arrays[items].ndim == 0 or (counts < 0).any() or int(counts.sum()) != arrays[items].shape[0]:
             raise ProtocolError(f"batch {kind} counts do not match its {items}")

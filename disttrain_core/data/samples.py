@@ -21,6 +21,13 @@ An audio clip (with model.audio_encoder) becomes Q ``<audio>`` placeholders, its
 log-mel features computed here (data/audio.py); without an audio tower the clip is
 dropped and counted (``truncated_audio``), as a text model ignores images.
 
+A video member (an animated webp, gif or apng) gives up to ``data.video_frames`` frames.
+Without a video tower each frame is an image (P ``<img>`` each). With one
+(model.video_encoder) its frames are cut into groups of ``temporal_merge`` (the last
+padded with the last frame) and each group becomes P' ``<video>`` placeholders; the
+groups that do not fit are dropped and counted with the truncated images, and the
+video's frames are never a generation target.
+
 If a sample does not fit, trailing content is dropped (a partial text
 segment is kept; an image is kept only whole) and counted as truncation.
 ``<gen>`` tokens sit before the last kept image, which becomes the
@@ -74,8 +81,11 @@ class EncodedSample:
     audio_gen_weight: float = 0.0
     audio_gen_noise: np.ndarray = None
     audio_gen_timestep: int = 0
+    video: np.ndarray = None  # [g, k, 3, H, W] uint8 frame groups for the video tower ([0, 1, 3, 1, 1] without one)
 
     def __post_init__(self) -> None:
+        if self.video is None:
+            self.video = np.zeros((0, 1, 3, 1, 1), dtype=np.uint8)
         if self.audio is None:
             self.audio = np.zeros((0, 1, 1), dtype=np.float32)
         if self.gen_audio is None:
@@ -99,6 +109,8 @@ class PlannedSample:
     audio: list[bytes] = field(default_factory=list)  # the clips the row keeps, encoded
     truncated_audio: int = 0
     audio_gen_weight: float = 0.0  # 1: the audio generator trains on the row's last clip
+    # the video tower's frame groups the row keeps: each temporal_merge (video, frame index) pairs
+    video: list[tuple[tuple[bytes, int], ...]] = field(default_factory=list)
 
 
 def _member_kind(name: str) -> str:
@@ -176,6 +188,10 @@ class SampleEncoder:
         self.audio_cfg = model.audio_encoder if self.multimodal else None
         self.audio_tokens = audio_tokens(self.audio_cfg) if self.audio_cfg is not None else 0
         self.audio_gen = model.audio_generator if self.audio_cfg is not None else None  # validation: both or none
+        video = model.video_encoder if self.multimodal else None
+        self.video_merge = int(video.temporal_merge) if video is not None else 0
+        self.video_size = int(video.image_size) if video is not None else 0
+        self.video_patches = (video.image_size // video.patch_size) ** 2 if video is not None else 0
 
     def encode(self, key: str, members: dict[str, bytes]) -> EncodedSample:
         return self.finish(self.plan(key, members))
@@ -202,6 +218,8 @@ class SampleEncoder:
                     check_audio(value)  # type: ignore[arg-type]
                     kept.append(("audio", value))
                     budget -= self.audio_tokens
+            elif self.video_merge:
+                budget, total_images = self._image_or_video(value, budget, kept, total_images)  # type: ignore
             elif self.has_encoder and budget >= self.patches:
                 frames = frame_indices(value, self.video_frames, self.max_image_pixels)  # type: ignore[arg-type]
                 total_images += len(frames) - 1  # a video's frames are images to the encoder, each its patches
@@ -212,10 +230,48 @@ class SampleEncoder:
                     budget -= self.patches
             if budget <= 0:
                 break
-        kept_images = sum(kind == "image" for kind, _ in kept)
+        kept_images = sum(kind in ("image", "video") for kind, _ in kept)
         planned = self._planned(key, kept, total_images - kept_images)
         planned.truncated_audio = total_audio - len(planned.audio)
         return planned
+
+    def _image_or_video(self, data: bytes, budget: int, kept: list, total_images: int) -> tuple[int, int]:
+        """An image member with a video tower: a still image to the image encoder, a video's frame groups to the
+        tower, what fits of each; returns the budget left and the images counted (a video's groups count)."""
+        least = min(self.video_patches, self.patches) if self.has_encoder else self.video_patches
+        if budget < least:
+            return budget, total_images
+        frames = frame_indices(data, self.video_frames, self.max_image_pixels)
+        if len(frames) > 1:
+            total_images += -(-len(frames) // self.video_merge) - 1
+            return self._video_groups(data, frames, budget, kept), total_images
+        if self.has_encoder and budget >= self.patches:
+            kept.append(("image", data))
+            budget -= self.patches
+        return budget, total_images
+
+    def _video_groups(self, data: bytes, frames: list[int], budget: int, kept: list) -> int:
+        """The video's frames as groups of temporal_merge (the last padded with the last frame), as many as fit in
+        ``budget`` tokens, appended to ``kept``; returns the budget left."""
+        merge = self.video_merge
+        for start in range(0, len(frames), merge):
+            if budget < self.video_patches:
+                break
+            group = frames[start : start + merge]
+            group += [group[-1]] * (merge - len(group))
+            kept.append(("video", tuple((data, index) for index in group)))
+            budget -= self.video_patches
+        return budget
+
+    def _video(self, groups: list[tuple[tuple[bytes, int], ...]], opened: dict) -> np.ndarray:
+        """The row's frame groups decoded at the video tower's size: [g, k, 3, H, W] uint8."""
+        size = self.video_size
+        if not groups:
+            return np.zeros((0, max(self.video_merge, 1), 3, size or 1, size or 1), dtype=np.uint8)
+        decode = (
+            decode_frame(data, index, (size,), self.max_image_pixels, opened)[0] for g in groups for data, index in g
+        )
+        return np.stack(list(decode)).reshape(len(groups), self.video_merge, 3, size, size)
 
     def finish(self, planned: PlannedSample) -> EncodedSample:
         """The planned row with its images decoded and its generation noise drawn; BadSample if a pixel decode
@@ -264,6 +320,8 @@ class SampleEncoder:
         )
         if self.audio_gen is not None:
             self._audio_target(sample, planned.key, planned.audio_gen_weight)  # 0 unless a clip follows <gen>
+        if self.video_merge:
+            sample.video = self._video(planned.video, opened)
         return sample
 
     def _audio_target(self, sample: EncodedSample, key: str, weight: float) -> None:
@@ -307,6 +365,8 @@ class SampleEncoder:
                 tokens += value  # type: ignore[operator]
             elif kind == "audio":
                 tokens += [tok.audio_id] * self.audio_tokens
+            elif kind == "video":
+                tokens += [tok.video_id] * self.video_patches
             else:
                 tokens += [tok.image_id] * self.patches
         if self.has_generator and gen_before is None:
@@ -319,6 +379,8 @@ class SampleEncoder:
         # after <eos>. By position and placeholder id, so any tokenizer works (pad may equal eos).
         following = np.append(token_array[1:], tok.pad_id)
         placeholder = (following == tok.image_id) | (following == tok.gen_id) | (following == tok.audio_id)
+        if self.video_merge:
+            placeholder |= following == tok.video_id
         is_text = (np.arange(seq_len) < length - 1) & ~placeholder
         labels = np.where(is_text, following, -100).astype(np.int64)
         images = [value for kind, value in kept if kind == "image"]
@@ -326,4 +388,5 @@ class SampleEncoder:
         weight = 1.0 if self.has_generator and images else 0.0
         planned = PlannedSample(key, token_array, labels, images, weight, truncated_images, clips)  # type: ignore
         planned.audio_gen_weight = 1.0 if heard else 0.0
+        planned.video = [value for kind, value in kept if kind == "video"]  # type: ignore[misc]
         return planned

@@ -24,6 +24,7 @@ class Tokenizer(Protocol):
     image_id: int  # placeholder replaced by one image patch embedding
     gen_id: int  # generation query token; its hidden state conditions the generator
     audio_id: int  # placeholder replaced by one audio-encoder position (-1: this tokenizer has none)
+    video_id: int  # placeholder replaced by one video-tower position (-1: this tokenizer has none)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -38,7 +39,8 @@ class ByteTokenizer:
     image_id: int = 259
     gen_id: int = 260
     audio_id: int = 261
-    vocab_size: int = 262
+    video_id: int = 262
+    vocab_size: int = 263
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -54,6 +56,7 @@ PAD_NAMES = ("<pad>", "<|finetune_right_pad_id|>")
 IMAGE_TOKEN = "<image>"
 GEN_TOKEN = "<gen>"
 AUDIO_TOKEN = "<audio>"
+VIDEO_TOKEN = "<video>"
 
 
 def _token_name(entry) -> str | None:
@@ -71,16 +74,17 @@ class HFTokenizer:
     pad falls back to eos, bos to eos. ``<image>`` and ``<gen>`` are looked up by name and added as special
     tokens when absent, so ``vocab_size`` (every id, added ones included) can exceed the file's by two:
     ``added`` lists what was added. ``<audio>`` is added only with ``audio=True`` (a model with an audio tower),
-    so a text or image model's vocabulary does not move; without it ``audio_id`` is -1. Pickling keeps the path
-    and that flag, so a decode worker or another process rebuilds the same tokenizer from the same file.
+    so a text or image model's vocabulary does not move; without it ``audio_id`` is -1; ``<video>`` likewise with
+    ``video=True`` (a model with a video tower). Pickling keeps the path and those flags, so a decode worker or
+    another process rebuilds the same tokenizer from the same file.
     """
 
-    def __init__(self, path: str | Path, audio: bool = False):
+    def __init__(self, path: str | Path, audio: bool = False, video: bool = False):
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as Backend
 
         self.path = str(path)
-        self.audio = bool(audio)
+        self.audio, self.video = bool(audio), bool(video)
         file = Path(self.path)
         if file.is_dir():
             file = file / "tokenizer.json"
@@ -128,20 +132,23 @@ class HFTokenizer:
         pad = find("pad_token", PAD_NAMES)
         self.pad_id = eos if pad is None else pad
         self.added: list[str] = []
-        for name in (IMAGE_TOKEN, GEN_TOKEN, AUDIO_TOKEN)[: 3 if self.audio else 2]:
+        wanted = (IMAGE_TOKEN, GEN_TOKEN) + (AUDIO_TOKEN,) * self.audio + (VIDEO_TOKEN,) * self.video
+        for name in wanted:
             if backend.token_to_id(name) is None:
                 backend.add_special_tokens([AddedToken(name, special=True, normalized=False)])
                 self.added.append(name)
         self.image_id = backend.token_to_id(IMAGE_TOKEN)
         self.gen_id = backend.token_to_id(GEN_TOKEN)
         self.audio_id = backend.token_to_id(AUDIO_TOKEN) if self.audio else -1
+        self.video_id = backend.token_to_id(VIDEO_TOKEN) if self.video else -1
         # Text is text: a caption containing "<image>" must not become an image placeholder.
         backend.encode_special_tokens = True
         # Added tokens may leave gaps in the id space: the model needs a row for the largest id.
         largest = max(backend.get_added_tokens_decoder(), default=-1)
         self.vocab_size = max(backend.get_vocab_size(with_added_tokens=True), largest + 1)
         self._backend = backend
-        self._special = {self.pad_id, self.bos_id, self.eos_id, self.image_id, self.gen_id, self.audio_id}
+        self._special = {self.pad_id, self.bos_id, self.eos_id, self.image_id, self.gen_id}
+        self._special |= {self.audio_id, self.video_id}
 
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
@@ -151,7 +158,7 @@ class HFTokenizer:
         return self._backend.decode([i for i in ids if i not in self._special], skip_special_tokens=True)
 
     def __reduce__(self):
-        return HFTokenizer, (self.path, self.audio)
+        return HFTokenizer, (self.path, self.audio, self.video)
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
@@ -160,16 +167,18 @@ class HFTokenizer:
 TOKENIZERS = {"byte": ByteTokenizer}
 
 
-def build_tokenizer(name: str, audio: bool = False) -> Tokenizer:
+def build_tokenizer(name: str, audio: bool = False, video: bool = False) -> Tokenizer:
     """``data.tokenizer``: a name of ``TOKENIZERS`` or the path of a tokenizer.json (with an ``<audio>`` token
-    when ``audio``). Raises ValueError."""
+    when ``audio``, a ``<video>`` token when ``video``). Raises ValueError."""
     name = str(name)
     if name in TOKENIZERS:
         return TOKENIZERS[name]()
-    return HFTokenizer(name, audio)
+    return HFTokenizer(name, audio, video)
 
 
 def tokenizer_for(cfg) -> Tokenizer:
     """The run's tokenizer: ``data.tokenizer``, with an ``<audio>`` placeholder when the model has an audio
-    tower (model.audio_encoder)."""
-    return build_tokenizer(cfg.data.tokenizer, getattr(cfg.model, "audio_encoder", None) is not None)
+    tower (model.audio_encoder), a ``<video>`` one when it has a video tower (model.video_encoder)."""
+    model = cfg.model
+    audio, video = (getattr(model, name, None) is not None for name in ("audio_encoder", "video_encoder"))
+    return build_tokenizer(cfg.data.tokenizer, audio, video)

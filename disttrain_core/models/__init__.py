@@ -19,7 +19,8 @@ __all__ = ["MODULE_NAMES", "MultimodalLLM", "build_model", "materialize", "param
 
 def build_model(cfg: ModelConfig, tokenizer: Tokenizer, device: str | torch.device = "meta") -> MultimodalLLM:
     with torch.device(device):
-        return MultimodalLLM(cfg, tokenizer.image_id, tokenizer.gen_id, getattr(tokenizer, "audio_id", -1))
+        ids = (getattr(tokenizer, name, -1) for name in ("audio_id", "video_id"))
+        return MultimodalLLM(cfg, tokenizer.image_id, tokenizer.gen_id, *ids)
 
 
 def materialize(model: torch.nn.Module, device: str | torch.device, seed: int, std: float, prefix: str = "") -> None:

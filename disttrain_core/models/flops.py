@@ -27,18 +27,21 @@ from .audio import AudioEncoder, audio_frames
 from .llama import Llama
 from .projector import MLPProjector
 from .unet import UNet
+from .video import VideoTower
 from .vit import VisionTransformer
 
-CHAIN = ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm", "generator_projector", "generator")
-CHAIN += ("audio_generator_projector", "audio_generator")
-# What feeds each module, directly or not: the image and the audio tower sit side by side in front of the LLM.
+TOWERS = ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "video_encoder", "video_projector")
+CHAIN = (*TOWERS, "llm", "generator_projector", "generator", "audio_generator_projector", "audio_generator")
+# What feeds each module, directly or not: the image, audio and video towers sit side by side in front of the LLM.
 FEEDS = {
     "encoder": (),
     "encoder_projector": ("encoder",),
     "audio_encoder": (),
     "audio_projector": ("audio_encoder",),
-    "llm": ("encoder", "encoder_projector", "audio_encoder", "audio_projector"),
-    "generator_projector": ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm"),
+    "video_encoder": (),
+    "video_projector": ("video_encoder",),
+    "llm": TOWERS,
+    "generator_projector": (*TOWERS, "llm"),
     "generator": CHAIN[: CHAIN.index("generator")],
     "audio_generator_projector": CHAIN[: CHAIN.index("generator_projector")],
     "audio_generator": (*CHAIN[: CHAIN.index("generator_projector")], "audio_generator_projector"),
@@ -48,6 +51,8 @@ UNITS = {
     "encoder_projector": "image",
     "audio_encoder": "clip",
     "audio_projector": "clip",
+    "video_encoder": "video_group",
+    "video_projector": "video_group",
     "llm": "sequence",
     "generator_projector": "sample",
     "generator": "sample",
@@ -60,7 +65,7 @@ UNITS = {
 class ModuleFlops:
     forward: float  # FLOPs of one forward pass over one unit
     train: float  # forward + backward as training executes it
-    unit: str  # image | clip | sequence | sample | audio_target
+    unit: str  # image | clip | video_group | sequence | sample | audio_target
 
 
 def _count(module: torch.nn.Module, inputs: tuple, trainable: bool, input_grad: bool, fn=None) -> ModuleFlops:
@@ -81,6 +86,8 @@ def _trainable(cfg: ModelConfig) -> dict[str, bool]:
         "encoder_projector": cfg.encoder is not None,
         "audio_encoder": cfg.audio_encoder is not None,
         "audio_projector": cfg.audio_encoder is not None,
+        "video_encoder": cfg.video_encoder is not None,
+        "video_projector": cfg.video_encoder is not None,
         "llm": True,
         "generator_projector": cfg.generator is not None,
         "generator": cfg.generator is not None,
@@ -115,6 +122,8 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
             feats = torch.empty(1, audio.tokens_per_clip, audio.out_dim, requires_grad=upstream("audio_projector"))
             results["audio_projector"] = _count(aproj, (feats,), trainable["audio_projector"], feats.requires_grad)
 
+        if cfg.video_encoder is not None:
+            results.update(_video_tower(cfg, trainable, upstream))
         llm = Llama(cfg.llm, cfg.seq_len)
         hidden = torch.empty(1, cfg.seq_len, cfg.llm.dim, requires_grad=upstream("llm"))
 
@@ -142,6 +151,20 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
         if cfg.audio_generator is not None:
             results.update(_audio_generator(cfg, trainable, upstream))
     return {name: ModuleFlops(f.forward, f.train, UNITS[name]) for name, f in results.items()}
+
+
+def _video_tower(cfg: ModelConfig, trainable: dict, upstream) -> dict[str, ModuleFlops]:
+    """The video tower and its projector, per frame group: temporal_merge frames through the ViT, one group of
+    patch embeddings through the projector."""
+    video = cfg.video_encoder
+    tower = VideoTower(video)
+    groups = torch.empty(1, video.temporal_merge, 3, video.image_size, video.image_size, dtype=torch.uint8)
+    proj = MLPProjector(tower.out_dim, cfg.llm.dim, cfg.video_projector)
+    feats = torch.empty(1, tower.num_patches, tower.out_dim, requires_grad=upstream("video_projector"))
+    return {
+        "video_encoder": _count(tower, (groups,), trainable["video_encoder"], False),
+        "video_projector": _count(proj, (feats,), trainable["video_projector"], feats.requires_grad),
+    }
 
 
 def _audio_generator(cfg: ModelConfig, trainable: dict, upstream) -> dict[str, ModuleFlops]:
@@ -174,19 +197,21 @@ def module_flops(cfg) -> dict[str, ModuleFlops]:
     return _cached(OmegaConf.to_yaml(OmegaConf.structured(cfg) if not OmegaConf.is_config(cfg) else cfg))
 
 
-def flops_per_item(cfg) -> tuple[float, float, float, float]:
-    """Training FLOPs per image (encoder side), per sequence (LLM row), per generation target and per audio
-    clip (audio tower)."""
+def flops_per_item(cfg) -> tuple[float, float, float, float, float]:
+    """Training FLOPs per image (encoder side), per sequence (LLM row), per generation target, per audio
+    clip (audio tower) and per video frame group (video tower)."""
     per_unit = module_flops(cfg)
-    units = ("image", "sequence", "sample", "clip")
+    units = ("image", "sequence", "sample", "clip", "video_group")
     return tuple(sum(f.train for f in per_unit.values() if f.unit == unit) for unit in units)  # type: ignore
 
 
-def batch_flops(cfg, sequences: int, images: int, gen_samples: int, clips: int = 0, audio_targets: int = 0) -> float:
+def batch_flops(
+    cfg, sequences: int, images: int, gen_samples: int, clips: int = 0, audio_targets: int = 0, video_groups: int = 0
+) -> float:
     """Training FLOPs of a batch with the given amounts of work."""
     per_unit = module_flops(cfg)
     amount = {"image": images, "sequence": sequences, "sample": gen_samples, "clip": clips}
-    amount["audio_target"] = audio_targets
+    amount.update(audio_target=audio_targets, video_group=video_groups)
     return sum(f.train * amount[f.unit] for f in per_unit.values())
 
 
@@ -195,6 +220,7 @@ def flops_per_sample(cfg) -> dict[str, float]:
     per_unit = module_flops(cfg)
     amount = {"image": cfg.nominal_images_per_sample, "clip": cfg.nominal_clips_per_sample, "sequence": 1.0}
     amount["sample"] = 1.0
+    amount["video_group"] = float(cfg.nominal_video_groups_per_sample)
     amount["audio_target"] = 1.0  # every row runs the audio generator (weight 0 without a clip), as the image one
     return {name: f.train * amount[f.unit] for name, f in per_unit.items()}
 

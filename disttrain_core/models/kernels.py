@@ -110,7 +110,18 @@ def _meta_batch(cfg: ModelConfig):
         gen_noise=torch.zeros(1, channels, latent, latent),
         gen_timesteps=torch.zeros(1, dtype=torch.long),
         **_meta_audio(cfg),
+        **_meta_video(cfg),
     )
+
+
+def _meta_video(cfg: ModelConfig) -> dict:
+    """The video fields of the one-row meta batch: one frame group for the tower."""
+    video = cfg.video_encoder
+    if video is None:
+        return {}
+    side, merge = video.image_size, video.temporal_merge
+    groups = torch.zeros(1, merge, 3, side, side, dtype=torch.uint8)
+    return {"video": groups, "video_counts": torch.ones(1, dtype=torch.long)}
 
 
 def _meta_audio(cfg: ModelConfig) -> dict:
@@ -134,7 +145,7 @@ def _training_step_ops(cfg: ModelConfig) -> list[str]:
 
     tokenizer = ByteTokenizer()
     with torch.device("meta"):
-        model = MultimodalLLM(cfg, tokenizer.image_id, tokenizer.gen_id, tokenizer.audio_id)
+        model = MultimodalLLM(cfg, tokenizer.image_id, tokenizer.gen_id, tokenizer.audio_id, tokenizer.video_id)
         batch = _meta_batch(cfg)
     recorder = _Recorder()
     with recorder:

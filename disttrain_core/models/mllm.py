@@ -3,10 +3,11 @@
 
 Sequence layout (built by the data pipeline, see data/samples.py)::
 
-    <bos> text <img>*P text <audio>*Q ... <gen>*G <img>*P text <eos> <pad>...
+    <bos> text <img>*P text <audio>*Q <video>*V ... <gen>*G <img>*P text <eos> <pad>...
 
 Each ``<img>`` run is replaced by the P patch embeddings of one image, each ``<audio>`` run by the Q positions
-of one clip through the audio tower (model.audio_encoder). The
+of one clip through the audio tower (model.audio_encoder), each ``<video>`` run by the P' positions of each
+frame group of one video through the video tower (model.video_encoder; models/video.py). The
 final hidden states at the G ``<gen>`` positions, projected to the
 generator's conditioning width, drive a denoising step on the latents of the
 image that follows them (the last image of the sample). Because attention is
@@ -29,6 +30,7 @@ from .latents import MelLatentEncoder, build_latent_encoder
 from .llama import Documents, Llama
 from .projector import MLPProjector
 from .unet import DiffusionGenerator
+from .video import VideoTower
 from .vit import VisionTransformer
 
 MODULE_NAMES = (
@@ -36,6 +38,8 @@ MODULE_NAMES = (
     "encoder_projector",
     "audio_encoder",
     "audio_projector",
+    "video_encoder",
+    "video_projector",
     "llm",
     "generator_projector",
     "generator",
@@ -54,12 +58,15 @@ def _positions(mask: torch.Tensor, count: int) -> torch.Tensor:
 
 
 class MultimodalLLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, image_token_id: int, gen_token_id: int, audio_token_id: int = -1):
+    def __init__(
+        self, cfg: ModelConfig, image_token_id: int, gen_token_id: int, audio_token_id: int = -1, video_token_id=-1
+    ):
         super().__init__()
         self.cfg = cfg
         self.image_token_id = image_token_id
         self.gen_token_id = gen_token_id
         self.audio_token_id = audio_token_id
+        self.video_token_id = video_token_id
         self.llm = Llama(cfg.llm, cfg.seq_len)
         self.llm.output.chunk = int(cfg.loss_chunk)
         kernel = "varlen" if cfg.document_attention == "auto" else str(cfg.document_attention)
@@ -79,6 +86,10 @@ class MultimodalLLM(nn.Module):
         if cfg.audio_encoder is not None:
             self.audio_encoder = AudioEncoder(cfg.audio_encoder)
             self.audio_projector = MLPProjector(self.audio_encoder.out_dim, cfg.llm.dim, cfg.audio_projector)
+        self.video_encoder = self.video_projector = None
+        if cfg.video_encoder is not None:
+            self.video_encoder = VideoTower(cfg.video_encoder)
+            self.video_projector = MLPProjector(self.video_encoder.out_dim, cfg.llm.dim, cfg.video_projector)
         if cfg.encoder is not None:
             self.encoder = VisionTransformer(cfg.encoder)
             self.encoder_projector = MLPProjector(self.encoder.out_dim, cfg.llm.dim, cfg.encoder_projector)
@@ -102,11 +113,20 @@ class MultimodalLLM(nn.Module):
         """Log-mel features [N, n_mels, frames] -> embeddings in the LLM's width [N, frames / 2, D]."""
         return self.audio_projector(self.audio_encoder(mels))
 
+    def encode_video(self, groups: torch.Tensor) -> torch.Tensor:
+        """uint8 frame groups [G, k, 3, H, W] -> embeddings in the LLM's width [G, P, D]."""
+        return self.video_projector(self.video_encoder(groups))
+
     def embed_tokens(
-        self, tokens: torch.Tensor, image_embeds: torch.Tensor | None, audio_embeds: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        image_embeds: torch.Tensor | None,
+        audio_embeds: torch.Tensor | None = None,
+        video_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.llm.embed(tokens)
-        for embeds, token_id in ((image_embeds, self.image_token_id), (audio_embeds, self.audio_token_id)):
+        placed = ((image_embeds, self.image_token_id), (audio_embeds, self.audio_token_id))
+        for embeds, token_id in (*placed, (video_embeds, self.video_token_id)):
             if embeds is not None:
                 # The slots, in sequence order; their count is known from the shapes (images x patches, clips x
                 # positions), so the copy has a fixed shape and never reads a value back to the host.
@@ -118,6 +138,10 @@ class MultimodalLLM(nn.Module):
     def audio_embeddings(self, batch: Batch) -> torch.Tensor | None:
         """The batch's clips through the audio tower (None without one)."""
         return self.encode_audio(batch.audio) if self.audio_encoder is not None else None
+
+    def video_embeddings(self, batch: Batch) -> torch.Tensor | None:
+        """The batch's frame groups through the video tower (None without one)."""
+        return self.encode_video(batch.video) if self.video_encoder is not None else None
 
     def lm_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed next-token loss of the normed final states (the head's logits in chunks of model.loss_chunk
@@ -155,7 +179,7 @@ class MultimodalLLM(nn.Module):
     # output_losses (last stage). The whole model is the three in a row.
     def input_embeddings(self, batch: Batch) -> torch.Tensor:
         image_embeds = self.encode_images(batch.images) if self.encoder is not None else None
-        return self.embed_tokens(batch.tokens, image_embeds, self.audio_embeddings(batch))
+        return self.embed_tokens(batch.tokens, image_embeds, self.audio_embeddings(batch), self.video_embeddings(batch))
 
     def output_losses(self, hidden: torch.Tensor, batch: Batch) -> dict[str, torch.Tensor]:
         hidden = self.llm.final_norm(hidden)

@@ -6,7 +6,7 @@ the LLM's first stage; the LLM's last stage feeds every generator unit).
 
 Rows are samples (LLM hidden states, generation queries), images (inside the
 image encoder), or embedding tokens (an encoder unit's output: ``per_item`` rows per
-image or clip). Sender replica ``a`` of unit A and receiver replica ``b`` of unit B
+image, clip or video frame group). Sender replica ``a`` of unit A and receiver replica ``b`` of unit B
 exchange the rows of the samples both own: the intersection of their contiguous
 blocks (see units.py), so each sample's embeddings go straight to the replica that
 needs them and their gradients come straight back -- point to point, no gather
@@ -43,7 +43,7 @@ class Piece:
 @dataclass(frozen=True)
 class RowKind:
     """How a tensor's rows map to samples: one per sample (``counts`` None), or ``per_item`` rows per item of a
-    per-sample count (``image``, ``clip``)."""
+    per-sample count (``image``, ``clip``, ``group``: a video's frame group)."""
 
     counts: str | None = None
     per_item: int = 1
@@ -77,11 +77,15 @@ class CommBroker:
         self.counts: dict[str, list[list[int]]] = {}  # kind -> per microbatch, per sample of the global one
         self._memo: dict[tuple, tuple[Piece, ...]] = {}  # _pieces' answers: a schedule asks each many times
 
-    def set_counts(self, image_counts: list[list[int]], clip_counts: list[list[int]] | None = None) -> None:
-        """Per microbatch, each sample's images and clips (clips default to none)."""
-        if clip_counts is None:
-            clip_counts = [[0] * len(counts) for counts in image_counts]
-        self.counts = {"image": image_counts, "clip": clip_counts}
+    def set_counts(
+        self,
+        image_counts: list[list[int]],
+        clip_counts: list[list[int]] | None = None,
+        group_counts: list[list[int]] | None = None,
+    ) -> None:
+        """Per microbatch, each sample's images, clips and video frame groups (clips and groups default to none)."""
+        none = [[0] * len(counts) for counts in image_counts]
+        self.counts = {"image": image_counts, "clip": clip_counts or none, "group": group_counts or none}
         self._memo.clear()
 
     def ranks_of_row(self, row: int) -> list[int]:

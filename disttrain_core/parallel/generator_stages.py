@@ -89,8 +89,16 @@ class GeneratorStage(nn.Module):
         self.in_shapes = None if self.is_first else boundary_shapes(unet, cfg, runs[index].start)
         self.out_shapes = None if self.is_last else boundary_shapes(unet, cfg, runs[index].stop)
         self._drop_others(model, set(self.segments))
-        others = ("audio_generator_projector", "audio_generator", "audio_latent_encoder")
-        for name in ("encoder", "encoder_projector", "audio_encoder", "audio_projector", "llm", *others):
+        others = ("video_projector", "audio_generator_projector", "audio_generator", "audio_latent_encoder")
+        for name in (
+            "encoder",
+            "encoder_projector",
+            "audio_encoder",
+            "audio_projector",
+            "video_encoder",
+            "llm",
+            *others,
+        ):
             setattr(model, name, None)
         self.model = model
 

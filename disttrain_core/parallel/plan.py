@@ -22,7 +22,7 @@ import math
 from dataclasses import replace
 
 from ..config import Config
-from .units import UnitLayout, branch_groups, build_layout, with_audio_modules
+from .units import SIDE_UNITS, UnitLayout, branch_groups, build_layout, with_audio_modules
 
 MODES = ("ddp", "megatron", "manual", "auto", "hotspa", "local_sgd")
 
@@ -64,8 +64,9 @@ def units_of(cfg: Config) -> UnitLayout:
     ``resolve_run``; ``auto`` has none until the planner chose one. The audio tower and generator join the LLM
     unit."""
     layout, m = _units_of(cfg), cfg.model
-    tower, generator = m.audio_encoder is not None, m.audio_generator is not None
-    return with_audio_modules(layout, tower, generator) if tower or generator else layout
+    towers = tuple(name for name in ("audio_encoder", "video_encoder") if getattr(m, name) is not None)
+    generator = m.audio_generator is not None
+    return with_audio_modules(layout, towers, generator) if towers or generator else layout
 
 
 def separate_audio_units(cfg: Config) -> tuple[str, ...]:
@@ -74,11 +75,7 @@ def separate_audio_units(cfg: Config) -> tuple[str, ...]:
     if cfg.parallel.mode != "manual":
         return ()
     units, model = cfg.parallel.units, cfg.model
-    return tuple(
-        name
-        for name in ("audio_encoder", "audio_generator")
-        if getattr(model, name) is not None and not getattr(units, name).colocate
-    )
+    return tuple(name for name in SIDE_UNITS if getattr(model, name) is not None and not getattr(units, name).colocate)
 
 
 def _units_of(cfg: Config) -> UnitLayout:
@@ -188,7 +185,8 @@ def build_pipeline(cfg: Config, layout: UnitLayout, microbatches: int):
 
 
 def tokens_per_item(cfg: Config) -> dict[str, int]:
-    """Embedding rows per image and per clip that an encoder unit's last stage sends the LLM."""
+    """Embedding rows per image, per clip and per video frame group that an encoder unit's last stage sends the
+    LLM."""
     from ..data.audio import audio_tokens
 
     model, out = cfg.model, {}
@@ -196,13 +194,15 @@ def tokens_per_item(cfg: Config) -> dict[str, int]:
         out["encoder"] = (model.encoder.image_size // model.encoder.patch_size) ** 2
     if model.audio_encoder is not None:
         out["audio_encoder"] = audio_tokens(model.audio_encoder)
+    if model.video_encoder is not None:
+        out["video_encoder"] = (model.video_encoder.image_size // model.video_encoder.patch_size) ** 2
     return out
 
 
 def _row_kind(unit, pp: int, per_item: dict[str, int]):
     from .broker import SAMPLE_ROWS, RowKind
 
-    counts = {"encoder": "image", "audio_encoder": "clip"}.get(unit.name)
+    counts = {"encoder": "image", "audio_encoder": "clip", "video_encoder": "group"}.get(unit.name)
     if counts is None:
         return SAMPLE_ROWS
     return RowKind(counts, per_item.get(unit.name, 1) if pp == unit.pp - 1 else 1)
@@ -231,8 +231,8 @@ def pipeline_broker(layout: UnitLayout, schedule, samples_per_microbatch: int, p
         sections = after if len(after) > 1 and len(stage_places[s]) == 1 else stage_places[s]
         row_kinds.append([_row_kind(unit, pp, per_item or {}) for unit, pp in sections])
     broker = CommBroker(stage_places, row_places, row_kinds, samples_per_microbatch)
-    # Until a step sets the real counts: one image and one clip per sample, so every piece that can ever travel
-    # does.
+    # Until a step sets the real counts: one image, clip and frame group per sample, so every piece that can ever
+    # travel does.
     ones = [[1] * samples_per_microbatch for _ in range(schedule.num_microbatches)]
-    broker.set_counts(ones, ones)
+    broker.set_counts(ones, ones, ones)
     return broker, rows_of_units

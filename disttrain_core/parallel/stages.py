@@ -32,11 +32,17 @@ from ..models import build_model
 from ..models.llama import Documents
 from ..models.mllm import MultimodalLLM
 from ..models.vit import vit_block_count
-from .audio_stages import AUDIO_GENERATION, AUDIO_TARGET_FIELDS, AudioEncoderStage, AudioGeneratorStage
 from .context_parallel import SequenceSlices, scale_gradient
 from .generator_stages import GeneratorStage
+from .side_stages import (
+    AUDIO_GENERATION,
+    AUDIO_TARGET_FIELDS,
+    AudioEncoderStage,
+    AudioGeneratorStage,
+    VideoEncoderStage,
+)
 from .stage_output import GENERATION_FIELDS, StageOutput
-from .units import AUDIO_MODULES
+from .units import AUDIO_MODULES, ENCODER_UNITS, GENERATOR_UNITS, VIDEO_MODULES
 
 
 def split_evenly(count: int, parts: int, what: str) -> list[range]:
@@ -109,7 +115,8 @@ class EncoderStage(nn.Module):
         if not self.is_last:
             _drop(vit, ("norm_post", "proj"))
             model.encoder_projector = None
-        _drop(model, ("llm", "generator_projector", "generator", "latent_encoder", *AUDIO_MODULES, *AUDIO_GENERATION))
+        _drop(model, ("llm", "generator_projector", "generator", "latent_encoder", *AUDIO_MODULES, *VIDEO_MODULES))
+        _drop(model, AUDIO_GENERATION)
         self.model = model
         self.vit_row = (vit.tokens_per_image, vit.cfg.dim)
         self.splittable_backward = not self.is_first
@@ -154,6 +161,8 @@ class LlmStage(nn.Module):
             _drop(model, ("encoder", "encoder_projector"))
         if not (self.is_first and "audio_encoder" in modules):
             _drop(model, AUDIO_MODULES)
+        if not (self.is_first and "video_encoder" in modules):
+            _drop(model, VIDEO_MODULES)
         if not self.is_last:
             model.llm.norm = model.llm.output = None
         if not (self.is_last and "audio_generator" in modules):
@@ -168,8 +177,8 @@ class LlmStage(nn.Module):
         def separate(names: tuple[str, ...]) -> tuple[str, ...]:
             return tuple(name for name in names if getattr(cfg, name) is not None and name not in modules)
 
-        self.inbound_units = separate(("encoder", "audio_encoder")) if self.is_first else ()
-        self.outbound_units = separate(("generator", "audio_generator")) if self.is_last else ()
+        self.inbound_units = separate(ENCODER_UNITS) if self.is_first else ()
+        self.outbound_units = separate(GENERATOR_UNITS) if self.is_last else ()
         self.inbound_sections = len(self.inbound_units) if self.inbound_units else None  # the executor splits
         self.sends_queries = bool(self.outbound_units)
         generates = model.generator is not None or model.audio_generator is not None
@@ -180,6 +189,8 @@ class LlmStage(nn.Module):
         )
         if model.audio_encoder is not None:
             self.batch_fields += ("audio_counts", "audio")
+        if model.video_encoder is not None:
+            self.batch_fields += ("video_counts", "video")
         if model.audio_generator is not None:
             self.batch_fields += ("tokens", *AUDIO_TARGET_FIELDS)
 
@@ -195,7 +206,8 @@ class LlmStage(nn.Module):
                 received[name] = part.unsqueeze(0)  # embed_tokens fills the slots in order from any [n, P, D]
             image_embeds = m.encode_images(batch.images) if m.encoder is not None else received.get("encoder")
             audio_embeds = m.audio_embeddings(batch) if m.audio_encoder is not None else received.get("audio_encoder")
-            hidden = m.embed_tokens(batch.tokens, image_embeds, audio_embeds)
+            video_embeds = m.video_embeddings(batch) if m.video_encoder is not None else received.get("video_encoder")
+            hidden = m.embed_tokens(batch.tokens, image_embeds, audio_embeds, video_embeds)
             if cp is not None:
                 hidden = cp.slice(hidden)
         else:
@@ -279,6 +291,8 @@ def build_unit_stage(
         return AudioEncoderStage(model, index, count)
     if unit_name == "audio_generator":
         return AudioGeneratorStage(model, index, count)
+    if unit_name == "video_encoder":
+        return VideoEncoderStage(model, index, count)
     return LlmStage(model, index, count, modules, context, split)
 
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 
 ENCODER_MODULES = ("encoder", "encoder_projector")
 AUDIO_MODULES = ("audio_encoder", "audio_projector")
+VIDEO_MODULES = ("video_encoder", "video_projector")
 AUDIO_GENERATOR_MODULES = ("audio_generator_projector", "audio_generator")
 LLM_MODULES = ("llm",)
 GENERATOR_MODULES = ("generator_projector", "generator")
@@ -45,11 +46,14 @@ GENERATOR_MODULES = ("generator_projector", "generator")
 UNIT_MODULES = {
     "encoder": ENCODER_MODULES,
     "audio_encoder": AUDIO_MODULES,
+    "video_encoder": VIDEO_MODULES,
     "llm": LLM_MODULES,
     "generator": GENERATOR_MODULES,
     "audio_generator": AUDIO_GENERATOR_MODULES,
 }
-ENCODER_UNITS = ("encoder", "audio_encoder")
+ENCODER_UNITS = ("encoder", "audio_encoder", "video_encoder")
+# The units of the modules beside the image encoder and generator: colocated with the LLM unit unless told not to.
+SIDE_UNITS = ("audio_encoder", "video_encoder", "audio_generator")
 GENERATOR_UNITS = ("generator", "audio_generator")
 UNIT_NAMES = tuple(UNIT_MODULES)
 
@@ -230,7 +234,7 @@ def build_layout(
             llm_modules += list(GENERATOR_MODULES)
         else:
             after.append("generator")
-    before += [name for name in ("audio_encoder",) if name in audio]
+    before += [name for name in ("audio_encoder", "video_encoder") if name in audio]
     after += [name for name in ("audio_generator",) if name in audio]
     plan = [(name, UNIT_MODULES[name]) for name in before]
     plan += [("llm", tuple(llm_modules))] + [(name, UNIT_MODULES[name]) for name in after]
@@ -259,17 +263,18 @@ def build_layout(
     return UnitLayout(tuple(units))
 
 
-def with_audio_modules(layout: UnitLayout, tower: bool, generator: bool) -> UnitLayout:
-    """The layout with the audio tower (model.audio_encoder and its projector) and the audio generator (with its
-    projector) in the LLM unit, where they have no unit of their own: its first pipeline stage runs the tower on
-    the clips of the samples it embeds, its last the generator on the generation queries it computes."""
-    tower = tower and not layout.has_unit("audio_encoder")
+def with_audio_modules(layout: UnitLayout, towers: tuple[str, ...], generator: bool) -> UnitLayout:
+    """The layout with the audio and video towers (``towers``: model.audio_encoder, model.video_encoder, each with
+    its projector) and the audio generator (with its projector) in the LLM unit, where they have no unit of their
+    own: its first pipeline stage runs the towers on the clips and frames of the samples it embeds, its last the
+    generator on the generation queries it computes."""
+    towers = tuple(name for name in towers if not layout.has_unit(name))
     generator = generator and not layout.has_unit("audio_generator")
     units = []
     for unit in layout.units:
         if unit.name == "llm":
             at = unit.modules.index("llm")
-            before = AUDIO_MODULES if tower else ()
+            before = tuple(module for name in towers for module in UNIT_MODULES[name])
             after = AUDIO_GENERATOR_MODULES if generator else ()
             unit = replace(unit, modules=(*unit.modules[:at], *before, *unit.modules[at:], *after))
         units.append(unit)

@@ -60,8 +60,18 @@ def settings_split(split) -> tuple[int, ...] | str | None:
     return tuple(int(count) for count in split)
 
 
+def refuse_video_tower(cfg) -> None:
+    """The planner does not model a video tower (model.video_encoder) yet: PlanningError, one line."""
+    if getattr(cfg.model, "video_encoder", None) is not None:
+        raise PlanningError(
+            f"model.video_encoder (model.name={cfg.model.name}): the planner does not model a video tower yet; give "
+            "a manual layout (parallel=disagg6_video, or parallel=dp) instead of planning one"
+        )
+
+
 def build_layout_model(cfg, devices: int | None = None, progress=print) -> LayoutModel:
     """The planner's cost model for ``cfg`` (profiling this machine when the cost source says so)."""
+    refuse_video_tower(cfg)
     devices = devices or planned_devices(cfg)
     work = workload_of(cfg.model)
     precision = planned_precision(cfg)

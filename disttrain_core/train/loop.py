@@ -242,7 +242,7 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         images, clips = sum(r.images for r in window), sum(r.clips for r in window)
         m = self.cfg.model
         gens = (sequences if m.generator else 0, clips, sequences if m.audio_generator else 0)  # every row runs them
-        flops = batch_flops(m, sequences, images, *gens)
+        flops = batch_flops(m, sequences, images, *gens, video_groups=sum(r.groups for r in window))
         if self.packing:  # documents, not padded rows: attention inside each document (models/flops.py)
             flops, self._packed_flops = self._packed_flops, 0.0
         metrics = {

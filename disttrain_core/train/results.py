@@ -35,6 +35,7 @@ class StepValues:
     sequences: int
     images: int
     clips: int  # audio clips
+    groups: int  # video frame groups
     loss_tokens: int
     data_wait_s: float
     step_time_s: float
@@ -59,7 +60,9 @@ def read_results(results: list[StepResult], weight: float) -> list[StepValues]:
         ]
     ).tolist()
     values = []
-    for r, (lm_sum, gen_sum, grad_norm, tokens, gen, sequences, images, clips) in zip(results, rows, strict=True):
+    for r, (lm_sum, gen_sum, grad_norm, tokens, gen, sequences, images, clips, groups) in zip(
+        results, rows, strict=True
+    ):
         lm_loss, gen_loss = lm_sum / max(tokens, 1.0), gen_sum / max(gen, 1.0)
         values.append(
             StepValues(
@@ -71,6 +74,7 @@ def read_results(results: list[StepResult], weight: float) -> list[StepValues]:
                 sequences=int(sequences),
                 images=int(images),
                 clips=int(clips),
+                groups=int(groups),
                 loss_tokens=int(tokens),
                 data_wait_s=r.data_wait_s,
                 step_time_s=DeviceClock.elapsed(r.started, r.ended),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..data.batch import Batch
+from ..data.batch import ITEM_COUNTS, Batch
 from .engine import GlobalCounts, to_device
 
 
@@ -13,7 +13,8 @@ class StepData:
     """Mixed into the Trainer (train/loop.py), whose attributes it reads."""
 
     def _global_counts(self, microbatches: list[Batch], trace=None) -> GlobalCounts:
-        """The loss normalizers of this step: the tokens, generation samples, sequences, images and clips of the samples
+        """The loss normalizers of this step: the tokens, generation samples, sequences, images, clips and frame
+        groups of the samples
         the loss is normalized over -- the global batch, or (local SGD after its warm-up) one worker's share."""
         step = self.step + 1
         group = None
@@ -39,6 +40,7 @@ class StepData:
                     sum(mb.size for mb in microbatches),
                     sum(int(mb.images.shape[0]) for mb in microbatches),
                     sum(int(mb.audio.shape[0]) for mb in microbatches),
+                    sum(int(mb.video.shape[0]) for mb in microbatches),
                 ],
                 dtype=torch.float64,
             ),
@@ -58,16 +60,15 @@ class StepData:
         summary = self._summary()
         if summary is not None:  # the producer sent this block only
             if self.broker is not None:
-                self.broker.set_counts(summary.image_counts.tolist(), summary.clip_counts.tolist())
+                counts = (summary.image_counts, summary.clip_counts, summary.group_counts)
+                self.broker.set_counts(*(c.tolist() for c in counts))
             return microbatches
         if not self.global_stream:
             return microbatches
         if self.packing and self.cfg.parallel.mode == "hotspa":  # HotSPa splits the buckets per strategy
             return microbatches
         if self.broker is not None:
-            self.broker.set_counts(
-                [mb.image_counts.tolist() for mb in microbatches], [mb.audio_counts.tolist() for mb in microbatches]
-            )
+            self.broker.set_counts(*([getattr(mb, name).tolist() for mb in microbatches] for name in ITEM_COUNTS))
         return self._replica_share(microbatches, self.dp_rank)
 
     def _replica_share(self, microbatches: list[Batch], replica: int) -> list[Batch]:

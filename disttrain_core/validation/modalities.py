@@ -13,6 +13,7 @@ def validate_audio(cfg: Config) -> None:
     m, audio = cfg.model, cfg.model.audio_encoder
     validate_audio_generator(cfg)
     validate_audio_units(cfg)
+    validate_video(cfg)
     if audio is None:
         return
     _require(
@@ -41,6 +42,45 @@ def validate_audio(cfg: Config) -> None:
         cfg.parallel.mode != "hotspa",
         "parallel.mode=hotspa does not run an audio tower (its strategies cut the LLM into buckets of packed text); "
         "use parallel=dp or a manual layout such as parallel=disagg4_tp2, where the LLM unit's first stage runs it",
+    )
+
+
+def validate_video(cfg: Config) -> None:
+    """model.video_encoder's shape, and the layouts it trains in: every layout but HotSPa's, in the LLM unit's
+    first stage or a unit of its own (parallel.units.video_encoder); the planner does not place it yet."""
+    m, video = cfg.model, cfg.model.video_encoder
+    if video is None:
+        return
+    _require(
+        m.family == "mllm" and m.encoder is not None,
+        f"model.video_encoder (model.name={m.name}) sits beside the image encoder, which this model lacks; add "
+        "model/encoder=vit_tiny (or model=any2any_video_tiny), or drop it with ~model/video_encoder",
+    )
+    _require(
+        video.dim % video.n_heads == 0 and video.image_size % video.patch_size == 0,
+        f"model.video_encoder: dim={video.dim} must be divisible by n_heads={video.n_heads} and image_size="
+        f"{video.image_size} by patch_size={video.patch_size}",
+    )
+    _require(
+        video.temporal_merge >= 1 and video.feature_layer is None,
+        f"model.video_encoder.temporal_merge={video.temporal_merge} feature_layer={video.feature_layer}: merge 1 or "
+        "more frames per group (2: pairs) and run every block (feature_layer=null)",
+    )
+    tokens, gen = (video.image_size // video.patch_size) ** 2, m.gen_tokens if m.generator is not None else 0
+    _require(
+        m.seq_len >= tokens + gen + 3,
+        f"model.seq_len={m.seq_len} cannot hold one video frame group ({tokens} <video> positions) plus {gen} "
+        "generation tokens; raise model.seq_len or lower model.video_encoder.image_size",
+    )
+    _require(
+        cfg.parallel.pp_split != "auto",
+        "parallel.pp_split=auto balances stages with the planner's costs, which do not model a video tower yet; give "
+        "the LLM's blocks per stage (e.g. parallel.pp_split=[2,2]) or leave it null (even)",
+    )
+    _require(
+        cfg.parallel.mode not in ("hotspa", "auto"),
+        f"parallel.mode={cfg.parallel.mode} does not place a video tower (HotSPa cuts the LLM into buckets of packed "
+        "text; the planner does not model one yet); use parallel=dp or a manual layout such as parallel=disagg6_video",
     )
 
 
@@ -89,7 +129,7 @@ def validate_synthetic_modalities(cfg: Config) -> None:
         )
     if synthetic.video_fraction > 0:
         _require(
-            m.encoder is not None,
+            m.encoder is not None or m.video_encoder is not None,
             f"data.synthetic.video_fraction={synthetic.video_fraction} draws videos, but model {m.name} has no "
             "image encoder to read their frames; pick a multimodal model (model=mllm_tiny) or set "
             "data.synthetic.video_fraction=0",
@@ -97,11 +137,12 @@ def validate_synthetic_modalities(cfg: Config) -> None:
 
 
 def validate_audio_units(cfg: Config) -> None:
-    """``parallel.units.audio_encoder`` / ``audio_generator`` with ``colocate=false``: units of their own beside the
-    image encoder / generator unit (parallel/units.py), one pipeline stage each, in manual layouts of a model with
-    the module."""
+    """``parallel.units.audio_encoder`` / ``video_encoder`` / ``audio_generator`` with ``colocate=false``: units of
+    their own beside the image encoder / generator unit (parallel/units.py), one pipeline stage each, in manual
+    layouts of a model with the module."""
     p, m = cfg.parallel, cfg.model
-    for name, partner in (("audio_encoder", "encoder"), ("audio_generator", "generator")):
+    example = {"audio_encoder": "any2any_tiny", "video_encoder": "any2any_video_tiny"}
+    for name, partner in (("audio_encoder", "encoder"), ("video_encoder", "encoder"), ("audio_generator", "generator")):
         unit = getattr(p.units, name)
         if unit.colocate:
             continue
@@ -113,8 +154,8 @@ def validate_audio_units(cfg: Config) -> None:
         )
         _require(
             getattr(m, name) is not None,
-            f"{where} but model.{name} is null (model.name={m.name}); pick a model with one (model=any2any_tiny) or "
-            "drop the setting",
+            f"{where} but model.{name} is null (model.name={m.name}); pick a model with one "
+            f"(model={example.get(name, 'any2any_tiny')}) or drop the setting",
         )
         _require(
             unit.pp == 1 and unit.vpp == 1,

@@ -1,7 +1,8 @@
 """A model that reads images, video frames and audio clips (model=any2any_tiny) on embedded data with all three:
 disaggregated and tensor-parallel layouts, and a data producer, reproduce one process (fp32, 5 steps, losses and
 final parameters within 1e-4). The audio tower rides on the LLM unit's first stage, TP-split with it, or runs as a
-unit of its own beside the image encoder's (and the audio generator beside the image generator's)."""
+unit of its own beside the image encoder's (and the audio generator beside the image generator's). With a video tower
+(model=any2any_video_tiny) the frames go to it, and the three encoders run as three units side by side."""
 
 from __future__ import annotations
 
@@ -68,3 +69,41 @@ def test_one_process_trains_on_images_video_and_audio(reference):
 )
 def test_layouts_match_one_process(layout, reference, any2any_shards, tmp_path):
     assert_same_run(train(any2any_shards, tmp_path / "run", *MODEL, *layout), reference)
+
+
+VIDEO = ["model=any2any_video_tiny", *MODEL[1:]]
+
+
+@pytest.fixture(scope="module")
+def video_reference(any2any_shards, tmp_path_factory):
+    return train(any2any_shards, tmp_path_factory.mktemp("any2any_video_one") / "one", *VIDEO)
+
+
+def test_one_process_trains_with_a_video_tower(video_reference):
+    metrics = [m for m in read_metrics(video_reference) if "loss" in m]
+    assert len(metrics) == 5 and metrics[-1]["loss"] < metrics[0]["loss"]
+    assert metrics[-1]["data/skipped_samples"] == 0
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # three encoder units side by side (the video tower at dp=2 against the LLM's dp=1), the LLM, two generator
+        # units; a data producer sends each process only what its unit reads, the broker routing each encoder's
+        # embeddings by the step's image, clip and frame-group counts
+        pytest.param(
+            [
+                "parallel=disagg6_video",
+                "parallel.units.video_encoder.dp=2",
+                "trainer.devices=7",
+                "data.producer.workers=1",
+                "data.producer.per_rank=true",
+            ],
+            id="three_encoder_units",
+        ),
+        # the video tower in the LLM unit's first stage, tensor-parallel with it (tp=2)
+        pytest.param(["parallel=disagg4_tp2"], id="colocated_tp2"),
+    ],
+)
+def test_video_tower_layouts_match_one_process(layout, video_reference, any2any_shards, tmp_path):
+    assert_same_run(train(any2any_shards, tmp_path / "run", *VIDEO, *layout), video_reference)

@@ -400,16 +400,22 @@ def test_the_trainers_sample_costs_cross_the_hello_and_weigh_samples():
     from disttrain_core.data.producer_assembly import sample_costs
     from disttrain_core.data.producer_protocol import ProtocolError
 
-    layout = replace(LAYOUT, costs=(3.0, 2.0, 1.0, 5.0))
-    assert Layout.from_dict(layout.to_dict()).costs == (3.0, 2.0, 1.0, 5.0)
-    for bad in (None, [1.0, 2.0, 3.0], [1.0, float("nan"), 1.0, 1.0], [1.0, -1.0, 1.0, 1.0], ["1", 1.0, 1.0, 1.0]):
+    layout = replace(LAYOUT, costs=(3.0, 2.0, 1.0, 5.0, 7.0))
+    assert Layout.from_dict(layout.to_dict()).costs == (3.0, 2.0, 1.0, 5.0, 7.0)
+    for bad in (
+        None,
+        [1.0, 2.0, 3.0, 4.0],
+        [1.0, float("nan"), 1.0, 1.0, 1.0],
+        [1.0, -1.0, 1, 1, 1],
+        ["1", 1, 1, 1, 1],
+    ):
         with pytest.raises(ProtocolError, match="costs"):
             Layout.from_dict({**layout.to_dict(), "costs": bad})
     samples = [
-        SimpleNamespace(images=[0, 0], gen_weight=1.0, audio=[]),
-        SimpleNamespace(images=[], gen_weight=0.0, audio=[b"clip"]),  # per image, row, target and clip
+        SimpleNamespace(images=[0, 0], gen_weight=1.0, audio=[], video=[]),
+        SimpleNamespace(images=[], gen_weight=0.0, audio=[b"clip"], video=[(), ()]),  # per image/row/target/clip/group
     ]
-    assert sample_costs(layout.costs, samples) == [2 * 3.0 + 2.0 + 1.0, 2.0 + 5.0]
+    assert sample_costs(layout.costs, samples) == [2 * 3.0 + 2.0 + 1.0, 2.0 + 5.0 + 2 * 7.0]
 
 
 def test_validation_with_a_producer_equals_validation_without(shards, val_shards, tmp_path):

@@ -34,6 +34,7 @@ def counts(slots) -> list[float]:
         float(sum(s.size for s in slots)),
         float(sum(int(s.images.shape[0]) for s in slots)),
         float(sum(int(s.audio.shape[0]) for s in slots)),
+        float(sum(int(s.video.shape[0]) for s in slots)),
     ]
 
 

@@ -95,6 +95,13 @@ ELSEWHERE = {
     "python train.py model=any2any_tiny data=synthetic_any2any parallel=disagg5_audio": (
         "tests/distributed/test_any2any.py::test_layouts_match_one_process[audio_units]"
     ),
+    "python train.py model=any2any_video_tiny data=synthetic_any2any": (
+        "tests/distributed/test_any2any.py::test_one_process_trains_with_a_video_tower"
+    ),
+    # the test runs it at 7 processes (the video tower at dp=2) fed by a data producer, against one process
+    "python train.py model=any2any_video_tiny data=synthetic_any2any parallel=disagg6_video": (
+        "tests/distributed/test_any2any.py::test_video_tower_layouts_match_one_process[three_encoder_units]"
+    ),
     # the vocabulary size 476 is the embedded data's; the test reads the size its tokenizer reports
     "python tools/train_tokenizer.py out=data/tokenizer": (
         "tests/unit/test_tokenizer.py::test_the_tool_writes_a_tokenizer_the_trainer_reads"

@@ -52,6 +52,8 @@ TRAINED_ELSEWHERE = {
 TRAINED_BY_TEST = {
     ("data", "tokens"): "tests/distributed/test_token_file_training.py",  # 4 steps, 1 and 2 processes
     ("parallel", "disagg5_audio"): "tests/distributed/test_any2any.py",  # 5 steps against one process
+    ("parallel", "disagg6_video"): "tests/distributed/test_any2any.py",  # 5 steps against one process
+    ("model", "any2any_video_tiny"): "tests/distributed/test_any2any.py",  # the one process those match
 }
 TRAINED_ELSEWHERE |= set(TRAINED_BY_TEST)
 # Run as typed (reduced alike) by tests/recipes/test_cookbook.py: the README's commands.

@@ -46,7 +46,8 @@ def batch(rows: int = 8) -> Batch:
 def test_a_hello_names_a_block_inside_the_slot_and_known_fields():
     assert parse_hello(hello())[4] is None
     want = parse_hello(hello(block=[1, 3], fields=["labels"]))[4]
-    assert want == Want(range(1, 3), ("labels", "image_counts", "audio_counts")) == Want.of(range(1, 3), ("labels",))
+    counts = ("image_counts", "audio_counts", "video_counts")
+    assert want == Want(range(1, 3), ("labels", *counts)) == Want.of(range(1, 3), ("labels",))
     assert parse_hello(hello(block=[0, 4]))[4].fields == FIELDS
     for bad, match in [
         ({"block": [2, 2]}, r"bad block in HELLO: \[2, 2\] \(slots of 4 samples\)"),
@@ -68,7 +69,7 @@ def test_a_share_round_trips_and_its_summary_counts_the_whole_step():
     assert torch.equal(slots[1].tokens, whole.tokens[5:7]) and torch.equal(slots[0].image_counts, torch.tensor([0, 2]))
     assert slots[0].images.shape == (2, 3, 2, 2) and not slots[0].images.any()  # not wanted: zeros, right shape
     assert not slots[0].labels.any() and slots[0].labels.shape == (2, 6)
-    assert summary.totals() == [float((whole.labels != -100).sum()), 4.0, 8.0, 5.0, 0.0]  # ..., no audio clips
+    assert summary.totals() == [float((whole.labels != -100).sum()), 4.0, 8.0, 5.0, 0.0, 0.0]  # no clips, no video
     assert torch.equal(summary.image_counts, whole.image_counts.view(2, 4))
     assert StepSummary.of(whole, 2).image_counts.shape == (2, 4)
 
@@ -98,6 +99,11 @@ def test_a_bad_share_frame_is_a_protocol_error():
     bad = bytearray(payload)  # the per-sample clip counts (the broker routes the audio units' rows by them)
     bad[next(t for t in tables if t["name"] == "summary_clip_counts")["offset"]] = 9
     with pytest.raises(ProtocolError, match="image or clip counts disagree with its totals"):
+        decode_share(meta, bad, 2, 4, want, 1 << 20)
+    bad = bytearray(payload)  # a negative frame-group count (the broker routes the video unit's rows by them)
+    entry = next(t for t in tables if t["name"] == "summary_group_counts")
+    bad[entry["offset"] : entry["offset"] + 4] = (-1).to_bytes(4, "little", signed=True)
+    with pytest.raises(ProtocolError, match="negative frame-group counts"):
         decode_share(meta, bad, 2, 4, want, 1 << 20)
     with pytest.raises(ProtocolError, match="step summary not of 2 slots x 8"):
         decode_share(meta, bytearray(payload), 2, 8, Want.of(range(0, 2), ("tokens",)), 1 << 20)

@@ -1,9 +1,11 @@
-"""The audio units' stages, when the audio tower or the audio generator runs on processes of its own
-(``parallel.units.audio_encoder.colocate=false``, ``parallel.units.audio_generator.colocate=false``).
+"""The stages of the units beside the image encoder and generator, when the audio tower, the video tower or the
+audio generator runs on processes of its own (``parallel.units.{audio_encoder,video_encoder,audio_generator}
+.colocate=false``).
 
 * The audio encoder stage embeds the clips of its replica's samples (log-mel features through the tower and its
   projector) and sends the LLM one row of LLM width per tower position: ``[clips x positions, D]``, the section
   of the LLM first stage's inbound tensor that the broker fills from this unit (parallel/broker.py).
+* The video encoder stage does the same for the frame groups of its replica's samples: ``[groups x patches, D]``.
 * The audio generator stage receives the generation queries of its replica's samples ``[samples, G, D]`` and
   computes the audio denoising loss (the rows' last clips; weight 0 for rows without one).
 
@@ -19,7 +21,7 @@ from torch import nn
 from ..data.batch import Batch
 from ..models.mllm import MultimodalLLM
 from .stage_output import StageOutput
-from .units import AUDIO_GENERATOR_MODULES, AUDIO_MODULES
+from .units import AUDIO_GENERATOR_MODULES, AUDIO_MODULES, VIDEO_MODULES
 
 AUDIO_GENERATION = (*AUDIO_GENERATOR_MODULES, "audio_latent_encoder")
 AUDIO_TARGET_FIELDS = ("gen_audio", "audio_gen_weight", "audio_gen_noise", "audio_gen_timesteps")
@@ -51,6 +53,28 @@ class AudioEncoderStage(nn.Module):
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
         return StageOutput(self.model.encode_audio(batch.audio).flatten(0, 1))
+
+    def inbound_row(self) -> None:
+        return None
+
+    def outbound_row(self) -> tuple[int, ...]:
+        return (self.model.cfg.llm.dim,)
+
+
+class VideoEncoderStage(nn.Module):
+    kind = "video_encoder"
+    splittable_backward = False  # the frames enter the stage directly
+    batch_fields = ("image_counts", "video_counts", "video")
+
+    def __init__(self, model: MultimodalLLM, index: int = 0, count: int = 1):
+        super().__init__()
+        one_stage("video_encoder", index, count)
+        self.is_first = self.is_last = True
+        keep_only(model, VIDEO_MODULES)
+        self.model = model
+
+    def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
+        return StageOutput(self.model.encode_video(batch.video).flatten(0, 1))
 
     def inbound_row(self) -> None:
         return None
