@@ -54,6 +54,7 @@ UNIT_MODULES = {
 ENCODER_UNITS = ("encoder", "audio_encoder", "video_encoder")
 # The units of the modules beside the image encoder and generator: colocated with the LLM unit unless told not to.
 SIDE_UNITS = ("audio_encoder", "video_encoder", "audio_generator")
+SIDE_ENCODERS = ("audio_encoder", "video_encoder")
 GENERATOR_UNITS = ("generator", "audio_generator")
 UNIT_NAMES = tuple(UNIT_MODULES)
 

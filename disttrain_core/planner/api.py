@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .baselines import exhaustive, flops_proportional, megatron
 from .breakdown import RoleMemory, unit_roles
 from .costs import CostModel, Hardware, PlannerSettings, planned_devices, planned_precision
-from .evaluate import COLOCATED, LayoutModel, UnitChoice
+from .evaluate import AUDIO_UNITS, COLOCATED, LayoutModel, UnitChoice
 from .options import CP_MIN_TOKENS, CP_OPTIONS
 from .solver import Orchestrator, Plan, PlanningError
 from .workload import workload_of
@@ -60,18 +60,8 @@ def settings_split(split) -> tuple[int, ...] | str | None:
     return tuple(int(count) for count in split)
 
 
-def refuse_video_tower(cfg) -> None:
-    """The planner does not model a video tower (model.video_encoder) yet: PlanningError, one line."""
-    if getattr(cfg.model, "video_encoder", None) is not None:
-        raise PlanningError(
-            f"model.video_encoder (model.name={cfg.model.name}): the planner does not model a video tower yet; give "
-            "a manual layout (parallel=disagg6_video, or parallel=dp) instead of planning one"
-        )
-
-
 def build_layout_model(cfg, devices: int | None = None, progress=print) -> LayoutModel:
     """The planner's cost model for ``cfg`` (profiling this machine when the cost source says so)."""
-    refuse_video_tower(cfg)
     devices = devices or planned_devices(cfg)
     work = workload_of(cfg.model)
     precision = planned_precision(cfg)
@@ -255,7 +245,7 @@ def choices_of_config(cfg, layout=None) -> tuple[UnitChoice, UnitChoice | None, 
             return COLOCATED
         return UnitChoice(unit.tp, unit.dp, unit.pp)
 
-    audio = {name: side(name) for name in ("audio_encoder", "audio_generator") if cfg.model[name] is not None}
+    audio = {name: side(name) for name in AUDIO_UNITS if cfg.model[name] is not None}
     return llm, side("encoder"), side("generator"), audio
 
 

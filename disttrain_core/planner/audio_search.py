@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .evaluate import COLOCATED, UnitChoice
+from .evaluate import COLOCATED, SIDE_ENCODERS, UnitChoice
 from .options import divisors
 
 
@@ -80,8 +80,9 @@ class AudioSearch:
 
     def audio_terms(self, opt, audio: dict) -> tuple[float, float, float, float, int, float]:
         """What a placement of the audio units adds for an LLM option, each term at its least: (seconds on the
-        LLM's first stage, on its last: the riding modules; the separate audio tower's and audio generator's
-        fastest compute per microbatch; their fewest devices; their least device-seconds per microbatch)."""
+        LLM's first stage, on its last: the riding modules; the separate audio and video towers' (the slower's) and
+        audio generator's fastest compute per microbatch; their fewest devices; their least device-seconds per
+        microbatch)."""
         mdl = self.m
         B = mdl.micro * opt.dp
         x_first = x_last = t_ae = t_ag = K_a = 0.0
@@ -89,10 +90,10 @@ class AudioSearch:
         for name, ch in audio.items():
             if ch.colocated:
                 t = mdl.colocated_time(name, opt.tp, mdl.micro)
-                x_first, x_last = (x_first + t, x_last) if name == "audio_encoder" else (x_first, x_last + t)
+                x_first, x_last = (x_first + t, x_last) if name in SIDE_ENCODERS else (x_first, x_last + t)
                 continue
-            t, work = self.audio_least(name, ch, B)
-            t_ae, t_ag = (t, t_ag) if name == "audio_encoder" else (t_ae, t)
+            t, work = self.audio_least(name, ch, B)  # units side by side: their row takes the slower one's time
+            t_ae, t_ag = (max(t_ae, t), t_ag) if name in SIDE_ENCODERS else (t_ae, max(t_ag, t))
             g_a += ch.gpus
             K_a += work
         return x_first, x_last, t_ae, t_ag, g_a, K_a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 
-from .evaluate import COLOCATED, Evaluation, UnitChoice
+from .evaluate import AUDIO_UNITS, COLOCATED, Evaluation, UnitChoice
 from .solver import Orchestrator, Plan, PlanningError
 
 
@@ -81,7 +81,7 @@ def flops_proportional(solver: Orchestrator) -> Plan | None:
     started = time.perf_counter()
     w, N = solver.w, solver.m.devices
     flops = {name: u.train_flops * u.items_per_sample for name, u in w.units.items()}
-    for rider in ("audio_encoder", "audio_generator"):  # they run in the LLM unit (parallel/units.py)
+    for rider in AUDIO_UNITS:  # they run in the LLM unit (parallel/units.py)
         flops["llm"] += flops.pop(rider, 0.0)
     total = sum(flops.values())
     share = {name: max(1, math.floor(N * f / total)) for name, f in flops.items()}

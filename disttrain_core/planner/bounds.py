@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 
-from .evaluate import UnitChoice
+from .evaluate import SIDE_ENCODERS, UnitChoice
 from .options import LlmOption
 
 
@@ -67,7 +67,7 @@ class SearchBounds:
         mdl = self.m
         m, pl_min, pps, C_l, p2p, tails, audio, (x_ae, x_ag, t_ae, t_ag, g_a, K_a) = context
         N = mdl.devices - g_a  # what the separate audio units leave
-        beside_enc = any(n == "audio_encoder" and not ch.colocated for n, ch in audio.items())
+        beside_enc = any(n in SIDE_ENCODERS and not ch.colocated for n, ch in audio.items())
         beside_gen = any(n == "audio_generator" and not ch.colocated for n, ch in audio.items())
         tp, dp, vpp = opt.tp, opt.dp, opt.vpp
         B = mdl.micro * dp
@@ -146,7 +146,7 @@ class SearchBounds:
         sep_gen = gen is not None and not gen.colocated
         side = dict(mdl.separate(audio, *audio)) if audio else {}
         riders = tuple((name, ch.colocated) for name, ch in sorted(audio.items()))  # what the LLM sees of them
-        beside_enc, beside_gen = "audio_encoder" in side, "audio_generator" in side
+        beside_enc, beside_gen = any(n in SIDE_ENCODERS for n in side), "audio_generator" in side
         bw_free = max(c.hw.intra_bw, c.hw.inter_bw)
         g_gpus = (gen.gpus if sep_gen else 0) + sum(ch.gpus for ch in side.values())
         gen_rows = gen.pp if sep_gen else int(beside_gen)
@@ -190,7 +190,7 @@ class SearchBounds:
             for name, ch in side.items():  # one stage beside the image encoder's / generator's row
                 t = self.audio_fastest_stage(name, ch, B, bw)
                 steady = max(steady, t)
-                if name == "audio_encoder":
+                if name in SIDE_ENCODERS:
                     enc_fill = max(enc_fill, t)
                 else:
                     gen_fill = max(gen_fill, t)

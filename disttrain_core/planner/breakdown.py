@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..parallel.units import SIDE_ENCODERS
 from .memory import FSDP, ModelState
 
 
@@ -85,7 +86,7 @@ def role_memory(
     llm = choices["llm"]
     r = model.group_rows(choices)[0]  # the encoder units' pipeline rows
     logits = 0.0
-    if name in ("encoder", "audio_encoder"):  # the first rows (the audio tower: one stage)
+    if name in ("encoder", *SIDE_ENCODERS):  # the first rows (the audio and video towers: one stage)
         enc = choices[name]
         items = model.items(name, B / enc.dp)
         flight = in_flight(schedule, S, pp, m)
@@ -119,9 +120,10 @@ def role_memory(
         if enc is not None and enc.colocated and first:
             act += c.activation_bytes("encoder", llm.tp, model.images(micro), policy) * flight
             extra.append(("encoder", flight))
-        if model.rides("audio_encoder", choices) and first:
-            act += c.activation_bytes("audio_encoder", llm.tp, model.items("audio_encoder", micro), policy) * flight
-            extra.append(("audio_encoder", flight))
+        for tower in SIDE_ENCODERS:
+            if model.rides(tower, choices) and first:
+                act += c.activation_bytes(tower, llm.tp, model.items(tower, micro), policy) * flight
+                extra.append((tower, flight))
         if model.rides("audio_generator", choices) and last:
             act += c.activation_bytes("audio_generator", llm.tp, micro, policy)
             extra.append(("audio_generator", 1))

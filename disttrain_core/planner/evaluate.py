@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..parallel.units import ENCODER_UNITS, GENERATOR_UNITS, UNIT_NAMES
 from .costs import CostModel
-from .layout_memory import AUDIO_UNITS, AUTO_RECOMPUTE, AUTO_SHARD, LayoutMemory  # noqa: F401  (re-exported)
+from .layout_memory import AUDIO_UNITS, AUTO_RECOMPUTE, AUTO_SHARD, SIDE_ENCODERS, LayoutMemory  # noqa: F401
 from .stage_split import StageCosts, per_rank_times
 
 
@@ -104,9 +104,9 @@ class LayoutModel(LayoutMemory):
         return samples * (enc.items_per_sample if enc else 0.0)
 
     def items(self, unit: str, samples: float) -> float:
-        """What ``unit`` counts its work in for ``samples`` samples: images (encoder), clips (audio tower),
-        samples (LLM rows, generation targets)."""
-        if unit in ("encoder", "audio_encoder"):
+        """What ``unit`` counts its work in for ``samples`` samples: images (encoder), clips (audio tower), frame
+        groups (video tower), samples (LLM rows, generation targets)."""
+        if unit in ("encoder", *SIDE_ENCODERS):
             return samples * self.w.units[unit].items_per_sample
         return samples
 
@@ -274,8 +274,9 @@ class LayoutModel(LayoutMemory):
         generator unit. ``choices``: the layout's (the audio units' placement; without: in the LLM unit)."""
         choices = choices or {}
         first = self.colocated_time("encoder", llm.tp, self.micro, policy) if enc is not None and enc.colocated else 0.0
-        if self.rides("audio_encoder", choices):
-            first += self.audio_time("audio_encoder", llm.tp, self.micro, policy)
+        for name in SIDE_ENCODERS:
+            if self.rides(name, choices):
+                first += self.audio_time(name, llm.tp, self.micro, policy)
         last = 0.0
         if self.rides("audio_generator", choices):
             last += self.audio_time("audio_generator", llm.tp, self.micro, policy)
@@ -319,7 +320,7 @@ class LayoutModel(LayoutMemory):
         llm_tail = self.unit_tail("llm", llm, llm.dp, shards["llm"], m)
         colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp)
         ends = {"first": 0.0, "last": 0.0}  # the modules riding on the LLM's first and last stages
-        for name, end in (("audio_encoder", "first"), ("audio_generator", "last")):
+        for name, end in (("audio_encoder", "first"), ("video_encoder", "first"), ("audio_generator", "last")):
             if self.rides(name, choices):
                 ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m)
         tails = []

@@ -3,11 +3,14 @@ recompute policy and a shard mode, and the cheapest (shard, recompute) pair that
 
 from __future__ import annotations
 
+from ..parallel.units import SIDE_ENCODERS, SIDE_UNITS  # noqa: F401  (SIDE_ENCODERS re-exported)
 from .memory import FSDP
 
 AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full")  # least recomputation first
 AUTO_SHARD = ("zero1", "zero2", "zero3")  # least traffic first
-AUDIO_UNITS = ("audio_encoder", "audio_generator")
+# The units beside the image encoder and generator (the audio tower, the video tower, the audio generator): each rides
+# in the LLM unit's first / last stage or is a unit of its own, one pipeline stage (planner/audio_search.py).
+AUDIO_UNITS = SIDE_UNITS
 
 
 class LayoutMemory:

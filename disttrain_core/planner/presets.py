@@ -30,6 +30,9 @@ class WorkloadPreset:
     skewed: bool = False  # images per sample vary (planner/stragglers.py law_of); False: always the mean
     clips_per_sample: float = 0.0  # audio clips per sample, through the audio tower ``audio_encoder``
     audio_encoder: str = ""  # a conf/model/audio_encoder option
+    video_groups_per_sample: float = 0.0  # frame groups per sample through the video tower ``video_encoder``
+    video_encoder: str = ""  # a conf/model/video_encoder option
+    temporal_merge: int = 1  # frames per group (model.video_encoder.temporal_merge)
 
     def overrides(self) -> list[str]:
         out = [
@@ -40,6 +43,12 @@ class WorkloadPreset:
             out += [
                 f"model/audio_encoder={self.audio_encoder}",
                 f"model.nominal_clips_per_sample={self.clips_per_sample:g}",
+            ]
+        if self.video_groups_per_sample:
+            out += [
+                f"model/video_encoder={self.video_encoder}",
+                f"model.video_encoder.temporal_merge={self.temporal_merge}",
+                f"model.nominal_video_groups_per_sample={self.video_groups_per_sample:g}",
             ]
         out += [f"model.gen_image_size={self.generated_px}"] if self.generated_per_sample else ["model.generator=null"]
         out += [f"model.freeze.{name}=true" for name in self.frozen]
@@ -159,6 +168,24 @@ PRESETS = {
             "stage, where the runtime runs it); one LAION-style image at 224 px beside each",
             clips_per_sample=1.0,
             audio_encoder="whisper_large_v3",
+        ),
+        WorkloadPreset(
+            "video_32f_pooled",
+            1.0,
+            "one image and one 32-frame clip per sample",
+            224,
+            1,
+            0,
+            0,
+            (),
+            "LLaVA-NeXT-Video (Zhang et al. 2024) samples 32 frames per clip; here each frame goes at 224 px "
+            "through a ViT-L/14 video tower of its own, 4 consecutive frames averaged into one group of 256 "
+            "<video> positions (the merge factor is a choice made here; Qwen2-VL merges 2): 8 groups, 2,048 "
+            "positions, so the tower runs 32 frame passes for 8 frames' worth of LLM tokens; one LAION-style "
+            "image at 224 px beside each clip",
+            video_groups_per_sample=8.0,
+            video_encoder="vit_l14_video",
+            temporal_merge=4,
         ),
     )
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from scipy.optimize import brentq, minimize_scalar
 
-from .evaluate import Evaluation, UnitChoice
+from .evaluate import SIDE_ENCODERS, Evaluation, UnitChoice
 from .options import LlmOption
 
 
@@ -115,7 +115,7 @@ class Relaxation:
         sep_enc = enc is not None and not enc.colocated
         llm_pps = self.llm_pp_options(opt.vpp, opt.dp)
         enc_pps = self.enc_pp_options() if sep_enc else [1]
-        if any(name == "audio_encoder" for name, _ in side):  # beside the audio tower: one stage
+        if any(name in SIDE_ENCODERS for name, _ in side):  # beside the audio or video tower: one stage
             enc_pps = [1]
 
         def around(options: list[int], value: float) -> set[int]:

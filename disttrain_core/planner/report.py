@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..parallel.units import UNIT_NAMES
+from ..parallel.units import SIDE_UNITS, UNIT_NAMES
 from .api import PlanResult
 from .evaluate import Evaluation, LayoutModel
 from .solver import Plan
 
 UNITS = UNIT_NAMES  # in data-flow order (parallel/units.py)
-SHORT = {"audio_encoder": "audio", "audio_generator": "audio gen"}  # the table's unit column
+SHORT = {"audio_encoder": "audio", "video_encoder": "video", "audio_generator": "audio gen"}  # the unit column
 
 
 def model_flops_per_iteration(model: LayoutModel) -> float:
@@ -126,11 +126,10 @@ def plan_table(result: PlanResult) -> str:
             f"{row['pp']:4d} {row['vpp']:4d} {row.get('shard', 'zero1'):>6s} {row.get('recompute', 'none'):>13s} "
             f"{mem:>14s}"
         )
-        riding = [n for n in ("audio_encoder", "audio_generator") if n in result.model.w.units and n not in d["units"]]
-        if name == "llm" and "audio_encoder" in riding:
-            lines.append(f"{'audio':10s} {'in the LLM unit (its first stage, its tp)':>40s}")
-        if name == "llm" and "audio_generator" in riding:
-            lines.append(f"{'audio gen':10s} {'in the LLM unit (its last stage, its tp)':>40s}")
+        riding = [n for n in SIDE_UNITS if n in result.model.w.units and n not in d["units"]] if name == "llm" else []
+        for rider in riding:
+            where = "last" if rider == "audio_generator" else "first"
+            lines.append(f"{SHORT[rider]:10s} {f'in the LLM unit (its {where} stage, its tp)':>40s}")
     lines += [
         "",
         f"schedule {d['schedule']}, {d['pipeline_stages']} pipeline stages, {d['microbatches']} microbatches; "

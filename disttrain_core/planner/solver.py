@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from .audio_search import AudioSearch
 from .bounds import SearchBounds
 from .costs import PlanningError
-from .evaluate import AUDIO_UNITS, COLOCATED, Evaluation, LayoutModel, UnitChoice
+from .evaluate import AUDIO_UNITS, COLOCATED, SIDE_ENCODERS, Evaluation, LayoutModel, UnitChoice
 from .infeasible import no_layout_reason
 from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption, cp_candidates, divisors, ep_candidates
 from .relaxation import Relaxation
@@ -96,8 +96,8 @@ class Orchestrator(SearchBounds, Relaxation, AudioSearch):
 
     # ------------------------------------------------------------------ enumeration
     def tp_ok(self, unit: str, tp: int) -> bool:
-        """Can ``unit`` run at ``tp``? The LLM's TP group also splits the audio tower it holds."""
-        riders = ("audio_encoder",) if unit == "llm" and "audio_encoder" in self.w.units else ()
+        """Can ``unit`` run at ``tp``? The LLM's TP group also splits the audio and video towers it holds."""
+        riders = tuple(n for n in SIDE_ENCODERS if n in self.w.units) if unit == "llm" else ()
         return all(self.w.units[name].tp_allowed(tp) for name in (unit, *riders))
 
     def llm_pp_options(self, vpp: int, dp: int = 1) -> list[int]:

@@ -102,6 +102,8 @@ def _build(cfg: ModelConfig) -> Workload:
         units["generator"] = _generator_work(cfg, model, flops)
     if cfg.audio_encoder is not None:
         units["audio_encoder"] = _audio_work(cfg, model, flops)
+    if cfg.video_encoder is not None:
+        units["video_encoder"] = _video_work(cfg, model, flops)
     if cfg.audio_generator is not None:
         units["audio_generator"] = _generator_work(cfg, model, flops, "audio_generator")
     return Workload(cfg.name, cfg.seq_len, cfg.llm.vocab_size, cfg.llm.dim, units, int(cfg.loss_chunk))
@@ -195,6 +197,32 @@ def _audio_work(cfg: ModelConfig, model, flops) -> UnitWork:
     )
 
 
+def _video_work(cfg: ModelConfig, model, flops) -> UnitWork:
+    """The video tower's UnitWork (its projector included), per frame group: temporal_merge frames through the
+    ViT (their tokens are the activations and TP traffic), one group of patch embeddings to the LLM."""
+    freeze, video = cfg.freeze, cfg.video_encoder
+    tower, proj = model.video_encoder, model.video_projector
+    blocks = _count(tower.blocks)
+    proj_flops = flops["video_projector"].train
+    return UnitWork(
+        name="video_encoder",
+        train_flops=flops["video_encoder"].train + proj_flops,
+        flops_not_tp=proj_flops,
+        params_tp=blocks,
+        params_rep=_count(tower) - blocks + _count(proj),
+        trainable_fraction=_trainable((tower, freeze.video_encoder), (proj, freeze.video_projector)),
+        items_per_sample=float(cfg.nominal_video_groups_per_sample),
+        layers=video.n_layers,
+        tokens=tower.tokens_per_image * int(video.temporal_merge),
+        dim=video.dim,
+        heads=video.n_heads,
+        mlp_ratio=video.mlp_dim / video.dim,
+        gated_mlp=False,
+        boundary_floats=tower.num_patches * cfg.llm.dim,
+        params_first=_count(tower) - blocks + _count(proj),
+    )
+
+
 def _generator_work(cfg: ModelConfig, model, flops, name: str = "generator") -> UnitWork:
     """A U-Net generator's UnitWork (its projector included; activations counted, planner/activation_count.py):
     the image generator's, or (``name="audio_generator"``) the audio generator's, which rides on the LLM's last
@@ -245,7 +273,7 @@ def _generator_work(cfg: ModelConfig, model, flops, name: str = "generator") -> 
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 15
+WORKLOAD_VERSION = 16
 
 
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:

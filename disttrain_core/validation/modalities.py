@@ -47,7 +47,7 @@ def validate_audio(cfg: Config) -> None:
 
 def validate_video(cfg: Config) -> None:
     """model.video_encoder's shape, and the layouts it trains in: every layout but HotSPa's, in the LLM unit's
-    first stage or a unit of its own (parallel.units.video_encoder); the planner does not place it yet."""
+    first stage or a unit of its own (parallel.units.video_encoder; the planner places it either way)."""
     m, video = cfg.model, cfg.model.video_encoder
     if video is None:
         return
@@ -73,14 +73,9 @@ def validate_video(cfg: Config) -> None:
         "generation tokens; raise model.seq_len or lower model.video_encoder.image_size",
     )
     _require(
-        cfg.parallel.pp_split != "auto",
-        "parallel.pp_split=auto balances stages with the planner's costs, which do not model a video tower yet; give "
-        "the LLM's blocks per stage (e.g. parallel.pp_split=[2,2]) or leave it null (even)",
-    )
-    _require(
-        cfg.parallel.mode not in ("hotspa", "auto"),
-        f"parallel.mode={cfg.parallel.mode} does not place a video tower (HotSPa cuts the LLM into buckets of packed "
-        "text; the planner does not model one yet); use parallel=dp or a manual layout such as parallel=disagg6_video",
+        cfg.parallel.mode != "hotspa",
+        "parallel.mode=hotspa does not run a video tower (its strategies cut the LLM into buckets of packed text); "
+        "use parallel=dp, parallel=auto or a manual layout such as parallel=disagg6_video",
     )
 
 

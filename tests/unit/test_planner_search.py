@@ -84,3 +84,17 @@ def test_the_72b_plan_with_two_encoders_and_two_generators_solves_in_under_two_s
     plan = fastest_of_two(lambda: every_option("mllm72b", 1172, 1920, extra=AUDIO))
     assert plan.evaluation.feasible and {"audio_encoder", "audio_generator"} <= set(plan.evaluation.choices)
     assert plan.solve_seconds < 2.0, plan.solve_seconds
+
+
+def test_three_encoders_and_two_generators_equal_exhaustive_search():
+    """The same with a ViT-L/14 video tower as well (four frame groups a sample): three encoders, each riding in the
+    LLM's first stage or a unit of its own side by side. On 16 and 24 H100s the plan is the best of every integer
+    layout and placement; at 24 every encoder and generator is a unit of its own."""
+    video = [*AUDIO, "model/video_encoder=vit_l14_video", "model.nominal_video_groups_per_sample=4"]
+    for devices in (16, 24):
+        solver = every_option("mllm9b", devices, 32, extra=video)
+        exact = exhaustive(solver).evaluation
+        found = solver.solve().evaluation
+        assert found.iteration_s <= exact.iteration_s * 1.001, (devices, found.choices, exact.choices)
+    assert not any(ch.colocated for ch in found.choices.values())
+    assert set(found.choices) == {"llm", "encoder", "audio_encoder", "video_encoder", "generator", "audio_generator"}

@@ -34,6 +34,12 @@ def test_a_preset_is_what_the_planner_counts(name):
         assert work["audio_encoder"].tokens == 1500
     else:
         assert "audio_encoder" not in work
+    if preset.video_groups_per_sample:  # the video tower, counted per frame group of temporal_merge frames
+        video = work["video_encoder"]
+        assert video.items_per_sample == preset.video_groups_per_sample
+        assert video.tokens == preset.temporal_merge * 256  # ViT-L/14 at 224 px, no class token
+    else:
+        assert "video_encoder" not in work
 
 
 @pytest.mark.parametrize("model", ["mllm9b", "mllm15b", "mllm72b"])
@@ -46,7 +52,11 @@ def test_every_preset_fits_the_sequences_of_the_models_it_is_swept_with(model):
         gen = cfg.model.gen_tokens if preset.generated_per_sample else 0
         audio = cfg.model.audio_encoder
         clips = preset.clips_per_sample * (audio_tokens(audio) if audio is not None else 0)  # <audio> positions
-        assert preset.images_per_sample * preset.tiles * patches + gen + clips <= cfg.model.seq_len, preset.name
+        video = cfg.model.video_encoder
+        groups = preset.video_groups_per_sample * ((video.image_size // video.patch_size) ** 2 if video else 0)
+        assert preset.images_per_sample * preset.tiles * patches + gen + clips + groups <= cfg.model.seq_len, (
+            preset.name
+        )
 
 
 def test_a_preset_says_whether_its_images_per_sample_vary():

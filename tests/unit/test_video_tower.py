@@ -125,9 +125,7 @@ def test_the_video_towers_flops_count_each_frame_of_a_group():
         (["~model/encoder"], r"model.video_encoder \(model.name=any2any_video_tiny\) sits beside the image encoder"),
         (["model.video_encoder.temporal_merge=0"], r"model.video_encoder.temporal_merge=0 feature_layer=None"),
         (["model.seq_len=16"], r"model.seq_len=16 cannot hold one video frame group \(16 <video> positions\)"),
-        (["parallel=auto"], r"parallel.mode=auto does not place a video tower"),
-        (["parallel=hotspa"], r"parallel.mode=hotspa does not place a video tower"),
-        (["parallel.pp_split=auto"], r"parallel.pp_split=auto balances stages with the planner's costs"),
+        (["parallel=hotspa"], r"parallel.mode=hotspa does not run a video tower"),
         (
             ["parallel=dp", "parallel.units.video_encoder.colocate=false"],
             r"parallel.units.video_encoder.colocate=false gives the video_encoder processes of its own",
@@ -155,8 +153,26 @@ def test_video_settings_that_cannot_work_are_one_line_errors(overrides, message)
     assert "\n" not in str(info.value)
 
 
-def test_the_planner_says_it_does_not_model_a_video_tower():
-    from disttrain_core.planner import PlanningError, make_plan
+def test_the_planner_weighs_the_video_tower_riding_on_the_llm_or_on_devices_of_its_own():
+    """The tower's work per frame group (temporal_merge frames through the ViT) rides on the LLM's first stage, or on
+    devices of its own; a plan that places it apart writes a layout the runtime trains (parallel.units)."""
+    from disttrain_core.planner import workload_of
+    from disttrain_core.planner.auto import layout_container
+    from disttrain_core.planner.evaluate import COLOCATED
 
-    with pytest.raises(PlanningError, match="the planner does not model a video tower yet"):
-        make_plan(compose(["model=any2any_video_tiny"]))
+    from .test_planner_search import AUDIO, every_option
+
+    cfg = compose(["model=any2any_video_tiny"]).model
+    work = workload_of(cfg).units["video_encoder"]
+    assert work.tokens == 2 * PATCHES and work.items_per_sample == 1.0
+    solver = every_option("mllm9b", 24, 32, extra=[*AUDIO, "model/video_encoder=vit_l14_video"])
+    model, llm = solver.m, solver.solve().evaluation.choices["llm"]
+    own = solver.audio_options("video_encoder", 8)[0]
+    riding, apart = (
+        model.llm_end_extras(llm, None, None, 1e12, "none", {"video_encoder": ch})[0] for ch in (COLOCATED, own)
+    )
+    tower = model.colocated_time("video_encoder", llm.tp, model.micro, "none")  # on the first stage while it rides
+    assert tower > 0 and riding - apart == pytest.approx(tower)
+    plan = solver.solve().evaluation
+    units = layout_container(plan)["units"]
+    assert units["video_encoder"]["colocate"] is False and units["video_encoder"]["pp"] == 1
