@@ -9,8 +9,8 @@ audio generator runs on processes of its own (``parallel.units.{audio_encoder,vi
 * The audio generator stage receives the generation queries of its replica's samples ``[samples, G, D]`` and
   computes the audio denoising loss (the rows' last clips; weight 0 for rows without one).
 
-Each is one pipeline stage (pp=1): both modules are small beside the LLM, and a stage boundary inside the tower or
-the U-Net is not needed to balance them (validation/layout.py says so for pp > 1).
+Each is one pipeline stage (pp=1): the towers and the audio generator are small beside the LLM, and a stage boundary
+inside a tower or the U-Net is not needed to balance them (validation/layout.py says so for pp > 1).
 """
 
 from __future__ import annotations
@@ -39,61 +39,50 @@ def one_stage(unit: str, index: int, count: int) -> None:
         raise ValueError(f"parallel.units.{unit}.pp={count}: the {unit} unit runs as one pipeline stage; use pp=1")
 
 
-class AudioEncoderStage(nn.Module):
-    kind = "audio_encoder"
-    splittable_backward = False  # the features enter the stage directly
-    batch_fields = ("image_counts", "audio_counts", "audio")
+class SideStage(nn.Module):
+    """One stage holding only ``keep`` of the model (a side unit: pp=1), fed by the data directly."""
+
+    kind = ""
+    keep: tuple[str, ...] = ()  # the model's top-level modules it holds
+    splittable_backward = False  # features, frames or noisy latents enter the stage directly
 
     def __init__(self, model: MultimodalLLM, index: int = 0, count: int = 1):
         super().__init__()
-        one_stage("audio_encoder", index, count)
+        one_stage(self.kind, index, count)
         self.is_first = self.is_last = True
-        keep_only(model, AUDIO_MODULES)
+        keep_only(model, self.keep)
         self.model = model
+
+
+class TowerStage(SideStage):
+    """An encoder tower's stage: no inbound tensor, one row of LLM width per embedding token out."""
+
+    def inbound_row(self) -> None:
+        return None
+
+    def outbound_row(self) -> tuple[int, ...]:
+        return (self.model.cfg.llm.dim,)
+
+
+class AudioEncoderStage(TowerStage):
+    kind, keep = "audio_encoder", AUDIO_MODULES
+    batch_fields = ("image_counts", "audio_counts", "audio")
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
         return StageOutput(self.model.encode_audio(batch.audio).flatten(0, 1))
 
-    def inbound_row(self) -> None:
-        return None
 
-    def outbound_row(self) -> tuple[int, ...]:
-        return (self.model.cfg.llm.dim,)
-
-
-class VideoEncoderStage(nn.Module):
-    kind = "video_encoder"
-    splittable_backward = False  # the frames enter the stage directly
+class VideoEncoderStage(TowerStage):
+    kind, keep = "video_encoder", VIDEO_MODULES
     batch_fields = ("image_counts", "video_counts", "video")
-
-    def __init__(self, model: MultimodalLLM, index: int = 0, count: int = 1):
-        super().__init__()
-        one_stage("video_encoder", index, count)
-        self.is_first = self.is_last = True
-        keep_only(model, VIDEO_MODULES)
-        self.model = model
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
         return StageOutput(self.model.encode_video(batch.video).flatten(0, 1))
 
-    def inbound_row(self) -> None:
-        return None
 
-    def outbound_row(self) -> tuple[int, ...]:
-        return (self.model.cfg.llm.dim,)
-
-
-class AudioGeneratorStage(nn.Module):
-    kind = "audio_generator"
-    splittable_backward = False  # noisy latents and timesteps enter the stage directly
+class AudioGeneratorStage(SideStage):
+    kind, keep = "audio_generator", AUDIO_GENERATION
     batch_fields = ("image_counts", "audio_counts", *AUDIO_TARGET_FIELDS)
-
-    def __init__(self, model: MultimodalLLM, index: int = 0, count: int = 1):
-        super().__init__()
-        one_stage("audio_generator", index, count)
-        self.is_first = self.is_last = True
-        keep_only(model, AUDIO_GENERATION)
-        self.model = model
 
     def forward(self, inbound: torch.Tensor, batch: Batch) -> StageOutput:
         return StageOutput(None, {"gen_loss_sum": self.model.audio_generation_loss_from_queries(inbound, batch)})
