@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..data.batch import ITEM_COUNTS
 from .units import ParallelismUnit
 
 ACT, GRAD = "act", "grad"
@@ -87,6 +88,10 @@ class CommBroker:
         none = [[0] * len(counts) for counts in image_counts]
         self.counts = {"image": image_counts, "clip": clip_counts or none, "group": group_counts or none}
         self._memo.clear()
+
+    def count_items(self, microbatches) -> None:
+        """``set_counts`` from a step's microbatches (Batch: their image, clip and frame-group counts per row)."""
+        self.set_counts(*([getattr(mb, name).tolist() for mb in microbatches] for name in ITEM_COUNTS))
 
     def ranks_of_row(self, row: int) -> list[int]:
         return [

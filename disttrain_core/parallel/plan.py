@@ -22,7 +22,7 @@ import math
 from dataclasses import replace
 
 from ..config import Config
-from .units import SIDE_UNITS, UnitLayout, branch_groups, build_layout, with_audio_modules
+from .units import SIDE_ENCODERS, SIDE_UNITS, UnitLayout, branch_groups, build_layout, with_audio_modules
 
 MODES = ("ddp", "megatron", "manual", "auto", "hotspa", "local_sgd")
 
@@ -64,7 +64,7 @@ def units_of(cfg: Config) -> UnitLayout:
     ``resolve_run``; ``auto`` has none until the planner chose one. The audio tower and generator join the LLM
     unit."""
     layout, m = _units_of(cfg), cfg.model
-    towers = tuple(name for name in ("audio_encoder", "video_encoder") if getattr(m, name) is not None)
+    towers = tuple(name for name in SIDE_ENCODERS if getattr(m, name) is not None)
     generator = m.audio_generator is not None
     return with_audio_modules(layout, towers, generator) if towers or generator else layout
 

@@ -235,7 +235,7 @@ def build_layout(
             llm_modules += list(GENERATOR_MODULES)
         else:
             after.append("generator")
-    before += [name for name in ("audio_encoder", "video_encoder") if name in audio]
+    before += [name for name in SIDE_ENCODERS if name in audio]
     after += [name for name in ("audio_generator",) if name in audio]
     plan = [(name, UNIT_MODULES[name]) for name in before]
     plan += [("llm", tuple(llm_modules))] + [(name, UNIT_MODULES[name]) for name in after]

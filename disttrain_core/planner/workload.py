@@ -169,56 +169,45 @@ def _encoder_work(cfg: ModelConfig, model, flops) -> UnitWork:
 
 
 def _audio_work(cfg: ModelConfig, model, flops) -> UnitWork:
-    """The audio tower's UnitWork (its projector included), per clip. It always rides on the LLM unit's first
-    stage (parallel/units.py), whose TP splits its blocks as the ViT's."""
+    """The audio tower's UnitWork (its projector included), per clip; the LLM's TP splits its blocks as the ViT's
+    where it rides on the LLM unit's first stage (parallel/units.py)."""
     from ..data.audio import audio_tokens
 
-    freeze, audio = cfg.freeze, cfg.audio_encoder
-    tower, proj = model.audio_encoder, model.audio_projector
-    blocks = _count(tower.blocks)
-    proj_flops = flops["audio_projector"].train
-    tokens = audio_tokens(audio)
-    return UnitWork(
-        name="audio_encoder",
-        train_flops=flops["audio_encoder"].train + proj_flops,
-        flops_not_tp=proj_flops,
-        params_tp=blocks,
-        params_rep=_count(tower) - blocks + _count(proj),
-        trainable_fraction=_trainable((tower, freeze.audio_encoder), (proj, freeze.audio_projector)),
-        items_per_sample=float(cfg.nominal_clips_per_sample),
-        layers=audio.n_layers,
-        tokens=tokens,
-        dim=audio.dim,
-        heads=audio.n_heads,
-        mlp_ratio=audio.mlp_dim / audio.dim,
-        gated_mlp=False,
-        boundary_floats=tokens * cfg.llm.dim,
-        params_first=_count(tower) - blocks + _count(proj),
-    )
+    tokens = audio_tokens(cfg.audio_encoder)
+    return _tower_work(cfg, model, flops, "audio_encoder", cfg.nominal_clips_per_sample, tokens, tokens)
 
 
 def _video_work(cfg: ModelConfig, model, flops) -> UnitWork:
     """The video tower's UnitWork (its projector included), per frame group: temporal_merge frames through the
     ViT (their tokens are the activations and TP traffic), one group of patch embeddings to the LLM."""
-    freeze, video = cfg.freeze, cfg.video_encoder
-    tower, proj = model.video_encoder, model.video_projector
+    tower, merge = model.video_encoder, int(cfg.video_encoder.temporal_merge)
+    groups = cfg.nominal_video_groups_per_sample
+    return _tower_work(cfg, model, flops, "video_encoder", groups, tower.tokens_per_image * merge, tower.num_patches)
+
+
+def _tower_work(cfg: ModelConfig, model, flops, name: str, items: float, tokens: int, sent: int) -> UnitWork:
+    """A side tower's UnitWork (``name``: audio_encoder or video_encoder, with its projector): ``items`` per
+    sample, ``tokens`` through its blocks and ``sent`` embedding rows to the LLM per item; one stage."""
+    spec, proj_name = getattr(cfg, name), name.replace("encoder", "projector")
+    tower, proj = getattr(model, name), getattr(model, proj_name)
     blocks = _count(tower.blocks)
-    proj_flops = flops["video_projector"].train
+    proj_flops = flops[proj_name].train
+    frozen = cfg.freeze
     return UnitWork(
-        name="video_encoder",
-        train_flops=flops["video_encoder"].train + proj_flops,
+        name=name,
+        train_flops=flops[name].train + proj_flops,
         flops_not_tp=proj_flops,
         params_tp=blocks,
         params_rep=_count(tower) - blocks + _count(proj),
-        trainable_fraction=_trainable((tower, freeze.video_encoder), (proj, freeze.video_projector)),
-        items_per_sample=float(cfg.nominal_video_groups_per_sample),
-        layers=video.n_layers,
-        tokens=tower.tokens_per_image * int(video.temporal_merge),
-        dim=video.dim,
-        heads=video.n_heads,
-        mlp_ratio=video.mlp_dim / video.dim,
+        trainable_fraction=_trainable((tower, getattr(frozen, name)), (proj, getattr(frozen, proj_name))),
+        items_per_sample=float(items),
+        layers=spec.n_layers,
+        tokens=tokens,
+        dim=spec.dim,
+        heads=spec.n_heads,
+        mlp_ratio=spec.mlp_dim / spec.dim,
         gated_mlp=False,
-        boundary_floats=tower.num_patches * cfg.llm.dim,
+        boundary_floats=sent * cfg.llm.dim,
         params_first=_count(tower) - blocks + _count(proj),
     )
 

@@ -30,7 +30,6 @@ import time
 
 import torch
 
-from ..data.batch import ITEM_COUNTS
 from ..data.loader import MicrobatchLoader
 from ..data.splits import open_val_stream
 
@@ -79,7 +78,7 @@ class Evaluation:
             tokens += sum(mb.loss_tokens() for mb in microbatches)
             samples += sum(mb.gen_samples() for mb in microbatches)
             if self.broker is not None:
-                self.broker.set_counts(*([getattr(mb, name).tolist() for mb in microbatches] for name in ITEM_COUNTS))
+                self.broker.count_items(microbatches)
             sums += self.engine.evaluate(microbatches if hotspa else self._replica_share(microbatches, self.dp_rank))
         lm_sum, gen_sum = sums.tolist()  # a host read, off the training steps
         lm = lm_sum / max(tokens, 1.0)

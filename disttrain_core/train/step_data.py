@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..data.batch import ITEM_COUNTS, Batch
+from ..data.batch import Batch
 from .engine import GlobalCounts, to_device
 
 
@@ -68,7 +68,7 @@ class StepData:
         if self.packing and self.cfg.parallel.mode == "hotspa":  # HotSPa splits the buckets per strategy
             return microbatches
         if self.broker is not None:
-            self.broker.set_counts(*([getattr(mb, name).tolist() for mb in microbatches] for name in ITEM_COUNTS))
+            self.broker.count_items(microbatches)
         return self._replica_share(microbatches, self.dp_rank)
 
     def _replica_share(self, microbatches: list[Batch], replica: int) -> list[Batch]:
