@@ -14,6 +14,7 @@ timeline per pipelined layout.
     python tools/bench_layouts.py processes=4      # 4 processes, ~12 minutes
     python tools/bench_layouts.py layouts=all repeats=1 format=json
     python tools/bench_layouts.py workload=audio    # the audio tower as a unit of its own, ~8 minutes
+    python tools/bench_layouts.py workload=video    # the video tower as a unit of its own, ~7 minutes
 
 The audio workload (issue 42) is ``any2any_tiny`` with an audio tower grown until its stage takes about as long as
 the rest of the model's on this CPU (384 wide, 8 blocks, every sample with a 1 s clip), on shards where every
@@ -21,6 +22,14 @@ sample carries one: the regime where an encoder weighs as much as the backbone. 
   disagg2_audio        the audio tower's unit | the LLM unit with the image encoder and both generators
                        colocated, 1F1B
   megatron_folded_pp2  the baseline above: the audio tower folded into the first LLM stage with the ViT
+
+The video workload is ``mllm_tiny`` with a video tower (256 wide, 5 blocks, groups of 4 frames averaged) on shards
+where half the images are videos of 2..16 frames: the tower takes every frame, the LLM one group of patch embeddings
+per 4 frames, and the frame counts vary from sample to sample (the skew the reordering weighs). On 2 processes:
+  disagg2_video          the video tower's unit | the LLM unit with the image encoder and the generator colocated
+  megatron_folded_pp2    the baseline: the video tower folded into the first LLM stage with the ViT
+  disagg2_video_reorder  disagg2_video with the decoding in a data producer that reorders every global batch
+                         (docs/DATA.md): DistTrain whole
 
 Layouts on 2 processes:
   disagg2              encoder unit | LLM unit with the generator colocated, 1F1B
@@ -62,9 +71,9 @@ OPTIONS = {
     "samples_per_shard": "256",
     "processes": "2",  # 2 or 4
     "repeats": "5",  # alternations of the layouts
-    "workload": "image",  # image (the encoder-heavy ViT) or audio (an audio tower as heavy as the rest)
+    # image (the encoder-heavy ViT), audio (an audio tower as heavy as the rest) or video (a video tower as heavy)
+    "workload": "image",
 }
-AUDIO_OUT = REPO_ROOT / "docs" / "results" / "bench_layouts_audio.json"
 
 # The encoder-heavy model: ViT 256 wide, 16 layers, on shards averaging ~3.5 images per sample.
 MODEL = [
@@ -119,14 +128,50 @@ LAYOUTS_AUDIO = {
     ],
     "megatron_folded_pp2": LAYOUTS["megatron_folded_pp2"],
 }
-DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2_llm2", "disagg4_enc2", "disagg2_audio"}
+# The video workload: half the images are videos of 2..16 frames, all given to a video tower 256 wide and 5 blocks
+# deep that averages groups of 4 frames (64 <video> positions for 16 frames): many frames, few LLM tokens.
+MODEL_VIDEO = [
+    "model=mllm_tiny",
+    "model/video_encoder=vit_video_tiny",
+    "model.video_encoder.dim=256",
+    "model.video_encoder.n_layers=5",
+    "model.video_encoder.mlp_dim=1024",
+    "model.video_encoder.n_heads=8",
+    "model.video_encoder.temporal_merge=4",
+    "model.nominal_images_per_sample=1.0",
+    "model.nominal_video_groups_per_sample=2.6",
+]
+DATA_SHAPE_VIDEO = [
+    *DATA_SHAPE,
+    "data.synthetic.video_fraction=0.5",
+    "data.synthetic.video_frames_max=16",
+    "data.video_frames=16",
+]
+LAYOUTS_VIDEO = {
+    "disagg2_video": [
+        "parallel=disagg2",
+        "parallel.units.encoder.colocate=true",
+        "parallel.units.video_encoder.colocate=false",
+    ],
+    "megatron_folded_pp2": LAYOUTS["megatron_folded_pp2"],
+}
+# DistTrain whole: the tower's unit, and the decoding in a data producer that reorders each global batch (docs/DATA.md)
+LAYOUTS_VIDEO["disagg2_video_reorder"] = [*LAYOUTS_VIDEO["disagg2_video"], "data.producer.workers=1"]
+DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2_llm2", "disagg4_enc2", "disagg2_audio", "disagg2_video"}
+DISAGGREGATED.add("disagg2_video_reorder")
 BASELINES = {2: "megatron_folded_pp2", 4: "megatron_folded_pp2_dp2"}
 DEFAULT_LAYOUTS = {2: "disagg2,megatron_folded_pp2", 4: "disagg4_enc2_llm2,megatron_folded_pp2_dp2"}
+# The side-tower workloads (2 processes only): model, data, layouts, default layouts, file prefix.
+TOWER_WORKLOADS = {
+    "audio": (MODEL_AUDIO, DATA_SHAPE_AUDIO, LAYOUTS_AUDIO, "disagg2_audio,megatron_folded_pp2", "layouts_audio"),
+    "video": (MODEL_VIDEO, DATA_SHAPE_VIDEO, LAYOUTS_VIDEO, ",".join(LAYOUTS_VIDEO), "layouts_video"),
+}
 
 
 def shapes(options: dict) -> tuple[list[str], list[str]]:
     """(model overrides, data overrides) of the workload."""
-    return (MODEL_AUDIO, DATA_SHAPE_AUDIO) if options["workload"] == "audio" else (MODEL, DATA_SHAPE)
+    tower = TOWER_WORKLOADS.get(options["workload"])
+    return (tower[0], tower[1]) if tower else (MODEL, DATA_SHAPE)
 
 
 def train(run_dir: Path, data_dir: Path, options: dict, layout: list[str]) -> list[dict]:
@@ -180,7 +225,8 @@ def measure(run_dir: Path, data_dir: Path, options: dict, layout: list[str], out
     }
     reports = [json.loads(p.read_text()) for p in sorted((run_dir / "timelines").glob("step_*.json"))]
     if reports:
-        prefix = "layouts_audio_" if options["workload"] == "audio" else "layouts_"
+        tower = TOWER_WORKLOADS.get(options["workload"])
+        prefix = f"{tower[4]}_" if tower else "layouts_"
         picture = out.parent / f"{prefix}{run_dir.name}.png"
         shutil.copy(reports[-1]["png"], picture)
         entry["picture"] = str(picture.relative_to(REPO_ROOT) if picture.is_relative_to(REPO_ROOT) else picture)
@@ -197,12 +243,14 @@ def main(argv: list[str]) -> int:
         raise SystemExit(
             f"processes={options['processes']} repeats={options['repeats']}: use processes=2 or 4, repeats>=1"
         )
-    audio = options["workload"] == "audio"
-    if options["workload"] not in ("image", "audio") or (audio and processes != 2):
-        raise SystemExit(f"workload={options['workload']} processes={processes}: use workload=image, or audio on 2")
+    tower = TOWER_WORKLOADS.get(options["workload"])
+    if (options["workload"] != "image" and not tower) or (tower and processes != 2):
+        raise SystemExit(
+            f"workload={options['workload']} processes={processes}: use workload=image, or audio or video on 2"
+        )
     offered, baseline = (LAYOUTS if processes == 2 else LAYOUTS_4), BASELINES[processes]
-    offered = LAYOUTS_AUDIO if audio else offered
-    default = "disagg2_audio,megatron_folded_pp2" if audio else DEFAULT_LAYOUTS[processes]
+    offered = tower[2] if tower else offered
+    default = tower[3] if tower else DEFAULT_LAYOUTS[processes]
     requested = default if options["layouts"] == "default" else options["layouts"]
     names = list(offered) if requested == "all" else requested.split(",")
     unknown = [n for n in names if n not in offered]
@@ -212,7 +260,9 @@ def main(argv: list[str]) -> int:
             f"and one of {', '.join(sorted(DISAGGREGATED & offered.keys()))}"
         )
     chosen = {n: offered[n] for n in names}
-    out = Path(AUDIO_OUT if audio and options["out"] == OPTIONS["out"] else options["out"]).resolve()
+    out = Path(options["out"]).resolve()
+    if tower and options["out"] == OPTIONS["out"]:  # each workload keeps its own default file
+        out = out.with_name(f"bench_{tower[4]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     results: dict = {
         "workload": options["workload"],

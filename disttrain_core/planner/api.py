@@ -79,13 +79,13 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
     peak = None
     data_s_per_sample = 0.0
     if _uses_profile(cfg):
-        # On this machine the data is here too: plan for its real images per sample, and on a
-        # CPU for the preprocessing that shares the cores with training (until issue 6's producers).
-        from .workload import measured_data, with_images_per_sample
+        # On this machine the data is here too: plan for the images, clips and frame groups per sample its encoders
+        # really receive, and on a CPU for the preprocessing that shares the cores with training.
+        from .workload import measured_data, with_items_per_sample
 
         measured = measured_data(cfg) if cfg.data.get("path") else None
         if measured is not None:
-            work = with_images_per_sample(work, measured[0])
+            work = with_items_per_sample(work, measured[0])
             if cfg.cluster.device == "cpu":
                 data_s_per_sample = measured[1]
         from .profiler import _threads, load_or_profile, profiling_processes

@@ -36,8 +36,10 @@ from ..base.net import free_port
 from .costs import interp
 from .solver import PlanningError
 
-PROFILE_VERSION = 3  # 3: device timings from CUDA events, links over the device's backend
+PROFILE_VERSION = 4  # 3: device timings from CUDA events, links over the device's backend; 4: the side units timed
+# Items per trial of each unit: images, sequences, generation targets, clips, frame groups, audio targets.
 SIZES = {"encoder": (2, 4, 8, 16, 32), "llm": (1, 2, 4, 8), "generator": (1, 2, 4, 8)}
+SIZES.update(audio_encoder=(1, 2, 4, 8), video_encoder=(1, 2, 4, 8), audio_generator=(1, 2, 4, 8))
 
 
 @dataclass
@@ -225,26 +227,36 @@ def _worker(rank, world, port, threads, payload, tp_sizes, device, queue):  # pr
 
 
 def _trial_loss(cfg, modules, unit: str, items: int, dev):
-    """Forward of one module (with its projector) on ``items`` random items, reduced to a scalar."""
+    """Forward of one unit (with its projector) on ``items`` random items, as training runs it, to a scalar."""
     import torch
 
     m = cfg.model
-    if unit == "encoder":
-        side = m.encoder.image_size
-        pixels = torch.randint(0, 255, (items, 3, side, side), dtype=torch.uint8, device=dev)
-        return modules["encoder_projector"](modules["encoder"](pixels)).float().square().mean()
+    if unit in ("encoder", "video_encoder"):  # images [N, 3, H, W]; frame groups [N, k, 3, H, W]
+        spec = m[unit]
+        group = (int(spec.temporal_merge),) if unit == "video_encoder" else ()
+        pixels = torch.randint(0, 255, (items, *group, 3, spec.image_size, spec.image_size), dtype=torch.uint8)
+        projector = modules["encoder_projector" if unit == "encoder" else "video_projector"]
+        return projector(modules[unit](pixels.to(dev))).float().square().mean()
+    if unit == "audio_encoder":  # log-mel features [N, n_mels, frames]
+        from ..data.audio import audio_frames
+
+        mels = torch.randn(items, m.audio_encoder.n_mels, audio_frames(m.audio_encoder), device=dev)
+        return modules["audio_projector"](modules["audio_encoder"](mels)).float().square().mean()
     if unit == "llm":
         llm = modules["llm"]
         hidden = torch.randn(items, m.seq_len, m.llm.dim, device=dev, requires_grad=True)
         targets = torch.randint(0, m.llm.vocab_size, (items, m.seq_len), device=dev)
         # the head with its loss as training runs it (vocabulary-parallel under TP, chunked with model.loss_chunk)
         return llm.output(llm.final_norm(llm.run_layers(hidden)), targets) / targets.numel()
-    side = m.gen_image_size // m.latent_downsample
+    from ..models.flops import latent_grid  # the image or the audio generator: a U-Net on its latent grid
+
+    spec = m[unit]
+    height, width = latent_grid(m, spec)
     queries = torch.randn(items, m.gen_tokens, m.llm.dim, device=dev, requires_grad=True)
-    context = modules["generator_projector"](queries)
-    latents = torch.randn(items, m.generator.in_channels, side, side, device=dev)
-    steps = torch.randint(0, m.generator.num_train_timesteps, (items,), device=dev)
-    return modules["generator"].unet(latents, steps, context).float().square().mean()
+    context = modules[f"{unit}_projector"](queries)
+    latents = torch.randn(items, spec.in_channels, height, width, device=dev)
+    steps = torch.randint(0, spec.num_train_timesteps, (items,), device=dev)
+    return modules[unit].unet(latents, steps, context).float().square().mean()
 
 
 def _timed(fn, repeats: int, device=None) -> float:
@@ -296,7 +308,7 @@ def _trials(rank, world, payload, tp_sizes, device):
         if mesh is not None:
             apply_tensor_parallel(model, mesh, sequence_parallel=bool(cfg.parallel.sequence_parallel))
 
-        for unit in ("encoder", "llm", "generator"):
+        for unit in SIZES:
             if unit not in work.units or not work.units[unit].tp_allowed(tp):
                 continue
             points = []

@@ -327,10 +327,14 @@ def workload_of(model_cfg) -> Workload:
     return _cached(OmegaConf.to_yaml(node))
 
 
-def measured_data(cfg, limit: int = 256) -> tuple[float, float] | None:
-    """(images per sample the encoder really receives, CPU seconds to preprocess one sample):
-    the first ``limit`` samples of the shards through the trainer's own sample encoder (images
-    that do not fit the sequence are dropped there, so this can be well below the raw count)."""
+# What each encoder unit receives of an encoded sample: images, audio clips, video frame groups.
+MEASURED_ITEMS = {"encoder": "images", "audio_encoder": "audio", "video_encoder": "video"}
+
+
+def measured_data(cfg, limit: int = 256) -> tuple[dict[str, float], float] | None:
+    """({encoder unit: items per sample it really receives}, CPU seconds to preprocess one sample): the first
+    ``limit`` samples of the shards through the trainer's own sample encoder (images, clips and frame groups that
+    do not fit the sequence are dropped there, so this can be well below the raw count)."""
     import time
 
     from ..data.reader import RawSample, _read_shard, resolve_shards
@@ -338,7 +342,8 @@ def measured_data(cfg, limit: int = 256) -> tuple[float, float] | None:
     from ..data.tokenizer import tokenizer_for
 
     encoder = SampleEncoder(cfg.model, tokenizer_for(cfg), 0, cfg.data.max_image_pixels, cfg.data.video_frames)
-    counts = []
+    totals = dict.fromkeys(MEASURED_ITEMS, 0)
+    samples = 0
     busy = 0.0
     for shard in resolve_shards(cfg.data.path):
         for item in _read_shard(shard):
@@ -346,22 +351,27 @@ def measured_data(cfg, limit: int = 256) -> tuple[float, float] | None:
                 continue
             started = time.process_time()
             try:
-                counts.append(len(encoder.encode(item.key, item.members).images))
+                sample = encoder.encode(item.key, item.members)
             except BadSample:
                 continue
             finally:
                 busy += time.process_time() - started
-            if len(counts) >= limit:
+            samples += 1
+            for unit, field in MEASURED_ITEMS.items():
+                totals[unit] += len(getattr(sample, field))  # audio and video are empty arrays without a tower
+            if samples >= limit:
                 break
-        if len(counts) >= limit:
+        if samples >= limit:
             break
-    return (sum(counts) / len(counts), busy / len(counts)) if counts else None
+    return ({unit: total / samples for unit, total in totals.items()}, busy / samples) if samples else None
 
 
-def with_images_per_sample(work: Workload, images: float) -> Workload:
+def with_items_per_sample(work: Workload, items: dict[str, float]) -> Workload:
+    """``work`` with each encoder unit's items per sample replaced by ``items``' (the measured counts)."""
     from dataclasses import replace
 
-    if "encoder" not in work.units:
-        return work
-    units = {**work.units, "encoder": replace(work.units["encoder"], items_per_sample=images)}
+    units = {
+        name: replace(unit, items_per_sample=items[name]) if name in items else unit
+        for name, unit in work.units.items()
+    }
     return replace(work, units=units)

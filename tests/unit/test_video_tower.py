@@ -176,3 +176,48 @@ def test_the_planner_weighs_the_video_tower_riding_on_the_llm_or_on_devices_of_i
     plan = solver.solve().evaluation
     units = layout_container(plan)["units"]
     assert units["video_encoder"]["colocate"] is False and units["video_encoder"]["pp"] == 1
+
+
+def test_the_planner_counts_the_images_clips_and_groups_the_runtimes_batches_carry(tmp_path):
+    """The planner weighs each encoder unit by the items per sample its data really gives (measured_data, through the
+    trainer's sample encoder), not by the model's nominal counts: equal to what the runtime's batches carry."""
+    from omegaconf import OmegaConf
+
+    from disttrain_core.data.synthetic import generate_shards
+    from disttrain_core.planner.workload import measured_data, with_items_per_sample, workload_of
+
+    shape = ["data.synthetic.video_fraction=0.5", "data.synthetic.audio_fraction=0.5", "data.synthetic.num_shards=1"]
+    cfg = compose(["model=any2any_video_tiny", f"data.path={tmp_path}", "data.synthetic.samples_per_shard=24", *shape])
+    generate_shards(OmegaConf.to_object(cfg.data.synthetic), tmp_path, 1)
+    measured, seconds = measured_data(cfg, limit=24)
+    stream = ShardStream(sorted(str(p) for p in tmp_path.glob("*.tar")), 0, 1, seed=0, shuffle=False)
+    sample_encoder = SampleEncoder(cfg.model, TOK, 0, cfg.data.max_image_pixels, cfg.data.video_frames)
+    loader = MicrobatchLoader(stream, sample_encoder, micro_batch_size=24, microbatches_per_step=1)
+    batch = loader.next_step()[0]
+    carried = {
+        "encoder": batch.image_counts.sum().item() / 24,
+        "audio_encoder": batch.audio_counts.sum().item() / 24,
+        "video_encoder": batch.video_counts.sum().item() / 24,
+    }
+    assert measured == pytest.approx(carried) and seconds > 0
+    assert min(carried.values()) > 0 and carried["video_encoder"] != cfg.model.nominal_video_groups_per_sample
+    work = with_items_per_sample(workload_of(cfg.model), measured)
+    assert {name: work.units[name].items_per_sample for name in carried} == pytest.approx(carried)
+
+
+def test_the_profiler_times_every_unit_the_model_has(tmp_path):
+    """A profiled cost model times the side units on this machine too (the video and audio towers and the audio
+    generator), rather than leaving them to the analytic peak: each unit's trial grows with its items."""
+    from disttrain_core.planner import build_layout_model
+
+    cfg = compose(
+        ["model=any2any_video_tiny", f"planner.profile_cache={tmp_path}", "planner.profile_repeats=1"]
+        + ["parallel=disagg6_video", "planner.tp_options=[1]"]
+    )
+    model = build_layout_model(cfg, devices=1, progress=lambda *_: None)
+    assert model.c.source == "profiled"
+    assert set(model.c.profiled()) == set(model.c.work.units) >= {"audio_encoder", "video_encoder", "audio_generator"}
+    for unit in ("audio_encoder", "video_encoder", "audio_generator"):
+        trials = model.c.profile.trials[f"{unit}/1"]
+        assert [items for items, _ in trials] == [1, 2, 4, 8] and trials[-1][1] > trials[0][1] > 0, unit
+        assert model.c.compute(unit, 1, 4.0) == pytest.approx(trials[2][1])
