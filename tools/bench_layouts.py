@@ -17,7 +17,7 @@ timeline per pipelined layout.
     python tools/bench_layouts.py workload=video    # the video tower as a unit of its own, ~7 minutes
 
 The audio workload (issue 42) is ``any2any_tiny`` with an audio tower grown until its stage takes about as long as
-the rest of the model's on this CPU (384 wide, 8 blocks, every sample with a 1 s clip), on shards where every
+the rest of the model's on this CPU (384 wide, 10 blocks, every sample with a 1 s clip), on shards where every
 sample carries one: the regime where an encoder weighs as much as the backbone. On 2 processes:
   disagg2_audio        the audio tower's unit | the LLM unit with the image encoder and both generators
                        colocated, 1F1B
@@ -110,11 +110,11 @@ LAYOUTS_4 = {
     "disagg4_enc2": ["parallel=disagg4_enc2"],
     "megatron_folded_pp2_dp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=4"],
 }
-# The audio workload: every sample has a 1 s clip; the tower is 384 wide and 8 blocks deep.
+# The audio workload: every sample has a 1 s clip; the tower is 384 wide and 10 blocks deep.
 MODEL_AUDIO = [
     "model=any2any_tiny",
     "model.audio_encoder.dim=384",
-    "model.audio_encoder.n_layers=8",
+    "model.audio_encoder.n_layers=10",
     "model.audio_encoder.mlp_dim=1536",
     "model.audio_encoder.n_heads=8",
     "model.nominal_clips_per_sample=1.0",

@@ -234,9 +234,10 @@ def _trial_loss(cfg, modules, unit: str, items: int, dev):
     if unit in ("encoder", "video_encoder"):  # images [N, 3, H, W]; frame groups [N, k, 3, H, W]
         spec = m[unit]
         group = (int(spec.temporal_merge),) if unit == "video_encoder" else ()
-        pixels = torch.randint(0, 255, (items, *group, 3, spec.image_size, spec.image_size), dtype=torch.uint8)
+        shape = (items, *group, 3, spec.image_size, spec.image_size)
+        pixels = torch.randint(0, 255, shape, dtype=torch.uint8, device=dev)
         projector = modules["encoder_projector" if unit == "encoder" else "video_projector"]
-        return projector(modules[unit](pixels.to(dev))).float().square().mean()
+        return projector(modules[unit](pixels)).float().square().mean()
     if unit == "audio_encoder":  # log-mel features [N, n_mels, frames]
         from ..data.audio import audio_frames
 
