@@ -14,7 +14,7 @@ timeline per pipelined layout.
     python tools/bench_layouts.py processes=4      # 4 processes, ~12 minutes
     python tools/bench_layouts.py layouts=all repeats=1 format=json
     python tools/bench_layouts.py workload=audio    # the audio tower as a unit of its own, ~8 minutes
-    python tools/bench_layouts.py workload=video    # the video tower as a unit of its own, ~7 minutes
+    python tools/bench_layouts.py workload=video    # the video tower as a unit of its own, ~8 minutes
 
 The audio workload (issue 42) is ``any2any_tiny`` with an audio tower grown until its stage takes about as long as
 the rest of the model's on this CPU (384 wide, 10 blocks, every sample with a 1 s clip), on shards where every

@@ -318,7 +318,8 @@ def _trials(rank, world, payload, tp_sizes, device):
                 def step(unit=unit, items=items, modules=modules):
                     with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
                         loss = _trial_loss(cfg, modules, unit, items, dev)
-                    loss.backward()
+                    if loss.requires_grad:  # a frozen encoder with a frozen projector runs forward only
+                        loss.backward()
 
                 seconds = _timed(step, repeats, dev)
                 points.append([float(items), seconds])
