@@ -66,6 +66,8 @@ bench: $(STAMP) $(DATA)
 	$(BIN)/python tools/bench_data.py
 	$(BIN)/python tools/bench_kernels.py
 	$(BIN)/python tools/bench_layouts.py processes=4 out=docs/results/bench_layouts_4.json
+	$(BIN)/python tools/bench_layouts.py workload=audio
+	$(BIN)/python tools/bench_layouts.py workload=video
 	$(BIN)/python tools/bench_train.py litgpt=only steps=10 warmup=5 litgpt_repeats=6
 	$(BIN)/python tools/bench_planner.py
 
