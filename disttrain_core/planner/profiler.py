@@ -21,6 +21,7 @@ count, threads, precision, torch version and a hash of the model config: a secon
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -260,6 +261,16 @@ def _trial_loss(cfg, modules, unit: str, items: int, dev):
     return modules[unit].unet(latents, steps, context).float().square().mean()
 
 
+def _trial_step(cfg, modules, unit: str, items: int, dev, bf16: bool) -> None:
+    """One training step's forward and backward of ``unit`` on ``items`` random items."""
+    import torch
+
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+        loss = _trial_loss(cfg, modules, unit, items, dev)
+    if loss.requires_grad:  # a frozen encoder with a frozen projector runs forward only
+        loss.backward()
+
+
 def _timed(fn, repeats: int, device=None) -> float:
     """Median seconds of ``fn`` after a warm-up. On a GPU: between CUDA events, the device idle at the start
     (synchronized: profiling is not the hot path) and waited for at the end."""
@@ -314,14 +325,7 @@ def _trials(rank, world, payload, tp_sizes, device):
                 continue
             points = []
             for items in SIZES[unit]:
-
-                def step(unit=unit, items=items, modules=modules):
-                    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-                        loss = _trial_loss(cfg, modules, unit, items, dev)
-                    if loss.requires_grad:  # a frozen encoder with a frozen projector runs forward only
-                        loss.backward()
-
-                seconds = _timed(step, repeats, dev)
+                seconds = _timed(functools.partial(_trial_step, cfg, modules, unit, items, dev, bf16), repeats, dev)
                 points.append([float(items), seconds])
             gathered = [None] * world
             dist.all_gather_object(gathered, points)
