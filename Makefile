@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DATA := data/synthetic_laion
-# make test runs the suite on this many pytest-xdist workers, whole files each (docs/PERFORMANCE.md)
+# make test runs the suite on this many pytest-xdist workers, whole files each (docs/performance/test_suite.md)
 TEST_WORKERS ?= 2
 
 .PHONY: train test test-slow lint data bench gpu-check clean-outputs help
 
 help:
 	@echo "make train      create .venv, install, generate the embedded data, train mllm_tiny on CPU"
-	@echo "make test       import-linter, then the default suite on TEST_WORKERS=2 workers (docs/PERFORMANCE.md)"
+	@echo "make test       import-linter, then the default suite on TEST_WORKERS=2 workers (docs/performance/test_suite.md)"
 	@echo "make test-slow  the long tests (marked slow)"
 	@echo "make lint       ruff and import-linter (.importlinter: the layers of docs/ARCHITECTURE.md)"
 	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"

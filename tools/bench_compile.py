@@ -1,5 +1,5 @@
 """trainer.compile against eager, engine by engine, on this CPU (issue 39; tools/bench_kernels.py section (d),
-docs/PERFORMANCE.md).
+docs/performance/training.md).
 
 Each layout trains ``steps`` steps with trainer.compile=false and =true (train.py, the default precision: fp32 on
 the CPU), alternating which goes first in each of ``repeats`` rounds. A run's tokens/s is the median of its log

@@ -1,4 +1,4 @@
-"""The data producer at scale: what each trainer rank receives per step (docs/DATA.md, docs/PERFORMANCE.md).
+"""The data producer at scale: what each trainer rank receives per step (docs/DATA.md, docs/performance/data.md).
 
 (a) Measured on loopback: one producer (the process ``train.py`` starts: ``workers`` decode workers, the embedded
 LAION-like data, mllm_tiny's samples with rows of ``seq_len`` tokens and images of ``image_size`` px) serving ``dp x

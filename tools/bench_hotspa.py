@@ -7,7 +7,7 @@ The profile describes 32K-context corpora (the seed's CommonCrawl runs); drawn f
 scaled by ``length_scale`` = max_len / 32768 (``data.packing.length_scale``: median and tail start shrink,
 the shape stays), so the long tail stays a tail. Clamping the unscaled profile at 1K instead puts 82% of
 the tokens into the longest bucket: then every strategy runs mostly long rows and bucketing has little to
-win (measured: 1.00x; docs/PERFORMANCE.md).
+win (measured: 1.00x; docs/performance/hotspa.md).
 
 Networks: ``nodes=1`` runs the ``devices`` processes on this host over loopback; ``nodes=2`` splits them over
 two emulated nodes (tools/netem_cluster.py: network namespaces joined by a ``rate``-shaped link; needs root

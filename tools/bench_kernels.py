@@ -1,4 +1,4 @@
-"""Fast paths against the plain ones on this CPU (issue 39; docs/PERFORMANCE.md).
+"""Fast paths against the plain ones on this CPU (issue 39; docs/performance/kernels.md).
 
 Built so far: **(a) the LM head and its loss**, plain (``model.loss_chunk=0``: the whole microbatch's logits at
 once) against chunks of ``chunks`` positions (models/chunked_loss.py). For ``model=llama_tiny`` with a

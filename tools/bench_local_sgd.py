@@ -1,5 +1,5 @@
 """Local SGD against synchronous data parallelism on two emulated nodes: tokens/s, held-out loss and loss
-curves of ``parallel=dp``, DiLoCo, EDiT and A-EDiT (docs/LOCAL_SGD.md, docs/PERFORMANCE.md).
+curves of ``parallel=dp``, DiLoCo, EDiT and A-EDiT (docs/LOCAL_SGD.md, docs/performance/local_sgd.md).
 
 Setting (fixed before measuring): two nodes of tools/netem_cluster.py (network namespaces joined by a link
 shaped to ``rate``), each node one process pinned to its own core (``pin=true``, one torch thread), fp32,

@@ -1,4 +1,4 @@
-"""Predicted against measured memory per rank, for six layouts (issue 13; docs/PERFORMANCE.md).
+"""Predicted against measured memory per rank, for six layouts (issue 13; docs/performance/memory.md).
 
 Each layout trains ``steps`` optimizer steps with ``trainer.memory_report_step`` on the last one: every
 rank writes its counted model state, its peak live tensor bytes during that step (the allocator's

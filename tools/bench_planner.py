@@ -8,7 +8,7 @@ exhaustive search runs alongside on the small clusters to show the gap (0 expect
     python tools/bench_planner.py                           # ~1 minute
     python tools/bench_planner.py cluster=a100_80g format=json
 
-Output: docs/results/bench_planner.json (summarized in docs/PERFORMANCE.md).
+Output: docs/results/bench_planner.json (summarized in docs/performance/planner.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ The headline ratio is the median over repeats of framework / minimal measured ba
 
 The three kinds of run rotate (``repeats`` times) and medians are reported, because
 this machine is shared and noisy. Optionally (``ddp=true``) it also times the framework
-with 2 processes. Results go to ``out`` (JSON); docs/PERFORMANCE.md summarizes them.
+with 2 processes. Results go to ``out`` (JSON); docs/performance/training.md summarizes them.
 
     python tools/bench_train.py                          # ~15 minutes on 2 cores
     python tools/bench_train.py steps=20 repeats=1 ddp=false models=mllm_tiny

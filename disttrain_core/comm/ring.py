@@ -4,7 +4,7 @@ NCCL runs its ring reduce-scatter and all-gather on a stream of its own. Gloo's
 versions are general-purpose: measured on two emulated nodes at 1 Gbit/s, a
 24 MB reduce-scatter took as long as an all-reduce of the same buffer (it moves
 twice the bytes a ring needs) and an all-gather running beside a matmul slowed
-the matmul by 40% (docs/PERFORMANCE.md). The ring here moves exactly
+the matmul by 40% (docs/performance/overlap.md). The ring here moves exactly
 ``(n - 1) / n`` of the buffer per rank, in ``n - 1`` steps of one send and one
 receive.
 
@@ -166,7 +166,7 @@ class RingCollectives:
     # The background thread needs the GIL for a few microseconds between transfers, and the training
     # thread needs it back between operators. With CPython's default 5 ms switch interval either can
     # stall the other for milliseconds at a time: measured on two emulated nodes, a matmul loop beside
-    # a ring all-gather ran 25% slower at 5 ms and 3% slower at 0.2 ms (docs/PERFORMANCE.md).
+    # a ring all-gather ran 25% slower at 5 ms and 3% slower at 0.2 ms (docs/performance/overlap.md).
     SWITCH_INTERVAL_S = 0.0002
 
     def __init__(self, group):
