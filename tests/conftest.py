@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -183,14 +184,29 @@ def run_script(
     """``python script args...`` with an outer timeout; output captured. The run is a fork of the session's
     warm interpreter (tests/zygote.py), or a fresh interpreter with ``DISTTRAIN_TEST_COLD=1``."""
     env = dict(os.environ) if env is None else env
+    started = time.perf_counter()
     if os.environ.get("DISTTRAIN_TEST_COLD") != "1":
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="run-") as scratch:
-            return warm_interpreter().run(Path(script), [str(a) for a in args], cwd, env, timeout, Path(scratch))
-    return subprocess.run(
-        [sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+            result = warm_interpreter().run(Path(script), [str(a) for a in args], cwd, env, timeout, Path(scratch))
+    else:
+        result = subprocess.run(
+            [sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    log_run(Path(script).name, [str(a) for a in args], time.perf_counter() - started)
+    return result
+
+
+def log_run(script: str, args: list[str], seconds: float) -> None:
+    """With ``DISTTRAIN_TEST_RUNLOG=<file>``: one JSON line per script run or process group a test starts (the
+    test, what ran, its seconds), for ``tools/test_times.py runs=<file>``: where the suite's time goes."""
+    path = os.environ.get("DISTTRAIN_TEST_RUNLOG")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        record = {"test": test, "script": script, "args": args, "seconds": round(seconds, 3)}
+        with open(path, "a") as out:
+            out.write(json.dumps(record) + "\n")
 
 
 def run_train(args: list[str], timeout: float = 240, cwd: Path = REPO) -> subprocess.CompletedProcess:

@@ -11,16 +11,14 @@ sample for the encoder, from ``model.nominal_images_per_sample``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from ..base.disk_cache import cache_file, read_json, write_json
 from ..config import ModelConfig
 from .unit_work import UnitWork, Workload
 
@@ -268,19 +266,7 @@ WORKLOAD_VERSION = 16
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:
     import torch
 
-    root = Path(os.environ.get("DISTTRAIN_CACHE", Path.home() / ".cache" / "disttrain"))
-    key = hashlib.sha256(f"{WORKLOAD_VERSION}|{torch.__version__}|{cfg_yaml}".encode()).hexdigest()[:24]
-    return root / kind / f"{key}.json"
-
-
-def _write_json(path: Path, value) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    return cache_file(kind, f"{WORKLOAD_VERSION}|{torch.__version__}|{cfg_yaml}")
 
 
 def unet_counts(cfg: ModelConfig, grid: tuple[int, int], unet=None) -> dict[str, dict[str, float]]:
@@ -294,15 +280,14 @@ def unet_counts(cfg: ModelConfig, grid: tuple[int, int], unet=None) -> dict[str,
     key = OmegaConf.to_yaml(OmegaConf.create({"generator": asdict(unet), "gen_tokens": cfg.gen_tokens}))
     side = grid[0] if grid[0] == grid[1] else f"{grid[0]}x{grid[1]}"  # a square's key as before: the disk cache
     path = _cache_file(f"{key}|side={side}", "unet_counts")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
+    cached = read_json(path)
+    if cached is not None:
+        return cached
     out = {}
     for name, mixed, device in (("fp32", False, "cuda"), ("cuda", True, "cuda"), ("cpu", True, "cpu")):
         saved, kept = unet_activation_counts(cfg, grid, mixed, device, unet)
         out[name] = {"none": saved, **kept}
-    _write_json(path, out)
+    write_json(path, out)
     return out
 
 
@@ -310,14 +295,15 @@ def unet_counts(cfg: ModelConfig, grid: tuple[int, int], unet=None) -> dict[str,
 def _cached(cfg_yaml: str) -> Workload:
     """Counting a 72B model on meta takes ~10 s; the result is kept on disk by config hash."""
     path = _cache_file(cfg_yaml)
+    raw = read_json(path)
     try:
-        raw = json.loads(path.read_text())
-        return Workload(**{**raw, "units": {k: UnitWork(**v) for k, v in raw["units"].items()}})
-    except (OSError, ValueError, TypeError, KeyError):
+        if raw is not None:
+            return Workload(**{**raw, "units": {k: UnitWork(**v) for k, v in raw["units"].items()}})
+    except (TypeError, KeyError):
         pass
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.create(cfg_yaml)))
     workload = _build(cfg)
-    _write_json(path, asdict(workload))
+    write_json(path, asdict(workload))
     return workload
 
 

@@ -84,7 +84,8 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         # Packed text (data.packing): every process builds the whole step and takes its share.
         self.packing = cfg.data.packing.enabled
         self._packed_flops = 0.0  # model FLOPs of the packed steps since the last log
-        self._flop_terms = llm_flop_terms(cfg.model) if self.packing else None  # counted once, not per step
+        # counted once, not per step, and only where metrics are written (rank 0)
+        self._flop_terms = llm_flop_terms(cfg.model) if self.packing and self.rank == 0 else None
         self.token_file = cfg.data.format == "tokens"  # pre-tokenized windows, positioned by step like packing
         self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing or self.token_file
         self.audio_data = not (self.packing or self.token_file)  # samples that may carry audio members
@@ -162,7 +163,7 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         trace = getattr(self.engine, "trace", None)
         microbatches = self.loader.next_step()
         data_wait = time.perf_counter() - host_started
-        if self.packing:  # the model's FLOPs of this step's documents, on the host (read at the next log)
+        if self._flop_terms is not None:  # the model's FLOPs of this step's documents (read at the next log)
             self._packed_flops += document_flops(self._flop_terms, self.loader.last_lengths)
         if trace is not None:
             trace.compute("data", host_started, time.perf_counter())
@@ -234,17 +235,21 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         return step > 1 and not skipped
 
     # --------------------------------------------------------------------- loop
-    def _metrics(self, result: StepValues, window: list[StepValues]) -> dict[str, float]:
-        seconds = sum(r.step_time_s for r in window)
-        sequences = sum(r.sequences for r in window)
-        # batch_flops is linear in the amounts: one call for the window (each call prints the model config to
-        # YAML for its cache key, ~8 ms; once per step showed in a GPU step's host time)
+    def _window_flops(self, sequences: int, window: list[StepValues]) -> float | None:
+        """The window's training FLOPs where metrics are written, else None (a first count costs a core-second).
+        batch_flops is linear in the amounts: one call per window (each call's cache key, ~8 ms, showed on a GPU)."""
+        packed, self._packed_flops = self._packed_flops, 0.0
+        if not self.metrics.enabled or self.packing:  # packed: documents, attention inside each (models/flops.py)
+            return packed if self.metrics.enabled else None
         images, clips = sum(r.images for r in window), sum(r.clips for r in window)
         m = self.cfg.model
         gens = (sequences if m.generator else 0, clips, sequences if m.audio_generator else 0)  # every row runs them
-        flops = batch_flops(m, sequences, images, *gens, video_groups=sum(r.groups for r in window))
-        if self.packing:  # documents, not padded rows: attention inside each document (models/flops.py)
-            flops, self._packed_flops = self._packed_flops, 0.0
+        return batch_flops(m, sequences, images, *gens, video_groups=sum(r.groups for r in window))
+
+    def _metrics(self, result: StepValues, window: list[StepValues]) -> dict[str, float]:
+        seconds = sum(r.step_time_s for r in window)
+        sequences = sum(r.sequences for r in window)
+        flops = self._window_flops(sequences, window)
         metrics = {
             "train/loss": result.loss,
             "train/loss_avg": sum(r.loss for r in window) / len(window),
@@ -259,13 +264,14 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
             )
             / seconds,
             "perf/loss_tokens_per_s": sum(r.loss_tokens for r in window) / seconds,
-            "perf/tflops_per_device": flops / seconds / self.world_size / 1e12,
-            "perf/mfu": flops / seconds / (self.peak_flops * self.world_size),
             "perf/data_wait_fraction": sum(r.data_wait_s for r in window) / seconds,
             "perf/peak_memory_gib": peak_memory_gib(self.fabric.device),
             "data/skipped_samples": float(sum(self.loader.skipped.values())),
             "data/truncated_images": float(self.loader.truncated_images),
         }
+        if flops is not None:
+            metrics["perf/tflops_per_device"] = flops / seconds / self.world_size / 1e12
+            metrics["perf/mfu"] = flops / seconds / (self.peak_flops * self.world_size)
         dropped_audio = self.loader.state_dict().get("truncated_audio", 0) if self.audio_data else 0
         if dropped_audio or self.cfg.model.audio_encoder is not None:  # clips cut (or, without an audio tower, all)
             metrics["data/truncated_audio"] = float(dropped_audio)

@@ -16,8 +16,6 @@ a card not listed falls back to a measured matmul peak, said in one line before 
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import resource
 import time
@@ -25,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-CACHE = Path(os.environ.get("DISTTRAIN_CACHE", Path.home() / ".cache" / "disttrain")) / "peak_flops.json"
+from ..base.disk_cache import cache_root, read_json, write_json
+
+CACHE = cache_root() / "peak_flops.json"
 
 
 def _cpu_model() -> str:
@@ -74,19 +74,10 @@ def _measured(dtype: torch.dtype, device: torch.device) -> float:
     """``measure_matmul_peak``, cached by device model, threads, dtype and torch version."""
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_model()
     key = f"{device_name}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
-    try:
-        cache = json.loads(CACHE.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache = read_json(CACHE) or {}
     if key not in cache:
         cache[key] = measure_matmul_peak(dtype, device)
-        try:
-            CACHE.parent.mkdir(parents=True, exist_ok=True)
-            tmp = CACHE.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, CACHE)
-        except OSError:
-            pass  # a read-only home only costs a re-measurement next time
+        write_json(CACHE, cache, indent=1)  # a read-only home only costs a re-measurement next time
     return float(cache[key])
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 
 import torch.multiprocessing as mp
 
@@ -30,7 +31,13 @@ def _entry(index: int, environ: dict, fn, *args) -> None:
 
 def start_processes(fn, args: tuple = (), nprocs: int = 2, join: bool = True):
     """``torch.multiprocessing.start_processes`` on the warm fork server; same arguments and results."""
+    from ..conftest import log_run
+
     multiprocessing.set_forkserver_preload([PRELOAD])  # read once, when the server starts
-    return mp.start_processes(
+    started = time.perf_counter()
+    context = mp.start_processes(
         _entry, args=(dict(os.environ), fn, *args), nprocs=nprocs, join=join, start_method="forkserver"
     )
+    if join:
+        log_run(f"{fn.__module__}.{fn.__name__}", [f"nprocs={nprocs}"], time.perf_counter() - started)
+    return context
