@@ -165,7 +165,15 @@ def warm_interpreter():
 _FIRST = ("faults", "recipes", "distributed", "unit")
 
 
+# Every collected test's node id -> whether it is marked slow, taken before ``-m "not slow"`` deselects any:
+# tests/recipes/test_readme.py resolves the README's "proved by" names to these cases.
+COLLECTED_SLOW: dict[str, bool] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
+    COLLECTED_SLOW.update({item.nodeid: item.get_closest_marker("slow") is not None for item in items})
+
     def rank(item) -> int:
         parts = Path(str(item.fspath)).relative_to(REPO).parts
         return _FIRST.index(parts[1]) if len(parts) > 2 and parts[1] in _FIRST else len(_FIRST)

@@ -108,6 +108,16 @@ def resolve(cfg: Config, container: dict, environment):
     container = with_device_defaults(container)
     cfg = typed_config(container)
     run = validate_run(cfg, container)  # None: the planner chooses the layout first
+    if run is not None and run.cfg.schedule.name != cfg.schedule.name and environment.rank == 0:
+        from ..schedule.generators import SCHEDULES
+
+        stages = sum(unit.pp for unit in run.layout.units)
+        log.info(
+            "schedule=%s: the layout has %d pipeline stages and names no schedule (another: schedule=<%s>)",
+            run.cfg.schedule.name,
+            stages,
+            "|".join(SCHEDULES),
+        )
     prepare_cuda(cfg, environment.rank)
     if cfg.parallel.mode == "auto":
         from ..planner.auto import resolve_auto

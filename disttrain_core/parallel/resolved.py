@@ -71,6 +71,27 @@ def resolve_units(cfg: Config) -> UnitLayout:
     return units_of(cfg)
 
 
+# What a layout with pipeline stages runs when no schedule is named: Megatron-LM's and TorchTitan's default.
+DEFAULT_PIPELINE_SCHEDULE = "1f1b"
+
+
+def defaulted_schedule(cfg: Config, layout: UnitLayout) -> bool:
+    """Whether ``layout`` has pipeline stages (several units in a chain, or pp > 1) and ``cfg`` names no schedule
+    (schedule=none without a schedule.csv): such a run gets ``DEFAULT_PIPELINE_SCHEDULE``."""
+    return cfg.schedule.name == "none" and not cfg.schedule.csv and sum(u.pp for u in layout.units) > 1
+
+
+def _with_pipeline_schedule(cfg: Config, container: dict | None, layout: UnitLayout) -> tuple[Config, dict | None]:
+    if not defaulted_schedule(cfg, layout):
+        return cfg, container
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(cfg, {"schedule": {"name": DEFAULT_PIPELINE_SCHEDULE}})
+    if container is not None:
+        container = {**container, "schedule": {**container["schedule"], "name": DEFAULT_PIPELINE_SCHEDULE}}
+    return cfg, container
+
+
 def config_layout(cfg: Config) -> UnitLayout:
     """The layout of a config that is not being launched (a tool's, a candidate the planner weighs): its units,
     or for HotSPa its home strategy's."""
@@ -101,6 +122,7 @@ def resolve_run(cfg: Config, container: dict | None = None, plan: dict | None = 
         layout = next(b.layout for b in reversed(buckets) if b.strategy.name == home)
     else:
         layout = resolve_units(cfg)
+        cfg, container = _with_pipeline_schedule(cfg, container, layout)
     return ResolvedRun(
         cfg=cfg,
         container=container,

@@ -27,11 +27,9 @@ def text_reference(shards, tmp_path_factory):
         ["parallel=dp", "trainer.devices=2", "parallel.shard=zero2"],
         # zero3 itself trains in every test below; on pure DP it joins the slow matrix
         pytest.param(["parallel=dp", "trainer.devices=2", "parallel.shard=zero3"], marks=pytest.mark.slow),
-        # 4 processes; the HSDP mesh and memory are also checked on meta (tests/unit/test_rehearsal.py)
-        pytest.param(
-            ["parallel=dp", "trainer.devices=4", "parallel.shard=zero3", "parallel.hsdp_replicas=2"],
-            marks=pytest.mark.slow,
-        ),
+        # HSDP: 2 replicas x 2 shards on 4 processes (a README claim); its mesh and memory are also checked on meta
+        # (tests/unit/test_rehearsal.py)
+        ["parallel=dp", "trainer.devices=4", "parallel.shard=zero3", "parallel.hsdp_replicas=2"],
     ],
     ids=["zero2", "zero3", "hsdp2x2"],
 )

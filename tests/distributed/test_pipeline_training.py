@@ -30,20 +30,18 @@ def train(shards, run_dir, *overrides):
 
 
 def test_pipelined_text_model_matches_one_process(shards, tmp_path):
+    """1F1B (the schedule a pipeline layout gets when none is named, as ``parallel=pp2`` alone, which says so)
+    and ZB-H1 on 2 processes: the losses of one process within 1e-5."""
     reference = losses(train(shards, tmp_path / "one", *TEXT, "trainer.max_steps=5"))
-    for schedule in ("1f1b", "zb_h1"):
-        piped = losses(
-            train(
-                shards,
-                tmp_path / schedule,
-                *TEXT,
-                "trainer.max_steps=5",
-                "parallel=pp2",
-                f"schedule={schedule}",
-                "trainer.devices=2",
-            )
-        )
-        assert piped == pytest.approx(reference, abs=1e-5), schedule
+    for schedule in (None, "zb_h1"):
+        run_dir = tmp_path / str(schedule)
+        named = [] if schedule is None else [f"schedule={schedule}"]
+        train(shards, run_dir, *TEXT, "trainer.max_steps=5", "parallel=pp2", *named, "trainer.devices=2")
+        assert losses(run_dir) == pytest.approx(reference, abs=1e-5), schedule
+        if schedule is None:
+            log = (run_dir / "train.log").read_text()
+            assert "schedule=1f1b: the layout has 2 pipeline stages and names no schedule" in log
+            assert "\n  name: 1f1b\n" in (run_dir / "config.yaml").read_text()
 
 
 def test_calibrated_simulator_predicts_the_measured_pipeline_time(shards, tmp_path):

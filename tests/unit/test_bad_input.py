@@ -79,7 +79,6 @@ CASES = [
     (["-m", "optim.lr=1e-3,-1"], "optim.lr=-1"),
     (["model.llm.vocab_size=100"], "model.llm.vocab_size=100 is smaller"),
     # pipeline layouts and schedules
-    (["parallel=pp2", "trainer.devices=2"], "this layout has 2 pipeline stages and needs a schedule"),
     (["schedule=1f1b"], "schedule=1f1b needs pipeline stages"),
     (["schedule=pipedream"], "schedule=pipedream is not a known schedule option"),
     (
