@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..base.dtensor import local
 from .buckets import FlatBuckets
+from .partial_grads import PartialGradients
 from .trace import CommTrace
 
 Key = tuple[str, int]  # (flat buffer name, bucket index)
@@ -64,7 +64,7 @@ class BucketedSync:
         overlap_param_gather: bool,
         skip_collectives: bool = False,
         stage_of: dict[int, int] | None = None,
-        partial_grads: Iterable[nn.Parameter] = (),
+        partial_grads: PartialGradients | None = None,
         tp_group=None,
         trace: CommTrace | None = None,
         order: list[nn.Parameter] | None = None,
@@ -76,7 +76,7 @@ class BucketedSync:
         self.skip = skip_collectives
         self.trace = trace
         self.stage_of = stage_of or {}
-        self.partial = {id(p) for p in partial_grads}  # sequence-parallel: sum over the TP group first
+        self.partial = partial_grads or PartialGradients()  # sequence-parallel: summed over the TP group first
         self.tp_group = tp_group
         # Gradients accumulate in place in ``grad_flat`` (the parameters' .grad are views of it) and the
         # reduce-scatter lands in this replica's slice, which is the masters' gradient. Updated parameters
@@ -183,8 +183,8 @@ class BucketedSync:
         flat, bucket = self.flats[name], self.flats[name].buckets[index]
         for member in bucket.members:
             param = flat.params[member][1]
-            if id(param) in self.partial and param.grad is not None and not self.skip:
-                dist.all_reduce(local(param.grad), group=self.tp_group)
+            if not self.skip:
+                self.partial.complete(param)
         source = bucket.full(self.grad_flat[name])
         target = bucket.slice_of(self.grad_flat[name], flat.rank)  # in place: the masters' gradient
         issued = self.trace.now() if self.trace is not None else None

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .ring import Ring, ring_gather, ring_reduce_scatter
+from .sequence_split import SequenceSplit
 
 
 def _block(x: torch.Tensor, index: int, size: int) -> torch.Tensor:
@@ -99,35 +100,6 @@ class MatmulReduceScatter(torch.autograd.Function):
         return None, grad_h.to(h.dtype), grad_weight
 
 
-class ScatterSequence(torch.autograd.Function):
-    """Keep this rank's sequence chunk of a replicated tensor; backward all-gathers the chunk gradients."""
-
-    @staticmethod
-    def forward(ctx, ring: Ring, x: torch.Tensor):
-        if x.shape[1] % ring.size:
-            raise ValueError(f"sequence length {x.shape[1]} is not divisible by tp={ring.size} (tp_overlap)")
-        ctx.ring = ring
-        return _block(x, ring.rank, ring.size).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, torch.cat(ring_gather(ctx.ring, grad, lambda *_: None), dim=1)
-
-
-class GatherSequence(torch.autograd.Function):
-    """All-gather sequence chunks into the replicated tensor; backward keeps this rank's chunk of the
-    (identical on every rank) gradient."""
-
-    @staticmethod
-    def forward(ctx, ring: Ring, x: torch.Tensor):
-        ctx.ring = ring
-        return torch.cat(ring_gather(ring, x, lambda *_: None), dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, _block(grad, ctx.ring.rank, ctx.ring.size).contiguous()
-
-
 def _local(weight) -> torch.Tensor:
     return weight.to_local() if hasattr(weight, "to_local") else weight
 
@@ -146,11 +118,11 @@ def _overlapped_block_forward(self, x: torch.Tensor, rope: torch.Tensor) -> torc
 def _sequence_parallel_run_layers(self, h: torch.Tensor, documents=None) -> torch.Tensor:
     if documents is not None:  # refused before launch (validation); this guards direct use
         raise ValueError("parallel.comm.tp_overlap does not run packed documents; turn it off")
-    ring = self._ring
-    h = ScatterSequence.apply(ring, h)
+    split = self._sequence_split  # the stack's entry and exit: comm/sequence_split.py, as without the overlap
+    h = split.scatter(h)
     for layer in self.layers.values():
         h = layer(h, self.rope)
-    return GatherSequence.apply(ring, h)
+    return split.leave(h)
 
 
 def enable_overlapped_sequence_parallel(llama: nn.Module, group) -> None:
@@ -163,7 +135,7 @@ def enable_overlapped_sequence_parallel(llama: nn.Module, group) -> None:
     seq_len = llama.max_seq_len
     if seq_len % ring.size:
         raise ValueError(f"model.seq_len={seq_len} is not divisible by tp={ring.size}; tp_overlap needs it")
-    llama._ring = ring
+    llama._sequence_split = SequenceSplit(group)
     llama.run_layers = types.MethodType(_sequence_parallel_run_layers, llama)
     for block in llama.layers.values():
         block._ring = ring

@@ -66,9 +66,12 @@ class Batch:
         return int(self.tokens.shape[0])
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
-        """The batch with ``fn`` applied to every tensor (moving it to a device, pinning it, ...)."""
+        """The batch with ``fn`` applied to every tensor (moving it to a device, pinning it, ...); an absent field
+        (``absent_field``) stays one element: ``fn`` sees that element, which is then expanded again."""
         moved = {
-            f.name: fn(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
+            f.name: _map_one(fn, getattr(self, f.name))
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return Batch(**moved, keys=list(self.keys))
 
@@ -101,6 +104,22 @@ class Batch:
     def gen_samples(self) -> float:
         """Generation targets: images, and clips with an audio generator (one loss, normalized by both)."""
         return float(self.gen_weight.sum()) + float(self.audio_gen_weight.sum())
+
+
+def absent_field(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Zeros of ``shape`` for a field this rank does not read (a producer's share leaves it out): one element
+    expanded (every stride 0), so neither host memory nor a host-to-device copy is spent on it."""
+    return torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
+
+
+def is_absent(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 1 and not any(tensor.stride())
+
+
+def _map_one(fn: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor) -> torch.Tensor:
+    if is_absent(tensor):
+        return fn(tensor.new_zeros(())).expand(tensor.shape)
+    return fn(tensor)
 
 
 def _items_of(counts: torch.Tensor, samples: range) -> slice:

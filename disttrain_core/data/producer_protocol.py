@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .batch import PER_ROW_AUDIO, Batch, concat
+from .batch import PER_ROW_AUDIO, Batch, absent_field, concat
 from .transport import ProtocolError, pack_arrays, unpack_arrays
 
 DTYPES = {
@@ -346,7 +346,8 @@ def _absent(raw, want: Want, limit: int) -> dict[str, np.ndarray]:
         total += math.prod(shape) * np.dtype(DTYPES[name]).itemsize
     if total > limit:
         raise ProtocolError(f"absent fields of {total} bytes exceed the limit of {limit}")
-    return {name: np.zeros(raw[name], dtype=DTYPES[name]) for name in names}
+    # one zero broadcast to the stated shape: decoded as an absent field (data/batch.py), never materialized
+    return {name: np.broadcast_to(np.zeros((), dtype=DTYPES[name]), raw[name]) for name in names}
 
 
 def decode_batch(meta: dict, payload) -> Batch:
@@ -373,4 +374,12 @@ def _decode(meta: dict, payload, extra: dict | None = None, absent: dict | None 
         counts = arrays[f"{kind}_counts"]
         if arrays[items].ndim == 0 or (counts < 0).any() or int(counts.sum()) != arrays[items].shape[0]:
             raise ProtocolError(f"batch {kind} counts do not match its {items}")
-    return Batch(**{name: torch.from_numpy(arrays[name]) for name in FIELDS}, keys=[str(k) for k in keys]), arrays
+    left_out = set(absent or ())
+    tensors = {name: _tensor(arrays[name], name in left_out) for name in FIELDS}
+    return Batch(**tensors, keys=[str(k) for k in keys]), arrays
+
+
+def _tensor(array: np.ndarray, left_out: bool) -> torch.Tensor:
+    if left_out:  # one zero, broadcast (``_absent``): an absent field of the Batch (data/batch.py)
+        return absent_field(array.shape, torch.from_numpy(np.zeros((), dtype=array.dtype)).dtype)
+    return torch.from_numpy(array)

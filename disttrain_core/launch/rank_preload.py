@@ -18,9 +18,9 @@ import lightning_fabric  # noqa: E402,F401
 import torch  # noqa: E402,F401
 import torch.distributed.tensor  # noqa: E402,F401
 
+from disttrain_core.config import register_configs  # noqa: E402
 from disttrain_core.launch import entry as launch  # noqa: E402,F401
 from disttrain_core.train import loop  # noqa: E402,F401
-from disttrain_core.config import register_configs  # noqa: E402
 
 # Each rank runs train.py again as ``__mp_main__`` (multiprocessing's start methods re-import the main module),
 # whose first act is ``register_configs()``: about 0.7 s of a core storing the schema and reading every recipe.

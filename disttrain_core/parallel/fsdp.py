@@ -45,9 +45,9 @@ Under bf16-mixed with a bf16 wire (``parallel.comm.wire_dtype``) parameters are 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from ..comm.partial_grads import PartialGradients
 from ..config import OptimConfig
 from .recompute import BLOCKS
 from .zero import adamw
@@ -180,8 +180,7 @@ class ShardedOptimizer:
         named_params: list[tuple[str, nn.Parameter]],
         cfg: OptimConfig,
         copies: int,
-        partial_grads=(),
-        tp_group=None,
+        partial_grads: PartialGradients | None = None,
         device=None,
         regather=(),
     ):
@@ -193,8 +192,7 @@ class ShardedOptimizer:
         norm weight is split over the FSDP mesh and replicated over TP; HSDP replicates everything R
         times). ``partial_grads``: sequence-parallel parameters whose gradients are partial sums over TP."""
         self.named_params = [(n, p) for n, p in named_params if p.requires_grad]
-        self.partial = [p for p in partial_grads if p.requires_grad]
-        self.tp_group = tp_group
+        self.partial = partial_grads if partial_grads is not None else PartialGradients()
         self.device = device if device is not None else (self.named_params[0][1].device if self.named_params else None)
         decay = [p for _, p in self.named_params if p.ndim >= 2]
         no_decay = [p for _, p in self.named_params if p.ndim < 2]
@@ -221,12 +219,7 @@ class ShardedOptimizer:
         experts' gradients summed over the ranks holding them."""
         if self.experts is not None:
             self.experts.reduce_gradients()
-        if self.tp_group is None:
-            return
-        for param in self.partial:
-            if param.grad is not None:
-                grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-                dist.all_reduce(grad, group=self.tp_group)
+        self.partial.complete_all()
 
     def grad_norm_squared(self) -> torch.Tensor:
         """This rank's share of the global squared gradient norm (replicated elements weighted)."""

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..base.dtensor import is_sharded, local_block
 from ..comm.buckets import FlatBuckets, bucket_numel
 from ..comm.engine import BucketedSync, make_collectives
+from ..comm.partial_grads import PartialGradients
 from ..comm.trace import CommTrace
 from ..config import CommConfig, OptimConfig
 from .flat_chunks import range_boxes, sharded_chunks
@@ -69,7 +70,7 @@ class ZeroOneOptimizer:
         tp: int,
         comm: CommConfig | None = None,
         stage_of: dict[int, int] | None = None,
-        partial_grads=(),
+        partial_grads: PartialGradients | None = None,
         tp_group=None,
         trace: CommTrace | None = None,
         comm_group=None,

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from ..base.clock import DeviceClock
-from ..comm.engine import allreduce_gradients
+from ..comm.engine import allreduce_gradients, allreduce_tensors
 from ..data.batch import Batch, pad_rows
 from ..data.tokenizer import Tokenizer
 from ..parallel.hot_switch import run_switch
@@ -277,14 +277,10 @@ class HotSpaEngine(Engine):
         if group is not None and dist.get_world_size(group) > 1:
             allreduce_gradients(local, group, float("inf"), 1)  # a sum over the strategy's replicas
         # sequence parallelism: the norms' gradients are partial sums over the strategy's TP group
-        partial = {id(p) for p in engine.partial_grads}
-        tp_group = engine.groups.tensor_parallel
-        if partial and tp_group is not None and dist.get_world_size(tp_group) > 1:
-            pieces = [g for (_, p), g in zip(engine.named_parameters, local, strict=True) if id(p) in partial]
-            allreduce_gradients(pieces, tp_group, float("inf"), 1)
+        pairs = [(p, g.grad) for (_, p), g in zip(engine.named_parameters, local, strict=True) if g.grad is not None]
+        engine.partial_grads.complete_tensors(pairs, lambda grads, tp: allreduce_tensors(grads, tp, float("inf"), 1))
         grads = {n: g.grad for (n, _), g in zip(engine.named_parameters, local, strict=True) if g.grad is not None}
         home = self.home.engine
-        home_partial = {id(p) for p in home.partial_grads}  # summed over the home's TP group by its own reduction
         with torch.no_grad():
             moved = run_switch(
                 self.plans.get(member.name, _GRAD), grads, self.layouts[member.name], self.layouts[_GRAD]
@@ -293,7 +289,8 @@ class HotSpaEngine(Engine):
                 if name in moved:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                    if id(p) not in home_partial or home.tp_rank == 0:  # a partial sum counts once over TP
+                    # the home's own reduction sums its partially held gradients over its TP group: count once
+                    if home.partial_grads.counted_on(p, home.tp_rank):
                         target = _local(p.grad)
                         target.add_(moved[name].view_as(target))
         for _, p in engine.named_parameters:

@@ -19,6 +19,7 @@ from lightning_fabric import Fabric
 
 from ..comm.engine import MODES
 from ..comm.p2p import Channels
+from ..comm.partial_grads import PartialGradients
 from ..comm.trace import CommTrace
 from ..config import Config, training_precision, wire_format
 from ..data.tokenizer import Tokenizer
@@ -85,10 +86,9 @@ class UnitEngine(Engine):
         # MoE aux terms: balanced over the ranks that share a global microbatch's tokens (data x context),
         # averaged over the step's microbatches (gradients are summed over those ranks).
         configure_moe(self.models(), self.groups.gradient, 1.0 / schedule.num_microbatches)
-        self.partial_grads: list[torch.nn.Parameter] = []  # sequence-parallel norms: summed over TP
-        if mesh is not None:
-            for module in self.stages.values():
-                self.partial_grads += sequence_parallel_partial_params(module.model)
+        partial = [p for module in self.stages.values() for p in sequence_parallel_partial_params(module.model)]
+        # sequence-parallel norms: summed over TP (comm/partial_grads.py)
+        self.partial_grads = PartialGradients(partial if mesh is not None else (), self.groups.tensor_parallel)
         self.trace = CommTrace(fabric.device) if comm.trace else None
         self.named_parameters = [
             (name, p)
@@ -200,7 +200,6 @@ class UnitEngine(Engine):
                 self.cfg.optim,
                 copies=self.unit.dp * self.unit.cp * self.unit.tp,
                 partial_grads=self.partial_grads,
-                tp_group=self.groups.tensor_parallel,
                 device=self.fabric.device,
                 regather=fsdp_modules(self.stages.values()) if zero2 else (),
             )

@@ -68,6 +68,13 @@ def test_a_share_round_trips_and_its_summary_counts_the_whole_step():
     assert [s.keys for s in slots] == [["k1", "k2"], ["k5", "k6"]]
     assert torch.equal(slots[1].tokens, whole.tokens[5:7]) and torch.equal(slots[0].image_counts, torch.tensor([0, 2]))
     assert slots[0].images.shape == (2, 3, 2, 2) and not slots[0].images.any()  # not wanted: zeros, right shape
+    # ... held as one zero, expanded: neither materialized on the host nor copied whole to the device
+    from disttrain_core.data.batch import is_absent
+    from disttrain_core.train.engine import batch_to_device
+
+    moved = batch_to_device(slots[0], torch.device("cpu"))
+    assert is_absent(slots[0].images) and is_absent(moved.labels) and moved.labels.untyped_storage().nbytes() == 8
+    assert not is_absent(moved.tokens) and torch.equal(moved.tokens, slots[0].tokens)
     assert not slots[0].labels.any() and slots[0].labels.shape == (2, 6)
     assert summary.totals() == [float((whole.labels != -100).sum()), 4.0, 8.0, 5.0, 0.0, 0.0]  # no clips, no video
     assert torch.equal(summary.image_counts, whole.image_counts.view(2, 4))
