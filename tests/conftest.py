@@ -3,6 +3,7 @@ helper that runs ``train.py`` in a subprocess with an outer timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -16,12 +17,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Tests must not touch the user's cache and must leave cores to each other.
-# One cache per pytest-xdist worker: two workers never race on one profile or peak file.
+# Tests must not touch the user's cache and must leave cores to each other. What is computed (the planner's
+# workloads, FLOP counts, compiled kernels: pure functions of their keys, written atomically) is shared by the
+# pytest-xdist workers, so a 72B workload is counted once per machine, not once per worker; what is measured
+# (profiles, matmul peaks) stays one cache per worker: two workers never race on one profile or peak file.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
-os.environ.setdefault(
-    "DISTTRAIN_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"disttrain-test-cache-{_WORKER}")
-)
+_TMP = Path(os.environ.get("TMPDIR", "/tmp"))
+os.environ.setdefault("DISTTRAIN_CACHE", str(_TMP / "disttrain-test-cache"))
+os.environ.setdefault("DISTTRAIN_MEASURED_CACHE", str(_TMP / f"disttrain-test-cache-{_WORKER}"))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 # trainer.compile's kernels (tests/distributed/test_compile.py): one inductor cache for the session's runs, so a
 # block graph compiled by one test (a cold compile: tens of seconds on two cores) is loaded by the next
@@ -91,14 +94,40 @@ def no_stale_rendezvous(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory every pytest-xdist worker of this test session sees (the session's own under one process)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def made_once(directory: Path):
+    """``with made_once(d) as todo:`` -- ``todo`` is true for the one process (of the session's workers) that must
+    make ``d``'s contents; the others wait for it to finish, then find them made."""
+    import fcntl
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{directory}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = Path(f"{directory}.done")
+        todo = not done.exists()
+        yield todo
+        if todo:
+            done.touch()
+
+
 @pytest.fixture(scope="session")
 def shards(tmp_path_factory) -> Path:
-    """4 equal shards x 24 samples with small images (generated once per session)."""
+    """4 equal shards x 24 samples with small images, generated once per test session and shared by the workers
+    (the data is a pure function of its seed: both workers would make the same bytes)."""
     from disttrain_core.config import SyntheticDataConfig
     from disttrain_core.data.synthetic import generate_shards
 
-    out = tmp_path_factory.mktemp("data") / "shards"
-    generate_shards(SyntheticDataConfig(num_shards=4, samples_per_shard=24, image_side_max=128), out, processes=1)
+    out = shared_dir(tmp_path_factory) / "data" / "shards"
+    with made_once(out) as todo:
+        if todo:
+            config = SyntheticDataConfig(num_shards=4, samples_per_shard=24, image_side_max=128)
+            generate_shards(config, out, processes=1)
     return out
 
 
@@ -110,8 +139,10 @@ def val_shards(shards) -> Path:
     from disttrain_core.data.synthetic import generate_shards
 
     out = Path(f"{shards}_val")
-    config = SyntheticDataConfig(num_shards=4, samples_per_shard=24, image_side_max=128, val_shards=1)
-    generate_shards(config, out, processes=1, held_out=True)
+    with made_once(out) as todo:
+        if todo:
+            config = SyntheticDataConfig(num_shards=4, samples_per_shard=24, image_side_max=128, val_shards=1)
+            generate_shards(config, out, processes=1, held_out=True)
     return out
 
 

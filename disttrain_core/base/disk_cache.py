@@ -1,8 +1,11 @@
 """Results kept on disk between runs (``$DISTTRAIN_CACHE``, default ``~/.cache/disttrain``): the planner's
-workloads, the FLOP counts behind MFU, measured peaks. Every entry is a pure function of its key; a key names
-what the value depends on (a version, the torch release, the config, the source of the code that computes it).
-Writes are atomic (a temporary file renamed over the entry), so ranks computing the same entry side by side
-never read half of one; a read-only or full disk only costs a recomputation."""
+workloads, the FLOP counts behind MFU, and what was measured on this machine (the planner's profiles, matmul
+peaks). A computed entry is a pure function of its key, which names what the value depends on (a version, the
+torch release, the config, the source of the code that computes it), so any process may share it; a measured
+one depends on the machine and its load as well, and lives under ``$DISTTRAIN_MEASURED_CACHE`` when that is set
+(the test suite: one per pytest-xdist worker, which measure side by side). Writes are atomic (a temporary file
+renamed over the entry), so processes computing the same entry side by side never read half of one; a read-only
+or full disk only costs a recomputation."""
 
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("DISTTRAIN_CACHE", Path.home() / ".cache" / "disttrain"))
+def cache_root(measured: bool = False) -> Path:
+    root = Path(os.environ.get("DISTTRAIN_CACHE", Path.home() / ".cache" / "disttrain"))
+    return Path(os.environ.get("DISTTRAIN_MEASURED_CACHE", root)) if measured else root
 
 
 def cache_file(kind: str, key: str) -> Path:

@@ -25,7 +25,7 @@ import torch
 
 from ..base.disk_cache import cache_root, read_json, write_json
 
-CACHE = cache_root() / "peak_flops.json"
+CACHE = cache_root(measured=True) / "peak_flops.json"
 
 
 def _cpu_model() -> str:

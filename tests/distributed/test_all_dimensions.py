@@ -13,8 +13,8 @@ EIGHT = ["parallel.mode=megatron", "parallel.dp=2", "parallel.pp=2", "schedule=1
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("all_dimensions") / "one", "model=llama_tiny", *BATCH)
+def reference(one_process):
+    return one_process("model=llama_tiny", *BATCH)
 
 
 @pytest.mark.parametrize(

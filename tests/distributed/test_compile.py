@@ -30,13 +30,13 @@ TEXT = ["model=llama_tiny"]  # one decoder graph to compile (cold, tens of secon
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("compile") / "eager", *SMALL)
+def reference(one_process):
+    return one_process(*SMALL)
 
 
 @pytest.fixture(scope="module")
-def text_reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("compile") / "eager_text", *TEXT, *SMALL)
+def text_reference(one_process):
+    return one_process(*TEXT, *SMALL)
 
 
 def issued_during_backward(trace: list[dict]) -> int:

@@ -18,13 +18,13 @@ MLLM = ["model=mllm_tiny", *SMALL]
 
 
 @pytest.fixture(scope="module")
-def llama_reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("cp") / "llama", *LLAMA)
+def llama_reference(one_process):
+    return one_process(*LLAMA)
 
 
 @pytest.fixture(scope="module")
-def mllm_reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("cp") / "mllm", *MLLM)
+def mllm_reference(one_process):
+    return one_process(*MLLM)
 
 
 @pytest.mark.parametrize(

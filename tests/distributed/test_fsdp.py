@@ -12,13 +12,13 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("fsdp") / "one", *SMALL)
+def reference(one_process):
+    return one_process(*SMALL)
 
 
 @pytest.fixture(scope="module")
-def text_reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("fsdp_text") / "one", "model=llama_tiny", *SMALL)
+def text_reference(one_process):
+    return one_process("model=llama_tiny", *SMALL)
 
 
 @pytest.mark.parametrize(

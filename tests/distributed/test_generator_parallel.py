@@ -100,8 +100,8 @@ def test_the_tensor_parallel_unet_equals_the_whole_one(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("generator") / "one", *SMALL)
+def reference(one_process):
+    return one_process(*SMALL)
 
 
 @pytest.mark.parametrize(

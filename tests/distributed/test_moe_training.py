@@ -19,9 +19,9 @@ DP4_EP2 = ["parallel=zero1", "parallel.ep=2", "trainer.devices=4", "optim.micro_
 
 
 @pytest.fixture(scope="module")
-def one8(shards, tmp_path_factory):
+def one8(one_process):
     """One process over global microbatches of 8 (the dp4 x micro 2 and dp2 x micro 4 layouts' references)."""
-    return train(shards, tmp_path_factory.mktemp("one8"), *MOE, "optim.micro_batch_size=8")
+    return one_process(*MOE, "optim.micro_batch_size=8")
 
 
 def test_expert_parallel_moe_matches_one_process(shards, tmp_path, one8):
@@ -41,9 +41,9 @@ def test_expert_parallel_with_fsdp2_matches_one_process_across_a_resume(shards, 
 
 
 @pytest.mark.slow  # 3 runs, 60 s
-def test_expert_parallel_checkpoint_resumes_without_expert_parallelism(shards, tmp_path):
+def test_expert_parallel_checkpoint_resumes_without_expert_parallelism(shards, tmp_path, one8):
     """dp4 with ep2 stopped at step 3 resumes as plain dp4 (experts are saved by name) to the same step 5."""
-    one = train(shards, tmp_path / "one", *MOE, "optim.micro_batch_size=8")
+    one = one8
     resumed = tmp_path / "resumed"
     train(shards, resumed, *MOE, *DP4_EP2, "trainer.exit_after_step=3")
     plain = ["parallel=zero1", "trainer.devices=4", "optim.micro_batch_size=2", "trainer.resume=auto"]
@@ -51,9 +51,9 @@ def test_expert_parallel_checkpoint_resumes_without_expert_parallelism(shards, t
     assert_same_run(resumed, one)
 
 
-def test_context_and_expert_parallel_moe_matches_one_process(shards, tmp_path):
+def test_context_and_expert_parallel_moe_matches_one_process(shards, tmp_path, one_process):
     """dp2 x cp2 with ep2: each CP rank routes its own positions to the experts of its EP peer."""
-    one = train(shards, tmp_path / "one", *MOE, "optim.micro_batch_size=4")
+    one = one_process(*MOE, "optim.micro_batch_size=4")
     layout = ["parallel=dp", "parallel.cp=2", "parallel.ep=2", "trainer.devices=4", "optim.micro_batch_size=2"]
     run = train(shards, tmp_path / "dp2_cp2_ep2", *MOE, *layout)
     assert_same_run(run, one)

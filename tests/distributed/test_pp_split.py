@@ -9,9 +9,9 @@ from .test_units import SMALL, assert_same_run, train
 pytestmark = pytest.mark.distributed
 
 
-def test_a_1_3_split_matches_one_process(shards, tmp_path):
+def test_a_1_3_split_matches_one_process(shards, tmp_path, one_process):
     model = ["model=llama_tiny", *SMALL]
-    reference = train(shards, tmp_path / "one", *model)
+    reference = one_process(*model)
     split = train(
         shards,
         tmp_path / "pp2",

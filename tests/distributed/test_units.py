@@ -37,8 +37,8 @@ def assert_same_run(run_dir, reference_dir):
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("units") / "one", *SMALL)
+def reference(one_process):
+    return one_process(*SMALL)
 
 
 # megatron_pp2: the rigid Megatron baseline (the LLM in 2 pipeline stages, the encoder and the generator as two more

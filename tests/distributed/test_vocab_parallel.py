@@ -137,8 +137,8 @@ def test_each_rank_holds_half_the_logits_bytes_at_its_peak(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def llama_reference(shards, tmp_path_factory):
-    return train(shards, tmp_path_factory.mktemp("one"), "model=llama_tiny", *SMALL)
+def llama_reference(one_process):
+    return one_process("model=llama_tiny", *SMALL)
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sequence_parallel", "plain_tp"])
