@@ -19,6 +19,8 @@ with 2 processes. Results go to ``out`` (JSON); docs/performance/training.md sum
 
     python tools/bench_train.py                          # ~15 minutes on 2 cores
     python tools/bench_train.py steps=20 repeats=1 ddp=false models=mllm_tiny
+
+tools/bench_litgpt_cli.py compares the two entry points instead: ``python train.py`` and the stock ``litgpt pretrain``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ OPTIONS = {
     "ddp": "true",
     "out": str(REPO_ROOT / "docs" / "results" / "bench_train.json"),
     # litgpt=true adds, litgpt=only runs just, the comparison with LitGPT (its own venv, .venv-litgpt, created on
-    # first use from tools/requirements-litgpt.txt) on the Llama shape below, alternating in one run
+    # first use from tools/requirements-litgpt.txt) on the Llama shape below, alternating in one run: LitGPT's loop
+    # re-created around its model. tools/bench_litgpt_cli.py runs the stock `litgpt pretrain` CLI instead
     "litgpt": "false",
     "litgpt_precision": "32",
     # tokens: the framework reads the pre-tokenized windows it hands LitGPT (data=tokens); default: it reads its
@@ -92,6 +95,11 @@ def framework_run(
         cfg = compose(_overrides(model, precision, Path(tmp), warmup + steps, devices) + list(extra))
         launch(cfg)
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    return framework_rates(records, warmup, cfg.model.seq_len, devices)
+
+
+def framework_rates(records: list[dict], warmup: int, seq_len: int, devices: int = 1) -> dict:
+    """Tokens/s (and FLOP/s) of a run's metrics.jsonl records between the end of the warm-up and the last step."""
     # Records close windows of LOG_EVERY steps; time the windows after the warm-up, wall clock.
     start = next(r for r in records if r["step"] == warmup)
     timed = [r for r in records if r["step"] > warmup]
@@ -100,7 +108,7 @@ def framework_run(
     sequences = sum(r["perf/samples_per_s"] * r["perf/step_time_s"] * window for r in timed)
     flops = sum(r["perf/tflops_per_device"] * devices * 1e12 * r["perf/step_time_s"] * window for r in timed)
     return {
-        "tokens_per_s": sequences * cfg.model.seq_len / seconds,
+        "tokens_per_s": sequences * seq_len / seconds,
         "flops_per_s": flops / seconds,
         "data_wait_fraction": statistics.mean(r["perf/data_wait_fraction"] for r in timed),
     }
@@ -159,14 +167,60 @@ def minimal_run(model: str, precision: str, steps: int, warmup: int, predecoded:
 
 
 def litgpt_python() -> Path:
-    """The LitGPT venv's interpreter, creating the venv on first use (about a minute with a local torch wheel)."""
+    """The LitGPT venv's interpreter, creating the venv on first use (about a minute with a local torch wheel) and
+    installing tools/requirements-litgpt*.txt again whenever they differ from what the venv was made with."""
     python = LITGPT_VENV / "bin" / "python"
+    files = [REPO_ROOT / "tools" / f"requirements-litgpt{suffix}.txt" for suffix in ("", "-nodeps")]
+    wanted = "".join(path.read_text() for path in files)
+    installed = LITGPT_VENV / "requirements-litgpt.txt"  # what the venv was last installed from
     if not python.exists():
         print(f"creating {LITGPT_VENV} from tools/requirements-litgpt.txt", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(LITGPT_VENV)], check=True)
-        requirements = REPO_ROOT / "tools" / "requirements-litgpt.txt"
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-r", str(requirements)], check=True)
+    if not installed.is_file() or installed.read_text() != wanted:
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, "-r", str(files[0])], check=True)
+        subprocess.run([*pip, "--no-deps", "-r", str(files[1])], check=True)
+        installed.write_text(wanted)
     return python
+
+
+def litgpt_version(python: Path) -> str:
+    code = "import importlib.metadata as m; print(m.version('litgpt'), m.version('torch'))"
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def litgpt_setup(
+    tmp: Path,
+    precision: str,
+    steps: int,
+    warmup: int,
+    shape: dict = LITGPT_SHAPE,
+    micro: int = LITGPT_MICRO,
+    accumulation: int = LITGPT_ACCUMULATION,
+) -> tuple:
+    """train.py's config of the LitGPT comparison, its overrides (``shape``: the shape and batch; ``data``:
+    data=tokens over a token file written to ``tmp``) and the windows it trains on, step by step:
+    [warmup + steps, accumulation, micro, seq_len + 1] token ids, as its own loader yields them."""
+    import numpy as np
+
+    from disttrain_core.data.token_file import TokenFileLoader
+
+    tokens = tmp / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 384, 1 << 20).astype(np.uint16))
+    data = ("data=tokens", f"data.path={tokens}")
+    extra = (
+        *(f"model.llm.{k}={v}" for k, v in shape.items() if k != "seq_len"),
+        f"model.seq_len={shape['seq_len']}",
+        f"optim.micro_batch_size={micro}",
+        f"optim.global_batch_size={micro * accumulation}",
+    )
+    cfg = compose(_overrides("llama_tiny", precision, tmp, warmup + steps) + list(extra + data))
+    loader = TokenFileLoader(tokens, cfg.model.seq_len, micro, accumulation, cfg.model.llm.vocab_size, cfg.trainer.seed)
+    windows = [
+        [torch.cat([mb.tokens, mb.labels[:, -1:]], dim=1).numpy() for mb in loader.next_step()]
+        for _ in range(warmup + steps)
+    ]
+    return cfg, extra, data, np.asarray(windows, dtype=np.int64)
 
 
 def litgpt_comparison(options: dict, steps: int, warmup: int, threads: int) -> dict:
@@ -175,31 +229,13 @@ def litgpt_comparison(options: dict, steps: int, warmup: int, threads: int) -> d
     memory-mapped) or its default shards, decoded by its worker process (``litgpt_data=default``)."""
     import numpy as np
 
-    from disttrain_core.data.token_file import TokenFileLoader
-
     precision, repeats = options["litgpt_precision"], int(options["litgpt_repeats"])
     python = litgpt_python()
     with tempfile.TemporaryDirectory() as tmp:
-        tokens = Path(tmp) / "tokens.npy"
-        np.save(tokens, np.random.default_rng(0).integers(0, 384, 1 << 20).astype(np.uint16))
-        data = ("data=tokens", f"data.path={tokens}")
-        extra = (
-            *(f"model.llm.{k}={v}" for k, v in LITGPT_SHAPE.items() if k != "seq_len"),
-            f"model.seq_len={LITGPT_SHAPE['seq_len']}",
-            f"optim.micro_batch_size={LITGPT_MICRO}",
-            f"optim.global_batch_size={LITGPT_MICRO * LITGPT_ACCUMULATION}",
-        )
-        cfg = compose(_overrides("llama_tiny", precision, Path(tmp), warmup + steps) + list(extra + data))
+        cfg, extra, data, windows = litgpt_setup(Path(tmp), precision, steps, warmup)
         if options["litgpt_data"] == "tokens":
             extra += data
-        loader = TokenFileLoader(
-            tokens, cfg.model.seq_len, LITGPT_MICRO, LITGPT_ACCUMULATION, cfg.model.llm.vocab_size, cfg.trainer.seed
-        )
-        windows = [  # the framework's own windows, step by step: [steps, accumulation, micro, seq_len + 1]
-            [torch.cat([mb.tokens, mb.labels[:, -1:]], dim=1).numpy() for mb in loader.next_step()]
-            for _ in range(warmup + steps)
-        ]
-        np.save(Path(tmp) / "windows.npy", np.asarray(windows, dtype=np.int64))
+        np.save(Path(tmp) / "windows.npy", windows)
         llm = cfg.model.llm
         spec = {
             "windows": str(Path(tmp) / "windows.npy"),
@@ -240,12 +276,7 @@ def litgpt_comparison(options: dict, steps: int, warmup: int, threads: int) -> d
         "framework_data": options["litgpt_data"],
         "steps": steps,
         "warmup": warmup,
-        "litgpt": subprocess.run(
-            [str(python), "-c", "import litgpt, importlib.metadata as m; print(m.version('litgpt'))"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip(),
+        "litgpt": litgpt_version(python).split()[0],
         "framework_tokens_per_s": [round(v, 1) for v in runs["framework"]],
         "litgpt_tokens_per_s": [round(v, 1) for v in runs["litgpt"]],
         "paired_ratios": [round(r, 4) for r in ratios],
