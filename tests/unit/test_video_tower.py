@@ -166,14 +166,14 @@ def test_the_planner_weighs_the_video_tower_riding_on_the_llm_or_on_devices_of_i
     work = workload_of(cfg).units["video_encoder"]
     assert work.tokens == 2 * PATCHES and work.items_per_sample == 1.0
     solver = every_option("mllm9b", 24, 32, extra=[*AUDIO, "model/video_encoder=vit_l14_video"])
-    model, llm = solver.m, solver.solve().evaluation.choices["llm"]
+    plan = solver.solve().evaluation
+    model, llm = solver.m, plan.choices["llm"]
     own = solver.audio_options("video_encoder", 8)[0]
     riding, apart = (
         model.llm_end_extras(llm, None, None, 1e12, "none", {"video_encoder": ch})[0] for ch in (COLOCATED, own)
     )
     tower = model.colocated_time("video_encoder", llm.tp, model.micro, "none")  # on the first stage while it rides
     assert tower > 0 and riding - apart == pytest.approx(tower)
-    plan = solver.solve().evaluation
     units = layout_container(plan)["units"]
     assert units["video_encoder"]["colocate"] is False and units["video_encoder"]["pp"] == 1
 
