@@ -103,7 +103,7 @@ def predict_at_scale() -> dict:
     strategy per bucket, against every static (dp, tp, pp, cp) on 32 GPUs that holds 32K tokens."""
     from disttrain_core.config import compose, typed_config
     from disttrain_core.parallel.switch_plan import Strategy
-    from disttrain_core.planner.hotspa import predict
+    from disttrain_core.planner.hotspa import predict, strategy_costs
 
     cfg = typed_config(compose(SEED["overrides"]))
     candidates = [
@@ -115,8 +115,9 @@ def predict_at_scale() -> dict:
     ]
     given = [Strategy.parse(s) for s in SEED["strategies"]]
     out = {"setting": {k: v for k, v in SEED.items() if k != "reported"}, "reported_by_the_seed": SEED["reported"]}
-    out["artifact_strategies"] = predict(cfg, given, SEED["buckets"], candidates, SEED["documents"], "commoncrawl")
-    out["fastest_per_bucket"] = predict(cfg, None, SEED["buckets"], candidates, SEED["documents"], "commoncrawl")
+    costs = strategy_costs(cfg, [*given, *candidates], SEED["buckets"])  # fitted once for both predictions
+    for key, strategies in (("artifact_strategies", given), ("fastest_per_bucket", None)):
+        out[key] = predict(cfg, strategies, SEED["buckets"], candidates, SEED["documents"], "commoncrawl", costs=costs)
     return out
 
 

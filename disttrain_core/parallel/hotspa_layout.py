@@ -98,31 +98,31 @@ def bucket_recompute(cfg: Config, bucket: int) -> str:
     return str(policies[bucket]) if policies else str(cfg.parallel.recompute)
 
 
-def strategy_config(cfg: Config, strategy: Strategy, capacity: int, recompute: str | None = None) -> Config:
+def strategy_config(cfg: Config, strategy: Strategy, capacity: int, recompute: str | None = None, *extra) -> Config:
     """The config one strategy's engine is built from: the rigid layout with its sizes, rows of its bucket,
-    the bucket's recompute policy (``recompute``; None: parallel.recompute)."""
+    the bucket's recompute policy (``recompute``; None: parallel.recompute); ``extra`` patches merged after it
+    in the same merge (each ``OmegaConf.merge`` deep-copies the whole typed config: the planner's HotSPa
+    predictions spent most of their time copying it)."""
     schedule = "none" if strategy.pp == 1 else (cfg.schedule.name if cfg.schedule.name != "none" else "1f1b")
     rows = microbatch_rows(cfg.data.packing, capacity)
-    return OmegaConf.merge(
-        cfg,
-        {
-            "parallel": {
-                "mode": "megatron",
-                "dp": strategy.dp,
-                "tp": strategy.tp,
-                "pp": strategy.pp,
-                "cp": strategy.cp,
-                "shard": "zero1",
-                "recompute": recompute or cfg.parallel.recompute,
-            },
-            "model": {"seq_len": int(capacity)},
-            "schedule": {"name": schedule, "vpp": 1},
-            "optim": {
-                "micro_batch_size": rows,
-                "global_batch_size": rows * strategy.dp,
-            },
+    patch = {
+        "parallel": {
+            "mode": "megatron",
+            "dp": strategy.dp,
+            "tp": strategy.tp,
+            "pp": strategy.pp,
+            "cp": strategy.cp,
+            "shard": "zero1",
+            "recompute": recompute or cfg.parallel.recompute,
         },
-    )
+        "model": {"seq_len": int(capacity)},
+        "schedule": {"name": schedule, "vpp": 1},
+        "optim": {
+            "micro_batch_size": rows,
+            "global_batch_size": rows * strategy.dp,
+        },
+    }
+    return OmegaConf.merge(cfg, patch, *extra)
 
 
 def local_box_tensors(named_parameters, layout: dict, rank: int, check: bool = False) -> dict[str, torch.Tensor]:

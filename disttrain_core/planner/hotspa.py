@@ -25,7 +25,6 @@ import statistics
 from dataclasses import dataclass
 
 import torch
-from omegaconf import OmegaConf
 
 from ..data.packing import bucket_and_pack, pack, sample_lengths
 from ..parallel.switch_plan import PlanCache, Strategy, strategy_layout
@@ -56,9 +55,11 @@ def _evaluate(cfg, strategy: Strategy, seq_len: int, memory: bool):
     from ..parallel.hotspa_layout import strategy_config
     from .api import build_layout_model, choices_of_config
 
-    scfg = strategy_config(cfg, strategy, seq_len)
-    scfg = OmegaConf.merge(
-        scfg,
+    scfg = strategy_config(
+        cfg,
+        strategy,
+        seq_len,
+        None,
         {
             "planner": {"cost": "analytic", "recompute": cfg.parallel.recompute, "shard": "zero1"},
             "optim": {"micro_batch_size": 1, "global_batch_size": strategy.dp},
@@ -142,8 +143,7 @@ def predict(
     already (every strategy named, fits at every bucket)."""
     longest = buckets[-1]
     if costs is None:
-        every = {s.name: s for s in [*(strategies or []), *candidates]}
-        costs = {name: strategy_cost(cfg, s, fit_lengths(longest), sorted(set(buckets))) for name, s in every.items()}
+        costs = strategy_costs(cfg, [*(strategies or []), *candidates], buckets)
     if batches is None:
         batches = sampled_batches(source, documents, longest, seed, steps, scale)
     samples = [(lengths, bucket_and_pack(lengths, buckets)) for lengths in batches]
@@ -157,6 +157,13 @@ def predict(
     switch = sum(out + back for out, back in switches.values())
     hot_steps, static_steps, bucket_s = _step_times(samples, strategies, buckets, costs, static, home, switch, longest)
     return _summary(strategies, buckets, costs, home, switch, switches, hot_steps, static_steps, bucket_s)
+
+
+def strategy_costs(cfg, strategies: list[Strategy], buckets: list[int]) -> dict[str, StrategyCost]:
+    """``predict``'s ``costs``: each strategy's fitted row time and whether it holds each bucket (fitted once for
+    several predictions over the same strategies and buckets)."""
+    every = {s.name: s for s in strategies}
+    return {name: strategy_cost(cfg, s, fit_lengths(buckets[-1]), sorted(set(buckets))) for name, s in every.items()}
 
 
 def _fastest_strategies(buckets: list[int], candidates: list[Strategy], costs: dict, samples: list) -> list[Strategy]:
