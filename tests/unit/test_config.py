@@ -70,7 +70,7 @@ def test_composing_from_the_kept_defaults_equals_hydras_own_composition():
     assert compose(["parallel=disagg2"]).optim.lr != 123.0
     for bad in (["optim.lrr=1"], ["hydra.run.dirr=/x"], ["optim.lr=abc"], ["model=llama_tiny", "model.encoder.dim=8"]):
         errors = []
-        for composition in (lambda: _hydra_compose(bad, False), lambda: compose(bad)):
+        for composition in (lambda bad=bad: _hydra_compose(bad, False), lambda bad=bad: compose(bad)):
             with pytest.raises(Exception) as raised:
                 composition()
             errors.append((type(raised.value), str(raised.value)))
