@@ -98,9 +98,11 @@ def bucket_recompute(cfg: Config, bucket: int) -> str:
     return str(policies[bucket]) if policies else str(cfg.parallel.recompute)
 
 
-def strategy_config(cfg: Config, strategy: Strategy, capacity: int, recompute: str | None = None, *extra) -> Config:
+def strategy_config(
+    cfg: Config, strategy: Strategy, capacity: int, recompute: str | None = None, extra: dict | None = None
+) -> Config:
     """The config one strategy's engine is built from: the rigid layout with its sizes, rows of its bucket,
-    the bucket's recompute policy (``recompute``; None: parallel.recompute); ``extra`` patches merged after it
+    the bucket's recompute policy (``recompute``; None: parallel.recompute); ``extra``: a patch merged after it
     in the same merge (each ``OmegaConf.merge`` deep-copies the whole typed config: the planner's HotSPa
     predictions spent most of their time copying it)."""
     schedule = "none" if strategy.pp == 1 else (cfg.schedule.name if cfg.schedule.name != "none" else "1f1b")
@@ -122,7 +124,7 @@ def strategy_config(cfg: Config, strategy: Strategy, capacity: int, recompute: s
             "global_batch_size": rows * strategy.dp,
         },
     }
-    return OmegaConf.merge(cfg, patch, *extra)
+    return OmegaConf.merge(cfg, patch, extra or {})
 
 
 def local_box_tensors(named_parameters, layout: dict, rank: int, check: bool = False) -> dict[str, torch.Tensor]:

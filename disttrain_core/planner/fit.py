@@ -89,13 +89,12 @@ def strategy_memory(
     """The planner's evaluation (planner/evaluate.py, analytic costs) of one strategy holding rows of
     ``capacity`` tokens: ``.feasible``, ``.memory["llm"]`` (bytes on its fullest device), ``.reason``.
     ``layout``: the strategy's resolved layout (a run's bucket); None: a candidate's, resolved here."""
-
     from ..parallel.hotspa_layout import strategy_config
     from .api import build_layout_model, choices_of_config
 
     policy = recompute or cfg.parallel.recompute
     scfg = strategy_config(
-        cfg, strategy, capacity, recompute, {"planner": {"cost": "analytic", "recompute": policy, "shard": shard}}
+        cfg, strategy, capacity, recompute, extra={"planner": {"cost": "analytic", "recompute": policy, "shard": shard}}
     )
     # the run's processes per node (a tensor-parallel group is placed as the run places it)
     scfg.cluster.gpus_per_node = int(cfg.trainer.devices)

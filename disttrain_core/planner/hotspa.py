@@ -59,8 +59,7 @@ def _evaluate(cfg, strategy: Strategy, seq_len: int, memory: bool):
         cfg,
         strategy,
         seq_len,
-        None,
-        {
+        extra={
             "planner": {"cost": "analytic", "recompute": cfg.parallel.recompute, "shard": "zero1"},
             "optim": {"micro_batch_size": 1, "global_batch_size": strategy.dp},
             "cluster": {} if memory else {"memory_per_device_gb": 1e9},
