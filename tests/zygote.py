@@ -139,7 +139,10 @@ def serve() -> None:
     """The server: warm up, then fork one run per request line on stdin."""
     answers = os.fdopen(os.dup(1), "w")  # the protocol; stray prints of the imports go to stderr
     os.dup2(2, 1)
-    _warm_imports()
+    from disttrain_core.base.startup import uncollected_imports
+
+    with uncollected_imports():  # every run forks from here: its collections never walk the imports
+        _warm_imports()
     protocol = {0, answers.fileno()}
     answers.write(json.dumps({"ready": os.getpid()}) + "\n")
     answers.flush()

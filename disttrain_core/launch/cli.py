@@ -150,9 +150,12 @@ def _variants(argv: list[str], multirun: bool) -> list[list[str]]:
 def check_overrides(argv: list[str], on_composed: Callable | None = None) -> None:
     """Raise PreflightError describing the first configuration problem in ``argv``. ``on_composed(cfg)``:
     called with each variant's typed config before it is validated."""
-    from ..config import typed_config
-    from ..planner.fit import check_state_fits, validate_run
-    from ..validation.common import check_references
+    from ..base.startup import uncollected_imports
+
+    with uncollected_imports():  # torch and the planner: most of train.py's start-up (base/startup.py)
+        from ..config import typed_config
+        from ..planner.fit import check_state_fits, validate_run
+        from ..validation.common import check_references
 
     multirun = "-m" in argv or "--multirun" in argv
     for overrides in _variants(argv, multirun):

@@ -14,15 +14,20 @@ import signal
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
-import lightning_fabric  # noqa: E402,F401
-import torch  # noqa: E402,F401
-import torch.distributed.tensor  # noqa: E402,F401
+from disttrain_core.base.startup import uncollected_imports  # noqa: E402
 
-from disttrain_core.config import register_configs  # noqa: E402
-from disttrain_core.launch import entry as launch  # noqa: E402,F401
-from disttrain_core.train import loop  # noqa: E402,F401
+# The imports run without the garbage collector and end frozen (base/startup.py): each rank forked from here
+# inherits them as a permanent generation its own collections never walk.
+with uncollected_imports():
+    import lightning_fabric  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
 
-# Each rank runs train.py again as ``__mp_main__`` (multiprocessing's start methods re-import the main module),
-# whose first act is ``register_configs()``: about 0.7 s of a core storing the schema and reading every recipe.
-# Done here once, the ranks' call finds it done.
-register_configs()
+    from disttrain_core.config import register_configs
+    from disttrain_core.launch import entry as launch  # noqa: F401
+    from disttrain_core.train import loop  # noqa: F401
+
+    # Each rank runs train.py again as ``__mp_main__`` (multiprocessing's start methods re-import the main
+    # module), whose first act is ``register_configs()``: about 0.7 s of a core storing the schema and reading
+    # every recipe. Done here once, the ranks' call finds it done.
+    register_configs()
