@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 
 
 @contextlib.contextmanager
 def uncollected_imports():
-    """``with uncollected_imports(): import ...`` -- no collection during the block; what exists at its end is
-    frozen (never collected, never walked again); collection resumes as before."""
+    """``with uncollected_imports(): import ...`` -- no collection during the block; if it imported a module,
+    what exists at its end is frozen (never collected, never walked again); collection resumes as before. A
+    block whose modules were all imported already (a second ``check_overrides`` in one process) freezes
+    nothing: the garbage of the moment is not kept for good."""
     was_enabled = gc.isenabled()
+    modules = len(sys.modules)
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
+        if len(sys.modules) > modules:
+            gc.freeze()
         if was_enabled:
             gc.enable()

@@ -7,16 +7,30 @@ import sys
 from ..conftest import REPO
 
 
-def test_a_block_runs_uncollected_and_what_it_made_is_frozen():
+def test_a_block_that_imports_runs_uncollected_and_what_exists_after_it_is_frozen():
     from disttrain_core.base.startup import uncollected_imports
 
     assert gc.isenabled()
     frozen = gc.get_freeze_count()
+    sys.modules.pop("colorsys", None)
     with uncollected_imports():
         assert not gc.isenabled()
+        import colorsys  # noqa: F401  (a small stdlib module, imported afresh)
+
         made = [[index] for index in range(2_000)]  # 2,001 objects the collector tracks
     assert gc.isenabled()
     assert gc.get_freeze_count() >= frozen + len(made)
+
+
+def test_a_block_that_imports_nothing_new_freezes_nothing():
+    from disttrain_core.base.startup import uncollected_imports
+
+    frozen = gc.get_freeze_count()
+    with uncollected_imports():
+        import json  # noqa: F401  (imported already)
+
+        made = [[index] for index in range(2_000)]
+    assert gc.get_freeze_count() == frozen and len(made) == 2_000
 
 
 def test_a_collector_turned_off_before_stays_off():
