@@ -12,7 +12,7 @@ import sys
 
 from disttrain_core.base.startup import uncollected_imports
 
-with uncollected_imports():  # about 1 s of a 3.9 s start-up was the garbage collector (base/startup.py)
+with uncollected_imports():  # no collector over the imports (base/startup.py; torch's come in check_overrides)
     import hydra
 
     from disttrain_core.config import register_configs

@@ -2,7 +2,7 @@
 
 Importing torch, Lightning Fabric, Hydra and this package creates a few hundred thousand objects, and
 CPython's collector runs over all of them again and again while they are being made: about 1 s of the 3.9 s a
-cold ``python train.py`` spends importing (measured on the 2-core CI machine, docs/performance/test_suite.md).
+cold ``python train.py`` spends importing (measured on a 2-core machine, docs/performance/test_suite.md).
 Nothing an import makes is garbage worth collecting. ``uncollected_imports`` turns the collector off for the
 imports, then freezes what they made (``gc.freeze``: the objects move to a permanent generation that later
 collections do not walk) and turns it back on. A process forked afterwards (a rank from its fork server)
