@@ -82,14 +82,21 @@ def with_device_defaults(container: dict) -> dict:
     return {**container, "trainer": trainer}
 
 
-def prepare_cuda(cfg: Config, rank: int) -> None:
+def prepare_device(cfg: Config, rank: int) -> None:
     """On CUDA, before this process or any rank it starts creates a CUDA context: the variables the runtime
-    reads then (ranks inherit them), and one line when MFU has no datasheet peak for this GPU."""
+    reads then (ranks inherit them), and one line when MFU has no datasheet peak for this GPU. On a CPU, one line
+    when bf16-mixed has no native kernels there (train/perf.py ``cpu_bf16_line``)."""
     accelerator = resolve_accelerator(cfg.trainer.accelerator)
     for name, value in cuda_environment(cfg, accelerator).items():
         os.environ.setdefault(name, value)
     import torch
 
+    if accelerator == "cpu" and rank == 0 and not cfg.trainer.dry_run:  # a dry run of a GPU plan trains nothing here
+        from ..train.perf import cpu_bf16_line
+
+        line = cpu_bf16_line(cfg.trainer.precision)
+        if line:
+            log.warning(line)
     if accelerator != "cuda" or rank != 0 or not torch.cuda.is_available():  # a dry run plans GPUs it lacks
         return
     from ..train.perf import peak_source, step_math
@@ -118,7 +125,7 @@ def resolve(cfg: Config, container: dict, environment):
             stages,
             "|".join(SCHEDULES),
         )
-    prepare_cuda(cfg, environment.rank)
+    prepare_device(cfg, environment.rank)
     if cfg.parallel.mode == "auto":
         from ..planner.auto import resolve_auto
 

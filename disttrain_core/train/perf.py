@@ -124,6 +124,22 @@ def peak_source(math: str, device_name: str, cluster) -> str | None:
     )
 
 
+def cpu_bf16_line(precision: str) -> str | None:
+    """On a CPU whose oneDNN has no bf16 kernels (AVX2 only: no AVX512, no AMX), the one line saying that
+    bf16-mixed runs its matmuls on torch's reference kernels, many times slower than fp32
+    (docs/performance/test_suite.md measured 5-70x by layout); None where bf16 has native kernels or is not used."""
+    if not precision.startswith("bf16"):
+        return None
+    supported = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
+    if supported is None or supported():
+        return None
+    return (
+        f"trainer.precision={precision} on a CPU without native bf16 (torch's CPU capability: "
+        f"{torch.backends.cpu.get_cpu_capability()}): its matmuls run on reference kernels, many times slower "
+        "than fp32; trainer.precision=32 trains faster on this machine"
+    )
+
+
 def peak_flops_per_device(
     precision: str,
     device: torch.device,

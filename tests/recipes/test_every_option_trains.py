@@ -16,7 +16,7 @@ import pytest
 from disttrain_core.config import CONFIG_GROUPS, MODEL_MODULE_GROUPS, compose, group_options
 from disttrain_core.launch.entry import launch
 
-from ..conftest import REPO, base_overrides, read_metrics, tiny_overrides
+from ..conftest import REPO, SMALL_BATCH, base_overrides, read_metrics, tiny_overrides
 from .test_gpu_recipes import GPU_RECIPES
 
 PIPELINE = ["parallel=pp2", "trainer.devices=2"]
@@ -27,11 +27,10 @@ COMPANION_OVERRIDES = {
     ("parallel", "pp2"): ["schedule=1f1b", "trainer.devices=2"],
     ("parallel", "pp4"): ["schedule=1f1b", "trainer.devices=4", "optim.micro_batch_size=4"],
     **{("schedule", name): PIPELINE for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")},
-    # bf16 autocast on this CPU (no native bf16) makes mllm_small's 16-sample steps take ~100 s each: one
-    # microbatch of 2 per replica keeps what the recipe is about (2 processes, bf16-mixed, fp32 masters).
-    ("recipe", "mllm_small_bf16"): ["optim.global_batch_size=4", "optim.micro_batch_size=2"],
+    # mllm_small under bf16 autocast on a CPU without native bf16 (tests/conftest.py SMALL_BATCH)
+    ("recipe", "mllm_small_bf16"): SMALL_BATCH,
     # the same for mllm_small in fp32: 16 samples per step took 80 s of the suite
-    ("model", "mllm_small"): ["optim.global_batch_size=4", "optim.micro_batch_size=2"],
+    ("model", "mllm_small"): SMALL_BATCH,
     # packed text documents: a text-only model
     ("data", "longtail_text"): ["model=llama_tiny"],
     # embedded data with audio clips: a model with an audio tower (else a one-line error)

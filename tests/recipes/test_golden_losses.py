@@ -4,7 +4,8 @@ The parity tests compare layouts with one process, so a change that moves the nu
 every layout alike (an initialization, a loss's reduction, a data order) passes all of them; it fails here.
 Each recipe trains STEPS steps on the test shards (tests/conftest.py ``shards``: the embedded generator's
 seed-0 shards, 4 of 8 samples) with its own model, layout and precision, and its logged losses must equal the
-pinned ones within the tolerance stated in the file (relative, per step; bf16 recipes get a looser one).
+pinned ones within the tolerance stated in the file (relative, per step; bf16 recipes get a looser one). A recipe
+in REDUCED runs with the overrides it names, and the file records them beside its losses.
 
 The file names the torch version it was written with; a run on another torch says so in the failure message.
 After a deliberate numerical change, rewrite the file and say why in the commit:
@@ -24,13 +25,15 @@ import torch
 from disttrain_core.config import CONF_DIR, compose, training_precision
 from disttrain_core.launch.entry import launch
 
-from ..conftest import REPO, base_overrides, read_metrics
+from ..conftest import REPO, SMALL_BATCH, base_overrides, read_metrics
 
 pytestmark = pytest.mark.distributed
 
 GOLDEN = REPO / "tests" / "recipes" / "golden_losses.json"
 STEPS = 3
 TOLERANCE = {"32": 1e-4, "bf16-mixed": 2e-3}  # relative, per step: fp32 / bf16 autocast on CPU
+# mllm_small's 16-sample steps under bf16 autocast: 646 s of the suite on a CPU without native bf16 (conftest)
+REDUCED = {"mllm_small_bf16": SMALL_BATCH}
 
 
 def cpu_recipes() -> list[str]:
@@ -43,6 +46,7 @@ RECIPES = cpu_recipes()
 
 def first_losses(recipe: str, shards, run_dir) -> tuple[list[float], str]:
     overrides = [f"recipe={recipe}", *base_overrides(shards, run_dir), f"trainer.max_steps={STEPS}"]
+    overrides += REDUCED.get(recipe, [])
     cfg = compose(overrides)
     launch(cfg)
     return [m["loss"] for m in read_metrics(run_dir)], training_precision(cfg.trainer.precision, "cpu")
@@ -66,11 +70,18 @@ def test_first_losses_equal_the_golden_ones(recipe, shards, tmp_path):
         data["steps"] = STEPS
         data["tolerance"] = {k: v for k, v in TOLERANCE.items()}
         data["recipes"][recipe] = {"precision": precision, "losses": losses}
+        if recipe in REDUCED:
+            data["recipes"][recipe]["overrides"] = REDUCED[recipe]
         data["recipes"] = dict(sorted(data["recipes"].items()))
         GOLDEN.write_text(json.dumps(data, indent=1) + "\n")
         return
     data = json.loads(GOLDEN.read_text())
-    golden = data["recipes"][recipe]["losses"]
+    pinned = data["recipes"][recipe]
+    assert pinned.get("overrides", []) == REDUCED.get(recipe, []), (
+        f"{recipe}: pinned with overrides {pinned.get('overrides', [])}, run with {REDUCED.get(recipe, [])}: "
+        "rewrite the file (DISTTRAIN_UPDATE_GOLDEN=1)"
+    )
+    golden = pinned["losses"]
     tolerance = data["tolerance"][precision]
     where = f"{recipe} (pinned with torch {data['torch']}, running torch {torch.__version__})"
     assert losses == pytest.approx(golden, rel=tolerance), f"{where}: losses {losses} vs golden {golden}"

@@ -50,6 +50,17 @@ def test_mfu_peak_is_the_datasheet_of_the_math_the_step_runs():
     assert "'NVIDIA RTX 9999'" in line and "cluster.peak_flops_bf16=" in line and "\n" not in line
 
 
+def test_bf16_on_a_cpu_without_native_kernels_is_named_in_one_line(monkeypatch):
+    from disttrain_core.train.perf import cpu_bf16_line
+
+    assert cpu_bf16_line("32") is None
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert cpu_bf16_line("bf16-mixed") is None
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    line = cpu_bf16_line("bf16-mixed")
+    assert "trainer.precision=bf16-mixed" in line and "trainer.precision=32" in line and "\n" not in line
+
+
 def test_measured_links_replace_the_presets_only_where_they_are_the_clusters():
     from disttrain_core.planner import with_measured_links
     from disttrain_core.planner.costs import Hardware
