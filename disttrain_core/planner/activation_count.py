@@ -41,17 +41,17 @@ def counted_saved_bytes(module, inputs) -> float:
     return float(sum(t.numel() * t.element_size() for t in seen.values()))
 
 
-def counted_kept_bytes(make_module, inputs, policy: str) -> float:
+def counted_kept_bytes(module, inputs, policy: str) -> float:
     """Bytes a module keeps for backward under a recompute policy, counted on meta with the runtime's own
-    wrappers (parallel/recompute.py): what autograd saves outside recomputed blocks, plus each recomputed
-    block's inputs (its checkpoint holds them), plus under selective_op the outputs the policy keeps."""
+    wrappers (parallel/recompute.py, applied to ``module`` by the caller: ``apply_recompute(module, policy,
+    every=1)``): what autograd saves outside recomputed blocks, plus each recomputed block's inputs (its
+    checkpoint holds them), plus under selective_op the outputs the policy keeps. The module is left as it
+    came (its hooks removed), so one module serves several counts."""
     import torch
 
     from ..base.torch_compat import TorchDispatchMode
-    from ..parallel.recompute import _SAVED, BLOCKS, apply_recompute
+    from ..parallel.recompute import _SAVED, BLOCKS
 
-    module = make_module()
-    apply_recompute(module, policy, every=1)
     seen: dict = {}
     inside = [0]
 
@@ -77,10 +77,10 @@ def counted_kept_bytes(make_module, inputs, policy: str) -> float:
                     keep(tensor)
             return out
 
+    handles = []
     for block in module.modules():
         if getattr(block, "_recompute", False) and isinstance(block, BLOCKS):
-            block.register_forward_pre_hook(enter)
-            block.register_forward_hook(leave)
+            handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
 
     def pack(tensor):
         keep(tensor)
@@ -92,6 +92,8 @@ def counted_kept_bytes(make_module, inputs, policy: str) -> float:
                 module(*inputs)
         else:
             module(*inputs)
+    for handle in handles:
+        handle.remove()
     return float(sum(t.numel() * t.element_size() for t in seen.values()))
 
 
@@ -179,16 +181,21 @@ def saved_bytes_per_item(
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def count(batch: int) -> float:
+    from ..parallel.recompute import apply_recompute
+
+    def count(module, batch: int) -> float:
         if policy == "largest_block":
-            return largest_block_bytes(make_module(), make_inputs(batch))
+            return largest_block_bytes(module, make_inputs(batch))
         if policy is not None:
-            return counted_kept_bytes(make_module, make_inputs(batch), policy)
-        return counted_saved_bytes(make_module(), make_inputs(batch))
+            return counted_kept_bytes(module, make_inputs(batch), policy)
+        return counted_saved_bytes(module, make_inputs(batch))
 
     rules = cuda_autocast_policy() if mixed and device == "cuda" else nullcontext()
     with FakeTensorMode(), torch.device("cpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed), rules:
-        return count(2) - count(1)
+        module = make_module()  # one module for both batches: building SD's U-Net costs as much as a forward
+        if policy not in (None, "largest_block"):
+            apply_recompute(module, policy, every=1)
+        return count(module, 2) - count(module, 1)
 
 
 def unet_activation_counts(
