@@ -44,6 +44,7 @@ def _warm_imports() -> None:
     import lightning_fabric  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401  the default tracker's writer
 
     from disttrain_core.config import register_configs
     from disttrain_core.launch import cli, entry, fabric, worker  # noqa: F401
