@@ -126,8 +126,8 @@ def peak_source(math: str, device_name: str, cluster) -> str | None:
 
 def cpu_bf16_line(precision: str) -> str | None:
     """On a CPU whose oneDNN has no bf16 kernels (AVX2 only: no AVX512, no AMX), the one line saying that
-    bf16-mixed runs its matmuls on torch's reference kernels, many times slower than fp32
-    (docs/performance/test_suite.md measured 4.5-71x by operand layout); None where bf16 has native kernels or is not used."""
+    bf16-mixed runs its matmuls on torch's reference kernels, many times slower than fp32 (4.5-71x by operand
+    layout, docs/performance/test_suite.md); None where bf16 has native kernels or is not used."""
     if not precision.startswith("bf16"):
         return None
     supported = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
