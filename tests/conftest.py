@@ -65,8 +65,9 @@ TINY_SHAPES = {
 
 # One microbatch of 2 per replica, for mllm_small's runs: under bf16 autocast on a CPU without native bf16 (AVX2
 # only, no AVX512: torch's reference gemm), its 16-sample steps took about 100 s each on an Intel Xeon and 215 s on
-# an AMD EPYC (the golden-loss run of mllm_small_bf16, 3 steps: 646 s); a bf16 matmul there is 10-70x an fp32 one
-# (docs/performance/test_suite.md). It keeps what a recipe is about: its processes, precision and fp32 masters.
+# an AMD EPYC (the golden-loss run of mllm_small_bf16, 3 steps: 646 s); a bf16 matmul there is 4.5-71x an fp32 one
+# by operand layout (docs/performance/test_suite.md). It keeps what a recipe is about: its processes, precision and
+# fp32 masters.
 SMALL_BATCH = ["optim.global_batch_size=4", "optim.micro_batch_size=2"]
 
 
