@@ -140,7 +140,9 @@ class VisionTransformer(nn.Module):
         return x if seq is None else seq.leave(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        if self.class_embedding is not None:
+        # by the config, not by the class embedding: a later pipeline stage of the encoder unit holds no class
+        # embedding (parallel/stages.py drops it) but its inbound tokens still carry the class token
+        if self.cfg.class_token:
             x = x[:, 1:]
         if self.norm_post is not None:
             x = self.norm_post(x)
