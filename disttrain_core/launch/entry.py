@@ -174,6 +174,7 @@ def launch(cfg: DictConfig) -> float | None:
     run_dir.mkdir(parents=True, exist_ok=True)
     if environment.rank == 0:  # under torchrun/srun every rank runs this function, in one run directory
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        record_composition(run, run_dir)
     if cfg.trainer.dry_run:
         if environment.rank == 0:
             dry_run(run, run_dir)
@@ -214,6 +215,17 @@ def launch(cfg: DictConfig) -> float | None:
         )
         sys.exit(143)
     return result.get(cfg.optimized_metric)
+
+
+def record_composition(run, run_dir: Path) -> None:
+    """The run's composition (parallel/composition.py) in one log line and in ``composition.json``: what
+    conf/proven_compositions.yaml and ``python tools/compositions.py`` say has trained against one process."""
+    from ..parallel.composition import composition_of
+
+    composition = composition_of(run)
+    log.info("composition: %s", composition.key)
+    record = {"key": composition.key, "layout": composition.layout, "precision": composition.precision}
+    (run_dir / "composition.json").write_text(json.dumps({**record, "facts": list(composition.facts())}, indent=1))
 
 
 def _in_multirun() -> bool:

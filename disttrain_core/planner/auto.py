@@ -59,6 +59,19 @@ def layout_container(plan_evaluation, every: int = 2, with_ep: bool = False) -> 
     }
 
 
+def planned_container(cfg, container: dict, result) -> dict:
+    """``container`` (the composed config ``cfg`` came from) with the plan's layout and schedule: what the run
+    trains, and what the closure test over the planner's plans resolves (tests/unit/test_compositions.py)."""
+    planned = copy.deepcopy(container)
+    every = result.model.c.settings.recompute_every
+    planned["parallel"] = layout_container(result.plan.evaluation, every, runtime_has_ep(cfg))
+    stages = len(result.plan.evaluation.stage_times)
+    vpp = planned["parallel"]["units"]["llm"]["vpp"]  # virtual LLM stages run under interleaved 1F1B
+    name = "interleaved_1f1b" if vpp > 1 else ("1f1b" if stages > 1 else "none")
+    planned["schedule"] = {**planned["schedule"], "name": name, "vpp": vpp}
+    return planned
+
+
 def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
     """Plan ``cfg``; return the container to train with, or None after a dry run."""
     try:
@@ -73,13 +86,7 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
         predicted_timelines(result, run_dir / "plan.png")
     except Exception as error:  # a picture must never stop a run
         print(f"(no plan picture: {error})")
-    planned = copy.deepcopy(container)
-    every = result.model.c.settings.recompute_every
-    planned["parallel"] = layout_container(result.plan.evaluation, every, runtime_has_ep(cfg))
-    stages = len(result.plan.evaluation.stage_times)
-    vpp = planned["parallel"]["units"]["llm"]["vpp"]  # virtual LLM stages run under interleaved 1F1B
-    name = "interleaved_1f1b" if vpp > 1 else ("1f1b" if stages > 1 else "none")
-    planned["schedule"] = {**planned["schedule"], "name": name, "vpp": vpp}
+    planned = planned_container(cfg, container, result)
     if cfg.trainer.dry_run:
         print(f"dry run: plan written to {run_dir / 'plan.json'}; rehearsing each rank role on the meta device")
         from ..config import typed_config

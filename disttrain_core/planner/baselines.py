@@ -26,7 +26,7 @@ def exhaustive(solver: Orchestrator) -> Plan:
             for enc in solver.side_options("encoder", B):
                 enc_choices = [enc]
                 if enc is not None and not enc.colocated:
-                    enc_choices = [UnitChoice(enc.tp, enc.dp, pe) for pe in solver.enc_pp_options()]
+                    enc_choices = [UnitChoice(enc.tp, enc.dp, pe) for pe in solver.enc_pp_options(enc.tp)]
                 for e in enc_choices:
                     used = llm.gpus + (e.gpus if e is not None else 0)
                     if used > N:
@@ -111,11 +111,10 @@ def _best_side(solver: Orchestrator, unit: str, devices: int, samples: int, llm:
     if not (solver.has_enc if unit == "encoder" else solver.has_gen):
         return None
     best, best_t = None, float("inf")
-    pps = solver.enc_pp_options() if unit == "encoder" else [1]
     for option in solver.side_options(unit, samples):
         if option is None or option.colocated:
             continue
-        for pp in pps:
+        for pp in solver.enc_pp_options(option.tp) if unit == "encoder" else [1]:
             choice = UnitChoice(option.tp, option.dp, pp)
             if choice.gpus > devices:
                 break

@@ -19,11 +19,11 @@ from ..validation.cluster_fit import cluster_label
 GB = 1e9
 
 
-def validate_run(cfg: Config, container: dict | None = None, plan: dict | None = None):
+def validate_run(cfg: Config, container: dict | None = None, plan: dict | None = None, schedules: bool = True):
     """Every check before launch: the config's (validation/), which resolves the run, and then the memory
     fit's (this module). Returns the ``ResolvedRun`` (parallel/resolved.py), or None while the planner has yet
-    to choose the layout."""
-    run = validate_config(cfg, container, plan)
+    to choose the layout. ``schedules``: as validate_config's."""
+    run = validate_config(cfg, container, plan, schedules)
     if run is not None:
         check_fits(run)
     return run

@@ -114,7 +114,7 @@ class Relaxation:
         g_gpus += sum(ch.gpus for _, ch in side)
         sep_enc = enc is not None and not enc.colocated
         llm_pps = self.llm_pp_options(opt.vpp, opt.dp)
-        enc_pps = self.enc_pp_options() if sep_enc else [1]
+        enc_pps = self.enc_pp_options(enc.tp) if sep_enc else [1]
         if any(name in SIDE_ENCODERS for name, _ in side):  # beside the audio or video tower: one stage
             enc_pps = [1]
 

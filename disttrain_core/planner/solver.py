@@ -118,8 +118,13 @@ class Orchestrator(SearchBounds, Relaxation, AudioSearch):
             )
         return found
 
-    def enc_pp_options(self) -> list[int]:
-        return divisors(self.w.units["encoder"].layers) if self.has_enc else [1]
+    def enc_pp_options(self, tp: int = 1) -> list[int]:
+        """The encoder unit's stages. With tensor parallelism, one: an encoder at tp x pp > 1 has no proven run
+        (its smallest replica beside an LLM unit needs 9 processes; conf/proven_compositions.yaml), so the search
+        leaves it out. The lower bounds (planner/bounds.py) may keep it: a wider set only loosens them."""
+        if tp > 1 or not self.has_enc:
+            return [1]
+        return divisors(self.w.units["encoder"].layers)
 
     def gen_pp_options(self) -> list[int]:
         """The generator's stages: 1, 2 or 4, at most its U-Net segments (parallel/generator_stages.py)."""
@@ -187,7 +192,7 @@ class Orchestrator(SearchBounds, Relaxation, AudioSearch):
     def enc_pp_min(self, enc: UnitChoice, samples: float, m: int, later_stages: int) -> int | None:
         c = self.m.c
         act = c.activation_bytes("encoder", enc.tp, self.m.images(samples))
-        for pp in self.enc_pp_options():
+        for pp in self.enc_pp_options(enc.tp):
             if self._fits(c.state_bytes("encoder", enc.tp, enc.dp, pp) + act / pp * min(pp + later_stages, m)):
                 return pp
         return None

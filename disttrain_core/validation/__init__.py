@@ -86,10 +86,12 @@ def missing_keys(node, prefix: str = "") -> list[str]:
     return out
 
 
-def validate_config(cfg: Config, container: dict | None = None, plan: dict | None = None):
+def validate_config(cfg: Config, container: dict | None = None, plan: dict | None = None, schedules: bool = True):
     """Raise ConfigError on the first problem found; return the run resolved (parallel/resolved.py), or None
     while the planner has yet to choose the layout (parallel=auto, HotSPa's strategies=[auto]).
-    ``container``: the plain dict ``cfg`` was typed from; ``plan``: the planner's choice, recorded in the run."""
+    ``container``: the plain dict ``cfg`` was typed from; ``plan``: the planner's choice, recorded in the run.
+    ``schedules=False`` skips building and replaying the pipeline schedule (seconds for a plan of a thousand GPUs):
+    the closure over the planner's plans (tools/compositions.py), which checks every other rule."""
     from ..parallel.resolved import resolve_run
 
     missing = [key for key in missing_keys(cfg) if not key.startswith("paths.")]
@@ -126,7 +128,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
     validate_optim(cfg, dp)
     if mode == "auto":  # the planner's memory model and the sharded optimizers it chooses from are AdamW's
         validate_optimizer(cfg)
-    if run is not None:
+    if run is not None and schedules:
         validate_run_schedules(run)
     # last: the node shape of a GPU cluster preset (its memory is the planner's check: planner/fit.py)
     validate_cluster_fit(cfg)

@@ -17,20 +17,6 @@ MODEL = ["model=any2any_tiny", "optim.global_batch_size=8", "optim.micro_batch_s
 
 
 @pytest.fixture(scope="module")
-def any2any_shards(tmp_path_factory):
-    """2 shards x 24 samples: 30% of the images short videos, half the samples with a clip."""
-    from disttrain_core.config import SyntheticDataConfig
-    from disttrain_core.data.synthetic import generate_shards
-
-    out = tmp_path_factory.mktemp("any2any") / "shards"
-    config = SyntheticDataConfig(
-        num_shards=2, samples_per_shard=24, image_side_max=128, video_fraction=0.3, audio_fraction=0.5
-    )
-    generate_shards(config, out, processes=1)
-    return out
-
-
-@pytest.fixture(scope="module")
 def reference(any2any_shards, tmp_path_factory):
     return train(any2any_shards, tmp_path_factory.mktemp("any2any_one") / "one", *MODEL)
 
