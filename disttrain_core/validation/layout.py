@@ -32,8 +32,8 @@ def _validate_context_settings(cfg: Config) -> None:
         _require(cp >= 1, f"parallel.units.{name}.cp={cp}: use 1 (no context parallelism) or more")
         _require(
             name == "llm" or cp == 1,
-            f"parallel.units.{name}.cp={cp}: context parallelism splits the LLM's sequences only; set it to 1 "
-            "(give the unit more dp instead)",
+            f"parallel.units.{name}.cp={cp}: context parallelism splits the LLM's sequences only; set "
+            f"parallel.units.{name}.cp=1 (and give the unit more dp instead)",
         )
     for name in COLOCATABLE:
         ep = getattr(p.units, name).ep
@@ -42,7 +42,7 @@ def _validate_context_settings(cfg: Config) -> None:
         _require(ep >= 1, f"{where}={ep}: use 1 (no expert parallelism) or more")
         _require(
             ep == 1 or cfg.model.llm.moe is not None,
-            f"{where}={ep} needs a mixture-of-experts model (model.llm.moe); this model is dense: set it to 1",
+            f"{where}={ep} needs a mixture-of-experts model (model.llm.moe); this model is dense: set {where}=1",
         )
     _require(
         p.mode != "manual" or p.ep == 1,
@@ -83,8 +83,8 @@ def _validate_context_unit(cfg: Config, unit) -> None:
     )
     _require(
         not cfg.parallel.comm.tp_overlap,
-        f"{where}: parallel.comm.tp_overlap=true splits sequences over the TP group as well; use tp_overlap=false "
-        "with cp",
+        f"{where}: parallel.comm.tp_overlap=true splits sequences over the TP group as well; use "
+        "parallel.comm.tp_overlap=false with cp",
     )
     _require(
         cfg.model.document_attention != "flex",
@@ -117,7 +117,7 @@ def _validate_shard_settings(p) -> None:
             _require(
                 not (unit.colocate and (unit.shard != "zero1" or unit.hsdp_replicas != 1)),
                 f"parallel.units.{name}.shard={unit.shard}: the {name} is colocated with the LLM and shards as "
-                "the LLM unit does; set parallel.units.llm.shard",
+                f"the LLM unit does; set parallel.units.llm.shard={unit.shard} and leave the {name}'s at zero1",
             )
     elif p.mode == "megatron":
         _require(
@@ -144,18 +144,19 @@ def _check_sizes_fit(cfg: Config) -> None:
         )
 
 
-def _validate_unit_shard(unit, schedule_name: str) -> None:
-    """A unit's shard mode against its sizes and the pipeline schedule."""
+def _validate_unit_shard(unit, schedule_name: str, key: str) -> None:
+    """A unit's shard mode against its sizes and the pipeline schedule (``key``: the setting that sets it,
+    ``parallel.shard`` or ``parallel.units.<unit>.shard``)."""
     where = f"the {unit.name} unit (shard={unit.shard}, dp={unit.dp}, tp={unit.tp}, pp={unit.pp})"
     if unit.shard == "none":
         _require(
             unit.tp == 1 and unit.pp == 1,
-            f"{where}: shard=none (DDP) needs a pure data-parallel unit; with tp or pp use shard=zero1, zero2 or zero3",
+            f"{where}: shard=none (DDP) needs a pure data-parallel unit; with tp or pp use {key}=zero1, zero2 or zero3",
         )
     if unit.hsdp_replicas > 1:
         _require(
             unit.fsdp,
-            f"{where}: hsdp_replicas={unit.hsdp_replicas} needs shard=zero2 or zero3 (HSDP is FSDP2 over a "
+            f"{where}: hsdp_replicas={unit.hsdp_replicas} needs {key}=zero2 or zero3 (HSDP is FSDP2 over a "
             "replicate x shard mesh)",
         )
         _require(
@@ -199,6 +200,11 @@ def _validate_mode_and_units(cfg: Config) -> None:
             min(u.dp, u.tp, u.pp, u.vpp) >= 1,
             f"parallel.units.{name}: dp={u.dp} tp={u.tp} pp={u.pp} vpp={u.vpp}; each must be at least 1 (a unit "
             "needs devices to run on: give it some, or colocate=true to run it inside the LLM unit)",
+        )
+        _require(
+            name == "llm" or u.vpp == 1,
+            f"parallel.units.{name}.vpp={u.vpp}: virtual pipeline stages are the LLM unit's (with "
+            f"schedule=interleaved_1f1b); set parallel.units.{name}.vpp=1",
         )
     _require(
         not p.units.llm.colocate,
@@ -270,7 +276,8 @@ def _validate_unit(cfg: Config, unit) -> None:
     if unit.cp > 1:
         _validate_context_unit(cfg, unit)
     if cfg.parallel.mode != "local_sgd":  # its workers' sharding is checked by validate_local_sgd
-        _validate_unit_shard(unit, cfg.schedule.name)
+        key = f"parallel.units.{unit.name}.shard" if cfg.parallel.mode == "manual" else "parallel.shard"
+        _validate_unit_shard(unit, cfg.schedule.name, key)
     where = f"parallel {unit.name} unit"
     if "llm" in unit.modules and cfg.model.llm.moe is not None:
         validate_moe_unit(cfg, unit)

@@ -84,3 +84,72 @@ def test_a_composition_with_an_unproven_fact_is_named(table):
     units = tuple(replace(p, dims=(*p.dims, "cp")) if p.name == "generator" else p for p in base.units)
     missing = proven.missing(replace(base, units=units))
     assert len(missing) == 1 and missing[0].startswith("unit: generator(") and ",cp|" in missing[0], missing
+
+
+UNRUNNABLE = {
+    # composition the runtime cannot run: (its overrides, the nearest runnable change its error names)
+    "cp_in_the_generator_unit": (
+        ["parallel=disagg4_pp2", "parallel.units.generator.cp=2"],
+        ["parallel.units.generator.cp=1"],
+    ),
+    "ep_in_a_dense_model": (["parallel=dp", "trainer.devices=2", "parallel.ep=2"], ["parallel.ep=1"]),
+    "hsdp_without_fsdp": (
+        [
+            "parallel=dp",
+            "trainer.devices=4",
+            "optim.micro_batch_size=2",
+            "parallel.shard=zero1",
+            "parallel.hsdp_replicas=2",
+        ],
+        ["parallel.shard=zero2"],
+    ),
+    "fsdp_under_zero_bubble": (
+        ["parallel=pp2", "trainer.devices=4", "parallel.dp=2", "parallel.shard=zero3", "schedule=zb_h1"],
+        ["schedule=1f1b"],
+    ),
+    "ddp_with_tp": (
+        ["parallel=megatron_tp2", "model=llama_tiny", "schedule=none", "trainer.devices=2", "parallel.shard=none"],
+        ["parallel.shard=zero1"],
+    ),
+    "chunked_tp_with_cp": (
+        [
+            "model=llama_tiny",
+            "parallel.mode=megatron",
+            "parallel.tp=2",
+            "parallel.cp=2",
+            "trainer.devices=4",
+            "parallel.comm.tp_overlap=true",
+        ],
+        ["parallel.comm.tp_overlap=false"],
+    ),
+    "vpp_in_the_encoder_unit": (["parallel=disagg2", "parallel.units.encoder.vpp=2"], ["parallel.units.encoder.vpp=1"]),
+    "a_colocated_encoder_sharded_apart": (
+        [
+            "parallel=disagg2",
+            "parallel.units.encoder.colocate=true",
+            "schedule=none",
+            "parallel.units.llm.dp=2",
+            "trainer.devices=2",
+            "parallel.units.encoder.shard=zero3",
+        ],
+        ["parallel.units.llm.shard=zero3", "parallel.units.encoder.shard=zero1"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNRUNNABLE))
+def test_a_composition_the_runtime_cannot_run_fails_in_one_line_naming_the_nearest_it_can(case):
+    """Before any process starts (validation): one line that names the nearest composition the runtime runs, and
+    that composition validates."""
+    from disttrain_core.config import compose, override_key, typed_config
+    from disttrain_core.validation import ConfigError, validate_config
+
+    bad, nearest = UNRUNNABLE[case]
+    here = ["paths.output_dir=/nonexistent/unrunnable"]
+    with pytest.raises(ConfigError) as error:
+        validate_config(typed_config(compose([*bad, *here])))
+    message = str(error.value)
+    assert "\n" not in message and nearest[0] in message, message
+    changed = {override_key(o) for o in nearest}
+    fixed = [o for o in bad if override_key(o) not in changed] + nearest
+    assert validate_config(typed_config(compose([*fixed, *here]))) is not None
