@@ -139,7 +139,10 @@ CASES = [
         ["parallel.shard=zero3", "trainer.devices=4", "parallel.hsdp_replicas=3"],
         "hsdp_replicas=3 does not divide the unit's dp=4",
     ),
-    (["parallel.shard=zero1", "trainer.devices=2", "parallel.hsdp_replicas=2"], "hsdp_replicas=2 needs parallel.shard=zero2"),
+    (
+        ["parallel.shard=zero1", "trainer.devices=2", "parallel.hsdp_replicas=2"],
+        "hsdp_replicas=2 needs parallel.shard=zero2",
+    ),
     (
         ["parallel=pp2", "parallel.shard=zero3", "schedule=zbv", "trainer.devices=4", "model=llama_tiny"],
         "schedule=zbv runs weight gradients outside FSDP2's backward hooks",
