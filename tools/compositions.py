@@ -1,13 +1,14 @@
-"""Every composition the planner's plans and the GPU recipes use, and which of them the proven table holds.
+"""Every composition the planner's plans and the GPU recipes use, and which facts of them no proven run trains.
 
     python tools/compositions.py                 # the grid of tools/regime.py and tools/bench_planner.py + recipes
-    python tools/compositions.py format=json
+    python tools/compositions.py format=json out=compositions.json
 
-A plan is made as ``parallel=auto`` makes it (planner/auto.py ``planned_container``), validated and resolved as the
-launch resolves it, and its composition read by parallel/composition.py. Baselines are off: only the chosen plan
-is run. Each composition is then looked up in conf/proven_compositions.yaml: its layout must be a proven layout
-and each (precision, shard mode) pair a proven precision. tests/unit/test_compositions.py runs the same grid in
-``make test`` and fails on the first composition that is not proven.
+A plan is made as ``parallel=auto`` makes it (planner/auto.py ``planned_container``), validated as the launch
+validates it except the pipeline schedule's replay (seconds for a plan of a thousand GPUs), and its composition
+read by parallel/composition.py. Baselines are off: only the chosen plan is run. The GPU recipes are resolved
+without validation (their data is not here; tests/recipes/test_gpu_recipes.py validates each). Each composition's
+facts are then looked up among those of the runs in conf/proven_compositions.yaml (planner/proven.py).
+tests/unit/test_compositions.py runs the same instances in ``make test`` and fails on the first unproven fact.
 """
 
 from __future__ import annotations
