@@ -106,7 +106,8 @@ class Composition:
             for parts, family in self.buckets or ((self.units, self.family),):
                 out += [fact for part in parts for fact in _unit_facts(part, family)]
             return tuple(dict.fromkeys(out + list(precision)))
-        out = [f"graph: {' > '.join(part.label for part in self.units)} / {self.schedule} {' '.join(self.features)}"]
+        graph = f"graph: {' > '.join(part.label for part in self.units)} / {self.schedule} {' '.join(self.features)}"
+        out = [graph.rstrip()]
         out += [fact for part in self.units for fact in _unit_facts(part, self.family)]
         llm = next((i for i, part in enumerate(self.units) if part.name == "llm"), None)
         for i, part in enumerate(self.units):

@@ -14,7 +14,9 @@ model state is spread over its data-parallel replicas:
   gradient between microbatches. The stage's last backward of a step reshards (the optimizer steps the
   shards), and a checkpoint saves and loads the shards (``ShardedOptimizer.shard_params``).
 * ``zero3`` -- FSDP2 with ``reshard_after_forward=True``: a block's parameters are freed after its
-  forward and gathered again for its backward, per microbatch.
+  forward and gathered again for its backward, per microbatch; the stage's last block, LM head and root
+  group stay gathered from their forward to their backward, which follows at once (TorchTitan's default:
+  ``kept_after_forward``).
 
 zero2 holds a rank's 16/S bytes per parameter of sharded state (S = dp / hsdp_replicas ranks share one
 copy) plus the stage's gathered parameters, from the step's end through the next step's backward; zero3
@@ -91,6 +93,23 @@ def fsdp_groups(stage: nn.Module) -> list[nn.Module]:
     return list(reversed(picked))
 
 
+def kept_after_forward(stage: nn.Module) -> list[nn.Module]:
+    """The FSDP groups zero3 keeps gathered after their forward, as TorchTitan does by default: the stage's last
+    block, its LM head and the stage's root group (the final norm, projectors: FSDP2's own default for a root).
+    Their backward is the first to run after the forward, so resharding them would only gather them again at
+    once: keeping them saves one all-gather of each per microbatch and costs no memory at the peak (the memory
+    model's two gathered groups: the last block and the head in the head's forward, then in its backward)."""
+    blocks = [module for module in stage.modules() if isinstance(module, BLOCKS)]
+    heads = [module for name, module in stage.named_modules() if name.endswith("llm.output")]
+    return [*blocks[-1:], *heads, stage]
+
+
+def reshards_after_forward(stage: nn.Module, group: nn.Module, mode: str) -> bool:
+    """FSDP2's ``reshard_after_forward`` of one group of ``stage`` under ``mode`` (zero2: never; zero3: every group
+    but ``kept_after_forward``'s)."""
+    return mode == "zero3" and not any(group is kept for kept in kept_after_forward(stage))
+
+
 def apply_fsdp(
     stage: nn.Module, mesh, mode: str, param_dtype: torch.dtype | None, ignored: set[nn.Parameter] | None = None
 ) -> None:
@@ -106,8 +125,8 @@ def apply_fsdp(
         reduce_dtype=torch.float32,
         cast_forward_inputs=False,  # inputs stay as they are: autocast decides (diffusion targets stay fp32)
     )
-    reshard = mode == "zero3"
     for module in [*fsdp_groups(stage), stage]:
+        reshard = reshards_after_forward(stage, module, mode)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
         module.set_gradient_divide_factor(1.0)  # sum over replicas: the loss is normalized globally
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
@@ -127,15 +146,20 @@ class FsdpStepSync:
     the stage's last backward. ``defer_reduce`` (a pipeline, as TorchTitan runs FSDP2 under one): the
     microbatches' gradients are summed unreduced and reduce-scattered once, in the last backward; else (zero2
     without a pipeline, the Playbook's ZeRO-2) every microbatch's backward reduce-scatters into the sharded
-    gradient, so no whole gradient outlives a microbatch. ``reshard_after_forward``: the mode's own setting
-    (zero3), restored at a stage's last backward so forwards outside a step (evaluation, sampling) reshard as
-    they would without it."""
+    gradient, so no whole gradient outlives a microbatch. ``mode``: zero2 or zero3, whose own per-group
+    ``reshard_after_forward`` (``reshards_after_forward``) is restored at a stage's last backward so forwards
+    outside a step (evaluation, sampling) reshard as they would without it."""
 
-    def __init__(self, stages: dict[int, nn.Module], reshard_after_forward: bool, defer_reduce: bool = True):
+    def __init__(self, stages: dict[int, nn.Module], mode: str, defer_reduce: bool = True):
         from torch.distributed.fsdp import FSDPModule
 
         self.groups = {s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}
-        self.reshard_after_forward = reshard_after_forward
+        # each group's own setting (apply_fsdp's), restored at the stage's last backward
+        self.after_forward = {
+            id(group): reshards_after_forward(stage, group, mode)
+            for s, stage in stages.items()
+            for group in self.groups[s]
+        }
         self.defer_reduce = defer_reduce
 
     def _final(self, groups: list, final: bool) -> None:
@@ -153,7 +177,7 @@ class FsdpStepSync:
         groups = self.groups.get(stage, [])
         self._final(groups, True)
         for group in groups:  # the stage runs no forward after its last backward of the step
-            group.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+            group.set_reshard_after_forward(self.after_forward[id(group)], recurse=False)
 
     def grads_ready(self, params) -> None:
         """FSDP2's own hooks reduce the gradients."""

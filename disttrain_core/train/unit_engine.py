@@ -194,7 +194,7 @@ class UnitEngine(Engine):
             zero2 = self.unit.shard == "zero2"
             pipelined = self.schedule.num_stages > 1
             if pipelined or zero2:  # gathered once per step; under a pipeline also reduced once per step
-                self.executor.grad_sync = FsdpStepSync(self.stages, self.unit.shard == "zero3", defer_reduce=pipelined)
+                self.executor.grad_sync = FsdpStepSync(self.stages, self.unit.shard, defer_reduce=pipelined)
             self.optimizer = ShardedOptimizer(
                 dense,
                 self.cfg.optim,
