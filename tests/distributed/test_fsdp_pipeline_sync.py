@@ -176,7 +176,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     zero2 = _zero2_steps(rank)
     zero2["worst"] = max((a - b).abs().max().item() for a, b in zip(zero2.pop("grads"), plain_grads, strict=True))
     kept = _zero3_kept(rank)
-    torch.save({"plain": plain_counts, "pipelined": counts, "worst": worst, "zero2": zero2, "kept": kept}, f"{out}/{rank}.pt")
+    torch.save(
+        {"plain": plain_counts, "pipelined": counts, "worst": worst, "zero2": zero2, "kept": kept}, f"{out}/{rank}.pt"
+    )
     dist.destroy_process_group()
 
 
