@@ -226,6 +226,8 @@ class SamplesConfig:
 class TrainerConfig:
     accelerator: str = "auto"  # auto | cpu | cuda
     devices: int = 1  # processes per node
+    # on CPU, at most this many processes per core (more is surely a typo; the 16-process test raises it)
+    cpu_processes_per_core: int = 4
     num_nodes: int = 1
     precision: str = "auto"  # auto (bf16-mixed on CUDA, 32 on CPU) | 32 | bf16-mixed
     backend: str = "auto"  # auto (gloo on CPU, nccl on CUDA) | gloo | nccl

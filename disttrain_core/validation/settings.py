@@ -233,11 +233,14 @@ def validate_trainer(cfg: Config) -> None:
         )
     else:
         _require(t.backend != "nccl", "trainer.backend=nccl needs CUDA devices; use trainer.backend=gloo on CPU")
-        limit = CPU_PROCESSES_PER_CORE * cpu_count()
+        per_core = t.cpu_processes_per_core
+        _require(per_core >= 1, f"trainer.cpu_processes_per_core={per_core} must be at least 1")
+        limit = per_core * cpu_count()
         _require(
             t.devices <= limit,
-            f"trainer.devices={t.devices} CPU processes exceeds {limit} ({CPU_PROCESSES_PER_CORE} per core x "
-            f"{cpu_count()} cores); lower trainer.devices",
+            f"trainer.devices={t.devices} CPU processes exceeds {limit} ({per_core} per core x "
+            f"{cpu_count()} cores); lower trainer.devices (or raise trainer.cpu_processes_per_core, "
+            f"default {CPU_PROCESSES_PER_CORE}, if you mean it)",
         )
     if t.num_nodes > 1 and not elsewhere:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if v not in os.environ]

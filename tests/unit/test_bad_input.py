@@ -14,6 +14,7 @@ CASES = [
     (["optim.lr=abc"], "optim.lr=abc"),
     (["trainer.max_stepz=5"], "'max_stepz' is not a key of trainer"),
     (["trainer.devices=1000"], "trainer.devices=1000"),
+    (["trainer.cpu_processes_per_core=0"], "trainer.cpu_processes_per_core=0 must be at least 1"),
     (["trainer.accelerator=cuda"], "no CUDA device"),
     (["optim.global_batch_size=10", "optim.micro_batch_size=4"], "optim.global_batch_size=10 is not divisible"),
     (["data.path=/nonexistent/shards"], "data.path='/nonexistent/shards': no .tar shards found"),
