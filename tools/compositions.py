@@ -66,9 +66,26 @@ def recipe_instances() -> list[tuple[str, list[str]]]:
     return [(f"recipe {name}", [f"recipe={name}", "trainer.dry_run=true"]) for name in names]
 
 
+class PlanRefused(RuntimeError):
+    """A plan parallel=auto made that the launch's validation refuses."""
+
+
+def standin_data(container: dict, gpus: int) -> None:
+    """Validate a plan against data with a shard per GPU, as a job of that size reads (the embedded data has 8:
+    a one-unit plan of 32 replicas would be refused for the data, not for its layout). The shards are the ones
+    ``data.generate_if_missing`` would generate into a directory that does not exist: validation counts them,
+    nothing is written. The plan itself was made with the instance's own data, as parallel=auto makes it."""
+    data, root = container["data"], "/nonexistent/grid-data"
+    if data.get("format", "webdataset") == "webdataset" and not data.get("blend") and not data["packing"]["enabled"]:
+        container["paths"]["data_dir"] = root
+        data.update(path=f"{root}/{data['name']}", generate_if_missing=True)
+        data["synthetic"]["num_shards"] = max(gpus, data["synthetic"]["num_shards"])
+
+
 def composition_of_instance(overrides: list[str], validate: bool = True):
     """The composition ``overrides`` train (planned first under parallel=auto), or None when the planner finds no
-    feasible layout or validation refuses the instance (what tools/regime.py reports as infeasible).
+    feasible layout or validation refuses the instance (what tools/regime.py reports as infeasible); PlanRefused
+    when validation refuses the plan the planner made.
     ``validate=False`` (the GPU recipes, whose data is not here; tests/recipes/test_gpu_recipes.py validates and
     rehearses each with stand-in data) only resolves."""
     from omegaconf import OmegaConf
@@ -102,7 +119,11 @@ def composition_of_instance(overrides: list[str], validate: bool = True):
             gpus = result.plan.evaluation.gpus
             container["trainer"].update(devices=gpus, num_nodes=1)
             container["cluster"].update(gpus_per_node=gpus, num_gpus=gpus)
-            run = checked(typed_config(container), container, container["parallel"])
+            standin_data(container, gpus)
+            try:
+                run = checked(typed_config(container), container, container["parallel"])
+            except ConfigError as error:  # the runtime refuses what the planner planned: the closure's business
+                raise PlanRefused(f"{' '.join(overrides)}: the plan is refused at launch: {error}") from None
     except (ConfigError, PlanningError):
         return None
     return composition_of(run)

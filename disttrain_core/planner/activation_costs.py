@@ -248,6 +248,16 @@ class MemoryCosts:
         block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)
         return max(block, self.work.vocab * w.dim / tp if unit == "llm" else 0.0)  # vocabulary-parallel
 
+    def kept_params(self, unit: str, tp: int, ep: int = 1) -> float:
+        """Parameters zero3 keeps gathered from their forward to their backward on a one-stage layout
+        (parallel/fsdp.py ``kept_after_forward``): the last block and, for the LLM, the LM head (the root's norms
+        and projectors are not counted)."""
+        w = self.work.units[unit]
+        tp = self.split_tp(unit, tp)
+        held = w.params_dense_tp / tp + w.params_moe_rep + (w.params_expert / tp if ep == 1 else 0.0)
+        block = held / max(1, w.layers) if w.params_tp else 0.0
+        return block + (self.work.vocab * w.dim / tp if unit == "llm" else 0.0)
+
     @memoized
     def step_transient_bytes(
         self,

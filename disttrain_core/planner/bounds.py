@@ -39,8 +39,8 @@ class SearchBounds:
                 continue
             C_l = mdl.c.rank_compute("llm", tp, mdl.micro, cp, ep)
             p2p_l = mdl.c.p2p_s(mdl.llm_boundary_bytes(mdl.micro, cp), fastest)
-            # zero1's traffic: the least of every shard mode (FSDP2 moves it per microbatch), with the optimizer
-            # step
+            # zero1's traffic: the least of every shard mode (FSDP2 moves it per microbatch without a pipeline and
+            # once per step, as zero1, under one), with the optimizer step
             tails = {
                 pp: mdl.c.sync_s("llm", tp, dp, pp, "zero1", 1, cp, ep) + mdl.c.optimizer_s("llm", tp, dp, pp, cp, ep)
                 for pp in pps
@@ -227,7 +227,7 @@ class SearchBounds:
             else:  # on the first and last stage; a balanced parallel.pp_split may spread them over all
                 ends = max(first, last) if c.settings.pp_split is None else (first + last) / pp
             fill = (pp * t_llm + first + last) / opt.vpp
-            result = (fill, t_llm + ends, mdl.unit_tail("llm", llm, opt.dp, shard, m))
+            result = (fill, t_llm + ends, mdl.unit_tail("llm", llm, opt.dp, shard, m, S > 1))
         self._llm_parts[key] = result
         return result
 

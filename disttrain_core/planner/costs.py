@@ -273,12 +273,16 @@ class CostModel(MemoryCosts):
         microbatches: int = 1,
         cp: int = 1,
         ep: int = 1,
+        pipelined: bool = False,
     ) -> float:
         """Data-parallel traffic of a step, exposed part. ZeRO-1 (and DDP, the same bytes): one reduce-scatter
         of fp32 gradients + one all-gather of the updated parameters in the wire dtype (bf16 under
-        bf16-mixed, as the runtime sends them). FSDP2: a reduce-scatter of the fp32 gradients per microbatch;
-        zero3 all-gathers the parameters for every microbatch's forward and again for its backward, zero2 once
-        per step (after the optimizer step: parallel/fsdp.py). The group is the dp x cp ranks (CP ranks' losses
+        bf16-mixed, as the runtime sends them). FSDP2 as parallel/fsdp.py runs it: under a pipeline (``pipelined``:
+        the layout has more than one schedule stage) zero2 and zero3 gather once per step and reduce-scatter once
+        per step (``FsdpStepSync``); without one, a reduce-scatter of the fp32 gradients per microbatch, zero2's
+        all-gather once per step (after the optimizer step), zero3's for every microbatch's forward and again for
+        its backward except the groups kept gathered after forward (``kept_after_forward``: the last block and
+        the LM head, ``kept_params``). The group is the dp x cp ranks (CP ranks' losses
         cover disjoint positions: their gradients add up as replicas' do); routed experts go over their
         expert-data-parallel group of dp x cp / ep ranks, all-reduced once per step under expert parallelism
         (their own optimizer: train/expert_optim.py), whatever the dense parameters' shard mode."""
@@ -290,13 +294,17 @@ class CostModel(MemoryCosts):
         dense, experts = self._split_params(unit, tp, pp, None, ep)
         bw = self.link_bw(tp * ranks)
         seconds = 0.0
+        # zero3 without a pipeline: the share of the parameters gathered again for the backward
+        again = 1.0 - min(1.0, self.kept_params(unit, tp, ep) / max(dense + experts, 1.0)) if shard == "zero3" else 0.0
         for params, group, sharded in ((dense, ranks, True), (experts, ranks // ep, ep == 1)):
             trainable = params * w.trainable_fraction
             # a reduce-scatter and an all-gather each move half of what an all-reduce of the same bytes moves
             reduce = self.allreduce_s(trainable * 4, group, bw) / 2
             gather = self.allreduce_s(trainable * self.settings.act_bytes, group, bw) / 2
-            if shard in FSDP and sharded:
-                seconds += microbatches * reduce + gather * (2 * microbatches if shard == "zero3" else 1)
+            if shard in FSDP and sharded and pipelined:
+                seconds += reduce + gather
+            elif shard in FSDP and sharded:
+                seconds += microbatches * reduce + gather * ((1.0 + again) * microbatches if shard == "zero3" else 1)
             elif not sharded:  # the experts' fp32 all-reduce
                 seconds += 2 * reduce
             else:

@@ -182,7 +182,7 @@ class LayoutModel(LayoutMemory):
 
         warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
         steady = (m - 1) * max(t for _, t in stages)
-        sync = self._sync_time(choices, m, shards)
+        sync = self._sync_time(choices, m, shards, S > 1)
         iteration = warmup + steady + sync
         if self.data_s_per_sample:
             iteration += self._data_time(choices, gpus)
@@ -307,22 +307,22 @@ class LayoutModel(LayoutMemory):
             return list(wanted)
         return []
 
-    def unit_tail(self, name: str, ch: UnitChoice, dp: int, shard: str, m: int) -> float:
-        """Data-parallel traffic and the optimizer step of one unit."""
+    def unit_tail(self, name: str, ch: UnitChoice, dp: int, shard: str, m: int, pipelined: bool = False) -> float:
+        """Data-parallel traffic and the optimizer step of one unit (``pipelined``: more than one schedule stage)."""
         c = self.c
-        sync = c.sync_s(name, ch.tp, dp, ch.pp, shard, m, ch.cp, ch.ep)
+        sync = c.sync_s(name, ch.tp, dp, ch.pp, shard, m, ch.cp, ch.ep, pipelined)
         return sync + c.optimizer_s(name, ch.tp, dp, ch.pp, ch.cp, ch.ep)
 
-    def _sync_time(self, choices: dict, m: int, shards: dict[str, str]) -> float:
+    def _sync_time(self, choices: dict, m: int, shards: dict[str, str], pipelined: bool = False) -> float:
         """The slowest unit's data-parallel traffic and optimizer step (colocated modules ride with the LLM's
         stages and reduce over its dp x cp ranks)."""
         llm = choices["llm"]
-        llm_tail = self.unit_tail("llm", llm, llm.dp, shards["llm"], m)
+        llm_tail = self.unit_tail("llm", llm, llm.dp, shards["llm"], m, pipelined)
         colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp)
         ends = {"first": 0.0, "last": 0.0}  # the modules riding on the LLM's first and last stages
         for name, end in (("audio_encoder", "first"), ("video_encoder", "first"), ("audio_generator", "last")):
             if self.rides(name, choices):
-                ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m)
+                ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m, pipelined)
         tails = []
         sides = [(n, "first") for n in ENCODER_UNITS] + [(n, "last") for n in GENERATOR_UNITS]
         for name, end in sides:
@@ -330,9 +330,9 @@ class LayoutModel(LayoutMemory):
             if ch is None or (name in AUDIO_UNITS and ch.colocated):  # a riding audio module: counted above
                 continue
             if ch.colocated:
-                ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m)
+                ends[end] += self.unit_tail(name, colocated, llm.dp, shards["llm"], m, pipelined)
             else:
-                tails.append(self.unit_tail(name, ch, ch.dp, shards[name], m))
+                tails.append(self.unit_tail(name, ch, ch.dp, shards[name], m, pipelined))
         extra = max(ends.values())  # the slower end's (with pp=1 one stage holds both: see docs/PLANNER.md "Limits")
         return max([llm_tail + extra, *tails])
 

@@ -35,7 +35,9 @@ shard and stepped there by an AdamW of their own: fp32 parameters, gradients and
 Besides the state, while a step runs (``transient``):
 
 * zero3 holds the unsharded parameters of the FSDP group in compute and the next one (prefetch), and
-  one group's unsharded gradients while it is reduce-scattered; zero2 (the Playbook's ZeRO-2) holds the
+  one group's unsharded gradients while it is reduce-scattered (the last block and the LM head, kept gathered
+  from their forward to their backward, are the two groups of the head's forward: parallel/fsdp.py
+  ``kept_after_forward``); zero2 (the Playbook's ZeRO-2) holds the
   stage's unsharded parameters through the step and between steps (gathered after each optimizer step), and
   one group's unsharded gradients while it is reduce-scattered;
   under a pipeline (more than one schedule stage) both keep the stage's whole gathered parameters and its
