@@ -20,7 +20,6 @@ from __future__ import annotations
 from ..config import Config
 from .cluster_fit import launches_elsewhere, validate_cluster_fit
 from .common import (
-    CPU_PROCESSES_PER_CORE,
     ConfigError,
     externally_launched,
     resolve_accelerator,
@@ -45,7 +44,6 @@ from .settings import (
 )
 
 __all__ = [
-    "CPU_PROCESSES_PER_CORE",
     "ConfigError",
     "check_pipeline",
     "externally_launched",

@@ -6,9 +6,6 @@ from __future__ import annotations
 from ..config import Config
 from ..config import resolve_accelerator as resolve_accelerator  # re-exported: validation's callers use them
 from ..config import resolve_backend as resolve_backend
-from ..config.schema import TrainerConfig
-
-CPU_PROCESSES_PER_CORE = TrainerConfig.cpu_processes_per_core  # the default of trainer.cpu_processes_per_core
 
 
 class ConfigError(ValueError):

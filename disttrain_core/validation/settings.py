@@ -11,7 +11,6 @@ from omegaconf import OmegaConf
 from ..config import Config, cpu_count, determinism
 from .cluster_fit import launches_elsewhere
 from .common import (
-    CPU_PROCESSES_PER_CORE,
     ConfigError,
     _require,
     check_references,
@@ -233,14 +232,12 @@ def validate_trainer(cfg: Config) -> None:
         )
     else:
         _require(t.backend != "nccl", "trainer.backend=nccl needs CUDA devices; use trainer.backend=gloo on CPU")
-        per_core = t.cpu_processes_per_core
+        per_core, cores = t.cpu_processes_per_core, cpu_count()
         _require(per_core >= 1, f"trainer.cpu_processes_per_core={per_core} must be at least 1")
-        limit = per_core * cpu_count()
         _require(
-            t.devices <= limit,
-            f"trainer.devices={t.devices} CPU processes exceeds {limit} ({per_core} per core x "
-            f"{cpu_count()} cores); lower trainer.devices (or raise trainer.cpu_processes_per_core, "
-            f"default {CPU_PROCESSES_PER_CORE}, if you mean it)",
+            t.devices <= per_core * cores,
+            f"trainer.devices={t.devices} CPU processes exceeds {per_core * cores} ({per_core} per core x {cores} "
+            f"cores); lower trainer.devices, or raise trainer.cpu_processes_per_core if you mean it",
         )
     if t.num_nodes > 1 and not elsewhere:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK") if v not in os.environ]

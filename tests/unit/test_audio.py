@@ -141,12 +141,14 @@ def test_audio_settings_that_cannot_work_are_one_line_errors(overrides, message)
 
 def test_the_planner_weighs_the_audio_tower_riding_on_the_llm_or_on_devices_of_its_own():
     """The workload counts the tower per clip. Riding in the LLM unit, its first stage carries the tower's time and
-    memory (evaluate.py, breakdown.py); on a device of its own beside the image encoder, it takes the 64th device
-    the LLM cannot use and hides in the encoder's row: the plan does that, and is no slower than without audio."""
+    memory (evaluate.py, breakdown.py); on a device of its own beside the image encoder, it takes the 129th device
+    the LLM cannot use (mllm9b's plan without audio uses 128) and hides in the encoder's row: the plan does that,
+    and is no slower than without audio. (On 64 GPUs the plan now folds every module into one LLM unit at zero2,
+    since FSDP2 is charged once per step in a pipeline, and the tower rides there.)"""
     from disttrain_core.planner import COLOCATED, workload_of
     from disttrain_core.planner.api import make_plan
 
-    base = ["cluster=h100_80g", "cluster.num_gpus=64", "model=mllm9b"]
+    base = ["cluster=h100_80g", "cluster.num_gpus=129", "model=mllm9b"]
     work = workload_of(compose([*base, "model/audio_encoder=whisper_base"]).model)
     audio = work.units["audio_encoder"]
     assert audio.items_per_sample == 1.0 and audio.tokens == 1500 and audio.params_tp > 0
