@@ -9,8 +9,9 @@ Phases (tools/gpu_check_phases.py): the torch APIs the project relies on; host-s
 attention's numerics against SDPA (context parallelism emulated inside one process) and its memory at the 128K
 recipe's block size; throughput and MFU of a ~1B Llama in bf16 against a plain PyTorch loop of the same model,
 and trainer.compile=true against eager; peak memory of no / full / selective recompute against the memory model;
-FSDP2 and asynchronous DCP save/load on a one-rank NCCL group; weight materialization time; FP8 (model.float8)
-against bf16 over 50 compiled steps, or its one-line refusal without FP8 tensor cores. On a machine with
+FSDP2 and asynchronous DCP save/load on a one-rank NCCL group; FSDP2 with bf16 parameters training the Llama on a
+one-rank NCCL group, its peak memory against the memory model's prediction; weight materialization time; FP8
+(model.float8) against bf16 over 50 compiled steps, or its one-line refusal without FP8 tensor cores. On a machine with
 torch but no package index, see docs/GPU.md (tools/prepare_wheels.py).
 """
 
@@ -28,9 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_float8 import phase_float8  # noqa: E402
+from gpu_check_fsdp_bf16 import phase_fsdp_bf16  # noqa: E402
 from gpu_check_phases import PHASES, Check  # noqa: E402
 
-PHASES = {**PHASES, "float8": phase_float8}  # tools/gpu_check_float8.py
+# tools/gpu_check_float8.py, tools/gpu_check_fsdp_bf16.py
+PHASES = {**PHASES, "fsdp_bf16": phase_fsdp_bf16, "float8": phase_float8}
 
 from disttrain_core.config import REPO_ROOT  # noqa: E402
 from disttrain_core.launch.cli import tool_main, tool_options  # noqa: E402
