@@ -21,12 +21,14 @@ def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_pat
         "throughput_and_compile",
         "recompute_memory",
         "fsdp2_async_dcp",
+        "fsdp_bf16",
         "weight_materialization",
         "float8",
     }
     assert all(phase["ok"] for phase in phases.values()) and report["passed"] and report["complete"]
     assert phases["ring_attention"]["memory_at_recipe_block"]["ratio"] <= 2.0
     assert phases["fsdp2_async_dcp"]["max_abs_difference"] == 0.0
+    assert phases["fsdp_bf16"]["kept_block_dtype"] == "torch.bfloat16"
     assert "model.float8=tensorwise runs FP8 matmuls on NVIDIA GPUs" in phases["float8"]["refused"]
 
 
