@@ -104,10 +104,11 @@ def kept_after_forward(stage: nn.Module) -> list[nn.Module]:
     return [*blocks[-1:], *heads, stage]
 
 
-def reshards_after_forward(stage: nn.Module, group: nn.Module, mode: str) -> bool:
-    """FSDP2's ``reshard_after_forward`` of one group of ``stage`` under ``mode`` (zero2: never; zero3: every group
-    but ``kept_after_forward``'s)."""
-    return mode == "zero3" and not any(group is kept for kept in kept_after_forward(stage))
+def reshard_settings(stage: nn.Module, groups: list[nn.Module], mode: str) -> dict[int, bool]:
+    """FSDP2's ``reshard_after_forward`` of each of ``groups`` (of ``stage``) under ``mode``, by id: zero2 never
+    reshards, zero3 every group but ``kept_after_forward``'s."""
+    kept = {id(module) for module in kept_after_forward(stage)}
+    return {id(group): mode == "zero3" and id(group) not in kept for group in groups}
 
 
 def apply_fsdp(
@@ -125,9 +126,12 @@ def apply_fsdp(
         reduce_dtype=torch.float32,
         cast_forward_inputs=False,  # inputs stay as they are: autocast decides (diffusion targets stay fp32)
     )
-    for module in [*fsdp_groups(stage), stage]:
-        reshard = reshards_after_forward(stage, module, mode)
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored)
+    groups = [*fsdp_groups(stage), stage]
+    reshard = reshard_settings(stage, groups, mode)
+    for module in groups:
+        fully_shard(
+            module, mesh=mesh, reshard_after_forward=reshard[id(module)], mp_policy=policy, ignored_params=ignored
+        )
         module.set_gradient_divide_factor(1.0)  # sum over replicas: the loss is normalized globally
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
 
@@ -147,7 +151,7 @@ class FsdpStepSync:
     microbatches' gradients are summed unreduced and reduce-scattered once, in the last backward; else (zero2
     without a pipeline, the Playbook's ZeRO-2) every microbatch's backward reduce-scatters into the sharded
     gradient, so no whole gradient outlives a microbatch. ``mode``: zero2 or zero3, whose own per-group
-    ``reshard_after_forward`` (``reshards_after_forward``) is restored at a stage's last backward so forwards
+    ``reshard_after_forward`` (``reshard_settings``) is restored at a stage's last backward so forwards
     outside a step (evaluation, sampling) reshard as they would without it."""
 
     def __init__(self, stages: dict[int, nn.Module], mode: str, defer_reduce: bool = True):
@@ -155,11 +159,9 @@ class FsdpStepSync:
 
         self.groups = {s: [m for m in stage.modules() if isinstance(m, FSDPModule)] for s, stage in stages.items()}
         # each group's own setting (apply_fsdp's), restored at the stage's last backward
-        self.after_forward = {
-            id(group): reshards_after_forward(stage, group, mode)
-            for s, stage in stages.items()
-            for group in self.groups[s]
-        }
+        self.after_forward = {}
+        for s, stage in stages.items():
+            self.after_forward.update(reshard_settings(stage, self.groups[s], mode))
         self.defer_reduce = defer_reduce
 
     def _final(self, groups: list, final: bool) -> None:

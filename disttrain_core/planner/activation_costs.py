@@ -241,22 +241,30 @@ class MemoryCosts:
         """Parameters of the largest FSDP group: a block, or the LLM's embedding / LM head. Under expert
         parallelism the experts are not in it (FSDP2 ignores them: they stay whole on their ranks)."""
         w = self.work.units[unit]
-        tp = self.split_tp(unit, tp)
-        held = w.params_dense_tp / tp + w.params_moe_rep + (w.params_expert / tp if ep == 1 else 0.0)
+        held = self._held_params(unit, tp, ep)
         if unit == "generator":  # the U-Net is one group: its replicated part and this rank's transformer slices
             return float(w.params_rep) + held
         block = held / max(1, w.layers) if w.params_tp else float(w.params_rep)
-        return max(block, self.work.vocab * w.dim / tp if unit == "llm" else 0.0)  # vocabulary-parallel
+        return max(block, self._head_params(unit, tp))
+
+    def _held_params(self, unit: str, tp: int, ep: int) -> float:
+        """A rank's tensor-parallel slice of the unit's FSDP-sharded parameters (experts only without EP: FSDP2
+        ignores them under it)."""
+        w = self.work.units[unit]
+        tp = self.split_tp(unit, tp)
+        return w.params_dense_tp / tp + w.params_moe_rep + (w.params_expert / tp if ep == 1 else 0.0)
+
+    def _head_params(self, unit: str, tp: int) -> float:
+        """The LLM's vocabulary-parallel LM head (or embedding) on one rank; 0 for other units."""
+        return self.work.vocab * self.work.units[unit].dim / self.split_tp(unit, tp) if unit == "llm" else 0.0
 
     def kept_params(self, unit: str, tp: int, ep: int = 1) -> float:
         """Parameters zero3 keeps gathered from their forward to their backward on a one-stage layout
         (parallel/fsdp.py ``kept_after_forward``): the last block and, for the LLM, the LM head (the root's norms
         and projectors are not counted)."""
         w = self.work.units[unit]
-        tp = self.split_tp(unit, tp)
-        held = w.params_dense_tp / tp + w.params_moe_rep + (w.params_expert / tp if ep == 1 else 0.0)
-        block = held / max(1, w.layers) if w.params_tp else 0.0
-        return block + (self.work.vocab * w.dim / tp if unit == "llm" else 0.0)
+        block = self._held_params(unit, tp, ep) / max(1, w.layers) if w.params_tp else 0.0
+        return block + self._head_params(unit, tp)
 
     @memoized
     def step_transient_bytes(
