@@ -93,6 +93,66 @@ def test_frozen_encoder_costs_forward_only():
     assert trained.train > 2.5 * trained.forward
 
 
+@pytest.mark.parametrize("model", ["llama_moe_tiny", "any2any_video_tiny"])
+@pytest.mark.parametrize("frozen", [(), ("llm", "encoder", "audio_encoder", "video_encoder")])
+def test_towers_counted_block_by_block_equal_the_whole_module_count(model, frozen):
+    """models/flops.py counts a stack of identical blocks once per distinct block: the same FLOPs, forward and
+    training, as the whole module run under the counter (the LLM with MoE layers; the ViT, audio and video
+    towers; trained and frozen, with and without a gradient reaching their input); and _compute uses it."""
+    from omegaconf import OmegaConf
+
+    from disttrain_core.models import flops
+    from disttrain_core.models.audio import AudioEncoder, audio_frames
+    from disttrain_core.models.llama import Llama
+    from disttrain_core.models.video import VideoTower
+    from disttrain_core.models.vit import VisionTransformer
+
+    cfg = OmegaConf.to_object(compose([f"model={model}", *(f"model.freeze.{name}=true" for name in frozen)]).model)
+    counted = flops._compute(cfg)
+    upstream = any(flops._trainable(cfg)[name] for name in flops.FEEDS["llm"])
+
+    class Whole(torch.nn.Module):  # the LLM as training runs it after the embedding: blocks, final norm, head
+        def __init__(self, llm):
+            super().__init__()
+            self.llm = llm
+
+        def forward(self, h):
+            return self.llm.logits(self.llm.final_norm(self.llm.run_layers(h)))
+
+        def pieces(self, inputs, trainable):
+            head = lambda h: self.llm.logits(self.llm.final_norm(h))  # noqa: E731
+            return flops._count_stack(self, None, self.llm.layers.values(), head, inputs, trainable, (self.llm.rope,))
+
+    with torch.device("meta"):
+        towers = {"llm": (Whole(Llama(cfg.llm, cfg.seq_len)), torch.empty(1, cfg.seq_len, cfg.llm.dim), upstream)}
+        if cfg.encoder is not None:
+            size = cfg.encoder.image_size
+            images = torch.empty(1, 3, size, size, dtype=torch.uint8)
+            towers["encoder"] = (VisionTransformer(cfg.encoder), images, False)
+        if cfg.audio_encoder is not None:
+            mels = torch.empty(1, cfg.audio_encoder.n_mels, audio_frames(cfg.audio_encoder))
+            towers["audio_encoder"] = (AudioEncoder(cfg.audio_encoder), mels, False)
+        if cfg.video_encoder is not None:
+            video = cfg.video_encoder
+            groups = torch.empty(1, video.temporal_merge, 3, video.image_size, video.image_size, dtype=torch.uint8)
+            towers["video_encoder"] = (VideoTower(video), groups, False)  # its frames through the ViT, then a mean
+        assert len(towers) == (1 if model == "llama_moe_tiny" else 4)
+        for name, (module, x, in_training) in towers.items():
+            trained = name not in frozen
+            for input_grad in (False, True) if x.is_floating_point() else (False,):
+                inputs = (torch.empty(x.shape, dtype=x.dtype, requires_grad=input_grad),)
+                whole = flops._count(module, inputs, trained)
+                if name == "llm":
+                    pieces = module.pieces(inputs, trained)
+                else:  # the video tower's frames go through the ViT one by one
+                    frames = inputs[0].flatten(0, 1) if x.dim() == 5 else inputs[0]
+                    pieces = flops._count_tower(module, (frames,), trained)
+                assert (pieces.forward, pieces.train) == (whole.forward, whole.train), (name, trained, input_grad)
+                assert (whole.train > whole.forward) == (trained or input_grad), (name, trained, input_grad)
+                if input_grad == in_training:
+                    assert (counted[name].forward, counted[name].train) == (whole.forward, whole.train), name
+
+
 def test_submodule_init_matches_full_model_init():
     cfg = compose([]).model
     full = build_model(cfg, ByteTokenizer(), device="cpu")
