@@ -97,15 +97,17 @@ def counted_kept_bytes(module, inputs, policy: str) -> float:
     return float(sum(t.numel() * t.element_size() for t in seen.values()))
 
 
-def largest_block_bytes(module, inputs) -> float:
-    """The most bytes any one recomputable block saves for backward (what it holds again while its
-    recomputation and backward run), counted on meta."""
+def saved_and_largest_block_bytes(module, inputs) -> tuple[float, float]:
+    """Two counts from one forward: what autograd saves for backward (:func:`counted_saved_bytes`), and the
+    most bytes any one recomputable block saves (what it holds again while its recomputation and backward
+    run), counted on meta."""
     import torch
 
     from ..parallel.recompute import BLOCKS
 
     current: list = []
     per_block: dict[int, dict] = {}
+    seen: dict = {}
 
     def enter(block, args):
         current.append(id(block))
@@ -120,17 +122,21 @@ def largest_block_bytes(module, inputs) -> float:
             handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
 
     def pack(tensor):
-        if current and isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter):
+        if isinstance(tensor, torch.Tensor):
             base = tensor._base if tensor._base is not None else tensor
             if not isinstance(base, torch.nn.Parameter):
-                per_block[current[-1]].setdefault(id(base), base)
+                if current:
+                    per_block[current[-1]].setdefault(id(base), base)
+                local = getattr(base, "_local_tensor", base)  # a DTensor: this rank's bytes
+                seen.setdefault(_storage_key(local, local), local)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(*inputs)
     for handle in handles:
         handle.remove()
-    return max((sum(t.numel() * t.element_size() for t in saved.values()) for saved in per_block.values()), default=0.0)
+    largest = max((sum(t.numel() * t.element_size() for t in b.values()) for b in per_block.values()), default=0.0)
+    return float(sum(t.numel() * t.element_size() for t in seen.values())), largest
 
 
 # CUDA autocast runs these in fp32 whatever their input; CPU autocast runs them in their input's dtype. Under
@@ -176,26 +182,33 @@ def saved_bytes_per_item(
     memory is allocated; the CPU kernels are chosen as for real ones: flash attention saves no scores, where
     the meta device's math attention would). ``mixed``: under CPU bf16 autocast (it applies to fake tensors
     as to real ones) with ``device``'s autocast policy (cuda: :func:`cuda_autocast_policy`; cpu: CPU autocast's
-    own). ``policy``: what that recompute policy keeps (:func:`counted_kept_bytes`), or ``largest_block``
-    (:func:`largest_block_bytes`)."""
+    own). ``policy``: what that recompute policy keeps (:func:`counted_kept_bytes`)."""
+    from ..parallel.recompute import apply_recompute
+
+    with _fake_counting(mixed, device):
+        module = make_module()  # one module for both batches: building SD's U-Net costs as much as a forward
+        if policy is None:
+            return saved_and_largest_per_item(module, make_inputs)[0]
+        apply_recompute(module, policy, every=1)
+        return counted_kept_bytes(module, make_inputs(2), policy) - counted_kept_bytes(module, make_inputs(1), policy)
+
+
+def saved_and_largest_per_item(module, make_inputs) -> tuple[float, float]:
+    """Per item (batch of 2 minus batch of 1), from one forward per batch: the bytes autograd saves and the
+    largest recomputable block's (:func:`saved_and_largest_block_bytes`). Call it inside ``_fake_counting``."""
+    two, one = (saved_and_largest_block_bytes(module, make_inputs(batch)) for batch in (2, 1))
+    return two[0] - one[0], two[1] - one[1]
+
+
+@contextmanager
+def _fake_counting(mixed: bool, device: str):
+    """Fake CPU tensors, under bf16 autocast with ``device``'s policy when ``mixed`` (saved_bytes_per_item)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..parallel.recompute import apply_recompute
-
-    def count(module, batch: int) -> float:
-        if policy == "largest_block":
-            return largest_block_bytes(module, make_inputs(batch))
-        if policy is not None:
-            return counted_kept_bytes(module, make_inputs(batch), policy)
-        return counted_saved_bytes(module, make_inputs(batch))
-
     rules = cuda_autocast_policy() if mixed and device == "cuda" else nullcontext()
     with FakeTensorMode(), torch.device("cpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed), rules:
-        module = make_module()  # one module for both batches: building SD's U-Net costs as much as a forward
-        if policy not in (None, "largest_block"):
-            apply_recompute(module, policy, every=1)
-        return count(module, 2) - count(module, 1)
+        yield
 
 
 def unet_activation_counts(
@@ -218,9 +231,10 @@ def unet_activation_counts(
         context = torch.empty(batch, cfg.gen_tokens, g.cross_attention_dim, requires_grad=True)
         return latents, torch.zeros(batch, dtype=torch.long), context
 
-    saved = saved_bytes_per_item(make, inputs, mixed, device=device)
-    kept = {p: saved_bytes_per_item(make, inputs, mixed, p, device) for p in ("full", "selective_op", "largest_block")}
-    return saved, kept
+    with _fake_counting(mixed, device):
+        saved, largest = saved_and_largest_per_item(make(), inputs)
+    kept = {p: saved_bytes_per_item(make, inputs, mixed, p, device) for p in ("full", "selective_op")}
+    return saved, {**kept, "largest_block": largest}
 
 
 class LiveTensorBytes:
