@@ -95,8 +95,8 @@ def _counted(fn, inputs: tuple) -> tuple[float, float, torch.Tensor]:
 def _count_stack(module, first, blocks, last, inputs: tuple, trainable: bool, block_args: tuple = ()) -> ModuleFlops:
     """FLOPs of ``last(blocks(first(*inputs)))`` -- what ``_count`` of the whole gives -- counted piece by piece:
     each distinct block (its type, description and parameter shapes, and whether its input carries a gradient)
-    once, times its repeats. Counting on meta tensors costs Python dispatch per operator, so a 72B LLM's 80
-    identical blocks cost one block's count (tests/unit/test_flops.py checks the two ways agree)."""
+    once, times its repeats. Counting on meta tensors costs Python dispatch per operator, so a 70B LLM's 80
+    identical blocks cost one block's count (tests/unit/test_models.py checks the two ways agree)."""
     module.requires_grad_(trainable)
     forward = train = 0.0
     x = inputs[0]
