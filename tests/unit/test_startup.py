@@ -30,7 +30,9 @@ def test_a_block_that_imports_nothing_new_freezes_nothing():
         import json  # noqa: F401  (imported already)
 
         made = [[index] for index in range(2_000)]
-    assert gc.get_freeze_count() == frozen and len(made) == 2_000
+    # Frozen objects can die meanwhile (a pytest-xdist worker's threads: a make test run saw 2 fewer), so the count
+    # may fall; freezing the block's 2,000 lists would raise it by at least that many.
+    assert gc.get_freeze_count() <= frozen and len(made) == 2_000
 
 
 def test_a_collector_turned_off_before_stays_off():
