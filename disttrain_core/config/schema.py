@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from .fault_tolerance import FaultToleranceConfig
 from .model import ModelConfig
 from .parallel import CommConfig, HotSpaConfig, LocalSgdConfig, ParallelConfig, UnitConfig, UnitsConfig  # noqa: F401
 
@@ -272,6 +273,8 @@ class TrainerConfig:
     memory_report_step: int = 0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    # per-step fault tolerance over replica groups on torchft (config/fault_tolerance.py)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
 
 # ------------------------------------------------------------------------- cluster

@@ -205,8 +205,10 @@ def open_channel(
     limit: int,
     timeout: float | None = None,
     deadline: float | None = None,
+    domain: bytes = DOMAIN,
 ) -> Channel:
-    """Exchange greetings (each side sends its nonce at once) and return the channel."""
+    """Exchange greetings (each side sends its nonce at once) and return the channel. ``domain`` keeps the
+    tags of one service's frames apart from another's (a producer frame never verifies as a checkpoint's)."""
     nonce = _nonce()
     channel = Channel(sock, key, b"", b"", side, limit, timeout, deadline)
     channel._write(GREETING.pack(MAGIC, VERSION, side, nonce))
@@ -219,18 +221,29 @@ def open_channel(
     if role != expected or peer_nonce == nonce:
         raise ProtocolError("the peer's greeting is not one of its own (reflected or wrong role)")
     client_nonce, server_nonce = (nonce, peer_nonce) if side == CLIENT else (peer_nonce, nonce)
-    channel.prefix = DOMAIN + client_nonce + server_nonce
+    channel.prefix = domain + client_nonce + server_nonce
     return channel
 
 
-def server_channel(sock: socket.socket, key: bytes, limit: int = CONTROL_LIMIT, deadline: float | None = None):
-    return open_channel(sock, key, SERVER, limit, deadline=deadline)
+def server_channel(
+    sock: socket.socket,
+    key: bytes,
+    limit: int = CONTROL_LIMIT,
+    deadline: float | None = None,
+    domain: bytes = DOMAIN,
+):
+    return open_channel(sock, key, SERVER, limit, deadline=deadline, domain=domain)
 
 
 def client_channel(
-    sock: socket.socket, key: bytes, limit: int, timeout: float | None = None, deadline: float | None = None
+    sock: socket.socket,
+    key: bytes,
+    limit: int,
+    timeout: float | None = None,
+    deadline: float | None = None,
+    domain: bytes = DOMAIN,
 ) -> Channel:
-    return open_channel(sock, key, CLIENT, limit, timeout=timeout, deadline=deadline)
+    return open_channel(sock, key, CLIENT, limit, timeout=timeout, deadline=deadline, domain=domain)
 
 
 def pack_arrays(arrays: dict[str, np.ndarray]) -> tuple[list[dict], bytes]:

@@ -112,6 +112,11 @@ def resolve(cfg: Config, container: dict, environment):
     one-line errors of ``launch``. Returns None after a dry run of ``parallel=auto`` (the plan was printed)."""
     check_launch(environment, cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.max_restarts)
     check_producer_reach(cfg)
+    if cfg.trainer.fault_tolerance.enabled and environment.external:
+        raise LaunchError(
+            "trainer.fault_tolerance: train.py starts the replica groups itself; run it directly (not under "
+            "torchrun or srun)"
+        )
     container = with_device_defaults(container)
     cfg = typed_config(container)
     run = validate_run(cfg, container)  # None: the planner chooses the layout first
@@ -140,6 +145,10 @@ def resolve(cfg: Config, container: dict, environment):
         run = validate_run(typed_config(container), container, plan=container["parallel"])
     if run.cfg.parallel.pp_split == "auto":
         run = _resolve_pp_split(run, container)
+    if run.cfg.trainer.fault_tolerance.enabled and run.cfg.trainer.fault_tolerance.lighthouse:
+        from .replica_groups import lighthouse_reachable
+
+        lighthouse_reachable(run.cfg.trainer.fault_tolerance.lighthouse)
     check_state_sources(run.cfg, Path(run.cfg.paths.output_dir))
     return run
 
@@ -298,6 +307,11 @@ def start_ranks(run, run_dir: str, job_id: str, exclude: set[int]) -> None:
 
     cfg = run.cfg
     flight.configure(run_dir, rank=-1)  # torch's recorder reads its settings as a process group is made
+    if cfg.trainer.fault_tolerance.enabled:  # replica groups, each replaced alone (launch/replica_groups.py)
+        from .replica_groups import run_replica_groups
+
+        run_replica_groups(run, run_dir, job_id)
+        return
     if cfg.trainer.max_restarts > 0:
         spawn_with_restarts(cfg, elastic_worker, (run, run_dir), run_dir, job_id)
         return

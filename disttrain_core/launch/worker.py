@@ -104,6 +104,12 @@ def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
         run = run.with_container({**container, "trainer": {**container["trainer"], "resume": "auto"}})
     cfg = run.cfg
     trainer = cfg.trainer
+    job_dir = run_dir
+    if trainer.fault_tolerance.enabled:  # a replica group (launch/replica_groups.py): its logs apart, checkpoints not
+        from ..train.fault_tolerance.replica import replica_index
+
+        run_dir = str(Path(job_dir) / "replicas" / f"r{replica_index()}")
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
     environment = detect()
     if environment.kind == "spawned" and fabric is not None:
         rank = int(os.environ.get("NODE_RANK", 0)) * trainer.devices + int(os.environ.get("LOCAL_RANK", 0))
@@ -127,7 +133,7 @@ def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
             pool, container = share_producer(cfg, run.container, fabric)
             run = run.with_container(container)
             cfg = run.cfg
-        metrics = Trainer(run, fabric, run_dir, stop_request).fit()
+        metrics = Trainer(run, fabric, run_dir, stop_request, job_dir=job_dir).fit()
     except BaseException as error:
         flight.dump(f"exception: {type(error).__name__}: {error}")
         end_helpers()  # the decode workers: they ignore the SIGTERM multiprocessing ends them with at exit

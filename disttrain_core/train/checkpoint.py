@@ -90,7 +90,10 @@ class CheckpointManager:
         async_save: bool = True,
         process_group=None,
         commit_timeout_s: float = 600.0,
+        clean_partials: bool = True,
     ):
+        """``clean_partials``: remove what a crashed save left (``.partial`` directories); not where another
+        process may be saving into the same directory now (a replacement replica group, train/fault_tolerance)."""
         self.root = Path(root)
         self.rank = rank
         self.world_size = world_size
@@ -104,7 +107,7 @@ class CheckpointManager:
         self._error: BaseException | None = None
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"*{PARTIAL}"):
+            for stale in self.root.glob(f"*{PARTIAL}") if clean_partials else ():
                 shutil.rmtree(stale, ignore_errors=True)
         barrier()
 

@@ -14,6 +14,7 @@ worker normalizes by its own tokens, train/local_sgd/engine.py.)
 from __future__ import annotations
 
 import logging
+import os
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -30,7 +31,7 @@ from ..comm.engine import interleaved_mode
 from ..config import training_precision
 from ..data.tokenizer import tokenizer_for
 from ..models import build_model
-from ..models.flops import batch_flops, document_flops, llm_flop_terms
+from ..models.flops import document_flops, llm_flop_terms
 from ..parallel.compile import CompileWatch
 from ..parallel.resolved import ResolvedRun
 from .checkpoint import CheckpointManager
@@ -41,12 +42,13 @@ from .inputs import build_loader, build_stream, describe_run
 from .memory_report import MemoryReport, allocation_peak
 from .metrics import MetricsLogger
 from .optim import build_scheduler
-from .perf import peak_flops_per_device, peak_memory_gib
-from .results import StepResult, StepValues, read_results
+from .perf import peak_flops_per_device
+from .results import StepResult, read_results
 from .resume import CheckpointIO
 from .sampling import Samples
 from .state import model_fingerprint
 from .step_data import StepData
+from .step_metrics import StepMetrics
 from .stop import StopRequest
 from .straggler import Straggler
 from .timeline_report import TimelineReporter
@@ -60,14 +62,24 @@ def _dump_flight(reason: str) -> None:
     flight.dump(reason)
 
 
-class Trainer(StepData, CheckpointIO, Evaluation, Samples):
-    def __init__(self, run: ResolvedRun, fabric: Fabric, run_dir: str | Path, stop_request: StopRequest | None = None):
-        """``run``: the launcher's resolved run (parallel/resolved.py): its config and layout."""
+class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
+    def __init__(
+        self,
+        run: ResolvedRun,
+        fabric: Fabric,
+        run_dir: str | Path,
+        stop_request: StopRequest | None = None,
+        job_dir: str | Path | None = None,
+    ):
+        """``run``: the launcher's resolved run (parallel/resolved.py): its config and layout. ``job_dir``: where
+        checkpoints live when it is not ``run_dir`` (a replica group of a fault-tolerant job writes its logs and
+        metrics under the job's directory, its checkpoints into the job's own)."""
         cfg = run.cfg
         self.run = run
         self.cfg = cfg
         self.fabric = fabric
         self.run_dir = Path(run_dir)
+        self.job_dir = Path(job_dir) if job_dir is not None else self.run_dir
         self.rank = fabric.global_rank
         self.world_size = fabric.world_size
         trainer, optim = cfg.trainer, cfg.optim
@@ -87,7 +99,11 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         # counted once, not per step, and only where metrics are written (rank 0)
         self._flop_terms = llm_flop_terms(cfg.model) if self.packing and self.rank == 0 else None
         self.token_file = cfg.data.format == "tokens"  # pre-tokenized windows, positioned by step like packing
-        self.global_stream = len(self.layout.units) > 1 or self.producer or self.packing or self.token_file
+        # trainer.fault_tolerance: the replica groups of a quorum split each whole step between them
+        self.fault_tolerant = cfg.trainer.fault_tolerance.enabled
+        self.global_stream = (
+            len(self.layout.units) > 1 or self.producer or self.packing or self.token_file or self.fault_tolerant
+        )
         self.audio_data = not (self.packing or self.token_file)  # samples that may carry audio members
         self.tokenizer = tokenizer_for(cfg)
         timeout = timedelta(seconds=trainer.dist_timeout_s)
@@ -110,17 +126,24 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         self.straggler = Straggler(trainer.straggler, self.rank)
         self.compile_watch = CompileWatch(self.rank) if trainer.compile else None  # graph breaks, recompiles
         self.checkpoints = CheckpointManager(
-            self.run_dir / "checkpoints",
+            self.job_dir / "checkpoints",
             rank=self.rank,
             world_size=self.world_size,
             barrier=fabric.barrier,
             keep_last=trainer.checkpoint.keep_last,
             async_save=trainer.checkpoint.async_save,
             process_group=group,
+            # a replacement replica group: another group may be saving now
+            clean_partials=not self.fault_tolerant or os.environ.get("DISTTRAIN_FT_START", "0") == "0",
         )
         self.step = 0
         data_state = self._resume()
         self.loader = build_loader(self, data_state)
+        self.replica_group = None
+        if self.fault_tolerant:  # after the state it sends a joining group exists (train/fault_tolerance/)
+            from .fault_tolerance.replica import ReplicaGroupMember
+
+            self.replica_group = ReplicaGroupMember(self)
         self._build_reporting()
 
     def _build_reporting(self) -> None:
@@ -151,9 +174,12 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         )
 
     # --------------------------------------------------------------------- step
-    def train_step(self) -> StepResult:
-        """One optimizer step. Nothing is read back from the device here (see train/host_sync.py)."""
-        inject("step", self.rank, self.step + 1)  # fault drills (disttrain_core/base/faults.py); off by default
+    def train_step(self) -> StepResult | None:
+        """One optimizer step. Nothing is read back from the device here (see train/host_sync.py). None: a
+        fault-tolerant job's quorum did not commit the step (a replica failed in it); it is taken again."""
+        if self.replica_group is not None:  # this step's quorum; a joining group receives its state here
+            self.replica_group.begin_step()
+        self._inject_faults()  # fault drills (disttrain_core/base/faults.py); off by default
         started = self.clock.stamp()
         host_started = time.perf_counter()
         self.straggler.start()
@@ -184,6 +210,12 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         ):
             result = self.engine.forward_backward(microbatches, counts, record=record)
             self.engine.after_backward()
+            if self.replica_group is not None:  # gradients and loss sums over the quorum's groups, then its vote
+                params = [p for _, p in self.engine.named_parameters]
+                result.sums = self.replica_group.reduce(params, result.resolve().sums)
+                if not self.replica_group.commit():
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return None
             clip = self.cfg.optim.grad_clip
             clipping = trace.now() if trace is not None else None
             grad_norm = self.engine.clip_gradients(clip if clip > 0 else float("inf"))
@@ -218,6 +250,22 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
             moe=moe,
         )
 
+    def _inject_faults(self) -> None:
+        """The faults planned for this step (base/faults.py): by rank of the job, and in a fault-tolerant job by
+        which start of the replica group this is (a replacement does not meet its predecessor's fault)."""
+        if self.replica_group is None:
+            inject("step", self.rank, self.step + 1)
+            return
+        from .fault_tolerance.replica import start_count
+
+        job_rank = self.replica_group.replica * self.world_size + self.rank
+        inject("step", job_rank, self.step + 1, restart=start_count())
+
+    def _saves_checkpoints(self) -> bool:
+        """Whether this process takes part in saving: in a fault-tolerant job only the first group of the last
+        quorum saves (the groups hold the same state), into the job's checkpoint directory."""
+        return self.replica_group is None or self.replica_group.first_in_quorum()
+
     def _logs(self, step: int) -> bool:
         """A logging step: every log_every_n_steps, the last, and every validation or sampling step (its record
         holds both)."""
@@ -235,60 +283,6 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         return step > 1 and not skipped
 
     # --------------------------------------------------------------------- loop
-    def _window_flops(self, sequences: int, window: list[StepValues]) -> float | None:
-        """The window's training FLOPs where metrics are written, else None (a first count costs a core-second).
-        batch_flops is linear in the amounts: one call per window (each call's cache key, ~8 ms, showed on a GPU)."""
-        packed, self._packed_flops = self._packed_flops, 0.0
-        if not self.metrics.enabled or self.packing:  # packed: documents, attention inside each (models/flops.py)
-            return packed if self.metrics.enabled else None
-        images, clips = sum(r.images for r in window), sum(r.clips for r in window)
-        m = self.cfg.model
-        gens = (sequences if m.generator else 0, clips, sequences if m.audio_generator else 0)  # every row runs them
-        return batch_flops(m, sequences, images, *gens, video_groups=sum(r.groups for r in window))
-
-    def _metrics(self, result: StepValues, window: list[StepValues]) -> dict[str, float]:
-        seconds = sum(r.step_time_s for r in window)
-        sequences = sum(r.sequences for r in window)
-        flops = self._window_flops(sequences, window)
-        metrics = {
-            "train/loss": result.loss,
-            "train/loss_avg": sum(r.loss for r in window) / len(window),
-            "train/lm_loss": result.lm_loss,
-            "train/lr": result.lr,
-            "train/grad_norm": result.grad_norm,
-            "perf/step_time_s": seconds / len(window),
-            "perf/samples_per_s": sequences / seconds,
-            # packed rows: the tokens that carry a label (documents, not padding)
-            "perf/tokens_per_s": (
-                sum(r.loss_tokens for r in window) if self.packing else sequences * self.cfg.model.seq_len
-            )
-            / seconds,
-            "perf/loss_tokens_per_s": sum(r.loss_tokens for r in window) / seconds,
-            "perf/data_wait_fraction": sum(r.data_wait_s for r in window) / seconds,
-            "perf/peak_memory_gib": peak_memory_gib(self.fabric.device),
-            "data/skipped_samples": float(sum(self.loader.skipped.values())),
-            "data/truncated_images": float(self.loader.truncated_images),
-        }
-        if flops is not None:
-            metrics["perf/tflops_per_device"] = flops / seconds / self.world_size / 1e12
-            metrics["perf/mfu"] = flops / seconds / (self.peak_flops * self.world_size)
-        dropped_audio = self.loader.state_dict().get("truncated_audio", 0) if self.audio_data else 0
-        if dropped_audio or self.cfg.model.audio_encoder is not None:  # clips cut (or, without an audio tower, all)
-            metrics["data/truncated_audio"] = float(dropped_audio)
-        if self.cfg.data.blend and self.stream is not None:  # each source's share of the samples read so far
-            index = int(self.loader.state_dict().get("index", 0))
-            metrics.update({f"data/blend/{name}": share for name, share in self.stream.shares(index).items()})
-        if self.producer:  # what this process received of the last step (data.producer.per_rank: its share)
-            metrics["data/producer_bytes_per_step"] = float(self.loader.bytes_received)
-        if self.cfg.model.generator is not None:
-            metrics["train/gen_loss"] = result.gen_loss
-        metrics = self.engine.whole_run_metrics(metrics)  # local SGD: counts of one worker -> of all
-        metrics.update(self.engine.window_metrics(seconds, len(window)))  # HotSPa: switching, per-bucket times
-        if self.timelines is not None and self.timelines.last.get("step") == self.step:
-            metrics["perf/pipeline_measured_s"] = self.timelines.last["measured_s"]
-            metrics["perf/pipeline_predicted_s"] = self.timelines.last["predicted_s"]
-        return metrics
-
     def fit(self) -> dict[str, float]:
         trainer = self.cfg.trainer
         stop_at = self.stop_at
@@ -316,7 +310,10 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         weight = self.cfg.model.gen_loss_weight
         while self.engine.keep_going(self.step, stop_at):
             improved = None  # the val/loss of a new best model (trainer.checkpoint.keep_best)
-            window.append(self.train_step())
+            step_result = self.train_step()
+            if step_result is None:  # not committed by the quorum: taken again
+                continue
+            window.append(step_result)
             progress.update(1)
             if self.compile_watch is not None:
                 self.compile_watch.after_step(self.step)
@@ -342,7 +339,8 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
                     progress.write(self._format(last_metrics))
                 window = []
             every = trainer.checkpoint.every_n_steps
-            if self.engine.checkpoint_due(self.step, every) or improved is not None:
+            due = self.engine.checkpoint_due(self.step, every) or improved is not None
+            if due and self._saves_checkpoints():
                 self.save_checkpoint(improved)
                 saved_at = self.step
                 self.samples_after_save()
@@ -353,11 +351,11 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
                         f"stopping at step {self.step} ({self.stop_request.signal_name or 'signal'} on a rank): "
                         "checkpoint, then exit; trainer.resume=auto continues from here"
                     )
-                if saved_at != self.step:
+                if saved_at != self.step and self._saves_checkpoints():
                     self.save_checkpoint()
                     saved_at = self.step
                 break
-        if trainer.checkpoint.save_last and saved_at != self.step:
+        if trainer.checkpoint.save_last and saved_at != self.step and self._saves_checkpoints():
             self.save_checkpoint()
             self.samples_after_save()
         self._finish()
@@ -367,6 +365,8 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
     def _finish(self) -> None:
         """After the last step: the communication trace, the pending save, the engine and the trackers closed."""
         self.engine.synchronize()
+        if self.replica_group is not None:
+            self.replica_group.finish(self.run_dir, self.engine.models())
         trace = getattr(self.engine, "trace", None)
         if trace is not None:
             trace.dump(self.run_dir / "comm_trace" / f"rank{self.rank:05d}.json")
@@ -387,13 +387,3 @@ class Trainer(StepData, CheckpointIO, Evaluation, Samples):
         self.engine.close()
         self.metrics.close()
         return metrics
-
-    def _format(self, m: dict[str, float]) -> str:
-        gen = f" gen {m['train/gen_loss']:.3f}" if "train/gen_loss" in m else ""
-        val = f" | val {m['val/loss']:.4f} (ppl {m['val/ppl']:.2f})" if "val/loss" in m else ""
-        return (
-            f"step {self.step:>6} | loss {m['train/loss']:.4f} (lm {m['train/lm_loss']:.3f}{gen}) | "
-            f"lr {m['train/lr']:.2e} | grad {m['train/grad_norm']:.2f} | {m['perf/tokens_per_s']:,.0f} tok/s | "
-            f"mfu {100 * m['perf/mfu']:.1f}% | data wait {100 * m['perf/data_wait_fraction']:.1f}% | "
-            f"mem {m['perf/peak_memory_gib']:.2f} GiB{val}"
-        )

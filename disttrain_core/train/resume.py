@@ -25,7 +25,7 @@ class CheckpointIO:
     def _resume(self) -> dict | None:
         """Load the newest usable checkpoint ``trainer.resume`` names; returns this rank's data position."""
         tried = []
-        for checkpoint in resume_candidates(self.cfg.trainer.resume, self.run_dir):
+        for checkpoint in resume_candidates(self.cfg.trainer.resume, self.job_dir):
             try:
                 return self._load_checkpoint(checkpoint)
             except CheckpointCorrupt as error:
@@ -38,7 +38,7 @@ class CheckpointIO:
                 "start fresh with trainer.resume=none"
             )
         if self.cfg.trainer.resume == "auto" and self.rank == 0:
-            log.info("trainer.resume=auto: no checkpoint in %s yet; starting from step 0", self.run_dir)
+            log.info("trainer.resume=auto: no checkpoint in %s yet; starting from step 0", self.job_dir)
         return None
 
     def _load_checkpoint(self, checkpoint: Path) -> dict:

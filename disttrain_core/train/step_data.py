@@ -65,6 +65,8 @@ class StepData:
             return microbatches
         if not self.global_stream:
             return microbatches
+        if self.replica_group is not None:  # a fault-tolerant job: this replica group's microbatches of the step
+            microbatches = self.replica_group.share(microbatches)
         if self.packing and self.cfg.parallel.mode == "hotspa":  # HotSPa splits the buckets per strategy
             return microbatches
         if self.broker is not None:

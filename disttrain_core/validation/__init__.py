@@ -26,6 +26,7 @@ from .common import (
     resolve_backend,
     world_size,
 )
+from .fault_tolerance import check_fault_tolerance
 from .float8 import check_float8_device
 from .hotspa import check_hotspa_layouts, validate_hotspa
 from .layout import check_layout, reads_global_stream, validate_layout_settings
@@ -119,6 +120,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
             check_hotspa_layouts(run)
         else:
             check_layout(cfg, run.layout)
+            check_fault_tolerance(cfg, run.layout)
             check_producer_pool(cfg, run.layout)
             validate_optimizer(cfg, run.layout)
     dp = 1 if run is None else run.layout.llm.dp

@@ -288,6 +288,20 @@ CASES = [
         + ["parallel.comm.tp_overlap=true"],
         "model.llm.moe blocks run sequence parallelism unchunked: set parallel.comm.tp_overlap=false",
     ),
+    # trainer.fault_tolerance (validation/fault_tolerance.py): what it protects, named when it does not
+    (
+        ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "parallel=zero1"],
+        "trainer.fault_tolerance does not protect parallel=zero1 (mode ddp, ZeRO-1) yet; it protects parallel=dp",
+    ),
+    (
+        ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "trainer.fault_tolerance.replace_timeout_s=0"],
+        "trainer.fault_tolerance.replace_timeout_s=0.0: use a value in [1, 86400]",
+    ),
+    (
+        ["trainer.fault_tolerance.enabled=true", "trainer.devices=4", "trainer.fault_tolerance.replicas=4"]
+        + ["optim.global_batch_size=4", "optim.micro_batch_size=1", "trainer.fault_tolerance.min_replicas=2"],
+        "trainer.fault_tolerance.min_replicas=2 must be a majority of the 4 replica groups",
+    ),
 ]
 
 

@@ -1,0 +1,72 @@
+"""``trainer.fault_tolerance``: what it protects, checked on the whole job before any process starts.
+
+Protected today: plain data parallelism (``parallel=dp``: the whole model on every process, DDP inside each
+replica group) on one node, reading the embedded or webdataset shards in the trainer processes. Everything
+else is refused here with one line naming what is protected (docs/FAULT_TOLERANCE.md says why for each).
+"""
+
+from __future__ import annotations
+
+from ..config import Config
+from .common import _require, world_size
+
+PROTECTED = "parallel=dp (DDP inside each replica group) reading shards in the trainer processes, on one node"
+
+
+def check_fault_tolerance(cfg: Config, layout) -> None:
+    ft = cfg.trainer.fault_tolerance
+    if not ft.enabled:
+        return
+    parallel = cfg.parallel
+    zero1 = bool(getattr(parallel, "zero1", False))
+    _require(
+        parallel.mode == "ddp" and not zero1 and layout.trains_with_ddp(),
+        f"trainer.fault_tolerance does not protect parallel={parallel.name} (mode {parallel.mode}"
+        f"{', ZeRO-1' if zero1 else ''}) yet; it protects {PROTECTED}: use parallel=dp, or trainer.max_restarts for "
+        "a restart of every rank from the last checkpoint",
+    )
+    data = cfg.data
+    unprotected = (
+        "data.producer" if data.producer.workers > 0 or data.producer.address is not None else None,
+        "data.packing" if data.packing.enabled else None,
+        "data.format=tokens" if data.format == "tokens" else None,
+        "model.llm.moe" if cfg.model.llm.moe is not None else None,
+    )
+    found = [name for name in unprotected if name]
+    _require(
+        not found,
+        f"trainer.fault_tolerance does not protect runs with {found[0] if found else ''} yet; it protects {PROTECTED}",
+    )
+    _require(
+        cfg.trainer.num_nodes == 1,
+        f"trainer.fault_tolerance: train.py starts every replica group on this node, but trainer.num_nodes="
+        f"{cfg.trainer.num_nodes}; it protects {PROTECTED}",
+    )
+    _require(
+        cfg.trainer.max_restarts == 0,
+        f"trainer.fault_tolerance replaces a failed replica group alone; trainer.max_restarts="
+        f"{cfg.trainer.max_restarts} would restart every rank: set trainer.max_restarts=0",
+    )
+    world, replicas = world_size(cfg), ft.replicas
+    _require(
+        world % replicas == 0 and world >= replicas,
+        f"trainer.fault_tolerance.replicas={replicas} does not divide the {world} processes "
+        f"(trainer.devices={cfg.trainer.devices}) into equal replica groups; use a divisor of {world}",
+    )
+    group = world // replicas
+    optim = cfg.optim
+    microbatches = optim.global_batch_size // (optim.micro_batch_size * group)
+    _require(
+        microbatches >= replicas,
+        f"optim.global_batch_size={optim.global_batch_size} is {microbatches} microbatch(es) of "
+        f"{optim.micro_batch_size} x {group} process(es) per group, fewer than the {replicas} replica groups that "
+        f"share each step; use optim.global_batch_size={optim.micro_batch_size * group * replicas} or more",
+    )
+    majority = replicas // 2 + 1
+    minimum = ft.min_replicas if ft.min_replicas is not None else majority
+    _require(
+        majority <= minimum <= replicas,
+        f"trainer.fault_tolerance.min_replicas={ft.min_replicas} must be a majority of the {replicas} replica "
+        f"groups and no more than all of them ({majority}..{replicas}): fewer lets two halves of a partitioned "
+        "job commit different models",
+    )
