@@ -92,6 +92,9 @@ def _rank_main(run, run_dir: str, environ: dict[str, str]) -> None:
     # Leave without multiprocessing's exit handlers: they would wait for the decode workers, which ignore the
     # SIGTERM it ends them with (base/processes.py); the run's files are closed by now.
     end_helpers()
+    from multiprocessing import util
+
+    util._run_finalizers(0)  # what the exit handlers would run first: named semaphores unlinked (tqdm's lock)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -335,7 +335,7 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
                     last_metrics.update(self.write_samples())
                 self.metrics.log(self.step, last_metrics)
                 progress.set_postfix(loss=f"{values[-1].loss:.3f}", refresh=False)
-                if self.rank == 0:
+                if self.rank == 0 and self._saves_checkpoints():  # fault tolerance: one group's line, not each's
                     progress.write(self._format(last_metrics))
                 window = []
             every = trainer.checkpoint.every_n_steps
