@@ -49,7 +49,12 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
     )
     world, replicas = world_size(cfg), ft.replicas
     _require(
-        world % replicas == 0 and world >= replicas,
+        world >= replicas,
+        f"trainer.fault_tolerance.replicas={replicas} replica groups need at least one process each, but the job "
+        f"has {world} (trainer.devices={cfg.trainer.devices}); set trainer.devices={replicas} or more",
+    )
+    _require(
+        world % replicas == 0,
         f"trainer.fault_tolerance.replicas={replicas} does not divide the {world} processes "
         f"(trainer.devices={cfg.trainer.devices}) into equal replica groups; use a divisor of {world}",
     )

@@ -294,6 +294,10 @@ CASES = [
         "trainer.fault_tolerance does not protect parallel=zero1 (mode ddp, ZeRO-1) yet; it protects parallel=dp",
     ),
     (
+        ["trainer.fault_tolerance.enabled=true"],
+        "trainer.fault_tolerance.replicas=2 replica groups need at least one process each, but the job has 1",
+    ),
+    (
         ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "trainer.fault_tolerance.replace_timeout_s=0"],
         "trainer.fault_tolerance.replace_timeout_s=0.0: use a value in [1, 86400]",
     ),
