@@ -125,17 +125,7 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
         self.engine.stop_request = self.stop_request
         self.straggler = Straggler(trainer.straggler, self.rank)
         self.compile_watch = CompileWatch(self.rank) if trainer.compile else None  # graph breaks, recompiles
-        self.checkpoints = CheckpointManager(
-            self.job_dir / "checkpoints",
-            rank=self.rank,
-            world_size=self.world_size,
-            barrier=fabric.barrier,
-            keep_last=trainer.checkpoint.keep_last,
-            async_save=trainer.checkpoint.async_save,
-            process_group=group,
-            # a replacement replica group: another group may be saving now
-            clean_partials=not self.fault_tolerant or os.environ.get("DISTTRAIN_FT_START", "0") == "0",
-        )
+        self.checkpoints = self._checkpoint_manager(group)
         self.step = 0
         data_state = self._resume()
         self.loader = build_loader(self, data_state)
@@ -145,6 +135,21 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
 
             self.replica_group = ReplicaGroupMember(self)
         self._build_reporting()
+
+    def _checkpoint_manager(self, group) -> CheckpointManager:
+        """Checkpoints of the job (``group``: the host-side group DCP plans on)."""
+        trainer = self.cfg.trainer
+        return CheckpointManager(
+            self.job_dir / "checkpoints",
+            rank=self.rank,
+            world_size=self.world_size,
+            barrier=self.fabric.barrier,
+            keep_last=trainer.checkpoint.keep_last,
+            async_save=trainer.checkpoint.async_save,
+            process_group=group,
+            # a replacement replica group: another group may be saving now
+            clean_partials=not self.fault_tolerant or os.environ.get("DISTTRAIN_FT_START", "0") == "0",
+        )
 
     def _build_reporting(self) -> None:
         """Metrics, pipeline timelines, the device clock and host-sync guard, the memory report, MFU's peak."""

@@ -110,6 +110,21 @@ def _model_rules() -> list[Rule]:
     return rules
 
 
+def _fault_tolerance_rules() -> list[Rule]:
+    ft = "trainer.fault_tolerance"
+    return [
+        at_least(f"{ft}.replicas", 2, "use 2 replica groups or more"),
+        optional(at_least(f"{ft}.min_replicas", 1), "use null (a majority) or a number of groups"),
+        within(f"{ft}.replace_timeout_s", 1, 86400),
+        at_least(f"{ft}.replace_delay_s", 0, "use 0 (at once) or more seconds"),
+        at_least(f"{ft}.max_replacements", 0, "use 0 (never replace) or more"),
+        positive(f"{ft}.timeout_s", "use a positive number of seconds, e.g. 30"),
+        positive(f"{ft}.quorum_timeout_s", "use a positive number of seconds, e.g. 120"),
+        within(f"{ft}.join_timeout_ms", 1, 600000),
+        within(f"{ft}.heartbeat_timeout_ms", 100, 600000),
+    ]
+
+
 def _run_rules() -> list[Rule]:
     t, s = "trainer", "data.synthetic"
     return [
@@ -141,15 +156,6 @@ def _run_rules() -> list[Rule]:
         at_least(f"{t}.dist_timeout_s", 1, "use a positive number of seconds, e.g. 300"),
         positive(f"{t}.stop_grace_s", "use a positive number of seconds, e.g. 600"),
         at_least(f"{t}.max_restarts", 0, "use 0 (no restarts) or more"),
-        at_least(f"{t}.fault_tolerance.replicas", 2, "use 2 replica groups or more"),
-        optional(at_least(f"{t}.fault_tolerance.min_replicas", 1), "use null (a majority) or a number of groups"),
-        within(f"{t}.fault_tolerance.replace_timeout_s", 1, 86400),
-        at_least(f"{t}.fault_tolerance.replace_delay_s", 0, "use 0 (at once) or more seconds"),
-        at_least(f"{t}.fault_tolerance.max_replacements", 0, "use 0 (never replace) or more"),
-        positive(f"{t}.fault_tolerance.timeout_s", "use a positive number of seconds, e.g. 30"),
-        positive(f"{t}.fault_tolerance.quorum_timeout_s", "use a positive number of seconds, e.g. 120"),
-        within(f"{t}.fault_tolerance.join_timeout_ms", 1, 600000),
-        within(f"{t}.fault_tolerance.heartbeat_timeout_ms", 100, 600000),
         at_least(f"{t}.checkpoint.every_n_steps", 0, "use 0 (off) or more"),
         at_least(f"{t}.checkpoint.keep_last", 1, "keep at least 1"),
         within(f"{t}.straggler.factor", 1, 100),
@@ -216,7 +222,7 @@ def _sample_rules() -> list[Rule]:
     ]
 
 
-RULES: tuple[Rule, ...] = (*_model_rules(), *_run_rules(), *_sample_rules())
+RULES: tuple[Rule, ...] = (*_model_rules(), *_run_rules(), *_fault_tolerance_rules(), *_sample_rules())
 
 
 def _group(rules: Iterable[Rule]) -> list[tuple[tuple[str, ...], list[tuple[str, Rule]]]]:
