@@ -18,6 +18,9 @@ def _report(fabric, out: str) -> None:
         "pid": os.getpid(),
     }
     Path(out, f"rank{fabric.global_rank}.txt").write_text(json.dumps(seen))
+    # rank 0 hosts the rendezvous store: leaving before the others finish joining resets their connection to it
+    # (gloo's rendezvous reads the store after rank 0 is through), as no real job, which runs a collective, does
+    fabric.barrier()
 
 
 def _launch(start_method: str, out: Path) -> list[dict]:
