@@ -38,3 +38,12 @@ class FaultToleranceConfig:
     # The key that authenticates state transfers between groups (hex:<hex>, file:<path> or text of 16+ bytes);
     # null: a fresh one per job (groups started by one train.py). Groups started separately need the same one.
     key: Optional[str] = None
+
+
+def quorum_minimum(ft) -> int:
+    """The groups a step needs to commit: ``min_replicas``, or a majority of ``replicas`` when it is null."""
+    return ft.min_replicas if ft.min_replicas is not None else majority(ft.replicas)
+
+
+def majority(replicas: int) -> int:
+    return replicas // 2 + 1

@@ -25,6 +25,8 @@ from pathlib import Path
 from ..base.launch_env import MARK, LaunchError
 from ..base.net import free_port, split_address
 from ..config import typed_config
+from ..config.fault_tolerance import quorum_minimum
+from ..train.fault_tolerance.replica import KEY_ENV, LIGHTHOUSE_ENV, REPLICA_ENV, START_ENV, STORE_ENV
 
 log = logging.getLogger("disttrain")
 POLL_S = 0.1
@@ -143,11 +145,11 @@ class ReplicaGroups:
         return {
             MARK: "spawn",
             "DISTTRAIN_JOB_ID": self.job_id,
-            "DISTTRAIN_FT_REPLICA": str(group.index),
-            "DISTTRAIN_FT_START": str(group.starts),
-            "DISTTRAIN_FT_STORE": f"{self.ft.bind}:{free_port(self.ft.bind)}",
-            "DISTTRAIN_FT_LIGHTHOUSE": f"http://{self.address}",
-            "DISTTRAIN_FT_KEY": self.key,
+            REPLICA_ENV: str(group.index),
+            START_ENV: str(group.starts),
+            STORE_ENV: f"{self.ft.bind}:{free_port(self.ft.bind)}",
+            LIGHTHOUSE_ENV: f"http://{self.address}",
+            KEY_ENV: self.key,
             "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at info
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
@@ -176,7 +178,7 @@ class ReplicaGroups:
 
     def run_all(self) -> dict:
         ft = self.ft
-        minimum = ft.min_replicas or ft.replicas // 2 + 1
+        minimum = quorum_minimum(ft)
         if ft.lighthouse:  # checked before launch (launch/entry.py)
             self.address = ft.lighthouse
         else:

@@ -14,7 +14,6 @@ worker normalizes by its own tokens, train/local_sgd/engine.py.)
 from __future__ import annotations
 
 import logging
-import os
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -37,6 +36,7 @@ from ..parallel.resolved import ResolvedRun
 from .checkpoint import CheckpointManager
 from .engines import build_engine
 from .evaluation import Evaluation
+from .fault_tolerance.replica import start_count
 from .host_sync import HostSyncGuard
 from .inputs import build_loader, build_stream, describe_run
 from .memory_report import MemoryReport, allocation_peak
@@ -148,7 +148,7 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
             async_save=trainer.checkpoint.async_save,
             process_group=group,
             # a replacement replica group: another group may be saving now
-            clean_partials=not self.fault_tolerant or os.environ.get("DISTTRAIN_FT_START", "0") == "0",
+            clean_partials=not self.fault_tolerant or start_count() == 0,
         )
 
     def _build_reporting(self) -> None:

@@ -8,6 +8,7 @@ else is refused here with one line naming what is protected (docs/FAULT_TOLERANC
 from __future__ import annotations
 
 from ..config import Config
+from ..config.fault_tolerance import majority, quorum_minimum
 from .common import _require, world_size
 
 PROTECTED = "parallel=dp (DDP inside each replica group) reading shards in the trainer processes, on one node"
@@ -67,11 +68,10 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
         f"{optim.micro_batch_size} x {group} process(es) per group, fewer than the {replicas} replica groups that "
         f"share each step; use optim.global_batch_size={optim.micro_batch_size * group * replicas} or more",
     )
-    majority = replicas // 2 + 1
-    minimum = ft.min_replicas if ft.min_replicas is not None else majority
+    least, minimum = majority(replicas), quorum_minimum(ft)
     _require(
-        majority <= minimum <= replicas,
+        least <= minimum <= replicas,
         f"trainer.fault_tolerance.min_replicas={ft.min_replicas} must be a majority of the {replicas} replica "
-        f"groups and no more than all of them ({majority}..{replicas}): fewer lets two halves of a partitioned "
+        f"groups and no more than all of them ({least}..{replicas}): fewer lets two halves of a partitioned "
         "job commit different models",
     )

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 
 from ...base.net import split_address
+from ...config.fault_tolerance import quorum_minimum
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class ReplicaGroupMember:
                 pg=self._process_group(timeout),
                 load_state_dict=self._load_state,
                 state_dict=self._state,
-                min_replica_size=ft.min_replicas or trainer.cfg.trainer.fault_tolerance.replicas // 2 + 1,
+                min_replica_size=quorum_minimum(ft),
                 use_async_quorum=False,  # every group of the quorum takes part in the step it heals at
                 timeout=timeout,
                 quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
@@ -175,8 +176,8 @@ class ReplicaGroupMember:
     def share(self, microbatches: list) -> list:
         """This group's microbatches of the step: a contiguous share, by its place in the quorum."""
         rank, count = self.manager.participating_rank(), self.participants
-        if rank is None:  # not in this step's quorum (cannot happen with a synchronous quorum): no samples
-            return []
+        if rank is None:  # a synchronous quorum (use_async_quorum=False) has every group that asked take part
+            raise RuntimeError("this replica group is not in the step's quorum; its share of the step is undefined")
         total = len(microbatches)
         return microbatches[rank * total // count : (rank + 1) * total // count]
 
