@@ -24,8 +24,8 @@ from lightning_fabric import Fabric
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from ..base import faults
 from ..base.clock import DeviceClock
-from ..base.faults import inject
 from ..comm.engine import interleaved_mode
 from ..config import training_precision
 from ..data.tokenizer import tokenizer_for
@@ -134,6 +134,8 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
             from .fault_tolerance.replica import ReplicaGroupMember
 
             self.replica_group = ReplicaGroupMember(self)
+            faults.identify(self.replica_group.replica * self.world_size, start_count())
+        faults.install_model_hooks(self.engine.models(), self.rank, lambda: self.step + 1)
         self._build_reporting()
 
     def _checkpoint_manager(self, group) -> CheckpointManager:
@@ -184,7 +186,8 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
         fault-tolerant job's quorum did not commit the step (a replica failed in it); it is taken again."""
         if self.replica_group is not None:  # this step's quorum; a joining group receives its state here
             self.replica_group.begin_step()
-        self._inject_faults()  # fault drills (disttrain_core/base/faults.py); off by default
+        # fault drills (base/faults.py), off by default; in a fault-tolerant job by job rank and the group's start
+        faults.inject("step", self.rank, self.step + 1)
         started = self.clock.stamp()
         host_started = time.perf_counter()
         self.straggler.start()
@@ -254,17 +257,6 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
             ended=ended,
             moe=moe,
         )
-
-    def _inject_faults(self) -> None:
-        """The faults planned for this step (base/faults.py): by rank of the job, and in a fault-tolerant job by
-        which start of the replica group this is (a replacement does not meet its predecessor's fault)."""
-        if self.replica_group is None:
-            inject("step", self.rank, self.step + 1)
-            return
-        from .fault_tolerance.replica import start_count
-
-        job_rank = self.replica_group.replica * self.world_size + self.rank
-        inject("step", job_rank, self.step + 1, restart=start_count())
 
     def _saves_checkpoints(self) -> bool:
         """Whether this process takes part in saving: in a fault-tolerant job only the first group of the last

@@ -30,6 +30,7 @@ from datetime import timedelta
 
 import torch
 
+from ...base.faults import inject
 from ...base.net import split_address
 from ...config.fault_tolerance import quorum_minimum
 
@@ -101,6 +102,7 @@ class ReplicaGroupMember:
         self.transport = HealTransport(load_key(os.environ[KEY_ENV]), bind=ft.bind, timeout=ft.timeout_s)
         self.healed_from: list[int] = []  # the steps this group received its state at
         self.uncommitted = 0  # steps taken again because the quorum did not commit them
+        self.quorum_sizes: dict[int, int] = {}  # committed step -> the groups that took part in it
         with manager_server_bound_to(ft.bind):
             self.manager = Manager(
                 pg=self._process_group(timeout),
@@ -189,6 +191,7 @@ class ReplicaGroupMember:
         losses = torch.stack([sums[n].double() for n in names]) if names else None
         work = self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
         loss_work = self.manager.allreduce(losses, reduce_op=torch.distributed.ReduceOp.SUM) if names else None
+        inject("allreduce", self.trainer.rank, self.trainer.step + 1)  # fault drills: the all-reduce is under way
         work.wait()
         if loss_work is not None:
             loss_work.wait()
@@ -205,6 +208,7 @@ class ReplicaGroupMember:
         """Whether every group of the quorum finished the step (torchft's vote); if not, the data position is
         rewound so the step is taken again."""
         if self.manager.should_commit():
+            self.quorum_sizes[self.trainer.step + 1] = self.participants
             return True
         from ..inputs import build_loader
 
@@ -242,6 +246,7 @@ class ReplicaGroupMember:
             "manager_step": self.manager.current_step(),
             "healed_at": self.healed_from,
             "uncommitted_steps": self.uncommitted,
+            "groups_per_step": self.quorum_sizes,  # the steps this group committed, each with its quorum's size
             "states_sent": self.transport.sent,
             "data": self.trainer.loader.state_dict(),
             "parameter_fingerprint": totals.tolist(),
