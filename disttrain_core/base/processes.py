@@ -12,6 +12,7 @@ working. The producer stops on SIGUSR2, which is also its parent-death signal.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -77,6 +78,9 @@ def end_helpers() -> int:
     trainer.stop_grace_s), and the rank that raised, never signalled, would wait for ever."""
     import multiprocessing
 
+    with contextlib.suppress(ValueError):  # not the main thread: no handler of its own to put back
+        # torch's DataLoader raises from its SIGCHLD handler when a worker is killed: here that is the point
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     ended = 0
     for child in multiprocessing.active_children():
         if child.daemon:

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -79,7 +80,6 @@ def group_run(run, group_size: int):
 def _rank_main(run, run_dir: str, environ: dict[str, str]) -> None:
     os.environ.update(environ)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a fork server ignores it (launch/rank_preload.py)
-    import sys
     import traceback
 
     from ..base.processes import end_helpers
@@ -88,9 +88,9 @@ def _rank_main(run, run_dir: str, environ: dict[str, str]) -> None:
     code = 0
     try:
         run_worker(run, run_dir)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as error:  # the launcher stops and replaces the group: one line, the traceback on disk
         code = 1
+        _report_failure(error, traceback.format_exc(), run_dir, environ)
     # Leave without multiprocessing's exit handlers: they would wait for the decode workers, which ignore the
     # SIGTERM it ends them with (base/processes.py); the run's files are closed by now.
     end_helpers()
@@ -101,6 +101,22 @@ def _rank_main(run, run_dir: str, environ: dict[str, str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _report_failure(error: BaseException, trace: str, run_dir: str, environ: dict[str, str]) -> None:
+    """A group's rank that raised (often a collateral of its peer's death: a collective reset): one line on the
+    console, the whole traceback in its group's directory."""
+    group, rank, start = environ[REPLICA_ENV], environ["RANK"], environ[START_ENV]
+    path = Path(run_dir) / "replicas" / f"r{group}" / f"error_rank{rank}_start{start}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(trace)
+        where = f"traceback in {path}"
+    except OSError:
+        print(trace, file=sys.stderr)
+        where = "traceback above"
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    print(f"replica group {group} rank {rank} failed: {type(error).__name__}: {first} ({where})", file=sys.stderr)
 
 
 @dataclass
@@ -237,7 +253,8 @@ class ReplicaGroups:
             return
         rank, code = failed[0]
         cause = signal.Signals(-code).name if code < 0 else f"exit status {code}"
-        self.failures.append({"group": group.index, "rank": rank, "cause": cause, "start": group.starts - 1})
+        failure = {"group": group.index, "rank": rank, "cause": cause, "start": group.starts - 1, "time": time.time()}
+        self.failures.append(failure)
         log.warning(
             "replica group %d: rank %d died (%s); its group is stopped%s, the others go on",
             group.index,

@@ -101,3 +101,21 @@ def test_a_step_is_shared_whole_by_the_groups_of_its_quorum(participants):
         shares.append(member.share(microbatches))
     assert [m for share in shares for m in share] == microbatches  # none lost, none twice, in order
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_a_group_rank_that_raises_says_one_line_and_keeps_its_traceback(tmp_path, capsys):
+    from disttrain_core.launch.replica_groups import _report_failure
+
+    environ = {"DISTTRAIN_FT_REPLICA": "2", "RANK": "1", "DISTTRAIN_FT_START": "3"}
+    try:
+        raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer\nsecond line")
+    except RuntimeError as error:
+        import traceback
+
+        _report_failure(error, traceback.format_exc(), str(tmp_path), environ)
+    saved = tmp_path / "replicas" / "r2" / "error_rank1_start3.txt"
+    assert "Traceback (most recent call last)" in saved.read_text()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("replica group 2 rank 1 failed: RuntimeError: [pair.cc:537] Read error: Connection reset")
+    assert str(saved) in err

@@ -56,6 +56,11 @@ def start_count() -> int:
     return int(os.environ.get(START_ENV, "0"))
 
 
+def _without_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info = record.exc_text = None
+    return True
+
+
 @contextlib.contextmanager
 def manager_server_bound_to(host: str):
     """torchft 0.2.0's Manager binds its server to every interface (``[::]:port``, fixed in ``Manager.__init__``);
@@ -90,7 +95,9 @@ class ReplicaGroupMember:
         # recorder on CPU: its errors stay, this module says what a replica group does
         for name, level in (("torchft_quorums", logging.WARNING), ("torchft_commits", logging.WARNING)):
             logging.getLogger(name).setLevel(level)
-        logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+        manager_log = logging.getLogger("torchft.manager")
+        manager_log.setLevel(logging.ERROR)
+        manager_log.addFilter(_without_traceback)  # a peer's death is an expected error: its one line is enough
         self.replica = replica_index()
         timeout = timedelta(seconds=ft.timeout_s)
         host, port = split_address(os.environ[STORE_ENV])
