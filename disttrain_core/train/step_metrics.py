@@ -56,6 +56,8 @@ class StepMetrics:
             metrics["data/producer_bytes_per_step"] = float(self.loader.bytes_received)
         if self.cfg.model.generator is not None:
             metrics["train/gen_loss"] = result.gen_loss
+        if self.replica_group is not None:  # trainer.fault_tolerance: the groups that took part in the last step
+            metrics["fault_tolerance/groups"] = float(self.replica_group.participants)
         metrics = self.engine.whole_run_metrics(metrics)  # local SGD: counts of one worker -> of all
         metrics.update(self.engine.window_metrics(seconds, len(window)))  # HotSPa: switching, per-bucket times
         if self.timelines is not None and self.timelines.last.get("step") == self.step:
