@@ -230,7 +230,10 @@ class ZeroOneOptimizer:
                 if saving:
                     state[f"optim.{name}.step"] = moments["step"]
                 else:  # one loaded counter per bucket is enough: every parameter of a flat steps together
-                    step = self._loaded_steps.setdefault(id(master), torch.zeros((), dtype=torch.float32))
+                    # holding the live count until a load overwrites it: a replica group sends this state as it
+                    # is to a group that joins (train/fault_tolerance/), which needs the count, not a zero
+                    counter = moments["step"].detach().to("cpu", torch.float32)
+                    step = self._loaded_steps.setdefault(id(master), counter.clone())
                     state[f"optim.{name}.step"] = step
         if self.experts is not None:
             state.update(self.experts.checkpoint_state(saving))

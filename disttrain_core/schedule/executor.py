@@ -96,14 +96,25 @@ class PipelineExecutor:
         self.dtype = boundary_dtype  # on the wire; a receiving stage computes in its parameters' dtype
         self.autocast = autocast
         self.clock = DeviceClock(device)
-        self.last_stage = schedule.num_stages - 1
-        self.my_actions = schedule.compute(row)
         self.grad_sync = None  # set by the engine: begin_step() / arm(stage) / grads_ready(params)
+        # A schedule of another microbatch count, for a step of that many (set by an engine whose count varies:
+        # a fault-tolerant job's replica group takes a share of the step that depends on its quorum)
+        self.schedule_for: Callable[[int], Schedule] | None = None
+        self._use(schedule)
+
+    def _use(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.last_stage = schedule.num_stages - 1
+        self.my_actions = schedule.compute(self.row)
         # Per stage, the position of the last action that accumulates weight gradients: after it they are final.
         self.final_backward: dict[int, int] = {}
         for index, action in enumerate(self.my_actions):
             if self._accumulates_weight_grads(action):
                 self.final_backward[action.stage] = index
+
+    def _fit(self, count: int) -> None:
+        if count != self.schedule.num_microbatches and self.schedule_for is not None:
+            self._use(self.schedule_for(count))
 
     def _accumulates_weight_grads(self, action: Action) -> bool:
         if action.kind == Kind.B:
@@ -116,6 +127,7 @@ class PipelineExecutor:
         self, microbatches: list[Microbatch], loss_fn: Callable[[dict], torch.Tensor], record: bool = False
     ) -> StepRecord:
         """One optimizer step's actions. Loss sums stay on the device (read them at logging steps only)."""
+        self._fit(len(microbatches))
         plan = plan_rank(self.schedule, self.routing, self.row, self.rank)  # image counts change every step
         state = _StepState(self, microbatches)
         result = StepRecord()
@@ -156,6 +168,7 @@ class PipelineExecutor:
     def evaluate(self, microbatches: list[Microbatch]) -> dict[str, torch.Tensor]:
         """The loss sums of ``microbatches`` without a backward: the schedule's forwards in its order (no
         gradient actions, so no gradient transfers), under ``torch.no_grad``; nothing is kept for later."""
+        self._fit(len(microbatches))
         forward_only = Schedule(
             f"{self.schedule.name} (forward only)",
             self.schedule.num_microbatches,

@@ -172,6 +172,11 @@ class Engine:
         """Clip to ``max_norm`` (inf: no clipping); returns the global norm before clipping (on the device)."""
         raise NotImplementedError
 
+    def replica_gradients(self) -> list[torch.nn.Parameter]:
+        """After :meth:`after_backward`: the tensors whose ``.grad`` hold this process's reduced gradients, which
+        a fault-tolerant job sums over its replica groups (train/fault_tolerance/): the parameters here."""
+        return [p for _, p in self.named_parameters]
+
     def models(self) -> list[torch.nn.Module]:
         """The model modules this process runs."""
         return []

@@ -118,6 +118,10 @@ class UnitEngine(Engine):
             boundary_dtype=self.wire_dtype,
             autocast=autocast,
         )
+        if cfg.trainer.fault_tolerance.enabled:  # a replica group's share of a step varies with its quorum
+            from ..parallel.plan import pipeline_schedule
+
+            self.executor.schedule_for = lambda count: pipeline_schedule(cfg, layout, count)
         self.optimizer: ZeroOneOptimizer | ShardedOptimizer | None = None
 
     def _build_stages(self, tokenizer: Tokenizer, rows_of_units: dict[str, list[int]]):
@@ -280,6 +284,12 @@ class UnitEngine(Engine):
     def set_comm_mode(self, mode: str) -> None:
         """``parallel.comm.interleave_modes``: switch this step's overlap / skip switches."""
         self.optimizer.sync.set_mode(**MODES[mode])
+
+    def replica_gradients(self) -> list[torch.nn.Parameter]:
+        """ZeRO-1: this rank's fp32 master slices, whose gradients are its summed slice of the group's."""
+        if not isinstance(self.optimizer, ZeroOneOptimizer):
+            raise NotImplementedError(f"replica gradients of {type(self.optimizer).__name__} (ZeRO-1 only)")
+        return self.optimizer.master_params()
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         squared = self.optimizer.grad_norm_squared()

@@ -1,7 +1,8 @@
 """``trainer.fault_tolerance``: what it protects, checked on the whole job before any process starts.
 
-Protected today: plain data parallelism (``parallel=dp``: the whole model on every process, DDP inside each
-replica group) on one node, reading the embedded or webdataset shards in the trainer processes. Everything
+Protected today: plain data parallelism on one node (``parallel=dp``: the whole model on every process, DDP
+inside each replica group; ``parallel=zero1``: AdamW's state sharded over each group's processes), reading the
+embedded or webdataset shards in the trainer processes. Everything
 else is refused here with one line naming what is protected (docs/FAULT_TOLERANCE.md says why for each).
 """
 
@@ -11,7 +12,10 @@ from ..config import Config
 from ..config.fault_tolerance import majority, quorum_minimum
 from .common import _require, world_size
 
-PROTECTED = "parallel=dp (DDP inside each replica group) reading shards in the trainer processes, on one node"
+PROTECTED = (
+    "parallel=dp (DDP inside each replica group) and parallel=zero1 (ZeRO-1 inside each group) reading shards in "
+    "the trainer processes, on one node"
+)
 
 
 def check_fault_tolerance(cfg: Config, layout) -> None:
@@ -20,8 +24,10 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
         return
     parallel = cfg.parallel
     zero1 = bool(getattr(parallel, "zero1", False))
+    unit = layout.units[0]
+    whole_model = len(layout.units) == 1 and unit.pp == 1 and unit.inner == 1
     _require(
-        parallel.mode == "ddp" and not zero1 and layout.trains_with_ddp(),
+        parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or (zero1 and unit.shard == "zero1")),
         f"trainer.fault_tolerance does not protect parallel={parallel.name} (mode {parallel.mode}"
         f"{', ZeRO-1' if zero1 else ''}) yet; it protects {PROTECTED}: use parallel=dp, or trainer.max_restarts for "
         "a restart of every rank from the last checkpoint",

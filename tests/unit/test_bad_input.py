@@ -290,8 +290,8 @@ CASES = [
     ),
     # trainer.fault_tolerance (validation/fault_tolerance.py): what it protects, named when it does not
     (
-        ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "parallel=zero1"],
-        "trainer.fault_tolerance does not protect parallel=zero1 (mode ddp, ZeRO-1) yet; it protects parallel=dp",
+        ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "model=llama_tiny", "parallel=megatron_tp2"],
+        "trainer.fault_tolerance does not protect parallel=megatron_tp2 (mode megatron) yet; it protects parallel=dp",
     ),
     (
         ["trainer.fault_tolerance.enabled=true"],

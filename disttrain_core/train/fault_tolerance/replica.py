@@ -162,8 +162,13 @@ class ReplicaGroupMember:
             raise RuntimeError(f"the healthy replica's state lacks {len(missing)} tensor(s), e.g. {missing[0]}")
         with torch.no_grad():
             for name, target in live.items():
+                source = state["tensors"][name]
+                if hasattr(target, "local_shards"):  # a ShardedTensor: the peer sent its pieces (same layout)
+                    for shard, piece in zip(target.local_shards(), source, strict=True):
+                        shard.tensor.copy_(piece)
+                    continue
                 local = target.to_local() if hasattr(target, "to_local") else target
-                local.copy_(state["tensors"][name])
+                local.copy_(source)
         trainer.engine.checkpoint_loaded([])
         trainer.step = int(state["step"])
         restore_scheduler(trainer.scheduler, trainer.step)

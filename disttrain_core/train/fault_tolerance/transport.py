@@ -42,6 +42,8 @@ def encode(tree) -> tuple[object, dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(node):
+        if hasattr(node, "local_shards"):  # a ShardedTensor (ZeRO-1's master chunks): this rank's pieces, in order
+            return [walk(shard.tensor) for shard in node.local_shards()]
         if isinstance(node, torch.Tensor):
             name = str(len(tensors))
             local = node.to_local() if hasattr(node, "to_local") else node  # a DTensor's shard on this rank
