@@ -31,6 +31,7 @@ from ..train.fault_tolerance.replica import KEY_ENV, LIGHTHOUSE_ENV, REPLICA_ENV
 
 log = logging.getLogger("disttrain")
 POLL_S = 0.1
+CAUSE_WAIT_S = 1.0  # how long a process that raised waits to be explained by its group's peer killed by a signal
 
 
 def lighthouse_reachable(address: str, timeout: float = 2.0) -> None:
@@ -192,6 +193,17 @@ class ReplicaGroups:
         what = "started" if group.starts == 1 else f"replaced (start {group.starts})"
         log.info("replica group %d %s: pid(s) %s", group.index, what, ",".join(str(p.pid) for p in group.processes))
 
+    def _first_cause(self, group: Group, failed: list[tuple[int, int]]) -> tuple[int, int]:
+        """The failure to record: a process that raised is often the collateral of a peer killed a moment before
+        (its collective was reset), whose death the fork server may report a little later: wait up to
+        ``CAUSE_WAIT_S`` for a death by signal in the group, and prefer it."""
+        deadline = time.monotonic() + CAUSE_WAIT_S
+        while not any(code < 0 for _, code in failed) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            codes = [p.exitcode for p in group.processes]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        return min(failed, key=lambda item: (item[1] > 0, item[0]))
+
     def run_all(self) -> dict:
         ft = self.ft
         minimum = quorum_minimum(ft)
@@ -251,7 +263,7 @@ class ReplicaGroups:
             self._stop(group)
             group.given_up = True
             return
-        rank, code = failed[0]
+        rank, code = self._first_cause(group, failed)
         cause = signal.Signals(-code).name if code < 0 else f"exit status {code}"
         failure = {"group": group.index, "rank": rank, "cause": cause, "start": group.starts - 1, "time": time.time()}
         self.failures.append(failure)

@@ -173,13 +173,16 @@ class Engine:
         raise NotImplementedError
 
     def replica_gradients(self) -> list[torch.nn.Parameter]:
-        """After :meth:`after_backward`: the tensors whose ``.grad`` hold this process's reduced gradients, which
-        a fault-tolerant job sums over its replica groups (train/fault_tolerance/): the parameters here."""
+        """Whose ``.grad`` hold the reduced gradients a fault-tolerant job sums over its groups: the parameters."""
         return [p for _, p in self.named_parameters]
 
     def models(self) -> list[torch.nn.Module]:
         """The model modules this process runs."""
         return []
+
+    def called_modules(self) -> list[torch.nn.Module]:
+        """The modules a step calls (fault drills hook their forward and backward): :meth:`models` here."""
+        return self.models()
 
     def batch_fields(self) -> tuple[str, ...] | None:
         """The Batch fields this process's model reads (None: all of them); a data producer sends it only these

@@ -135,7 +135,7 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
 
             self.replica_group = ReplicaGroupMember(self)
             faults.identify(self.replica_group.replica * self.world_size, start_count())
-        faults.install_model_hooks(self.engine.models(), self.rank, lambda: self.step + 1)
+        faults.install_model_hooks(self.engine.called_modules(), self.rank, lambda: self.step + 1)
         self._build_reporting()
 
     def _checkpoint_manager(self, group) -> CheckpointManager:

@@ -171,6 +171,9 @@ class UnitEngine(Engine):
     def models(self) -> list[torch.nn.Module]:
         return [stage.model for stage in self.stages.values()]
 
+    def called_modules(self) -> list[torch.nn.Module]:
+        return list(self.stages.values())  # the executor calls the stages, which run parts of their models
+
     def batch_fields(self) -> tuple[str, ...] | None:
         return fields_read(self.stages.values())
 
@@ -286,10 +289,11 @@ class UnitEngine(Engine):
         self.optimizer.sync.set_mode(**MODES[mode])
 
     def replica_gradients(self) -> list[torch.nn.Parameter]:
-        """ZeRO-1: this rank's fp32 master slices, whose gradients are its summed slice of the group's."""
-        if not isinstance(self.optimizer, ZeroOneOptimizer):
-            raise NotImplementedError(f"replica gradients of {type(self.optimizer).__name__} (ZeRO-1 only)")
-        return self.optimizer.master_params()
+        """ZeRO-1: this rank's fp32 master slices, whose gradients are its summed slice of the group's; FSDP2:
+        every trainable sharded parameter (one whose gradient is None this step counts as zeros)."""
+        if isinstance(self.optimizer, ZeroOneOptimizer):
+            return self.optimizer.master_params()
+        return [p for _, p in self.optimizer.named_params]
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
         squared = self.optimizer.grad_norm_squared()

@@ -1,7 +1,8 @@
 """``trainer.fault_tolerance``: what it protects, checked on the whole job before any process starts.
 
 Protected today: plain data parallelism on one node (``parallel=dp``: the whole model on every process, DDP
-inside each replica group; ``parallel=zero1``: AdamW's state sharded over each group's processes), reading the
+inside each replica group; ``parallel=zero1``: AdamW's state sharded over each group's processes;
+``parallel.shard=zero3``: FSDP2 inside each group, so HSDP across groups), reading the
 embedded or webdataset shards in the trainer processes. Everything
 else is refused here with one line naming what is protected (docs/FAULT_TOLERANCE.md says why for each).
 """
@@ -13,8 +14,8 @@ from ..config.fault_tolerance import majority, quorum_minimum
 from .common import _require, world_size
 
 PROTECTED = (
-    "parallel=dp (DDP inside each replica group) and parallel=zero1 (ZeRO-1 inside each group) reading shards in "
-    "the trainer processes, on one node"
+    "parallel=dp (DDP inside each replica group), parallel=zero1 (ZeRO-1 inside each group) and parallel.shard=zero3 "
+    "(FSDP2 inside each group), one unit without TP or PP, reading shards in the trainer processes, on one node"
 )
 
 
@@ -26,8 +27,10 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
     zero1 = bool(getattr(parallel, "zero1", False))
     unit = layout.units[0]
     whole_model = len(layout.units) == 1 and unit.pp == 1 and unit.inner == 1
+    # FSDP2 inside a group is HSDP across groups: torchft replicates, the group shards (no HSDP mesh of its own)
+    sharded = unit.shard in ("zero1", "zero3") and getattr(parallel, "hsdp_replicas", 1) == 1
     _require(
-        parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or (zero1 and unit.shard == "zero1")),
+        parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or sharded),
         f"trainer.fault_tolerance does not protect parallel={parallel.name} (mode {parallel.mode}"
         f"{', ZeRO-1' if zero1 else ''}) yet; it protects {PROTECTED}: use parallel=dp, or trainer.max_restarts for "
         "a restart of every rank from the last checkpoint",

@@ -196,9 +196,12 @@ class ReplicaGroupMember:
         return microbatches[rank * total // count : (rank + 1) * total // count]
 
     def reduce(self, params: list[torch.nn.Parameter], sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Sum gradients and the step's loss sums over the quorum's groups (in place); returns the summed sums."""
+        """Sum gradients and the step's loss sums over the quorum's groups (in place); returns the summed sums.
+        A sharded (DTensor) gradient is summed as this process's shard, with the same shard of every group."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+        pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        device = self.trainer.fabric.device
+        flat = torch.cat([g.reshape(-1) for g in pieces]) if pieces else torch.zeros(0, device=device)
         names = sorted(sums)
         losses = torch.stack([sums[n].double() for n in names]) if names else None
         work = self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
@@ -208,9 +211,9 @@ class ReplicaGroupMember:
         if loss_work is not None:
             loss_work.wait()
         offset = 0
-        for param, grad in zip(params, grads, strict=True):
-            count = grad.numel()
-            grad.copy_(flat[offset : offset + count].view_as(grad))
+        for param, grad, piece in zip(params, grads, pieces, strict=True):
+            count = piece.numel()
+            piece.copy_(flat[offset : offset + count].view_as(piece))
             offset += count
             if param.grad is None:
                 param.grad = grad
