@@ -139,6 +139,12 @@ def largest_difference(a: Path, b: Path) -> float:
     return max((ours[n].double() - theirs[n].double()).abs().max().item() for n in ours)
 
 
+def positions(report: dict) -> list[str]:
+    """The groups' distinct final data positions (epoch, index, samples skipped): one if none lost or repeated."""
+    keys = ("epoch", "index", "skipped")
+    return sorted({json.dumps([g["data"][k] for k in keys]) for g in report["groups"].values()})
+
+
 def summarize(options: dict[str, str], planned: list[dict], runs: dict, seconds: dict) -> dict:
     chaos, reference = (json.loads((runs[k] / "fault_tolerance.json").read_text()) for k in ("chaos", "reference"))
     steps = int(options["steps"])
@@ -151,11 +157,6 @@ def summarize(options: dict[str, str], planned: list[dict], runs: dict, seconds:
     by_size: dict[str, int] = {}
     for _, size in committed.values():
         by_size[str(size)] = by_size.get(str(size), 0) + 1
-
-    def positions(report: dict) -> list[str]:  # each group's final data position: epoch, index, samples skipped
-        return sorted(
-            {json.dumps([g["data"][k] for k in ("epoch", "index", "skipped")]) for g in report["groups"].values()}
-        )
 
     return {
         "setting": {k: v for k, v in options.items() if not k.startswith("_") and k not in ("out", "picture")},

@@ -120,6 +120,11 @@ def _report_failure(error: BaseException, trace: str, run_dir: str, environ: dic
     print(f"replica group {group} rank {rank} failed: {type(error).__name__}: {first} ({where})", file=sys.stderr)
 
 
+def _failed(group) -> list[tuple[int, int]]:
+    """(rank, exit code) of the group's processes that ended in failure (a signal: a negative code)."""
+    return [(rank, p.exitcode) for rank, p in enumerate(group.processes) if p.exitcode not in (None, 0)]
+
+
 @dataclass
 class Group:
     index: int
@@ -200,8 +205,7 @@ class ReplicaGroups:
         deadline = time.monotonic() + CAUSE_WAIT_S
         while not any(code < 0 for _, code in failed) and time.monotonic() < deadline:
             time.sleep(POLL_S)
-            codes = [p.exitcode for p in group.processes]
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            failed = _failed(group)
         return min(failed, key=lambda item: (item[1] > 0, item[0]))
 
     def run_all(self) -> dict:
@@ -256,7 +260,7 @@ class ReplicaGroups:
         if all(code == 0 for code in codes) or (all(c is not None for c in codes) and self._record(group).is_file()):
             group.finished = True  # (a process that failed after its group wrote its record still trained)
             return
-        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        failed = _failed(group)
         if not failed:
             return
         if self.stopping:  # stopped at an agreed step after a signal, not failed

@@ -30,6 +30,7 @@ from datetime import timedelta
 
 import torch
 
+from ...base.dtensor import local
 from ...base.faults import inject
 from ...base.net import split_address
 from ...config.fault_tolerance import quorum_minimum
@@ -167,8 +168,7 @@ class ReplicaGroupMember:
                     for shard, piece in zip(target.local_shards(), source, strict=True):
                         shard.tensor.copy_(piece)
                     continue
-                local = target.to_local() if hasattr(target, "to_local") else target
-                local.copy_(source)
+                local(target).copy_(source)
         trainer.engine.checkpoint_loaded([])
         trainer.step = int(state["step"])
         restore_scheduler(trainer.scheduler, trainer.step)
@@ -199,7 +199,7 @@ class ReplicaGroupMember:
         """Sum gradients and the step's loss sums over the quorum's groups (in place); returns the summed sums.
         A sharded (DTensor) gradient is summed as this process's shard, with the same shard of every group."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        pieces = [local(g) for g in grads]
         device = self.trainer.fabric.device
         flat = torch.cat([g.reshape(-1) for g in pieces]) if pieces else torch.zeros(0, device=device)
         names = sorted(sums)
@@ -251,8 +251,8 @@ class ReplicaGroupMember:
         params = [p.detach() for model in models for p in model.parameters()]
         totals = torch.zeros(2, dtype=torch.float64)
         for param in params:
-            local = (param.to_local() if hasattr(param, "to_local") else param).double()
-            totals += torch.stack([local.sum(), local.square().sum()]).cpu()
+            piece = local(param).double()
+            totals += torch.stack([piece.sum(), piece.square().sum()]).cpu()
         record = {
             "replica": self.replica,
             "start": start_count(),

@@ -29,6 +29,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 from torchft.checkpointing.transport import CheckpointTransport
 
+from ...base.dtensor import local
 from ...data.transport import BATCH, ERROR, REQUEST, WELCOME, ProtocolError, client_channel, server_channel
 
 log = logging.getLogger(__name__)
@@ -46,8 +47,7 @@ def encode(tree) -> tuple[object, dict[str, torch.Tensor]]:
             return [walk(shard.tensor) for shard in node.local_shards()]
         if isinstance(node, torch.Tensor):
             name = str(len(tensors))
-            local = node.to_local() if hasattr(node, "to_local") else node  # a DTensor's shard on this rank
-            tensors[name] = local.detach().to("cpu", copy=True).contiguous()
+            tensors[name] = local(node).detach().to("cpu", copy=True).contiguous()  # a DTensor: this rank's shard
             return {TENSOR: name}
         if isinstance(node, dict):
             if not all(isinstance(key, str) for key in node):
