@@ -23,11 +23,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torch.distributed import TCPStore
+
 from ..base.launch_env import MARK, LaunchError
 from ..base.net import free_port, split_address
 from ..config import typed_config
 from ..config.fault_tolerance import quorum_minimum
 from ..train.fault_tolerance.replica import KEY_ENV, LIGHTHOUSE_ENV, REPLICA_ENV, START_ENV, STORE_ENV
+from ..train.fault_tolerance.workers import JOB_STORE_ENV, at_key, given_up_key
 
 log = logging.getLogger("disttrain")
 POLL_S = 0.1
@@ -154,6 +157,9 @@ class ReplicaGroups:
 
             multiprocessing.set_forkserver_preload([PRELOAD])
         self.groups = [Group(g) for g in range(self.ft.replicas)]
+        # the job's store: which groups died or were given up on, for local SGD's syncs (train/fault_tolerance/
+        # workers.py); small text values only
+        self.store = TCPStore(self.ft.bind, 0, is_master=True, wait_for_workers=False)
         self.failures: list[dict] = []
         self.lighthouse = None
         self.stopping = False  # a signal asked every group to stop: none is replaced
@@ -171,6 +177,7 @@ class ReplicaGroups:
             START_ENV: str(group.starts),
             STORE_ENV: f"{self.ft.bind}:{free_port(self.ft.bind)}",
             LIGHTHOUSE_ENV: f"http://{self.address}",
+            JOB_STORE_ENV: f"{self.ft.bind}:{self.store.port}",
             KEY_ENV: self.key,
             "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at info
             "MASTER_ADDR": "127.0.0.1",
@@ -233,7 +240,7 @@ class ReplicaGroups:
                         if not (group.finished or group.given_up):
                             log.warning("replica group %d did not finish with the others; stopped", group.index)
                             self._stop(group)
-                            group.given_up = True
+                            self._give_up(group)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -251,7 +258,7 @@ class ReplicaGroups:
             waited = time.monotonic() - group.died_at
             spent = group.starts > self.ft.max_replacements
             if waited >= self.ft.replace_timeout_s or not replace or spent or self.stopping:
-                group.given_up = True
+                self._give_up(group)
                 log.warning("replica group %d: not replaced (%.0f s); the job goes on without it", group.index, waited)
             elif self.ft.replace and waited >= self.ft.replace_delay_s:
                 self._start(group)
@@ -265,7 +272,7 @@ class ReplicaGroups:
             return
         if self.stopping:  # stopped at an agreed step after a signal, not failed
             self._stop(group)
-            group.given_up = True
+            self._give_up(group)
             return
         rank, code = self._first_cause(group, failed)
         cause = signal.Signals(-code).name if code < 0 else f"exit status {code}"
@@ -279,9 +286,14 @@ class ReplicaGroups:
             " and will be replaced" if self.ft.replace else "",
         )
         self._stop(group)
+        self.store.delete_key(at_key(group.index))  # a local-SGD sync waits for its replacement
         group.died_at = time.monotonic()
         if not self.ft.replace:
-            group.given_up = True
+            self._give_up(group)
+
+    def _give_up(self, group: Group) -> None:
+        group.given_up = True
+        self.store.set(given_up_key(group.index), "1")  # local SGD's syncs go on without it
 
     def _stop(self, group: Group) -> None:
         for process in group.processes:

@@ -218,7 +218,7 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
         ):
             result = self.engine.forward_backward(microbatches, counts, record=record)
             self.engine.after_backward()
-            if self.replica_group is not None:  # gradients and loss sums over the quorum's groups, then its vote
+            if self.replica_group is not None and self.replica_group.per_step:  # over the quorum's groups, its vote
                 params = self.engine.replica_gradients()
                 result.sums = self.replica_group.reduce(params, result.resolve().sums)
                 if not self.replica_group.commit():

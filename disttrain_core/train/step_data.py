@@ -29,6 +29,8 @@ class StepData:
         if self.global_stream:  # every process holds the whole step: count the normalizing replicas' samples here
             replicas = self.engine.loss_replicas(step)
             if replicas is not None:
+                if self.replica_group is not None:  # a local-SGD worker of a fault-tolerant job: its share
+                    microbatches = self.replica_group.share(microbatches)
                 microbatches = [mb for replica in replicas for mb in self._replica_share(microbatches, replica)]
         else:  # each replica read its own samples: sum over the processes whose samples normalize the loss
             group = self.engine.count_group(step, self.count_group)

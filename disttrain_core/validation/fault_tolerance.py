@@ -2,7 +2,8 @@
 
 Protected today: plain data parallelism on one node (``parallel=dp``: the whole model on every process, DDP
 inside each replica group; ``parallel=zero1``: AdamW's state sharded over each group's processes;
-``parallel.shard=zero3``: FSDP2 inside each group, so HSDP across groups), reading the
+``parallel.shard=zero3``: FSDP2 inside each group, so HSDP across groups), DiLoCo and post-local-SGD workers as
+replica groups (``parallel=local_sgd``, DDP inside each worker, synced through torchft's quorum), reading the
 embedded or webdataset shards in the trainer processes. Everything
 else is refused here with one line naming what is protected (docs/FAULT_TOLERANCE.md says why for each).
 """
@@ -14,8 +15,9 @@ from ..config.fault_tolerance import majority, quorum_minimum
 from .common import _require, world_size
 
 PROTECTED = (
-    "parallel=dp (DDP inside each replica group), parallel=zero1 (ZeRO-1 inside each group) and parallel.shard=zero3 "
-    "(FSDP2 inside each group), one unit without TP or PP, reading shards in the trainer processes, on one node"
+    "parallel=dp (DDP inside each replica group), parallel=zero1 (ZeRO-1 inside each group), parallel.shard=zero3 "
+    "(FSDP2 inside each group) and parallel=local_sgd with method=diloco or post_local_sgd (each group a worker), "
+    "one unit without TP or PP, reading shards in the trainer processes, on one node"
 )
 
 
@@ -29,8 +31,9 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
     whole_model = len(layout.units) == 1 and unit.pp == 1 and unit.inner == 1
     # FSDP2 inside a group is HSDP across groups: torchft replicates, the group shards (no HSDP mesh of its own)
     sharded = unit.shard in ("zero1", "zero3") and getattr(parallel, "hsdp_replicas", 1) == 1
+    local_sgd = parallel.mode == "local_sgd" and whole_model
     _require(
-        parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or sharded),
+        (parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or sharded)) or local_sgd,
         f"trainer.fault_tolerance does not protect parallel={parallel.name} (mode {parallel.mode}"
         f"{', ZeRO-1' if zero1 else ''}) yet; it protects {PROTECTED}: use parallel=dp, or trainer.max_restarts for "
         "a restart of every rank from the last checkpoint",
@@ -69,6 +72,8 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
         f"(trainer.devices={cfg.trainer.devices}) into equal replica groups; use a divisor of {world}",
     )
     group = world // replicas
+    if local_sgd:
+        _check_local_sgd(cfg, group)
     optim = cfg.optim
     microbatches = optim.global_batch_size // (optim.micro_batch_size * group)
     _require(
@@ -83,4 +88,34 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
         f"trainer.fault_tolerance.min_replicas={ft.min_replicas} must be a majority of the {replicas} replica "
         f"groups and no more than all of them ({least}..{replicas}): fewer lets two halves of a partitioned "
         "job commit different models",
+    )
+
+
+def _check_local_sgd(cfg: Config, group: int) -> None:
+    """Local-SGD workers as replica groups (train/fault_tolerance/workers.py): one worker per group, synced every
+    ``sync_every`` steps through torchft's all-reduce and nothing else."""
+    from ..parallel.plan import layout_shard, local_sgd_features
+
+    ls, checkpoint = cfg.parallel.local_sgd, cfg.trainer.checkpoint
+    _require(
+        ls.method in ("diloco", "post_local_sgd") and not any(local_sgd_features(ls)),
+        f"trainer.fault_tolerance protects local SGD's diloco and post_local_sgd syncs, not method={ls.method} "
+        "with layer-wise sync, EDiT's penalty or A-EDiT's timed syncs (they gather over the sync group outside "
+        "torchft's quorum); use parallel.local_sgd.method=diloco",
+    )
+    _require(
+        int(ls.warmup_steps) == 0,
+        f"trainer.fault_tolerance with local SGD: parallel.local_sgd.warmup_steps={ls.warmup_steps} is not "
+        "protected (its synchronous steps would meet a quorum every step); set parallel.local_sgd.warmup_steps=0",
+    )
+    _require(
+        ls.shard_group in (None, group) and layout_shard(cfg.parallel, "none") == "none",
+        f"trainer.fault_tolerance with local SGD makes each replica group of {group} process(es) one worker (DDP "
+        f"inside it): parallel.local_sgd.shard_group={ls.shard_group} / parallel.shard="
+        f"{layout_shard(cfg.parallel, 'none')} do not match; leave shard_group unset and parallel.shard=none",
+    )
+    _require(
+        checkpoint.every_n_steps % int(ls.sync_every) == 0,
+        f"trainer.fault_tolerance with local SGD saves synced models only: trainer.checkpoint.every_n_steps="
+        f"{checkpoint.every_n_steps} is not a multiple of parallel.local_sgd.sync_every={ls.sync_every}",
     )

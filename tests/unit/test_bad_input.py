@@ -306,6 +306,21 @@ CASES = [
         + ["optim.global_batch_size=4", "optim.micro_batch_size=1", "trainer.fault_tolerance.min_replicas=2"],
         "trainer.fault_tolerance.min_replicas=2 must be a majority of the 4 replica groups",
     ),
+    # local-SGD workers as replica groups: diloco and post_local_sgd, no warm-up, checkpoints at syncs
+    (
+        ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "parallel=local_sgd"]
+        + ["parallel.local_sgd.warmup_steps=0", "parallel.local_sgd.method=edit"],
+        "trainer.fault_tolerance protects local SGD's diloco and post_local_sgd syncs, not method=edit",
+    ),
+    (
+        ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "parallel=local_sgd"],
+        "parallel.local_sgd.warmup_steps=4 is not protected",
+    ),
+    (
+        ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "parallel=local_sgd"]
+        + ["parallel.local_sgd.warmup_steps=0", "trainer.checkpoint.every_n_steps=6"],
+        "trainer.checkpoint.every_n_steps=6 is not a multiple of parallel.local_sgd.sync_every=4",
+    ),
 ]
 
 

@@ -97,7 +97,7 @@ def test_a_step_is_shared_whole_by_the_groups_of_its_quorum(participants):
     shares = []
     for rank in range(participants):
         member = ReplicaGroupMember.__new__(ReplicaGroupMember)
-        member.manager = _Quorum(rank, participants)
+        member.manager, member.workers = _Quorum(rank, participants), None
         shares.append(member.share(microbatches))
     assert [m for share in shares for m in share] == microbatches  # none lost, none twice, in order
     assert max(map(len, shares)) - min(map(len, shares)) <= 1

@@ -34,6 +34,7 @@ from ...base.dtensor import local
 from ...base.faults import inject
 from ...base.net import split_address
 from ...config.fault_tolerance import quorum_minimum
+from .workers import worker_share
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +108,15 @@ class ReplicaGroupMember:
         self.store = torch.distributed.TCPStore(
             host, port, is_master=group_rank == 0, wait_for_workers=False, timeout=timeout
         )
-        self.transport = HealTransport(load_key(os.environ[KEY_ENV]), bind=ft.bind, timeout=ft.timeout_s)
+        key = load_key(os.environ[KEY_ENV])
+        self.transport = HealTransport(key, bind=ft.bind, timeout=ft.timeout_s)
         self.healed_from: list[int] = []  # the steps this group received its state at
         self.uncommitted = 0  # steps taken again because the quorum did not commit them
         self.quorum_sizes: dict[int, int] = {}  # committed step -> the groups that took part in it
         with manager_server_bound_to(ft.bind):
             self.manager = Manager(
                 pg=self._process_group(timeout),
-                load_state_dict=self._load_state,
+                load_state_dict=self.load_state,
                 state_dict=self._state,
                 min_replica_size=quorum_minimum(ft),
                 use_async_quorum=False,  # every group of the quorum takes part in the step it heals at
@@ -134,6 +136,19 @@ class ReplicaGroupMember:
         # a run resumed from a checkpoint starts at its step; a replacement starts at 0 and is healed
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})
         self._position: dict | None = None
+        # parallel.mode=local_sgd: each group is a worker that meets the others at syncs only (workers.py)
+        self.workers = None
+        if trainer.cfg.parallel.mode == "local_sgd":
+            from .workers import WorkerReplicas
+
+            self.workers = trainer.engine.ft_workers = WorkerReplicas(self, key)
+            if start_count() > 0:
+                self.workers.restore()
+
+    @property
+    def per_step(self) -> bool:
+        """Whether every step meets the quorum (not local SGD's workers, which meet at syncs)."""
+        return self.workers is None
 
     def _process_group(self, timeout: timedelta):
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
@@ -152,7 +167,7 @@ class ReplicaGroupMember:
             "data": trainer.loader.state_dict(),
         }
 
-    def _load_state(self, state: dict) -> None:
+    def load_state(self, state: dict) -> None:
         from ..inputs import build_loader
         from ..optim import restore_scheduler
 
@@ -180,6 +195,8 @@ class ReplicaGroupMember:
     # ------------------------------------------------------------------ a step
     def begin_step(self) -> None:
         """The quorum of this step (a replacement is healed here); the data position to rewind to if it fails."""
+        if not self.per_step:
+            return
         self.manager.start_quorum()
         self._position = self.trainer.loader.state_dict()
 
@@ -188,7 +205,10 @@ class ReplicaGroupMember:
         return self.manager.num_participants()
 
     def share(self, microbatches: list) -> list:
-        """This group's microbatches of the step: a contiguous share, by its place in the quorum."""
+        """This group's microbatches of the step: a contiguous share, by its place in the quorum (a local-SGD
+        worker: by its index, the same share through failures)."""
+        if self.workers is not None:
+            return worker_share(microbatches, self.replica, self.workers.workers)
         rank, count = self.manager.participating_rank(), self.participants
         if rank is None:  # a synchronous quorum (use_async_quorum=False) has every group that asked take part
             raise RuntimeError("this replica group is not in the step's quorum; its share of the step is undefined")
@@ -266,6 +286,9 @@ class ReplicaGroupMember:
             "data": self.trainer.loader.state_dict(),
             "parameter_fingerprint": totals.tolist(),
         }
+        if self.workers is not None:
+            record["local_sgd"] = self.workers.record()
+            self.workers.close()
         if self.trainer.rank == 0:
             Path(run_dir, "fault_tolerance.json").write_text(json.dumps(record, indent=1))
         self.manager.shutdown(wait=False)

@@ -114,7 +114,8 @@ class HealTransport(CheckpointTransport[dict]):
         with self._lock:
             self._snapshot = (step, meta, payload)
             self._lock.notify_all()
-        log.info("serving step %d's state (%.1f MB) to joining replica(s) %s", step, len(payload) / 1e6, dst_ranks)
+        if dst_ranks:  # (none: a local-SGD worker's copy for its ring neighbour, every sync: workers.py)
+            log.info("serving step %d's state (%.1f MB) to joining replica(s) %s", step, len(payload) / 1e6, dst_ranks)
 
     def disallow_checkpoint(self) -> None:
         with self._lock:

@@ -117,6 +117,7 @@ class LocalSgdEngine(DataParallelEngine):
             sharded=self.fsdp,
         )
         self.spikes = ls.spikes
+        self.ft_workers = None  # trainer.fault_tolerance: train/fault_tolerance/workers.py syncs the workers
         self._penalty_tensor = torch.zeros(len(self.outer.units), 3 * self.workers, dtype=torch.float64)
         # rank 0 writes every sync's verdicts (norms, anomalous workers, weights, injected spikes) here
         self.verdict_log = Path(cfg.paths.output_dir) / "local_sgd_syncs.jsonl" if self.outer.penalty else None
@@ -250,6 +251,8 @@ class LocalSgdEngine(DataParallelEngine):
         last = self.clock.over if self.timed else self.step >= self.stop_at
         if self.layerwise and not last:  # the run's last sync has no next forward to overlap with: at once
             self.outer.sync_in_next_forward()
+        elif self.ft_workers is not None:  # trainer.fault_tolerance: workers are replica groups (no ZeRO-1)
+            self.ft_workers.sync(self)
         else:
             self.outer.sync_now()
             self._refresh_masters()

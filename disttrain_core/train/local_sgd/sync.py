@@ -139,6 +139,25 @@ class OuterSync:
         for unit in range(len(self.units)):
             self._apply(unit)
 
+    def sync_voted(self, reduce, commit) -> bool:
+        """Every unit, its pseudo-gradients summed by ``reduce`` (flat tensor -> a work to wait on: a fault-tolerant
+        all-reduce over the replica groups, train/fault_tolerance/workers.py) and applied only if ``commit()``
+        after every reduction ended; otherwise nothing changes (the sync is taken again)."""
+        reductions = {}
+        for unit in range(len(self.units)):
+            self._launch(unit, reduce)
+            reductions[unit] = self.inflight[unit]
+        for work, _, _ in reductions.values():
+            if work is not None:
+                work.wait()
+        self.inflight.clear()
+        if not commit():
+            return False
+        for unit, (_, flat, rollback) in reductions.items():
+            self.inflight[unit] = (None, flat, rollback)
+            self._apply(unit)
+        return True
+
     def sync_in_next_forward(self) -> None:
         self.next_unit = 0
 
@@ -158,7 +177,7 @@ class OuterSync:
         self._apply(unit)
         self.next_unit = unit + 1
 
-    def _launch(self, unit: int) -> None:
+    def _launch(self, unit: int, reduce=None) -> None:
         """Start unit ``unit``'s reduction: the mean pseudo-gradient, or (penalty) the weighted sum of the
         workers' pseudo-gradients once every process knows every worker's norm."""
         if unit in self.inflight:
@@ -181,7 +200,9 @@ class OuterSync:
             if flat is not None:
                 flat.mul_(weights[self.worker])
         work = None
-        if flat is not None and self.workers > 1:
+        if flat is not None and reduce is not None:
+            work = reduce(flat)
+        elif flat is not None and self.workers > 1:
             work = dist.all_reduce(flat, group=self.sync_group, async_op=True)
         self.inflight[unit] = (work, flat, rollback)
 
