@@ -259,6 +259,10 @@ class TrainerConfig:
     # Jobs train.py spawns: relaunch every rank from the latest checkpoint up to this many times when one dies
     # (torch's elastic agent). Under torchrun or srun, restarts belong to --max-restarts or the scheduler.
     max_restarts: int = 0
+    # parallel=auto on one machine: when a rank dies, leave its device out, let the solver plan the devices that
+    # remain, and resume from the latest checkpoint in that layout -- up to this many lost devices (0: off;
+    # docs/FAULT_TOLERANCE.md "Re-planning after a lost device").
+    replan_on_failure: int = 0
     # How train.py starts this node's ranks: forkserver (forked from a server that imported torch and this
     # package once; a rank starts in a fraction of a second) | spawn (a fresh interpreter per rank).
     start_method: str = "forkserver"

@@ -112,6 +112,11 @@ def resolve(cfg: Config, container: dict, environment):
     one-line errors of ``launch``. Returns None after a dry run of ``parallel=auto`` (the plan was printed)."""
     check_launch(environment, cfg.trainer.devices, cfg.trainer.num_nodes, cfg.trainer.max_restarts)
     check_producer_reach(cfg)
+    if cfg.trainer.replan_on_failure and environment.external:
+        raise LaunchError(
+            "trainer.replan_on_failure: train.py restarts the job on the devices that remain; run it directly (not "
+            "under torchrun or srun, whose restarts keep the same ranks)"
+        )
     if cfg.trainer.fault_tolerance.enabled and environment.external:
         raise LaunchError(
             "trainer.fault_tolerance: train.py starts the replica groups itself; run it directly (not under "
@@ -153,6 +158,13 @@ def resolve(cfg: Config, container: dict, environment):
     return run
 
 
+def _resolved_again(container: dict, run, environment):
+    """trainer.replan_on_failure: the composed config planned for fewer devices, with the running job's data
+    producer (one train.py started keeps serving)."""
+    container["data"]["producer"] = run.container["data"]["producer"]
+    return resolve(typed_config(container), container, environment)
+
+
 def _resolve_pp_split(run, container: dict):
     """parallel.pp_split=auto on a configured layout: the planner's balanced split, printed, then validated as if
     typed (parallel=auto plans write theirs into the layout they return)."""
@@ -170,6 +182,7 @@ def _resolve_pp_split(run, container: dict):
 def launch(cfg: DictConfig) -> float | None:
     """Validate, prepare and run one training job; returns the optimized metric."""
     container = OmegaConf.to_container(cfg, resolve=True)
+    composed = container  # as typed (parallel=auto stays auto): trainer.replan_on_failure plans it again
     environment = detect()
     try:
         run = resolve(typed_config(container), container, environment)
@@ -202,8 +215,20 @@ def launch(cfg: DictConfig) -> float | None:
         else:
             job_id = environment.job_id or f"local-{os.getpid()}-{run_dir.name}"
             rendezvous = node_rendezvous(environment) if environment.kind == "node" else {}
+            exclude = pool.pids if pool else set()
             with scoped_environment(rendezvous):
-                start_ranks(run, str(run_dir), job_id, exclude=pool.pids if pool else set())
+                if cfg.trainer.replan_on_failure:  # a lost device: the solver plans the rest (launch/replan.py)
+                    from .replan import start_replanning
+
+                    start_replanning(
+                        run,
+                        composed,
+                        lambda again: start_ranks(again, str(run_dir), job_id, exclude=exclude),
+                        lambda again: _resolved_again(again, run, environment),
+                        str(run_dir),
+                    )
+                else:
+                    start_ranks(run, str(run_dir), job_id, exclude=exclude)
     except RankFailed as error:
         print(f"error: {error} (logs: {run_dir})", file=sys.stderr)
         sys.exit(1)

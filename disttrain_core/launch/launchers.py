@@ -34,7 +34,12 @@ log = logging.getLogger("disttrain")
 
 
 class RankFailed(RuntimeError):
-    """A rank of the job failed; the message names it and the cause (one line)."""
+    """A rank of the job failed; the message names it and the cause (one line); ``rank``: the job rank, where
+    one rank's failure ended the job."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
 
 
 @contextlib.contextmanager
@@ -129,11 +134,11 @@ def spawn_with_fabric(cfg, fabric_kwargs: dict, fn: Callable, args: tuple, job_i
         rank = node * cfg.trainer.devices + error.error_index
         if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the rank's whole traceback, as Hydra's own errors
             print(str(error), file=sys.stderr)
-        raise RankFailed(f"rank {rank} failed: {_last_line(str(error))}") from None
+        raise RankFailed(f"rank {rank} failed: {_last_line(str(error))}", rank) from None
     except ProcessExitedException as error:
         rank = node * cfg.trainer.devices + error.error_index
         cause = _signal_name(error.exit_code) if error.exit_code < 0 else f"exit status {error.exit_code}"
-        raise RankFailed(f"rank {rank} died ({cause}); the other ranks were stopped") from None
+        raise RankFailed(f"rank {rank} died ({cause}); the other ranks were stopped", rank) from None
 
 
 def spawn_with_restarts(cfg, fn: Callable, args: tuple, run_dir: str, job_id: str) -> None:

@@ -78,6 +78,8 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
         result = make_plan(cfg)
     except PlanningError as error:
         raise ConfigError(f"parallel=auto found no feasible layout: {error}") from error
+    except ValueError as error:  # a setting the cost model cannot use (a cluster without its peak FLOPs)
+        raise ConfigError(f"parallel=auto: {error}") from None
     print(plan_table(result), flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     details = plan_dict(result)

@@ -68,7 +68,7 @@ class Hardware:
         if not peak:
             raise ValueError(
                 f"cluster {cluster.name}: cluster.peak_flops_{'bf16' if bf16 else 'fp32'} is not set; "
-                "set it or let the profiler measure it (cluster=local_cpu)"
+                "set it (FLOP/s per device), or let the profiler measure it (cluster=local_cpu with planner.cost=auto)"
             )
         return cls(
             name=cluster.name,

@@ -26,7 +26,7 @@ from .common import (
     resolve_backend,
     world_size,
 )
-from .fault_tolerance import check_fault_tolerance
+from .fault_tolerance import check_fault_tolerance, check_replan
 from .float8 import check_float8_device
 from .hotspa import check_hotspa_layouts, validate_hotspa
 from .layout import check_layout, reads_global_stream, validate_layout_settings
@@ -104,6 +104,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
     # the cluster and planner settings first: later checks read them
     validate_cluster(cfg)
     validate_planner(cfg)
+    check_replan(cfg, planned=plan is not None)
     mode = cfg.parallel.mode
     hotspa = mode == "hotspa"
     if mode != "auto":  # the layout is checked once the planner has chosen it

@@ -119,3 +119,33 @@ def _check_local_sgd(cfg: Config, group: int) -> None:
         f"trainer.fault_tolerance with local SGD saves synced models only: trainer.checkpoint.every_n_steps="
         f"{checkpoint.every_n_steps} is not a multiple of parallel.local_sgd.sync_every={ls.sync_every}",
     )
+
+
+def check_replan(cfg: Config, planned: bool) -> None:
+    """``trainer.replan_on_failure``: the solver plans the devices that remain after a rank dies (launch/replan.py).
+    ``planned``: the layout is the planner's (parallel=auto, resolved)."""
+    trainer = cfg.trainer
+    lost = trainer.replan_on_failure
+    if lost == 0:
+        return
+    _require(lost > 0, f"trainer.replan_on_failure={lost}: use 0 (off) or a number of devices the job may lose")
+    _require(
+        cfg.parallel.mode == "auto" or planned,
+        f"trainer.replan_on_failure={lost} re-plans the layout with the solver: use parallel=auto (parallel="
+        f"{cfg.parallel.name} names its devices), or trainer.max_restarts for a restart on the same devices",
+    )
+    _require(
+        trainer.checkpoint.every_n_steps > 0,
+        f"trainer.replan_on_failure={lost}: the re-planned run resumes from the latest checkpoint; set "
+        "trainer.checkpoint.every_n_steps",
+    )
+    _require(
+        trainer.max_restarts == 0 and not trainer.fault_tolerance.enabled and trainer.num_nodes == 1,
+        f"trainer.replan_on_failure={lost} restarts the job on this node's remaining devices: it does not combine "
+        "with trainer.max_restarts, trainer.fault_tolerance or trainer.num_nodes > 1",
+    )
+    _require(
+        lost < trainer.devices,
+        f"trainer.replan_on_failure={lost}: a job of trainer.devices={trainer.devices} can lose at most "
+        f"{trainer.devices - 1}",
+    )

@@ -321,6 +321,19 @@ CASES = [
         + ["parallel.local_sgd.warmup_steps=0", "trainer.checkpoint.every_n_steps=6"],
         "trainer.checkpoint.every_n_steps=6 is not a multiple of parallel.local_sgd.sync_every=4",
     ),
+    # trainer.replan_on_failure: the solver plans the devices that remain, the run resumes from a checkpoint
+    (
+        ["trainer.devices=2", "trainer.replan_on_failure=1"],
+        "trainer.replan_on_failure=1 re-plans the layout with the solver: use parallel=auto",
+    ),
+    (
+        ["parallel=auto", "trainer.devices=2", "trainer.replan_on_failure=1", "trainer.checkpoint.every_n_steps=0"],
+        "the re-planned run resumes from the latest checkpoint; set trainer.checkpoint.every_n_steps",
+    ),
+    (
+        ["parallel=auto", "trainer.devices=2", "trainer.replan_on_failure=2", "trainer.checkpoint.every_n_steps=4"],
+        "trainer.replan_on_failure=2: a job of trainer.devices=2 can lose at most 1",
+    ),
 ]
 
 
