@@ -8,7 +8,8 @@ processes:
   process SIGKILLed as step 5's forward begins.
 The survivors keep their processes, their step never goes back, the failed step commits nowhere until it is taken
 again, a replacement joins and receives the state from a healthy group, and the final parameters equal one process
-trained on the same global batches (fp32, 1e-5)."""
+trained on the same global batches (fp32, 1e-5). And a fifth, on 2 groups of 1: the saving group killed while it
+writes a checkpoint."""
 
 from __future__ import annotations
 
@@ -120,5 +121,37 @@ def test_a_replica_killed_mid_run_is_replaced_and_the_run_ends_where_one_process
     ours = read_tensors(latest_checkpoint(run / "checkpoints"))
     theirs = read_tensors(reference)
     assert ours.keys() == theirs.keys()
+    worst = max((ours[name] - theirs[name]).abs().max().item() for name in ours)
+    assert worst < 1e-5, f"parameters differ from one process by {worst:.2e}"
+
+
+def test_a_group_killed_while_writing_a_checkpoint_leaves_no_partial_checkpoint_as_the_latest(
+    shards, tmp_path, one_process
+):
+    """2 groups of 1; the first group of the quorum (the one that saves) SIGKILLed after writing its part of the
+    step-6 checkpoint: the other group waits for the replacement (2 groups: a majority is both), the step-6
+    checkpoint never becomes one, the step-12 checkpoint does, and it equals one process (fp32, 1e-5)."""
+    steps, run = STEPS["backward"], tmp_path / "ft"
+    args = _args(
+        shards,
+        run,
+        f"trainer.max_steps={steps}",
+        "trainer.checkpoint.every_n_steps=6",
+        "trainer.checkpoint.async_save=false",
+        "trainer.devices=2",
+        "trainer.fault_tolerance.enabled=true",
+        "trainer.fault_tolerance.replicas=2",
+        "trainer.fault_tolerance.timeout_s=10",
+    )
+    code, out, _ = Job(args, tmp_path / "ft.log", fault="kill@save:rank=0:step=6").finish(timeout=240)
+    assert code == 0, out[-3000:]
+    report = json.loads((run / "fault_tolerance.json").read_text())
+    failures = [{k: v for k, v in f.items() if k != "time"} for f in report["failures"]]
+    assert failures == [{"group": 0, "rank": 0, "cause": "SIGKILL", "start": 0}]
+    assert report["pids"]["1"] == [[report["groups"]["1"]["pid"]]]  # the other group kept its process
+    checkpoints = run / "checkpoints"
+    assert latest_checkpoint(checkpoints).name == step_dir_name(steps)
+    assert not (checkpoints / step_dir_name(6)).exists(), "the checkpoint killed mid-write became one"
+    ours, theirs = read_tensors(latest_checkpoint(checkpoints)), read_tensors(one_process / step_dir_name(steps))
     worst = max((ours[name] - theirs[name]).abs().max().item() for name in ours)
     assert worst < 1e-5, f"parameters differ from one process by {worst:.2e}"
