@@ -2,7 +2,7 @@
 
 Protected today: plain data parallelism on one node (``parallel=dp``: the whole model on every process, DDP
 inside each replica group; ``parallel=zero1``: AdamW's state sharded over each group's processes;
-``parallel.shard=zero3``: FSDP2 inside each group, so HSDP across groups), DiLoCo and post-local-SGD workers as
+``parallel.shard=zero2|zero3``: FSDP2 inside each group, so HSDP across groups), DiLoCo and post-local-SGD workers as
 replica groups (``parallel=local_sgd``, DDP inside each worker, synced through torchft's quorum), reading the
 embedded or webdataset shards in the trainer processes. Everything
 else is refused here with one line naming what is protected (docs/FAULT_TOLERANCE.md says why for each).
@@ -15,8 +15,8 @@ from ..config.fault_tolerance import majority, quorum_minimum
 from .common import _require, world_size
 
 PROTECTED = (
-    "parallel=dp (DDP inside each replica group), parallel=zero1 (ZeRO-1 inside each group), parallel.shard=zero3 "
-    "(FSDP2 inside each group) and parallel=local_sgd with method=diloco or post_local_sgd (each group a worker), "
+    "parallel=dp (DDP inside each replica group), parallel=zero1 (ZeRO-1 inside each group), parallel.shard=zero2 or "
+    "zero3 (FSDP2 inside each group) and parallel=local_sgd with method=diloco or post_local_sgd (each group a worker), "
     "one unit without TP or PP, reading shards in the trainer processes, on one node"
 )
 
@@ -30,7 +30,7 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
     unit = layout.units[0]
     whole_model = len(layout.units) == 1 and unit.pp == 1 and unit.inner == 1
     # FSDP2 inside a group is HSDP across groups: torchft replicates, the group shards (no HSDP mesh of its own)
-    sharded = unit.shard in ("zero1", "zero3") and getattr(parallel, "hsdp_replicas", 1) == 1
+    sharded = unit.shard in ("zero1", "zero2", "zero3") and getattr(parallel, "hsdp_replicas", 1) == 1
     local_sgd = parallel.mode == "local_sgd" and whole_model
     _require(
         (parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or sharded)) or local_sgd,

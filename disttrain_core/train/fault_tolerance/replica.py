@@ -268,6 +268,9 @@ class ReplicaGroupMember:
         import json
         from pathlib import Path
 
+        shard = getattr(self.trainer.optimizer, "shard_params", None)
+        if shard is not None:  # ZeRO-2's parameters regathered for a next step: back to this process's shards
+            shard()
         params = [p.detach() for model in models for p in model.parameters()]
         totals = torch.zeros(2, dtype=torch.float64)
         for param in params:
