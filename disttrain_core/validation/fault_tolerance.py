@@ -16,8 +16,8 @@ from .common import _require, world_size
 
 PROTECTED = (
     "parallel=dp (DDP inside each replica group), parallel=zero1 (ZeRO-1 inside each group), parallel.shard=zero2 or "
-    "zero3 (FSDP2 inside each group) and parallel=local_sgd with method=diloco or post_local_sgd (each group a worker), "
-    "one unit without TP or PP, reading shards in the trainer processes, on one node"
+    "zero3 (FSDP2 inside each group) and parallel=local_sgd with method=diloco or post_local_sgd (each group a "
+    "worker), one unit without TP or PP, reading shards in the trainer processes, on one node"
 )
 
 
