@@ -29,8 +29,8 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
     zero1 = bool(getattr(parallel, "zero1", False))
     unit = layout.units[0]
     whole_model = len(layout.units) == 1 and unit.pp == 1 and unit.inner == 1
-    # FSDP2 inside a group is HSDP across groups: torchft replicates, the group shards (no HSDP mesh of its own)
-    sharded = unit.shard in ("zero1", "zero2", "zero3") and getattr(parallel, "hsdp_replicas", 1) == 1
+    # FSDP2 (or HSDP) inside a group is HSDP across groups: torchft replicates, the group shards
+    sharded = unit.shard in ("zero1", "zero2", "zero3")
     local_sgd = parallel.mode == "local_sgd" and whole_model
     _require(
         (parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or sharded)) or local_sgd,

@@ -1,4 +1,4 @@
-"""Per-step fault tolerance on torchft (trainer.fault_tolerance, docs/FAULT_TOLERANCE.md), five drills on 4
+"""Per-step fault tolerance on torchft (trainer.fault_tolerance, docs/FAULT_TOLERANCE.md), six drills on 4
 processes:
 - 4 replica groups of 1, one SIGKILLed as step 3 begins (after its quorum formed, so the step fails in the others'
   all-reduce) and its replacement withheld 15 s: the job goes on as 3 groups, then back to 4 (elastic);
@@ -6,7 +6,9 @@ processes:
 - parallel=zero1 in 2 groups of 2, one process SIGKILLed while step 5's all-reduce across groups runs;
 - FSDP2 (parallel.shard=zero3) in 2 groups of 2 -- HSDP: sharded inside a group, replicated across groups -- one
   process SIGKILLed as step 5's forward begins;
-- ZeRO-2 (parallel.shard=zero2: FSDP2 keeping the gathered weights) in 2 groups of 2, killed in step 5's backward.
+- ZeRO-2 (parallel.shard=zero2: FSDP2 keeping the gathered weights) in 2 groups of 2, killed in step 5's backward;
+- HSDP inside each of 2 groups of 2 (parallel.hsdp_replicas=2: a 2 x 1 replicate x shard mesh), killed as step 5
+  begins.
 The survivors keep their processes, their step never goes back, the failed step commits nowhere until it is taken
 again, a replacement joins and receives the state from a healthy group, and the final parameters equal one process
 trained on the same global batches (fp32, 1e-5). And a fifth, on 2 groups of 1: the saving group killed while it
@@ -25,7 +27,7 @@ from .conftest import Job
 
 pytestmark = pytest.mark.distributed
 # the elastic drill needs steps after its replacement's 15 s wait
-STEPS = {"elastic": 24, "backward": 12, "zero1": 12, "fsdp2": 12, "zero2": 12}
+STEPS = {"elastic": 24, "backward": 12, "zero1": 12, "fsdp2": 12, "zero2": 12, "hsdp": 12}
 
 
 def _args(shards, run_dir, *extra: str) -> list[str]:
@@ -56,6 +58,7 @@ DRILLS = [
     ("zero1", 2, "kill@allreduce:rank=2:step=5", ["parallel=zero1"]),  # AdamW state sharded inside each group
     ("fsdp2", 2, "kill@forward:rank=3:step=5", ["parallel.shard=zero3"]),  # FSDP2 inside, HSDP across groups
     ("zero2", 2, "kill@backward:rank=1:step=5", ["parallel.shard=zero2"]),  # FSDP2 keeping its gathered weights
+    ("hsdp", 2, "kill@step:rank=2:step=5", ["parallel.shard=zero3", "parallel.hsdp_replicas=2"]),
 ]
 
 
@@ -68,6 +71,7 @@ DRILLS = [
         "ZeRO-1, 2 groups of 2, killed in all-reduce",
         "FSDP2, 2 groups of 2, killed in forward",
         "ZeRO-2, 2 groups of 2, killed in backward",
+        "HSDP inside, 2 groups of 2",
     ],
 )
 def test_a_replica_killed_mid_run_is_replaced_and_the_run_ends_where_one_process_ends(
