@@ -78,6 +78,10 @@ def group_run(run, group_size: int):
     from ..parallel.resolved import resolve_run
 
     container = {**run.container, "trainer": {**run.container["trainer"], "devices": group_size}}
+    dp = container["parallel"].get("dp", -1)
+    if dp > 0:  # the job's data-parallel copies, split among its groups (validation/fault_tolerance.py)
+        replicas = run.cfg.trainer.fault_tolerance.replicas
+        container["parallel"] = {**container["parallel"], "dp": dp // replicas}
     return resolve_run(typed_config(container), container)
 
 

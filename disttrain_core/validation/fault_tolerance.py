@@ -1,10 +1,10 @@
 """``trainer.fault_tolerance``: what it protects, checked on the whole job before any process starts.
 
-Protected today: plain data parallelism on one node (``parallel=dp``: the whole model on every process, DDP
-inside each replica group; ``parallel=zero1``: AdamW's state sharded over each group's processes;
-``parallel.shard=zero2|zero3``: FSDP2 inside each group, so HSDP across groups), DiLoCo and post-local-SGD workers as
-replica groups (``parallel=local_sgd``, DDP inside each worker, synced through torchft's quorum), reading the
-embedded or webdataset shards in the trainer processes. Everything
+Protected today, on one node, one unit, reading the embedded or webdataset shards in the trainer processes:
+``parallel=dp`` (the whole model on every process, DDP inside each replica group); ``parallel=zero1`` (AdamW's
+state sharded over each group's processes); ``parallel.shard=zero2|zero3`` (FSDP2 or HSDP inside each group, so
+HSDP across groups); ``parallel=megatron_*`` (TP or PP inside each group); DiLoCo and post-local-SGD workers as
+replica groups (``parallel=local_sgd``, DDP inside each worker, synced through torchft's quorum). Everything
 else is refused here with one line naming what is protected (docs/FAULT_TOLERANCE.md says why for each).
 """
 
@@ -15,9 +15,9 @@ from ..config.fault_tolerance import majority, quorum_minimum
 from .common import _require, world_size
 
 PROTECTED = (
-    "parallel=dp (DDP inside each replica group), parallel=zero1 (ZeRO-1 inside each group), parallel.shard=zero2 or "
-    "zero3 (FSDP2 inside each group) and parallel=local_sgd with method=diloco or post_local_sgd (each group a "
-    "worker), one unit without TP or PP, reading shards in the trainer processes, on one node"
+    "parallel=dp (DDP inside each replica group), parallel=zero1, parallel.shard=zero2 or zero3 (FSDP2 or HSDP "
+    "inside each group), parallel=megatron_* (TP or PP inside each group) and parallel=local_sgd with method=diloco "
+    "or post_local_sgd (each group a worker); one unit, reading shards in the trainer processes, on one node"
 )
 
 
@@ -33,10 +33,13 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
     sharded = unit.shard in ("zero1", "zero2", "zero3")
     local_sgd = parallel.mode == "local_sgd" and whole_model
     _require(
-        (parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or sharded)) or local_sgd,
+        (parallel.mode == "ddp" and whole_model and (layout.trains_with_ddp() or sharded))
+        or local_sgd
+        or (parallel.mode == "megatron" and len(layout.units) == 1),
         f"trainer.fault_tolerance does not protect parallel={parallel.name} (mode {parallel.mode}"
-        f"{', ZeRO-1' if zero1 else ''}) yet; it protects {PROTECTED}: use parallel=dp, or trainer.max_restarts for "
-        "a restart of every rank from the last checkpoint",
+        f"{', ZeRO-1' if zero1 else ''}) yet; it protects {PROTECTED}: use parallel=dp, parallel=auto with "
+        "trainer.replan_on_failure (a restart planned for the devices that remain), or trainer.max_restarts for a "
+        "restart of every rank from the last checkpoint",
     )
     data = cfg.data
     unprotected = (
@@ -71,16 +74,22 @@ def check_fault_tolerance(cfg: Config, layout) -> None:
         f"trainer.fault_tolerance.replicas={replicas} does not divide the {world} processes "
         f"(trainer.devices={cfg.trainer.devices}) into equal replica groups; use a divisor of {world}",
     )
-    group = world // replicas
+    group, dp = world // replicas, unit.dp
+    _require(
+        dp % replicas == 0,
+        f"trainer.fault_tolerance.replicas={replicas}: each replica group holds whole TP x PP copies of the model, "
+        f"but the layout's dp={dp} is not a multiple of {replicas}; set parallel.dp=-1 or a multiple of {replicas}",
+    )
     if local_sgd:
         _check_local_sgd(cfg, group)
-    optim = cfg.optim
-    microbatches = optim.global_batch_size // (optim.micro_batch_size * group)
+    optim, copies = cfg.optim, dp // replicas  # data-parallel copies in a group
+    microbatches = optim.global_batch_size // (optim.micro_batch_size * copies)
     _require(
         microbatches >= replicas,
         f"optim.global_batch_size={optim.global_batch_size} is {microbatches} microbatch(es) of "
-        f"{optim.micro_batch_size} x {group} process(es) per group, fewer than the {replicas} replica groups that "
-        f"share each step; use optim.global_batch_size={optim.micro_batch_size * group * replicas} or more",
+        f"{optim.micro_batch_size} x {copies} data-parallel cop(ies) per group, fewer than the {replicas} replica "
+        f"groups that share each step; use optim.global_batch_size={optim.micro_batch_size * copies * replicas} "
+        "or more",
     )
     least, minimum = majority(replicas), quorum_minimum(ft)
     _require(

@@ -1,4 +1,4 @@
-"""Per-step fault tolerance on torchft (trainer.fault_tolerance, docs/FAULT_TOLERANCE.md), six drills on 4
+"""Per-step fault tolerance on torchft (trainer.fault_tolerance, docs/FAULT_TOLERANCE.md), seven drills on 4
 processes:
 - 4 replica groups of 1, one SIGKILLed as step 3 begins (after its quorum formed, so the step fails in the others'
   all-reduce) and its replacement withheld 15 s: the job goes on as 3 groups, then back to 4 (elastic);
@@ -6,9 +6,11 @@ processes:
 - parallel=zero1 in 2 groups of 2, one process SIGKILLed while step 5's all-reduce across groups runs;
 - FSDP2 (parallel.shard=zero3) in 2 groups of 2 -- HSDP: sharded inside a group, replicated across groups -- one
   process SIGKILLed as step 5's forward begins;
-- ZeRO-2 (parallel.shard=zero2: FSDP2 keeping the gathered weights) in 2 groups of 2, killed in step 5's backward;
-- HSDP inside each of 2 groups of 2 (parallel.hsdp_replicas=2: a 2 x 1 replicate x shard mesh), killed as step 5
-  begins.
+- ZeRO-2 (parallel.shard=zero2: FSDP2 keeping the gathered weights) on an HSDP mesh inside each of 2 groups of 2
+  (parallel.hsdp_replicas=2: 2 replicas x 1 shard), killed in step 5's backward;
+- tensor parallelism (megatron_tp2, llama_tiny) in each of 2 groups of 2, one process killed as step 5 begins;
+- pipeline parallelism (megatron_pp2, 1F1B, llama_tiny) in each of 2 groups of 2, one stage killed in step 5's
+  backward.
 The survivors keep their processes, their step never goes back, the failed step commits nowhere until it is taken
 again, a replacement joins and receives the state from a healthy group, and the final parameters equal one process
 trained on the same global batches (fp32, 1e-5). And a fifth, on 2 groups of 1: the saving group killed while it
@@ -27,7 +29,8 @@ from .conftest import Job
 
 pytestmark = pytest.mark.distributed
 # the elastic drill needs steps after its replacement's 15 s wait
-STEPS = {"elastic": 24, "backward": 12, "zero1": 12, "fsdp2": 12, "zero2": 12, "hsdp": 12}
+STEPS = {"elastic": 24, "backward": 12, "zero1": 12, "fsdp2": 12, "zero2": 12, "tp": 12, "pp": 12}
+TEXT = "model=llama_tiny"
 
 
 def _args(shards, run_dir, *extra: str) -> list[str]:
@@ -40,15 +43,25 @@ def _args(shards, run_dir, *extra: str) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def one_process(shards, tmp_path_factory):
-    """The same steps in one process, a checkpoint at each drill's last step: where every drill must end."""
+def _one_process(shards, tmp_path_factory, *extra: str):
     reference = tmp_path_factory.mktemp("ft_reference") / "one"
     steps = sorted(STEPS.values())
     args = [f"trainer.max_steps={steps[-1]}", f"trainer.checkpoint.every_n_steps={steps[0]}", "trainer.devices=1"]
-    code, out, _ = Job(_args(shards, reference, *args), reference.parent / "one.log").finish(timeout=120)
+    code, out, _ = Job(_args(shards, reference, *args, *extra), reference.parent / "one.log").finish(timeout=120)
     assert code == 0, out[-3000:]
     return reference / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def one_process(shards, tmp_path_factory):
+    """The same steps in one process, a checkpoint at each drill's last step: where every drill must end."""
+    return _one_process(shards, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def one_process_text(shards, tmp_path_factory):
+    """The same for the text model the TP and PP drills train (megatron presets keep mllm's units apart)."""
+    return _one_process(shards, tmp_path_factory, TEXT)
 
 
 # (drill, replica groups, the fault: its rank is the job rank = group x group size + rank in the group, extra)
@@ -57,8 +70,10 @@ DRILLS = [
     ("backward", 2, "kill@backward:rank=3:step=5", ["data.num_workers=1"]),  # and decode workers that end with it
     ("zero1", 2, "kill@allreduce:rank=2:step=5", ["parallel=zero1"]),  # AdamW state sharded inside each group
     ("fsdp2", 2, "kill@forward:rank=3:step=5", ["parallel.shard=zero3"]),  # FSDP2 inside, HSDP across groups
-    ("zero2", 2, "kill@backward:rank=1:step=5", ["parallel.shard=zero2"]),  # FSDP2 keeping its gathered weights
-    ("hsdp", 2, "kill@step:rank=2:step=5", ["parallel.shard=zero3", "parallel.hsdp_replicas=2"]),
+    # ZeRO-2 (FSDP2 keeping its gathered weights) on an HSDP mesh of 2 replicas x 1 shard inside each group
+    ("zero2", 2, "kill@backward:rank=1:step=5", ["parallel.shard=zero2", "parallel.hsdp_replicas=2"]),
+    ("tp", 2, "kill@step:rank=2:step=5", [TEXT, "parallel=megatron_tp2", "parallel.dp=2", "schedule=none"]),
+    ("pp", 2, "kill@backward:rank=3:step=5", [TEXT, "parallel=megatron_pp2", "parallel.dp=2", "schedule=1f1b"]),
 ]
 
 
@@ -70,15 +85,16 @@ DRILLS = [
         "2 groups of 2, killed in backward",
         "ZeRO-1, 2 groups of 2, killed in all-reduce",
         "FSDP2, 2 groups of 2, killed in forward",
-        "ZeRO-2, 2 groups of 2, killed in backward",
-        "HSDP inside, 2 groups of 2",
+        "ZeRO-2 on HSDP, 2 groups of 2, killed in backward",
+        "TP 2 in each of 2 groups, killed at a step's start",
+        "PP 2 (1F1B) in each of 2 groups, killed in backward",
     ],
 )
 def test_a_replica_killed_mid_run_is_replaced_and_the_run_ends_where_one_process_ends(
-    drill, replicas, fault, extra, shards, tmp_path, one_process
+    drill, replicas, fault, extra, shards, tmp_path, request
 ):
     steps, killed, killed_at = STEPS[drill], int(fault.split("rank=")[1].split(":")[0]), int(fault.split("=")[-1])
-    reference = one_process / step_dir_name(steps)
+    reference = request.getfixturevalue("one_process_text" if TEXT in extra else "one_process") / step_dir_name(steps)
     run = tmp_path / "ft"
     args = _args(
         shards,

@@ -290,8 +290,12 @@ CASES = [
     ),
     # trainer.fault_tolerance (validation/fault_tolerance.py): what it protects, named when it does not
     (
+        ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "parallel=disagg2"],
+        "trainer.fault_tolerance does not protect parallel=disagg2 (mode manual) yet; it protects parallel=dp",
+    ),
+    (
         ["trainer.fault_tolerance.enabled=true", "trainer.devices=2", "model=llama_tiny", "parallel=megatron_tp2"],
-        "trainer.fault_tolerance does not protect parallel=megatron_tp2 (mode megatron) yet; it protects parallel=dp",
+        "each replica group holds whole TP x PP copies of the model, but the layout's dp=1 is not a multiple of 2",
     ),
     (
         ["trainer.fault_tolerance.enabled=true"],
