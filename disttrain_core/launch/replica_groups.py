@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -338,5 +339,6 @@ def run_replica_groups(run, run_dir: str, job_id: str) -> None:
 
     report = ReplicaGroups(run, run_dir, job_id).run_all()
     if not any(group for group in report["groups"].values()):
-        failures = "; ".join(f"group {f['group']} rank {f['rank']} ({f['cause']})" for f in report["failures"])
+        counts = Counter(f"group {f['group']} rank {f['rank']} ({f['cause']})" for f in report["failures"])
+        failures = "; ".join(what + (f" x{n}" if n > 1 else "") for what, n in counts.items())
         raise RankFailed(f"no replica group finished training ({failures or 'no failure recorded'})")
