@@ -27,7 +27,7 @@ from pathlib import Path
 from torch.distributed import TCPStore
 
 from ..base.launch_env import MARK, LaunchError
-from ..base.net import free_port, split_address
+from ..base.net import split_address
 from ..config import typed_config
 from ..config.fault_tolerance import quorum_minimum
 from ..train.fault_tolerance.replica import KEY_ENV, LIGHTHOUSE_ENV, REPLICA_ENV, START_ENV, STORE_ENV
@@ -142,6 +142,7 @@ class Group:
     died_at: float | None = None  # when its last failure was seen (None: running or finished)
     finished: bool = False
     given_up: bool = False
+    stores: list = field(default_factory=list)  # its start's stores, served by the launcher
 
 
 class ReplicaGroups:
@@ -175,18 +176,24 @@ class ReplicaGroups:
         )
 
     def _environment(self, group: Group) -> dict[str, str]:
+        # This start's two stores, served here (fresh, port 0: no port picked now and bound later by a rank, which
+        # another socket may take meanwhile): torchft's for the group, and the rendezvous of its process group
+        # (torch's agent-store protocol: every rank a client).
+        group.stores = [TCPStore(self.ft.bind, 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+        torchft_store, rendezvous = group.stores
         return {
             MARK: "spawn",
             "DISTTRAIN_JOB_ID": self.job_id,
             REPLICA_ENV: str(group.index),
             START_ENV: str(group.starts),
-            STORE_ENV: f"{self.ft.bind}:{free_port(self.ft.bind)}",
+            STORE_ENV: f"{self.ft.bind}:{torchft_store.port}",
             LIGHTHOUSE_ENV: f"http://{self.address}",
             JOB_STORE_ENV: f"{self.ft.bind}:{self.store.port}",
             KEY_ENV: self.key,
             "RUST_LOG": os.environ.get("RUST_LOG", "warn"),  # torchft's Rust side logs every quorum at info
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
+            "MASTER_ADDR": self.ft.bind,
+            "MASTER_PORT": str(rendezvous.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
             "WORLD_SIZE": str(self.size),
             "NODE_RANK": "0",
         }

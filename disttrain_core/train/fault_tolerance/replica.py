@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # What the launcher tells each process of a group (launch/replica_groups.py)
 REPLICA_ENV = "DISTTRAIN_FT_REPLICA"  # the group's index, 0..replicas-1
 START_ENV = "DISTTRAIN_FT_START"  # 0 for the first start of that group, 1 for its first replacement, ...
-STORE_ENV = "DISTTRAIN_FT_STORE"  # host:port of the group's store (its rank 0 serves it)
+STORE_ENV = "DISTTRAIN_FT_STORE"  # host:port of the group's store (the launcher serves it)
 LIGHTHOUSE_ENV = "DISTTRAIN_FT_LIGHTHOUSE"  # http://host:port of the job's Lighthouse
 KEY_ENV = "DISTTRAIN_FT_KEY"  # the job's key for live recovery (data/transport.py load_key)
 
@@ -104,10 +104,8 @@ class ReplicaGroupMember:
         timeout = timedelta(seconds=ft.timeout_s)
         host, port = split_address(os.environ[STORE_ENV])
         group_rank, group_size = trainer.rank, trainer.world_size
-        # the group's own store: torchft's Manager keeps its server's address in it
-        self.store = torch.distributed.TCPStore(
-            host, port, is_master=group_rank == 0, wait_for_workers=False, timeout=timeout
-        )
+        # the group's own store (the launcher serves it): torchft's Manager keeps its server's address in it
+        self.store = torch.distributed.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
         key = load_key(os.environ[KEY_ENV])
         self.transport = HealTransport(key, bind=ft.bind, timeout=ft.timeout_s)
         self.healed_from: list[int] = []  # the steps this group received its state at
