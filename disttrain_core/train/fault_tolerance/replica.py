@@ -210,8 +210,7 @@ class ReplicaGroupMember:
         rank, count = self.manager.participating_rank(), self.participants
         if rank is None:  # a synchronous quorum (use_async_quorum=False) has every group that asked take part
             raise RuntimeError("this replica group is not in the step's quorum; its share of the step is undefined")
-        total = len(microbatches)
-        return microbatches[rank * total // count : (rank + 1) * total // count]
+        return worker_share(microbatches, rank, count)
 
     def reduce(self, params: list[torch.nn.Parameter], sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Sum gradients and the step's loss sums over the quorum's groups (in place); returns the summed sums.

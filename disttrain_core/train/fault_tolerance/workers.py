@@ -64,6 +64,7 @@ def address_key(kind: str, worker: int, rank: int) -> str:
 
 
 def worker_share(microbatches: list, worker: int, workers: int) -> list:
+    """Microbatches ``[w*A//W, (w+1)*A//W)`` of a step's ``A``: a contiguous share, none lost or repeated."""
     total = len(microbatches)
     return microbatches[worker * total // workers : (worker + 1) * total // workers]
 
