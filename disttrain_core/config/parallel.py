@@ -174,6 +174,12 @@ class ParallelConfig:
     # ranks holds 2 of 2cp chunks of every sequence (zig-zag) and attention runs as a ring
     # (parallel/context_parallel.py). Data parallelism is then world / (tp x cp x pp).
     cp: int = 1
+    # How the cp ranks attend (every layout's LLM, HotSPa strategies too; comm/context_modes.py, docs/PARALLELISM.md):
+    # ring (K/V blocks travel around, overlapped) | allgather (one all-gather of K/V; Llama 3) | ulysses (all-to-all
+    # to a head split; local heads divisible by cp) | hybrid (Ulysses over cp_ulysses consecutive ranks, a ring
+    # across) | auto (the planner's cost model picks, printed at launch)
+    cp_mode: str = "ring"
+    cp_ulysses: int = 0  # hybrid: ranks per all-to-all (divides cp; 0: the largest proper divisor the heads allow)
     # Expert parallelism of an MoE LLM (ddp and megatron layouts; manual: parallel.units.llm.ep): inside the
     # data-parallel group, ep replicas share the experts (num_experts / ep each); must divide dp.
     ep: int = 1

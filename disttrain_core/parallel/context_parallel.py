@@ -30,27 +30,55 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..comm.context_modes import AllGatherAttention, mode_positions, ulysses_attention, ulysses_degree
 from ..comm.ring import Ring
-from ..comm.ring_attention import documents_of, local_positions, padded_length, ring_attention
+from ..comm.ring_attention import documents_of, local_positions, owner_positions, padded_length, ring_attention
 from ..models.llama import Attention, Documents, Llama
 
 LAYOUT = "zigzag"
 
 
-class SequenceSlices:
-    """This rank's positions of every sequence, and the moves between whole and sliced sequences."""
+def context_mode(cfg, layout) -> tuple[str, int]:
+    """(parallel.cp_mode, ranks per all-to-all) of the layout's context-parallel unit (the LLM's); ("ring", 1)
+    without one. ``auto`` is resolved before any process starts (launch/entry.py)."""
+    units = [unit for unit in layout.units if unit.cp > 1]
+    if not units:
+        return "ring", 1
+    mode, unit, llm = cfg.parallel.cp_mode, units[0], cfg.model.llm
+    if mode == "auto":
+        raise ValueError("parallel.cp_mode=auto reached the trainer unresolved; launch through train.py")
+    heads, kv_heads = llm.n_heads // unit.tp, max(1, llm.n_kv_heads // unit.tp)
+    return mode, ulysses_degree(mode, unit.cp, cfg.parallel.cp_ulysses, heads, kv_heads)
 
-    def __init__(self, group, seq_len: int, layout: str = LAYOUT):
+
+class SequenceSlices:
+    """This rank's positions of every sequence, and the moves between whole and sliced sequences.
+
+    ``mode`` (parallel.cp_mode, resolved): ring | allgather | ulysses | hybrid (comm/context_modes.py); hybrid
+    takes its ``ulysses_group`` (the all-to-all ranks) and ``ring_group`` (the ranks with its Ulysses index)."""
+
+    def __init__(
+        self, group, seq_len: int, layout: str = LAYOUT, mode: str = "ring", ulysses_group=None, ring_group=None
+    ):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.seq_len = seq_len
         self.padded = padded_length(seq_len, self.size, layout)
-        self.layout = layout
-        self.positions = local_positions(self.padded, self.size, self.rank, layout)
+        self.layout, self.mode = layout, mode
+        self.ulysses_group, self.ring_group = ulysses_group, ring_group
+        self.ulysses = {"ulysses": self.size, "hybrid": dist.get_world_size(ulysses_group) if ulysses_group else 1}
+        self.ulysses = self.ulysses.get(mode, 1)
+
+        def positions(rank: int) -> torch.Tensor:
+            if layout != LAYOUT:  # the ring's contiguous layout (tools/bench_cp.py's reference)
+                return local_positions(self.padded, self.size, rank, layout)
+            return mode_positions(self.padded, self.size, rank, self.ulysses)
+
+        self.positions = positions(self.rank)
         self.local_len = self.positions.numel()
         # Every rank's positions in rank order: where an all-gather's concatenated slices belong.
-        self.gathered = torch.cat([local_positions(self.padded, self.size, r, layout) for r in range(self.size)])
+        self.gathered = torch.cat([positions(r) for r in range(self.size)])
         self._on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,16 +158,70 @@ def _ring_core(ring: Ring, layout: str, kernel: str):
     return core
 
 
+def _allgather_core(slices: SequenceSlices, kernel: str):
+    """All-gather K/V attention (comm/context_modes.py) for one attention module; document runs as the ring's."""
+
+    def core(q, k, v, documents: Documents | None = None):
+        docs = None
+        if documents is not None:
+            key = ("ring", kernel, slices.size, slices.rank, LAYOUT)  # the same blocks as the ring's plan
+            if key not in documents.cache:
+                documents.cache[key] = documents_of((documents.ids, documents.row_ids, kernel), *key[2:])
+            docs = documents.cache[key]
+        return AllGatherAttention.apply(q, k, v, slices.group, docs)
+
+    return core
+
+
+def _ulysses_core(slices: SequenceSlices, module: Attention, kernel: str):
+    """Ulysses (or hybrid: Ulysses inside, a ring across) for one attention module (comm/context_modes.py).
+
+    Pure Ulysses runs the module's own attention over the whole padded row (its document kernel, the row's ids:
+    padding is one more document after every real one). Hybrid runs ring attention over ``ring_group`` on the
+    ring slice the all-to-all assembled, with that slice's document ids."""
+    group = slices.ulysses_group if slices.mode == "hybrid" else slices.group
+    ring = Ring(slices.ring_group) if slices.mode == "hybrid" else None
+
+    def inner(q, k, v, documents: Documents | None):
+        if ring is None:
+            if documents is None:
+                return Attention.core_attention(module, q, k, v)
+            if "ulysses-row" not in documents.cache:  # positions are not read by attention itself
+                documents.cache["ulysses-row"] = Documents(documents.row_ids, documents.row_ids)
+            return Attention.core_attention(module, q, k, v, documents.cache["ulysses-row"])
+        docs = None
+        if documents is not None:
+            key = ("hybrid", kernel, ring.size, ring.rank)
+            if key not in documents.cache:
+                row = documents.row_ids
+                mine = row.index_select(1, owner_positions(row.shape[1], ring.size, ring.rank, LAYOUT, row.device))
+                documents.cache[key] = documents_of((mine, row, kernel), ring.size, ring.rank, LAYOUT)
+            docs = documents.cache[key]
+        return ring_attention(q, k, v, ring, LAYOUT, docs=docs)
+
+    def core(q, k, v, documents: Documents | None = None):
+        return ulysses_attention(q, k, v, group, inner, documents)
+
+    return core
+
+
 def apply_context_parallel(module: nn.Module, slices: SequenceSlices) -> int:
-    """Ring attention in every Llama attention of ``module`` and the rotary table of this rank's positions;
-    returns how many attention modules. Call before materializing (the table is rebuilt on reset)."""
-    ring = Ring(slices.group)
+    """Context-parallel attention (``slices.mode``) in every Llama attention of ``module`` and the rotary table
+    of this rank's positions; returns how many attention modules. Call before materializing (the table is
+    rebuilt on reset)."""
+    ring = Ring(slices.group) if slices.mode == "ring" else None
     count = 0
     for child in module.modules():
         if isinstance(child, Attention):
             # eager inside a compiled block (trainer.compile): the ring's sends and receives are not traced
             kernel = "dense" if child.document_kernel == "dense" else "varlen"  # flex: refused with cp > 1
-            child.core_attention = torch.compiler.disable(_ring_core(ring, slices.layout, kernel))
+            if slices.mode == "ring":
+                core = _ring_core(ring, slices.layout, kernel)
+            elif slices.mode == "allgather":
+                core = _allgather_core(slices, kernel)
+            else:
+                core = _ulysses_core(slices, child, kernel)
+            child.core_attention = torch.compiler.disable(core)
             count += 1
         elif isinstance(child, Llama):
             child.rope_positions = slices.positions

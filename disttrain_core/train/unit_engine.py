@@ -25,6 +25,7 @@ from ..config import Config, training_precision, wire_format
 from ..data.tokenizer import Tokenizer
 from ..models.moe import moe_layers
 from ..parallel.broker import CommBroker
+from ..parallel.context_parallel import context_mode
 from ..parallel.expert_parallel import configure_moe
 from ..parallel.fsdp import FsdpStepSync, ShardedOptimizer, apply_fsdp, fsdp_modules, unit_meshes
 from ..parallel.recompute import BLOCKS
@@ -77,7 +78,8 @@ class UnitEngine(Engine):
         ring = dist.is_initialized() and (
             comm.collectives == "ring" or (comm.collectives == "auto" and dist.get_backend() == "gloo")
         )
-        self.groups = build_unit_groups(layout, rank, timeout, comm_groups=ring)
+        self.cp_mode, cp_ulysses = context_mode(cfg, layout)
+        self.groups = build_unit_groups(layout, rank, timeout, comm_groups=ring, cp_ulysses=cp_ulysses)
         # The schedule row this process runs and the (possibly several, virtual) stages on it.
         self.row = rows_of_units[self.unit.name][self.pp_rank]
         self.wire_dtype = wire_dtype(cfg, fabric.device.type)
@@ -145,7 +147,14 @@ class UnitEngine(Engine):
         if self.unit.cp > 1:
             from ..parallel.context_parallel import SequenceSlices
 
-            context = SequenceSlices(self.groups.context_parallel, cfg.model.seq_len)
+            groups = self.groups
+            context = SequenceSlices(
+                groups.context_parallel,
+                cfg.model.seq_len,
+                mode=self.cp_mode,
+                ulysses_group=groups.context_ulysses,
+                ring_group=groups.context_ring,
+            )
         self.stages = build_rank_stages(
             cfg.model,
             tokenizer,

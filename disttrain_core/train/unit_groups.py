@@ -18,6 +18,10 @@ class UnitGroups:
     hsdp_replicate: object | None = None  # HSDP: the replicas of this rank's shard position
     hsdp_shard: object | None = None  # HSDP: the ranks that share one copy of the state
     context_parallel: object | None = None  # the ranks holding the other slices of this rank's sequences
+    # parallel.cp_mode=hybrid: this rank's all-to-all ranks (consecutive CP ranks) and its ring (the CP ranks with
+    # its index among those)
+    context_ulysses: object | None = None
+    context_ring: object | None = None
     # Gradients are summed over data x context ranks (each CP rank's loss covers its own positions); without
     # context parallelism the data-parallel group itself.
     gradient: object | None = None
@@ -27,8 +31,11 @@ class UnitGroups:
     expert_members: tuple[int, ...] = ()
 
 
-def build_unit_groups(layout: UnitLayout, rank: int, timeout=None, comm_groups: bool = False) -> UnitGroups:
-    """Every process creates every group, in the same order (gloo needs it)."""
+def build_unit_groups(
+    layout: UnitLayout, rank: int, timeout=None, comm_groups: bool = False, cp_ulysses: int = 1
+) -> UnitGroups:
+    """Every process creates every group, in the same order (gloo needs it); ``cp_ulysses``: the hybrid
+    context-parallel mode's all-to-all size (1: no hybrid groups)."""
     groups = _data_and_tensor_groups(layout, rank, timeout, comm_groups)
     for unit in layout.units:
         if unit.cp == 1:
@@ -45,10 +52,24 @@ def build_unit_groups(layout: UnitLayout, rank: int, timeout=None, comm_groups: 
                     group = dist.new_group(members, timeout=timeout)
                     if rank in members:
                         groups.context_parallel = group
+                    if 1 < cp_ulysses < unit.cp:
+                        _hybrid_groups(members, cp_ulysses, rank, timeout, groups)
     if layout.unit_of(rank).cp == 1:
         groups.gradient, groups.gradient_comm = groups.data_parallel, groups.data_parallel_comm
     _expert_groups(layout, rank, timeout, groups)
     return groups
+
+
+def _hybrid_groups(members: list[int], ulysses: int, rank: int, timeout, groups: UnitGroups) -> None:
+    """One CP group's all-to-all groups (``ulysses`` consecutive members) and rings (every ``ulysses``-th)."""
+    for start in range(0, len(members), ulysses):
+        group = dist.new_group(members[start : start + ulysses], timeout=timeout)
+        if rank in members[start : start + ulysses]:
+            groups.context_ulysses = group
+    for index in range(ulysses):
+        group = dist.new_group(members[index::ulysses], timeout=timeout)
+        if rank in members[index::ulysses]:
+            groups.context_ring = group
 
 
 def _expert_groups(layout: UnitLayout, rank: int, timeout, groups: UnitGroups) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from ..comm.context_modes import MODES as CP_MODES
+from ..comm.context_modes import ulysses_degree
 from ..config import Config
 from ..parallel.units import UNIT_NAMES
-from .common import _require, world_size
+from .common import ConfigError, _require, world_size
 from .float8 import check_float8_layout
 from .unit_shapes import validate_moe_unit, validate_unit_pp, validate_unit_tp
 
@@ -27,6 +29,11 @@ def _validate_context_settings(cfg: Config) -> None:
     """The context- and expert-parallel sizes, before the layout is resolved (ddp layouts divide the world by cp)."""
     p = cfg.parallel
     _require(p.cp >= 1, f"parallel.cp={p.cp}: use 1 (no context parallelism) or more")
+    _require(
+        p.cp_mode in (*CP_MODES, "auto"),
+        f"parallel.cp_mode={p.cp_mode!r}: allowed values are {', '.join(CP_MODES)}, auto",
+    )
+    _require(p.cp_ulysses >= 0, f"parallel.cp_ulysses={p.cp_ulysses}: use 0 (chosen) or a divisor of cp")
     for name in UNIT_NAMES:
         cp = getattr(p.units, name).cp
         _require(cp >= 1, f"parallel.units.{name}.cp={cp}: use 1 (no context parallelism) or more")
@@ -86,6 +93,12 @@ def _validate_context_unit(cfg: Config, unit) -> None:
         f"{where}: parallel.comm.tp_overlap=true splits sequences over the TP group as well; use "
         "parallel.comm.tp_overlap=false with cp",
     )
+    if cfg.parallel.cp_mode != "auto":  # auto is resolved at launch (launch/entry.py), then checked here
+        heads, kv_heads = cfg.model.llm.n_heads // unit.tp, max(1, cfg.model.llm.n_kv_heads // unit.tp)
+        try:
+            ulysses_degree(cfg.parallel.cp_mode, unit.cp, cfg.parallel.cp_ulysses, heads, kv_heads)
+        except ValueError as error:
+            raise ConfigError(f"{where}: {error}") from None
     _require(
         cfg.model.document_attention != "flex",
         f"{where}: model.document_attention=flex; ring attention computes each block with its own kernel (the "

@@ -66,3 +66,20 @@ def test_llama_context_parallel_matches_one_process(layout, llama_reference, sha
 def test_multimodal_context_parallel_matches_one_process(layout, mllm_reference, shards, tmp_path):
     run = train(shards, tmp_path / "run", *MLLM, *layout, "trainer.devices=4")
     assert_same_run(run, mllm_reference)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel=dp", "parallel.cp=2", "parallel.cp_mode=allgather"],  # dp2 x cp2, K/V all-gathered
+        # dp2 x cp2 by all-to-all, FSDP2 (zero3) sharded over the 4 data x context ranks
+        ["parallel=dp", "parallel.cp=2", "parallel.cp_mode=ulysses", "parallel.shard=zero3"],
+        # tp2 x cp2: each rank's 2 query heads and 1 key/value head (copied for the all-to-all) of llama_tiny
+        ["parallel=megatron_tp2", "schedule=none", "parallel.cp=2", "parallel.cp_mode=ulysses"],
+        ["parallel=dp", "parallel.cp=4", "parallel.cp_mode=hybrid"],  # cp4 = 2 rings of 2 all-to-all ranks
+    ],
+    ids=["allgather_dp2_cp2", "ulysses_dp2_cp2_zero3", "ulysses_tp2_cp2", "hybrid_cp4"],
+)
+def test_llama_every_context_parallel_mode_matches_one_process(layout, llama_reference, shards, tmp_path):
+    run = train(shards, tmp_path / "run", *LLAMA, *layout, "trainer.devices=4")
+    assert_same_run(run, llama_reference)
