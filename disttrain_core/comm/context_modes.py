@@ -63,7 +63,7 @@ def kv_replicas(kv_heads: int, ulysses: int) -> int:
     )
 
 
-def _heads_split(heads: int, kv_heads: int, ulysses: int) -> bool:
+def heads_split(heads: int, kv_heads: int, ulysses: int) -> bool:
     return heads % ulysses == 0 and (kv_heads % ulysses == 0 or ulysses % kv_heads == 0)
 
 
@@ -74,7 +74,7 @@ def ulysses_degree(mode: str, cp: int, cp_ulysses: int, heads: int, kv_heads: in
     if mode in ("ring", "allgather") or cp == 1:
         return 1
     if mode == "ulysses":
-        if not _heads_split(heads, kv_heads, cp):
+        if not heads_split(heads, kv_heads, cp):
             raise ValueError(
                 f"parallel.cp_mode=ulysses with cp={cp}: each rank's {heads} query heads must divide by cp and its "
                 f"{kv_heads} key/value heads divide by cp or divide cp; use parallel.cp_mode=ring, allgather or "
@@ -84,13 +84,13 @@ def ulysses_degree(mode: str, cp: int, cp_ulysses: int, heads: int, kv_heads: in
     if mode != "hybrid":
         raise ValueError(f"parallel.cp_mode={mode!r}: allowed values are {', '.join(MODES)}, auto")
     if cp_ulysses:
-        if cp % cp_ulysses or not 1 < cp_ulysses < cp or not _heads_split(heads, kv_heads, cp_ulysses):
+        if cp % cp_ulysses or not 1 < cp_ulysses < cp or not heads_split(heads, kv_heads, cp_ulysses):
             raise ValueError(
                 f"parallel.cp_ulysses={cp_ulysses}: hybrid needs a divisor of cp={cp} between 2 and {cp // 2} that "
                 f"splits each rank's {heads} query and {kv_heads} key/value heads; set another, or 0 to choose"
             )
         return cp_ulysses
-    fits = [d for d in range(cp - 1, 1, -1) if cp % d == 0 and _heads_split(heads, kv_heads, d)]
+    fits = [d for d in range(cp - 1, 1, -1) if cp % d == 0 and heads_split(heads, kv_heads, d)]
     if not fits:
         raise ValueError(
             f"parallel.cp_mode=hybrid with cp={cp}: no all-to-all size between 2 and cp/2 splits each rank's "

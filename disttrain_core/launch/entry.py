@@ -150,6 +150,8 @@ def resolve(cfg: Config, container: dict, environment):
         run = validate_run(typed_config(container), container, plan=container["parallel"])
     if run.cfg.parallel.pp_split == "auto":
         run = _resolve_pp_split(run, container)
+    if run.cfg.parallel.cp_mode == "auto":
+        run = _resolve_cp_mode(run, container, environment.rank)
     if run.cfg.trainer.fault_tolerance.enabled and run.cfg.trainer.fault_tolerance.lighthouse:
         from .replica_groups import lighthouse_reachable
 
@@ -176,6 +178,27 @@ def _resolve_pp_split(run, container: dict):
     line = f"parallel.pp_split=auto: LLM blocks per stage {split} (predicted stage times, slowest = 1: {times})"
     print(line, flush=True)
     container["parallel"]["pp_split"] = split
+    return validate_run(typed_config(container), container)
+
+
+def _resolve_cp_mode(run, container: dict, rank: int):
+    """parallel.cp_mode=auto: the planner's choice for the configured LLM (planner/api.py ``auto_cp_mode``),
+    printed with each mode's predicted seconds, then validated as if typed. Without context parallelism: ring."""
+    if not any(unit.cp > 1 for unit in run.layout.units):
+        container["parallel"]["cp_mode"] = "ring"
+        return validate_run(typed_config(container), container)
+    from ..planner.api import auto_cp_mode
+
+    mode, ulysses, found = auto_cp_mode(run.cfg, run.layout)
+    if rank == 0:
+        times = ", ".join(
+            f"{label} {seconds * 1e3:.3g} ms / {peak / 1e9:.3g} GB" for label, (seconds, peak) in found.items()
+        )
+        print(
+            f"parallel.cp_mode=auto: {mode} (predicted LLM rank time per microbatch / peak memory: {times})", flush=True
+        )
+    container["parallel"]["cp_mode"] = mode
+    container["parallel"]["cp_ulysses"] = ulysses if mode == "hybrid" else 0
     return validate_run(typed_config(container), container)
 
 

@@ -19,6 +19,8 @@ linears.
 * ``unit``   -- one unit: its dimensions > 1, shard mode, sequence parallelism, and the schedule family it runs
   under (``none``, ``pipelined`` for gpipe / 1f1b / interleaved 1F1B, ``zero-bubble`` for zb_h1 / zbv, whose
   backward is split in two);
+* ``context`` -- a context-parallel mode other than the ring (parallel.cp_mode), whichever unit shape runs it: the
+  mode replaces only the attention core inside the CP group (parallel/context_parallel.py);
 * ``recompute`` -- a recompute policy with what the replayed blocks must redo (tp + sp collectives, the shard
   mode's gathers), whichever unit runs it: the wrappers are the same for every block family (parallel/recompute.py);
 * ``join``   -- two adjacent units through the broker: the sender's dp / tp, the receiver's dp / tp / cp;
@@ -57,6 +59,7 @@ class UnitPart:
     shard: str
     recompute: str
     sp: bool = False  # Megatron sequence parallelism (tp > 1 only)
+    context: str = ""  # with cp: how its ranks attend when not by the ring (parallel.cp_mode: allgather, ...)
 
     @property
     def label(self) -> str:
@@ -64,7 +67,8 @@ class UnitPart:
 
     @property
     def text(self) -> str:
-        return f"{self.label}({','.join(self.dims) or '-'}|{self.shard}|{self.recompute}{'|sp' if self.sp else ''})"
+        tail = ("|sp" if self.sp else "") + (f"|{self.context}" if self.context else "")
+        return f"{self.label}({','.join(self.dims) or '-'}|{self.shard}|{self.recompute}{tail})"
 
     def has(self, *dims: str) -> tuple[str, ...]:
         return tuple(d for d in self.dims if d in dims)
@@ -135,6 +139,8 @@ def _unit_facts(part: UnitPart, family: str) -> list[str]:
         policy = "every_k" if part.recompute.startswith("every_") else part.recompute
         tp = "tp+sp" if part.sp else ("tp" if "tp" in part.dims else "no-tp")
         out.append(f"recompute: {policy} / {tp} {part.shard}")
+    if part.context:  # the attention core is the CP group's own: proven by any run of the mode
+        out.append(f"context: {part.context}")
     return out
 
 
@@ -151,15 +157,17 @@ def _dims(unit, vpp: int) -> tuple[str, ...]:
     return tuple(d for d in DIMS if sizes[d] > 1)
 
 
-def unit_parts(layout: UnitLayout, vpp: int, sequence_parallel: bool) -> tuple[UnitPart, ...]:
-    """The composition's units of one layout (``vpp``: virtual stages per LLM pipeline rank)."""
+def unit_parts(layout: UnitLayout, vpp: int, sequence_parallel: bool, cp_mode: str = "ring") -> tuple[UnitPart, ...]:
+    """The composition's units of one layout (``vpp``: virtual stages per LLM pipeline rank; ``cp_mode``:
+    parallel.cp_mode, named by a unit with cp > 1 unless it is the ring)."""
     parts = []
     for unit in layout.units:
         folded = tuple(dict.fromkeys(_MODULE_UNIT[m] for m in unit.modules if _MODULE_UNIT[m] != unit.name))
         recompute = unit.recompute if unit.recompute != "every_k" else f"every_{unit.recompute_every}"
         shard = "ddp" if layout.trains_with_ddp() else unit.shard
         dims = _dims(unit, vpp if unit.name == "llm" else 1)
-        parts.append(UnitPart(unit.name, folded, dims, shard, recompute, sequence_parallel and unit.tp > 1))
+        context = cp_mode if unit.cp > 1 and cp_mode != "ring" else ""
+        parts.append(UnitPart(unit.name, folded, dims, shard, recompute, sequence_parallel and unit.tp > 1, context))
     return tuple(parts)
 
 
@@ -183,9 +191,10 @@ def composition_of(run) -> Composition:
     vpp = int(cfg.schedule.vpp) if cfg.schedule.name in INTERLEAVED else 1
     engine = {"hotspa": "hotspa", "local_sgd": "local_sgd"}.get(mode, "ddp" if layout.trains_with_ddp() else "units")
     sp = bool(cfg.parallel.sequence_parallel)
+    cp_mode = cfg.parallel.get("cp_mode", "ring")
     buckets = tuple(
         dict.fromkeys(
-            (unit_parts(b.layout, 1, sp), schedule_family(b.config.schedule.name))
+            (unit_parts(b.layout, 1, sp, cp_mode), schedule_family(b.config.schedule.name))
             for b in sorted(run.buckets, key=lambda b: b.strategy.name)
         )
     )
@@ -196,7 +205,7 @@ def composition_of(run) -> Composition:
         features.append("chunked-loss")
     return Composition(
         engine=engine,
-        units=unit_parts(layout, vpp, sp),
+        units=unit_parts(layout, vpp, sp, cp_mode),
         schedule=cfg.schedule.name if len(layout.rows) > 1 or vpp > 1 else "none",
         features=tuple(features),
         precision=precision_policy(cfg, run.precision, layout, run.accelerator),

@@ -166,7 +166,9 @@ class MemoryCosts:
         return items * (w.tokens / cp) * w.dim * dropped
 
     @memoized
-    def attention_transient_bytes(self, unit: str, tp: int, items: float, cp: int = 1) -> float:
+    def attention_transient_bytes(
+        self, unit: str, tp: int, items: float, cp: int = 1, cp_mode: str = "ring", cp_ulysses: int = 1
+    ) -> float:
         """Extra bytes while one block's ring attention runs its backward (context parallelism; comm/
         ring_attention.py), beyond what the block saved: the fp32 dq accumulator, the fp32 dk/dv accumulators
         of the block held and of the one arriving, the next key/value block, and the kernel's block gradients
@@ -174,13 +176,32 @@ class MemoryCosts:
         key/value block, one block output). No s x s term: the blocks run on a fused kernel. On CUDA in fp32 (the
         memory-efficient kernel) grouped keys and values are expanded to the query heads per block, and their
         block gradients come back full-headed before they are summed. Not counted: packed documents' per-block
-        mask, B x S_q x S_k in the activation dtype plus two boolean temporaries (HotSPa strategies with cp)."""
+        mask, B x S_q x S_k in the activation dtype plus two boolean temporaries (HotSPa strategies with cp).
+
+        Other modes (parallel.cp_mode, comm/context_modes.py): ``allgather`` holds every rank's K/V and, in the
+        backward, the fp32 dK/dV of every block (cp of each in place of the ring's one or two); ``ulysses`` has no
+        ring accumulators but the all-to-all's send and receive buffers of Q, K and V (K/V heads copied up to one
+        per rank) and its attention's block gradients; ``hybrid`` both, its ring holding 1/u of the heads of
+        u x the positions (the same bytes as the ring's)."""
         if cp <= 1:
             return 0.0
         w = self.work.units[unit]
         a, _ = self._element_bytes()
         kv = (w.kv_heads / w.heads) if w.kv_heads else 1.0
-        per_token_dim = 4.0 + 2.0 * 2.0 * 4.0 * kv + 2.0 * a * kv + a * (1.0 + 2.0 * kv)
+        if cp_mode == "allgather":
+            per_token_dim = 4.0 + cp * 2.0 * 4.0 * kv + cp * 2.0 * a * kv + a * (1.0 + 2.0 * kv)
+            return items * (w.tokens / cp) * w.dim * per_token_dim / tp
+        ulysses = cp if cp_mode == "ulysses" else (cp_ulysses if cp_mode == "hybrid" else 1)
+        if ulysses > 1:
+            kv_heads = (w.kv_heads or w.heads) / tp
+            copied = kv * max(1.0, ulysses / kv_heads) if kv_heads % ulysses else kv
+            swap = 2.0 * a * (1.0 + 2.0 * copied) + a * (1.0 + 2.0 * copied)
+            if cp_mode == "ulysses":
+                return items * (w.tokens / cp) * w.dim * swap / tp
+            kv = copied
+        else:
+            swap = 0.0
+        per_token_dim = swap + 4.0 + 2.0 * 2.0 * 4.0 * kv + 2.0 * a * kv + a * (1.0 + 2.0 * kv)
         if self.hw.device == "cuda" and a == 4.0:
             per_token_dim += 4.0 * a * (1.0 - kv)
         per_token_dim /= tp

@@ -4,10 +4,11 @@ profiled costs), the choices a configured layout makes, the memory fit of a mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .baselines import exhaustive, flops_proportional, megatron
 from .breakdown import RoleMemory, unit_roles
+from .context_choice import configured_cp_mode
 from .costs import CostModel, Hardware, PlannerSettings, planned_devices, planned_precision
 from .evaluate import AUDIO_UNITS, COLOCATED, LayoutModel, UnitChoice
 from .options import CP_MIN_TOKENS, CP_OPTIONS
@@ -171,10 +172,16 @@ def runtime_has_ep(cfg) -> bool:
 
 
 def make_plan(
-    cfg, devices: int | None = None, progress=print, check_fit: bool = True, allow_ep: bool | None = None
+    cfg,
+    devices: int | None = None,
+    progress=print,
+    check_fit: bool = True,
+    allow_ep: bool | None = None,
+    cp_modes: tuple[str, ...] | None = None,
 ) -> PlanResult:
     """Plan ``cfg``. ``allow_ep``: may the LLM use expert parallelism (None: when the runtime can run it,
-    ``runtime_has_ep``; tools/plan.py, which only plans, allows it)."""
+    ``runtime_has_ep``; tools/plan.py, which only plans, allows it); ``cp_modes``: the context-parallel modes
+    the solver may use (None: every one the heads allow; tools/plan_cp_modes.py plans each alone)."""
     from omegaconf import OmegaConf
 
     if cfg.optim.global_batch_size % cfg.optim.micro_batch_size:
@@ -194,6 +201,7 @@ def make_plan(
         cp_options=tuple(OmegaConf.select(cfg, "planner.cp_options", default=CP_OPTIONS)),
         min_cp_tokens=int(OmegaConf.select(cfg, "planner.cp_min_tokens", default=CP_MIN_TOKENS)),
         allow_ep=runtime_has_ep(cfg) if allow_ep is None else allow_ep,
+        cp_modes=cp_modes,
     )
     if cfg.planner.solver not in ("algorithm1", "exhaustive"):
         raise PlanningError(f"planner.solver={cfg.planner.solver!r}: allowed values are algorithm1 and exhaustive")
@@ -228,13 +236,17 @@ def choices_of_config(cfg, layout=None) -> tuple[UnitChoice, UnitChoice | None, 
         for module in unit.modules:
             by_module[module] = unit
     llm_unit = by_module["llm"]
+    cp = getattr(llm_unit, "cp", 1)
+    cp_mode, cp_ulysses = configured_cp_mode(cfg, llm_unit.tp, cp)  # planner/context_choice.py
     llm = UnitChoice(
         llm_unit.tp,
         llm_unit.dp,
         llm_unit.pp,
         getattr(llm_unit, "vpp", 1),
-        cp=getattr(llm_unit, "cp", 1),
+        cp=cp,
         ep=getattr(llm_unit, "ep", 1),
+        cp_mode=cp_mode,
+        cp_ulysses=cp_ulysses,
     )
 
     def side(module: str):
@@ -255,11 +267,12 @@ def _configured_model(cfg, layout, settings, hw) -> LayoutModel:
     return LayoutModel(costs, int(cfg.optim.global_batch_size), int(cfg.optim.micro_batch_size), layout.world_size)
 
 
-def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
+def config_roles(cfg, layout=None, cp_mode: tuple[str, int] | None = None) -> tuple[list[RoleMemory], dict]:
     """Every rank role of a configured (non-auto) layout with the numbers the planner uses: analytic
     costs (nothing is profiled), ``planner.precision`` (on a CPU cluster: ``trainer.precision``), each
     unit's own shard mode and recompute policy, the configured schedule. Returns (roles, context).
-    ``layout``: the run's resolved one; None: ``cfg``'s, resolved here (tools/memory.py)."""
+    ``layout``: the run's resolved one; None: ``cfg``'s, resolved here (tools/memory.py); ``cp_mode``: (mode, ranks
+    per all-to-all) in place of the configured parallel.cp_mode (``auto_cp_mode`` weighs each)."""
     from ..parallel.resolved import config_layout
     from .memory import optimizer_state_bytes
 
@@ -277,6 +290,8 @@ def config_roles(cfg, layout=None) -> tuple[list[RoleMemory], dict]:
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
     model = _configured_model(cfg, layout, settings, hw)
     llm, enc, gen, audio = choices_of_config(cfg, layout)
+    if cp_mode is not None:
+        llm = replace(llm, cp_mode=cp_mode[0], cp_ulysses=cp_mode[1])
     choices = {"llm": llm, **audio}
     if enc is not None:
         choices["encoder"] = enc
@@ -349,3 +364,32 @@ def annotate_memory_report(cfg, layout, run_dir, rank: int) -> None:
     stages = sum(1 for r in roles if r.unit == role["unit"])
     match = next(r for r in roles if r.unit == role["unit"] and r.pp == min(role["pp"], stages - 1))
     path.write_text(json.dumps({**report, **context, "predicted": match.as_dict()}, indent=1))
+
+
+def auto_cp_mode(cfg, layout) -> tuple[str, int, dict[str, tuple[float, float]]]:
+    """``parallel.cp_mode=auto`` for a configured layout: of the modes the LLM's heads allow
+    (planner/options.py ``cp_mode_candidates``), the one with the least predicted LLM rank time per microbatch
+    (compute plus exposed context-parallel communication, analytic costs of the cluster; a cluster listing no
+    peak counts compute as free, so the least communication wins) among those whose fullest LLM rank fits the
+    cluster's device memory (all of them when none does). Returns (mode, ranks per all-to-all,
+    {label: (seconds, peak bytes)}); analytic so that every node reaches the same choice."""
+    from .options import cp_mode_candidates
+
+    unit = layout.llm
+    precision = planned_precision(cfg)
+    bf16 = precision.startswith("bf16")
+    listed = cfg.cluster.peak_flops_bf16 if bf16 else cfg.cluster.peak_flops_fp32
+    hw = Hardware.from_config(cfg.cluster, precision, None if listed else float("inf"), tf32=bool(cfg.trainer.tf32))
+    settings = PlannerSettings(precision=precision, recompute_every=int(cfg.planner.recompute_every))
+    model = _configured_model(cfg, layout, settings, hw)
+    llm = cfg.model.llm
+    candidates = cp_mode_candidates(unit.cp, unit.tp, llm.n_heads, llm.n_kv_heads, hw.per_node)
+    found = {}
+    for mode, ulysses in candidates:
+        seconds = model.c.rank_compute("llm", unit.tp, model.micro, unit.cp, unit.ep, mode, ulysses)
+        roles, _ = config_roles(cfg, layout, (mode, ulysses))
+        peak = max(role.total for role in roles if role.unit == unit.name)
+        found[mode if mode != "hybrid" else f"hybrid(u={ulysses})"] = (seconds, peak, mode, ulysses)
+    fitting = [entry for entry in found.values() if entry[1] <= hw.memory_bytes] or list(found.values())
+    _, _, mode, ulysses = min(fitting, key=lambda entry: entry[0])
+    return mode, ulysses, {label: entry[:2] for label, entry in found.items()}

@@ -47,6 +47,7 @@ def layout_container(plan_evaluation, every: int = 2, with_ep: bool = False) -> 
                 elif choice.ep > 1:
                     raise ConfigError(f"the plan uses ep={choice.ep} but this runtime has no parallel.units.llm.ep")
     split = list(plan_evaluation.llm_split) or None  # parallel.pp_split=auto: the balanced split it evaluated
+    llm = choices.get("llm")
     return {
         "name": "auto",
         "mode": "manual",
@@ -56,6 +57,9 @@ def layout_container(plan_evaluation, every: int = 2, with_ep: bool = False) -> 
         "modality_stages": "separate",
         "units": units,
         "pp_split": split,
+        # how the LLM's cp ranks attend: the mode the plan was costed with (parallel.cp_mode)
+        "cp_mode": llm.cp_mode if llm is not None and llm.cp > 1 else "ring",
+        "cp_ulysses": llm.cp_ulysses if llm is not None and llm.cp_mode == "hybrid" else 0,
     }
 
 

@@ -37,7 +37,7 @@ class SearchBounds:
             fitting = [p for p in pps if p >= pl_min and opt.width * p <= N]
             if not fitting:
                 continue
-            C_l = mdl.c.rank_compute("llm", tp, mdl.micro, cp, ep)
+            C_l = mdl.c.rank_compute("llm", tp, mdl.micro, cp, ep, opt.cp_mode, opt.cp_ulysses)
             p2p_l = mdl.c.p2p_s(mdl.llm_boundary_bytes(mdl.micro, cp), fastest)
             # zero1's traffic: the least of every shard mode (FSDP2 moves it per microbatch without a pipeline and
             # once per step, as zero1, under one), with the optimizer step

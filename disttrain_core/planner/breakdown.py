@@ -112,7 +112,7 @@ def role_memory(
         act = c.activation_bytes("llm", llm.tp, micro, policy, llm.cp) * share * flight
         # one block at a time: what recompute reruns, and ring attention's buffers in its backward
         recompute = c.recompute_transient_bytes("llm", llm.tp, micro, policy, llm.cp)
-        recompute += c.attention_transient_bytes("llm", llm.tp, micro, llm.cp)
+        recompute += c.attention_transient_bytes("llm", llm.tp, micro, llm.cp, llm.cp_mode, llm.cp_ulysses)
         step = c.step_transient_bytes("llm", llm.tp, llm.pp, shard, flight, pp, llm.ep, pipelined=S > 1)
         if last:
             logits = model.logits(micro, llm.cp, llm.tp)

@@ -36,7 +36,7 @@ import numpy as np
 from ..config import training_precision
 from .activation_costs import MemoryCosts, memoized
 from .memory import FSDP
-from .parallel_costs import all_to_all_s, ring_attention_exposed_s
+from .parallel_costs import all_to_all_s, context_parallel_s
 from .unit_work import UnitWork, Workload
 
 GB = 1e9
@@ -179,16 +179,20 @@ class CostModel(MemoryCosts):
         return self._memo[key]
 
     @memoized
-    def rank_compute(self, unit: str, tp: int, items: float, cp: int = 1, ep: int = 1) -> float:
+    def rank_compute(
+        self, unit: str, tp: int, items: float, cp: int = 1, ep: int = 1, cp_mode: str = "ring", cp_ulysses: int = 1
+    ) -> float:
         """``compute`` for one rank of a context- and expert-parallel unit: every CP rank runs ``1/cp`` of
         each sequence (1/cp of the matmul FLOPs, and of the attention FLOPs since zig-zag balances them; TP's
         collectives carry 1/cp of the tokens), so its time is that of ``items / cp`` sequences; plus, per
-        block, the ring exchanges not hidden behind attention and the MoE all-to-alls
-        (planner/parallel_costs.py). EP does not change a rank's expert FLOPs under balanced routing."""
+        block, the context-parallel exchanges not hidden behind attention (``cp_mode``: ring, allgather, ulysses or
+        hybrid with ``cp_ulysses`` ranks per all-to-all) and the MoE all-to-alls (planner/parallel_costs.py). EP
+        does not change a rank's expert FLOPs under balanced routing."""
         seconds = self.compute(unit, tp, items / cp)
         if cp == 1 and ep == 1:
             return seconds
-        per_block = ring_attention_exposed_s(self, unit, tp, cp, items) + all_to_all_s(self, unit, tp, cp, ep, items)
+        context = context_parallel_s(self, unit, tp, cp, items, cp_mode, cp_ulysses)
+        per_block = context + all_to_all_s(self, unit, tp, cp, ep, items)
         return seconds + self.work.units[unit].layers * per_block
 
     def seconds_per_flop(self, unit: str, tp: int, items: float = 1.0) -> float:

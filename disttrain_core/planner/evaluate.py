@@ -46,6 +46,8 @@ class UnitChoice:
     colocated: bool = False
     cp: int = 1  # context parallelism (the LLM only): ranks sharing each sequence
     ep: int = 1  # expert parallelism (MoE LLMs only): data-parallel ranks sharing the experts; divides dp
+    cp_mode: str = "ring"  # how the cp ranks attend (parallel.cp_mode): ring | allgather | ulysses | hybrid
+    cp_ulysses: int = 1  # hybrid: ranks per all-to-all (parallel.cp_ulysses)
 
     @property
     def gpus(self) -> int:
@@ -62,6 +64,7 @@ class UnitChoice:
             "vpp": self.vpp,
             "cp": self.cp,
             "ep": self.ep,
+            **({"cp_mode": self.cp_mode, "cp_ulysses": self.cp_ulysses} if self.cp > 1 else {}),
         }
 
 
@@ -138,7 +141,7 @@ class LayoutModel(LayoutMemory):
     def stage_time(self, unit: str, choice: UnitChoice, samples: float, bw: float, policy: str | None = None) -> float:
         """Seconds per microbatch of one stage of a separate unit (compute share + boundary p2p)."""
         items = self.items(unit, samples)
-        compute = self.c.rank_compute(unit, choice.tp, items, choice.cp, choice.ep)
+        compute = self.c.rank_compute(unit, choice.tp, items, choice.cp, choice.ep, choice.cp_mode, choice.cp_ulysses)
         compute *= self.c.recompute_factor(unit, policy) / choice.pp
         boundary = self.c.boundary_bytes(unit, samples) if unit not in GENERATOR_UNITS else 0.0
         if unit == "generator":  # between its own stages (the U-Net's state at a level boundary)
@@ -292,7 +295,7 @@ class LayoutModel(LayoutMemory):
         planner/stage_split.py: the head's share of the LLM's compute (its FLOPs' share) sits on the last stage,
         never recomputed; the rest, recompute included, splits evenly over the blocks."""
         c, w = self.c, self.w.units["llm"]
-        compute = c.rank_compute("llm", llm.tp, self.micro, llm.cp, llm.ep)
+        compute = c.rank_compute("llm", llm.tp, self.micro, llm.cp, llm.ep, llm.cp_mode, llm.cp_ulysses)
         whole = compute * c.recompute_factor("llm", policy)
         head = compute * (w.flops_head / w.train_flops if w.train_flops else 0.0)
         return StageCosts((whole - head) / w.layers, first, last + head, w.layers, whole)
@@ -318,7 +321,7 @@ class LayoutModel(LayoutMemory):
         stages and reduce over its dp x cp ranks)."""
         llm = choices["llm"]
         llm_tail = self.unit_tail("llm", llm, llm.dp, shards["llm"], m, pipelined)
-        colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp)
+        colocated = UnitChoice(tp=llm.tp, dp=llm.dp, cp=llm.cp, cp_mode=llm.cp_mode, cp_ulysses=llm.cp_ulysses)
         ends = {"first": 0.0, "last": 0.0}  # the modules riding on the LLM's first and last stages
         for name, end in (("audio_encoder", "first"), ("video_encoder", "first"), ("audio_generator", "last")):
             if self.rides(name, choices):

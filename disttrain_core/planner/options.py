@@ -37,6 +37,24 @@ def cp_candidates(seq_len: int, options=CP_OPTIONS, min_tokens: int = CP_MIN_TOK
     return tuple(c for c in options if c == 1 or (seq_len // c >= min_tokens and seq_len >= 2 * c))
 
 
+def cp_mode_candidates(cp: int, tp: int, heads: int, kv_heads: int, per_node: int) -> tuple[tuple[str, int], ...]:
+    """(parallel.cp_mode, ranks per all-to-all) the solver weighs for ``cp`` ranks at ``tp``: the ring and the
+    K/V all-gather always; Ulysses where each rank's heads split over cp (comm/context_modes.py); hybrid with
+    the largest all-to-all that splits them and stays inside a node beside TP (tp x u <= per_node)."""
+    if cp == 1:
+        return (("ring", 1),)
+    from ..comm.context_modes import heads_split
+
+    local, local_kv = max(1, heads // tp), max(1, (kv_heads or heads) // tp)
+    modes = [("ring", 1), ("allgather", 1)]
+    if heads_split(local, local_kv, cp):
+        modes.append(("ulysses", cp))
+    inner = [u for u in range(cp // 2, 1, -1) if cp % u == 0 and tp * u <= per_node and heads_split(local, local_kv, u)]
+    if inner:
+        modes.append(("hybrid", inner[0]))
+    return tuple(modes)
+
+
 def ep_candidates(num_experts: int, dp: int) -> tuple[int, ...]:
     """Expert-parallel sizes of a LLM with ``num_experts`` experts (0: dense) and ``dp`` replicas."""
     if not num_experts:
@@ -53,6 +71,8 @@ class LlmOption:
     vpp: int = 1
     cp: int = 1
     ep: int = 1
+    cp_mode: str = "ring"
+    cp_ulysses: int = 1
 
     @property
     def width(self) -> int:
@@ -60,4 +80,6 @@ class LlmOption:
         return self.tp * self.cp * self.dp
 
     def choice(self, pp: int) -> UnitChoice:
-        return UnitChoice(self.tp, self.dp, pp, self.vpp, cp=self.cp, ep=self.ep)
+        return UnitChoice(
+            self.tp, self.dp, pp, self.vpp, cp=self.cp, ep=self.ep, cp_mode=self.cp_mode, cp_ulysses=self.cp_ulysses
+        )

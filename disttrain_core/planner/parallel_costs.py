@@ -53,22 +53,72 @@ def ring_bw(costs: CostModel, span: int) -> float:
     return link
 
 
-def ring_attention_exposed_s(costs: CostModel, unit: str, tp: int, cp: int, items: float) -> float:
-    """Seconds of one block's ring exchanges (forward + backward) not hidden behind its attention."""
+def ring_attention_exposed_s(
+    costs: CostModel, unit: str, tp: int, cp: int, items: float, head_split: int = 1, span: int = 0
+) -> float:
+    """Seconds of one block's ring exchanges (forward + backward) not hidden behind its attention; a hybrid's
+    ring holds ``1 / head_split`` of the heads and spans ``span`` devices (0: tp x cp)."""
     if cp <= 1:
         return 0.0
     w = costs.work.units[unit]
     act = costs.settings.act_bytes
     head_dim = w.dim / w.heads
     local = w.tokens / cp
-    kv = items * local * (w.kv_heads or w.heads) / tp * head_dim * 2 * act  # K and V of the held block
+    kv_heads = (w.kv_heads or w.heads) / tp / head_split
+    kv_heads = max(1.0, kv_heads) if head_split > 1 else kv_heads  # a hybrid copies K/V heads up to one per rank
+    kv = items * local * kv_heads * head_dim * 2 * act  # K and V of the held block
     dkv = kv * 4 / act  # fp32 gradient accumulators
-    bw, latency = ring_bw(costs, tp * cp), costs.hw.latency_s
+    bw, latency = ring_bw(costs, span or tp * cp), costs.hw.latency_s
     pairs = items * local * local / 2  # query-key pairs of one off-diagonal zig-zag hop, per head
-    attend = 4.0 * pairs * w.dim / tp * costs.seconds_per_flop(unit, tp)
+    attend = 4.0 * pairs * w.dim / tp / head_split * costs.seconds_per_flop(unit, tp)
     forward = (cp - 1) * max(0.0, kv / bw + 2 * latency - attend)
     backward = (cp - 1) * max(0.0, (kv + dkv) / bw + 4 * latency - 2 * attend) + dkv / bw + 2 * latency
     return forward + backward
+
+
+def _kv_bytes(costs: CostModel, unit: str, tp: int, cp: int, items: float, ulysses: int = 1) -> tuple[float, float]:
+    """(one rank's query bytes, its K + V bytes) of one block, K/V heads copied up to ``ulysses`` if fewer."""
+    w = costs.work.units[unit]
+    act, head_dim = costs.settings.act_bytes, w.dim / w.heads
+    rows = items * w.tokens / cp * head_dim * act
+    kv_heads = (w.kv_heads or w.heads) / tp
+    if ulysses > 1 and kv_heads % ulysses:
+        kv_heads = max(kv_heads, ulysses)  # kv_replicas: each head copied ulysses / kv_heads times
+    return rows * w.heads / tp, rows * kv_heads * 2
+
+
+def ulysses_s(costs: CostModel, unit: str, tp: int, cp: int, items: float, ulysses: int) -> float:
+    """Seconds of one block's Ulysses all-to-alls over ``ulysses`` ranks (forward: Q, K, V to a head split and
+    the output back; backward: the same two reversed), each moving ``(u - 1) / u`` of its bytes; nothing
+    overlaps them (comm/context_modes.py)."""
+    q, kv = _kv_bytes(costs, unit, tp, cp, items, ulysses)
+    moved = 2 * (2 * q + kv) * (ulysses - 1) / ulysses
+    return moved / costs.link_bw(tp * ulysses) + 4 * (ulysses - 1) * costs.hw.latency_s
+
+
+def allgather_kv_s(costs: CostModel, unit: str, tp: int, cp: int, items: float) -> float:
+    """Seconds of one block's K/V all-gathers (forward, and again in backward) and its fp32 dK/dV
+    reduce-scatter, none overlapped (comm/context_modes.py)."""
+    _, kv = _kv_bytes(costs, unit, tp, cp, items)
+    bw, latency = costs.link_bw(tp * cp), costs.hw.latency_s
+    dkv = kv * 4 / costs.settings.act_bytes
+    return (cp - 1) * ((2 * kv + dkv) / bw + 3 * latency)
+
+
+def context_parallel_s(
+    costs: CostModel, unit: str, tp: int, cp: int, items: float, mode: str = "ring", ulysses: int = 1
+) -> float:
+    """Exposed seconds of one block's context-parallel communication under ``mode`` (parallel.cp_mode)."""
+    if cp <= 1:
+        return 0.0
+    if mode == "allgather":
+        return allgather_kv_s(costs, unit, tp, cp, items)
+    if mode == "ulysses":
+        return ulysses_s(costs, unit, tp, cp, items, cp)
+    if mode == "hybrid":
+        ring = ring_attention_exposed_s(costs, unit, tp, cp // ulysses, items, head_split=ulysses, span=tp * cp)
+        return ulysses_s(costs, unit, tp, cp, items, ulysses) + ring
+    return ring_attention_exposed_s(costs, unit, tp, cp, items)
 
 
 def all_to_all_s(costs: CostModel, unit: str, tp: int, cp: int, ep: int, items: float) -> float:

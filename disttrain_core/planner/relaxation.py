@@ -35,7 +35,7 @@ class Relaxation:
         x_e = mdl.colocated_time("encoder", tp, mdl.micro) if enc is not None and enc.colocated else 0.0
         x_g = mdl.colocated_time("generator", tp, mdl.micro) if gen is not None and gen.colocated else 0.0
         a_l = opt.width
-        K_l = c.rank_compute("llm", tp, mdl.micro, opt.cp, opt.ep) * a_l
+        K_l = c.rank_compute("llm", tp, mdl.micro, opt.cp, opt.ep, opt.cp_mode, opt.cp_ulysses) * a_l
         p_l = c.p2p_s(mdl.llm_boundary_bytes(mdl.micro, opt.cp), bw)
         c_l = p_l + x_e + x_g
         if sep_enc:

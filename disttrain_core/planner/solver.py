@@ -47,7 +47,7 @@ from .bounds import SearchBounds
 from .costs import PlanningError
 from .evaluate import AUDIO_UNITS, COLOCATED, SIDE_ENCODERS, Evaluation, LayoutModel, UnitChoice
 from .infeasible import no_layout_reason
-from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption, cp_candidates, divisors, ep_candidates
+from .options import CP_MIN_TOKENS, CP_OPTIONS, LlmOption, cp_candidates, cp_mode_candidates, divisors, ep_candidates
 from .relaxation import Relaxation
 
 TP_OPTIONS = (1, 2, 4, 8)
@@ -76,8 +76,10 @@ class Orchestrator(SearchBounds, Relaxation, AudioSearch):
         cp_options=CP_OPTIONS,
         min_cp_tokens: int = CP_MIN_TOKENS,
         allow_ep: bool = True,
+        cp_modes: tuple[str, ...] | None = None,
     ):
         self.m = model
+        self.cp_mode_filter = cp_modes  # None: every mode the heads allow (tools/plan_cp_modes.py restricts it)
         c, w = model.c, model.w
         self.w = w
         per_node = c.hw.per_node
@@ -147,7 +149,14 @@ class Orchestrator(SearchBounds, Relaxation, AudioSearch):
                         break
                     for ep in self.ep_options(dp):
                         for vpp in self.vpp_options:
-                            yield LlmOption(tp, dp, vpp, cp, ep)
+                            for mode, ulysses in self.cp_modes(cp, tp):
+                                yield LlmOption(tp, dp, vpp, cp, ep, mode, ulysses)
+
+    def cp_modes(self, cp: int, tp: int) -> tuple[tuple[str, int], ...]:
+        """How ``cp`` ranks may attend at ``tp`` (planner/options.py ``cp_mode_candidates``)."""
+        llm = self.w.units["llm"]
+        modes = cp_mode_candidates(cp, tp, int(llm.heads), int(llm.kv_heads or llm.heads), self.m.c.hw.per_node)
+        return tuple(m for m in modes if self.cp_mode_filter is None or m[0] in self.cp_mode_filter)
 
     def side_options(self, unit: str, samples: int) -> list[UnitChoice]:
         """Colocated, or (tp, dp) with dp dividing the samples of a microbatch slot."""
