@@ -30,6 +30,9 @@ class UnitConfig:
     # sharded; zero3 also reshards parameters after forward). A colocated module shards as the LLM unit.
     shard: str = "zero1"
     hsdp_replicas: int = 1  # zero2/zero3: HSDP, the DP replicas as replicas x shards (must divide dp)
+    # none | optimizer: ZeRO-Offload. zero1: the fp32 master shard and AdamW's moments on the host, the step run
+    # there; zero2/zero3: FSDP2's CPUOffloadPolicy (sharded parameters, gradients and optimizer state on the host)
+    offload: str = "none"
 
 
 @dataclass
@@ -199,6 +202,7 @@ class ParallelConfig:
     # default (ddp: none, megatron: zero1). Layouts with tp, pp or several units shard at least zero1.
     shard: Optional[str] = None
     hsdp_replicas: int = 1  # zero2/zero3: HSDP replicate x shard mesh over the DP replicas
+    offload: str = "none"  # none | optimizer (manual: parallel.units.<unit>.offload); see UnitConfig.offload
     zero1: bool = False  # alias of shard=zero1 (parallel=zero1)
     # Megatron's sequence parallelism with every tensor-parallel Llama and ViT block stack (comm/sequence_split.py):
     # norms and residuals on 1/tp of the sequence, reduce-scatter + all-gather in place of all-reduces. false:

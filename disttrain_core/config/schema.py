@@ -300,6 +300,11 @@ class ClusterConfig:
     # Planner assumptions for hardware that is not present (analytic cost model, docs/PLANNER.md):
     compute_efficiency: float = 0.6  # achieved / peak FLOP/s of a training step's matmuls
     runtime_overhead_gb: float = 4.0  # CUDA context, communication buffers, fragmentation
+    # Optimizer offload (parallel.offload=optimizer): GB/s one device moves to or from host memory (pinned; PCIe
+    # Gen5 x16 ~50 GB/s per direction, shared by the node's devices) and billions of parameters per second the
+    # host's fused AdamW steps for one device (a share of the node's cores)
+    host_bandwidth_gbps: float = 25.0
+    host_adam_gparams: float = 0.5
     notes: str = ""
 
 

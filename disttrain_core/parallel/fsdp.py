@@ -112,12 +112,20 @@ def reshard_settings(stage: nn.Module, groups: list[nn.Module], mode: str) -> di
 
 
 def apply_fsdp(
-    stage: nn.Module, mesh, mode: str, param_dtype: torch.dtype | None, ignored: set[nn.Parameter] | None = None
+    stage: nn.Module,
+    mesh,
+    mode: str,
+    param_dtype: torch.dtype | None,
+    ignored: set[nn.Parameter] | None = None,
+    offload: bool = False,
 ) -> None:
     """Shard ``stage`` (still on the meta device: shard before materialize) with FSDP2. ``ignored``: parameters
     FSDP2 leaves whole and unreduced (expert parallelism's experts: each EP rank holds different ones, stepped
-    by train/expert_optim.py)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    by train/expert_optim.py). ``offload`` (parallel.offload=optimizer): torch's ``CPUOffloadPolicy`` -- the
+    sharded parameters, their gradients and so the optimizer's state and step on the host (pinned on CUDA),
+    each group's shards copied to the device for its all-gather; materialize the stage on the host
+    (parallel/stages.py ``build_rank_stages`` ``param_device``)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if mode not in FSDP_MODES:
         raise ValueError(f"shard={mode!r} is not an FSDP2 mode ({', '.join(FSDP_MODES)})")
@@ -128,9 +136,15 @@ def apply_fsdp(
     )
     groups = [*fsdp_groups(stage), stage]
     reshard = reshard_settings(stage, groups, mode)
+    placement = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
     for module in groups:
         fully_shard(
-            module, mesh=mesh, reshard_after_forward=reshard[id(module)], mp_policy=policy, ignored_params=ignored
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard[id(module)],
+            mp_policy=policy,
+            ignored_params=ignored,
+            offload_policy=placement,
         )
         module.set_gradient_divide_factor(1.0)  # sum over replicas: the loss is normalized globally
         module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)

@@ -92,7 +92,10 @@ def _units_of(cfg: Config) -> UnitLayout:
     if p.mode == "ddp":
         sizes = {"llm": (world_size_of(cfg) // p.cp, 1, 1)}
         shard = {"llm": (layout_shard(p, "none" if p.cp == 1 and p.ep == 1 else "zero1"), p.hsdp_replicas)}
-        return build_layout(sizes, has_encoder, has_generator, True, True, same, shard, {"llm": p.cp}, {"llm": p.ep})
+        offload = {"llm": p.offload}
+        return build_layout(
+            sizes, has_encoder, has_generator, True, True, same, shard, {"llm": p.cp}, {"llm": p.ep}, offload=offload
+        )
     if p.mode == "megatron":
         folded = p.modality_stages == "folded"
         extra = 0 if folded else int(has_encoder) + int(has_generator)
@@ -101,8 +104,18 @@ def _units_of(cfg: Config) -> UnitLayout:
         # sequences, take the LLM's CP ranks as extra data-parallel replicas.
         sizes = {"encoder": (dp * p.cp, p.tp, 1), "llm": (dp, p.tp, p.pp), "generator": (dp * p.cp, p.tp, 1)}
         shard = {name: (layout_shard(p, "zero1"), p.hsdp_replicas) for name in sizes}
+        offload = dict.fromkeys(sizes, p.offload)
         return build_layout(
-            sizes, has_encoder, has_generator, folded, folded, same, shard, {"llm": p.cp}, {"llm": p.ep}
+            sizes,
+            has_encoder,
+            has_generator,
+            folded,
+            folded,
+            same,
+            shard,
+            {"llm": p.cp},
+            {"llm": p.ep},
+            offload=offload,
         )
     if p.mode == "manual":
         audio = separate_audio_units(cfg)
@@ -114,7 +127,8 @@ def _units_of(cfg: Config) -> UnitLayout:
         cp = {name: u.cp for name, u in units.items()}
         ep = {name: u.ep for name, u in units.items()}
         colocate = (p.units.encoder.colocate, p.units.generator.colocate)
-        return build_layout(sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep, audio)
+        offload = {name: u.offload for name, u in units.items()}
+        return build_layout(sizes, has_encoder, has_generator, *colocate, recompute, shard, cp, ep, audio, offload)
     if p.mode == "hotspa":
         raise ValueError("parallel.mode=hotspa: its layouts (one per bucket) are resolved by resolve_run")
     if p.mode == "auto":

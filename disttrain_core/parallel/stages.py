@@ -314,11 +314,14 @@ def build_rank_stages(
     compile_blocks: bool = False,
     float8: str = "none",
     split=None,
+    param_device: torch.device | None = None,
 ) -> dict[int, nn.Module]:
     """The materialized stage modules of one schedule row, keyed by schedule stage.
 
     Shard before materialize: the stage is cut and tensor-parallelized on the meta device, then only this
     rank's shards (and the replicated weights) get memory and their seeded values -- never the whole stage.
+    ``param_device``: where the parameters are materialized when not on ``device`` (FSDP2 with CPU offload: the
+    host), the buffers then moved to ``device``.
     """
     from ..models.common import init_weights
     from .compile import apply_compile
@@ -346,7 +349,11 @@ def build_rank_stages(
             apply_compile(module.model)
         if shard is not None:  # FSDP2 (parallel/fsdp.py), still on meta: only this rank's shards get memory
             shard(module)
-        module.to_empty(device=device)
+        module.to_empty(device=param_device or device)
         init_weights(module.model, seed=seed, std=cfg.init_std)
+        if param_device is not None and param_device != device:
+            for owner in module.modules():
+                for name, buffer in owner.named_buffers(recurse=False):
+                    owner._buffers[name] = buffer.to(device)
         stages[stage] = module
     return stages

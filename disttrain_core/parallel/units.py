@@ -72,6 +72,7 @@ class ParallelismUnit:
     recompute_every: int = 2
     shard: str = "zero1"  # none | zero1 | zero2 | zero3 (parallel/fsdp.py)
     hsdp_replicas: int = 1
+    offload: str = "none"  # none | optimizer: the optimizer's state and step on the host (parallel/offload.py)
     cp: int = 1  # context parallelism: ring attention over slices of each sequence (LLM units only)
     # Expert parallelism (MoE LLM units): blocks of ep consecutive data-parallel replicas share the experts.
     ep: int = 1
@@ -217,6 +218,7 @@ def build_layout(
     cp: dict[str, int] | None = None,
     ep: dict[str, int] | None = None,
     audio: tuple[str, ...] = (),
+    offload: dict[str, str] | None = None,
 ) -> UnitLayout:
     """Units in data-flow order from per-unit (dp, tp, pp) sizes, (policy, every) recompute settings,
     (mode, hsdp_replicas) shard settings and context-parallel sizes (colocated modules take the LLM unit's).
@@ -256,6 +258,7 @@ def build_layout(
                 recompute_every=every,
                 shard=mode,
                 hsdp_replicas=replicas,
+                offload=(offload or {}).get(name, "none"),
                 cp=(cp or {}).get(name, 1),
                 ep=(ep or {}).get(name, 1),
             )

@@ -44,6 +44,7 @@ from ..comm.partial_grads import PartialGradients
 from ..comm.trace import CommTrace
 from ..config import CommConfig, OptimConfig
 from .flat_chunks import range_boxes, sharded_chunks
+from .offload import HostMasters
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -76,9 +77,12 @@ class ZeroOneOptimizer:
         comm_group=None,
         gather_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
+        offload: bool = False,
     ):
         """``device``: where this rank's buffers live (the engine's device). A rank whose parameters are all
-        frozen holds none to take it from, and its empty buffers still join collectives (NCCL: on the GPU)."""
+        frozen holds none to take it from, and its empty buffers still join collectives (NCCL: on the GPU).
+        ``offload`` (parallel.offload=optimizer, ZeRO-Offload): the fp32 master shards and AdamW's moments live
+        in host memory (pinned on CUDA) and the step runs there (parallel/offload.py)."""
         comm = comm or CommConfig(overlap_grad_reduce=False, overlap_param_gather=False)
         self.group, self.dp, self.dp_rank = dp_group, dp, dp_rank
         self.trace = trace
@@ -91,11 +95,6 @@ class ZeroOneOptimizer:
             "decay": FlatBuckets(decay, dp, dp_rank, tp, size, device, graded),
             "no_decay": FlatBuckets(no_decay, dp, dp_rank, tp, size, device, graded),
         }
-        groups = [
-            {"params": self.flats["decay"].masters, "weight_decay": cfg.weight_decay, "name": "decay"},
-            {"params": self.flats["no_decay"].masters, "weight_decay": 0.0, "name": "no_decay"},
-        ]
-        self.inner = adamw(groups, cfg)
         self.sync = BucketedSync(
             self.flats,
             make_collectives(comm.collectives, dp_group, dp, dedicated_group=comm_group),
@@ -111,6 +110,12 @@ class ZeroOneOptimizer:
             order_group=dp_group,
             gather_dtype=gather_dtype,
         )
+        self.offloaded = HostMasters(self.flats.values()) if offload else None  # after bind: the device grads
+        groups = [
+            {"params": self.flats["decay"].masters, "weight_decay": cfg.weight_decay, "name": "decay"},
+            {"params": self.flats["no_decay"].masters, "weight_decay": 0.0, "name": "no_decay"},
+        ]
+        self.inner = adamw(groups, cfg)
         # Expert parallelism: the experts this rank holds are stepped by their own optimizer (differently
         # replicated: train/expert_optim.py), driven from here so the trainer sees one optimizer.
         self.experts = None
@@ -122,6 +127,8 @@ class ZeroOneOptimizer:
     def reduce_gradients(self) -> None:
         """Sum gradients over the replicas; keep this replica's shard as the master gradient."""
         self.sync.finish_grads()
+        if self.offloaded is not None:  # the reduced shards to the host masters' gradients (one wait)
+            self.offloaded.fetch_grads()
         if self.experts is not None:
             self.experts.reduce_gradients()
 

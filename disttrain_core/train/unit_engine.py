@@ -131,13 +131,15 @@ class UnitEngine(Engine):
         says; returns the tensor-parallel mesh (None without TP)."""
         cfg, fabric, schedule, comm = self.cfg, self.fabric, self.schedule, self.cfg.parallel.comm
         mesh = shard = None
+        offload = self.unit.fsdp and self.unit.offload == "optimizer"  # FSDP2's CPUOffloadPolicy
         if self.unit.fsdp:  # one root mesh: FSDP2 over the replicas, TP inside (parallel/fsdp.py)
             fsdp_mesh, mesh = unit_meshes(self.unit, self.pp_rank, self.groups, fabric.device.type)
 
             def shard(module: torch.nn.Module) -> None:
                 # expert parallelism: the held experts stay whole and out of FSDP2's reductions
                 experts = {p for layer in moe_layers(module.model) for p in layer.experts.parameters()}
-                apply_fsdp(module, fsdp_mesh, self.unit.shard, self.wire_dtype, experts if self.unit.ep > 1 else None)
+                ignored = experts if self.unit.ep > 1 else None
+                apply_fsdp(module, fsdp_mesh, self.unit.shard, self.wire_dtype, ignored, offload=offload)
 
         elif self.unit.tp > 1:
             from torch.distributed.device_mesh import DeviceMesh
@@ -173,6 +175,7 @@ class UnitEngine(Engine):
             compile_blocks=cfg.trainer.compile,
             float8=cfg.model.float8,
             split=cfg.parallel.pp_split if self.unit.name == "llm" else None,
+            param_device=torch.device("cpu") if offload else None,
         )
         self.float8_scales = cfg.model.float8 == "tensorwise" and shard is not None
         return mesh
@@ -239,6 +242,7 @@ class UnitEngine(Engine):
             comm_group=self.groups.gradient_comm,
             gather_dtype=self.wire_dtype,
             device=self.fabric.device,
+            offload=self.unit.offload == "optimizer",
         )
         if experts:  # expert parallelism: the experts this rank holds have an optimizer of their own
             self.optimizer.experts = self._expert_optimizer(experts)

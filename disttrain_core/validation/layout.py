@@ -8,6 +8,7 @@ from ..config import Config
 from ..parallel.units import UNIT_NAMES
 from .common import ConfigError, _require, world_size
 from .float8 import check_float8_layout
+from .offload import check_unit_offload, validate_offload_settings
 from .unit_shapes import validate_moe_unit, validate_unit_pp, validate_unit_tp
 
 COLOCATABLE = tuple(name for name in UNIT_NAMES if name != "llm")
@@ -291,6 +292,7 @@ def _validate_unit(cfg: Config, unit) -> None:
     if cfg.parallel.mode != "local_sgd":  # its workers' sharding is checked by validate_local_sgd
         key = f"parallel.units.{unit.name}.shard" if cfg.parallel.mode == "manual" else "parallel.shard"
         _validate_unit_shard(unit, cfg.schedule.name, key)
+        check_unit_offload(unit, key.replace(".shard", ".offload"))
     where = f"parallel {unit.name} unit"
     if "llm" in unit.modules and cfg.model.llm.moe is not None:
         validate_moe_unit(cfg, unit)
@@ -334,6 +336,7 @@ def validate_layout_settings(cfg: Config) -> None:
     _validate_mode_and_units(cfg)
     _validate_recompute_settings(p)
     _validate_shard_settings(p)
+    validate_offload_settings(cfg)
     _validate_context_settings(cfg)
     _require(min(p.tp, p.pp) >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be at least 1")
     _check_sizes_fit(cfg)

@@ -105,6 +105,9 @@ def _model_rules() -> list[Rule]:
         within(f"{unet}.beta_start", 0, 1, open_low=True, open_high=True),
         within(f"{unet}.beta_end", 0, 1, open_low=True, open_high=True),
     ]
+    for tower in ("audio_encoder", "video_encoder"):  # their divisibility checks follow (validation/modalities.py)
+        rules += [at_least(f"model.{tower}.{n}", 1) for n in ("dim", "n_heads")]
+    rules += [at_least(f"model.video_encoder.{n}", 1) for n in ("image_size", "patch_size")]
     for name in ("encoder_projector", "generator_projector"):
         rules.append(at_least(f"model.{name}.hidden_dim", 0, "use 0 (the output width) or more"))
     return rules
@@ -195,6 +198,8 @@ def _run_rules() -> list[Rule]:
         positive("cluster.memory_bandwidth_gbps", "use a positive bandwidth in GB/s"),
         within("cluster.compute_efficiency", 0, 1, open_low=True),
         at_least("cluster.runtime_overhead_gb", 0, "use 0 or more GB"),
+        positive("cluster.host_bandwidth_gbps", "use a positive bandwidth in GB/s"),
+        positive("cluster.host_adam_gparams", "use a positive rate in billions of parameters per second"),
         # planner
         one_of("planner.solver", ("algorithm1", "exhaustive")),
         one_of("planner.precision", ("auto", "32", "bf16-mixed"), "allowed values are auto, '32' and 'bf16-mixed'"),

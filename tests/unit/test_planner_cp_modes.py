@@ -104,6 +104,8 @@ def test_auto_resolves_at_launch_to_the_least_predicted_time_that_fits():
         assert set(found) == {"ring", "allgather", "ulysses"}  # no hybrid at cp 2
         assert found[mode][0] == min(seconds for seconds, _ in found.values())
         assert ulysses == 1
+        if cluster == "local_cpu":  # no peak listed: compute counts as free, the least communication wins
+            assert mode == "allgather", found
 
 
 BAD = [
