@@ -305,6 +305,7 @@ class ClusterConfig:
     # host's fused AdamW steps for one device (a share of the node's cores)
     host_bandwidth_gbps: float = 25.0
     host_adam_gparams: float = 0.5
+    host_memory_per_node_gb: float = 2048.0  # what the node's offloaded optimizer state may use (DGX H100: 2 TB)
     notes: str = ""
 
 
@@ -329,6 +330,10 @@ class PlannerConfig:
     # Model-state sharding the plan assumes and runs per unit (parallel/fsdp.py): zero1 | zero2 | zero3 |
     # auto (per unit, the least sharding that fits: zero1, zero2, zero3, before any recompute)
     shard: str = "auto"
+    # May a unit move its optimizer to the host (parallel.offload=optimizer) where no shard mode and recompute fits
+    # it on the device? Opt-in: charged the host link and the host's AdamW at assumed rates (cluster.host_*;
+    # docs/MEMORY.md), and it may then pick a layout that needs it over one that fits without it
+    offload: bool = False
     dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (0: charged in full; docs/PLANNER.md)
     memory_margin: float = 0.9  # plan to this share of device memory
     baselines: bool = True  # also evaluate the Megatron and FLOPs-proportional layouts

@@ -21,6 +21,7 @@ linears.
   backward is split in two);
 * ``context`` -- a context-parallel mode other than the ring (parallel.cp_mode), whichever unit shape runs it: the
   mode replaces only the attention core inside the CP group (parallel/context_parallel.py);
+* ``offload`` -- the optimizer on the host (parallel.offload) under a shard mode, whatever the unit's shape;
 * ``recompute`` -- a recompute policy with what the replayed blocks must redo (tp + sp collectives, the shard
   mode's gathers), whichever unit runs it: the wrappers are the same for every block family (parallel/recompute.py);
 * ``join``   -- two adjacent units through the broker: the sender's dp / tp, the receiver's dp / tp / cp;
@@ -60,6 +61,7 @@ class UnitPart:
     recompute: str
     sp: bool = False  # Megatron sequence parallelism (tp > 1 only)
     context: str = ""  # with cp: how its ranks attend when not by the ring (parallel.cp_mode: allgather, ...)
+    offload: bool = False  # parallel.offload=optimizer: the optimizer's state and step on the host
 
     @property
     def label(self) -> str:
@@ -67,7 +69,7 @@ class UnitPart:
 
     @property
     def text(self) -> str:
-        tail = ("|sp" if self.sp else "") + (f"|{self.context}" if self.context else "")
+        tail = ("|sp" if self.sp else "") + (f"|{self.context}" if self.context else "") + ("|offload" * self.offload)
         return f"{self.label}({','.join(self.dims) or '-'}|{self.shard}|{self.recompute}{tail})"
 
     def has(self, *dims: str) -> tuple[str, ...]:
@@ -141,6 +143,8 @@ def _unit_facts(part: UnitPart, family: str) -> list[str]:
         out.append(f"recompute: {policy} / {tp} {part.shard}")
     if part.context:  # the attention core is the CP group's own: proven by any run of the mode
         out.append(f"context: {part.context}")
+    if part.offload:  # the optimizer's placement, per shard mode's optimizer (parallel/offload.py, FSDP2's policy)
+        out.append(f"offload: {part.shard}")
     return out
 
 
@@ -167,7 +171,10 @@ def unit_parts(layout: UnitLayout, vpp: int, sequence_parallel: bool, cp_mode: s
         shard = "ddp" if layout.trains_with_ddp() else unit.shard
         dims = _dims(unit, vpp if unit.name == "llm" else 1)
         context = cp_mode if unit.cp > 1 and cp_mode != "ring" else ""
-        parts.append(UnitPart(unit.name, folded, dims, shard, recompute, sequence_parallel and unit.tp > 1, context))
+        offload = getattr(unit, "offload", "none") == "optimizer"
+        parts.append(
+            UnitPart(unit.name, folded, dims, shard, recompute, sequence_parallel and unit.tp > 1, context, offload)
+        )
     return tuple(parts)
 
 

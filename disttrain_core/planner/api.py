@@ -11,6 +11,7 @@ from .breakdown import RoleMemory, unit_roles
 from .context_choice import configured_cp_mode
 from .costs import CostModel, Hardware, PlannerSettings, planned_devices, planned_precision
 from .evaluate import AUDIO_UNITS, COLOCATED, LayoutModel, UnitChoice
+from .memory import OFFLOADED
 from .options import CP_MIN_TOKENS, CP_OPTIONS
 from .solver import Orchestrator, Plan, PlanningError
 from .workload import workload_of
@@ -71,6 +72,8 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
         recompute=cfg.planner.recompute,
         recompute_every=int(cfg.planner.recompute_every),
         shard=cfg.planner.shard,
+        # on a CPU cluster the host is the device: moving state there frees nothing
+        offload=bool(cfg.planner.get("offload", False)) and cfg.cluster.device == "cuda",
         dp_overlap=float(cfg.planner.dp_overlap),
         memory_margin=float(cfg.planner.memory_margin),
         pp_split=settings_split(cfg.parallel.get("pp_split")),
@@ -128,8 +131,11 @@ def check_model_fits(cfg, devices: int) -> None:
     work = workload_of(cfg.model)
     params = sum(u.params for u in work.units.values())
     state = sum(u.params * (4 + 12 * u.trainable_fraction) for u in work.units.values())
-    capacity = devices * float(cfg.cluster.memory_per_device_gb) * GB * float(cfg.planner.memory_margin)
-    if state <= capacity:
+    capacity = devices * float(cfg.cluster.memory_per_device_gb) * GB
+    if cfg.cluster.device == "cuda" and cfg.planner.get("offload", False):  # the optimizer may move to the hosts
+        nodes = -(-devices // int(cfg.cluster.gpus_per_node))
+        capacity += nodes * float(cfg.cluster.get("host_memory_per_node_gb", 2048.0)) * GB
+    if state <= capacity * float(cfg.planner.memory_margin):
         return
     gpus = smallest_gpu_cluster(cfg)
     where = (
@@ -302,7 +308,8 @@ def config_roles(cfg, layout=None, cp_mode: tuple[str, int] | None = None) -> tu
     schedule = cfg.schedule.name if S > 1 else "none"
     roles = []
     for unit in layout.units:
-        roles += unit_roles(model, unit.name, choices, S, m, unit.recompute, unit.shard, schedule, unit.hsdp_replicas)
+        shard = unit.shard + (OFFLOADED if getattr(unit, "offload", "none") == "optimizer" else "")
+        roles += unit_roles(model, unit.name, choices, S, m, unit.recompute, shard, schedule, unit.hsdp_replicas)
     context = {
         "model": cfg.model.name,
         "precision": model.c.settings.precision,

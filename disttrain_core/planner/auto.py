@@ -9,6 +9,7 @@ from pathlib import Path
 from ..parallel.units import UNIT_NAMES
 from ..validation import ConfigError
 from .api import make_plan, runtime_has_ep
+from .memory import split_shard
 from .report import plan_dict, plan_table, predicted_timelines
 from .solver import PlanningError
 
@@ -39,7 +40,10 @@ def layout_container(plan_evaluation, every: int = 2, with_ep: bool = False) -> 
             units[name] = {"dp": choice.dp, "tp": choice.tp, "pp": choice.pp, "vpp": choice.vpp, "colocate": False}
             # the recompute the memory model assumed (colocated modules recompute as the LLM unit does)
             units[name].update(recompute=plan_evaluation.recompute.get(name, "none"), recompute_every=every)
-            units[name]["shard"] = plan_evaluation.shard.get(name, "zero1")  # what the memory model assumed
+            # what the memory model assumed: the shard mode, and whether the optimizer is on the host
+            shard, offloaded = split_shard(plan_evaluation.shard.get(name, "zero1"))
+            units[name]["shard"] = shard
+            units[name]["offload"] = "optimizer" if offloaded else "none"
             if name == "llm":
                 units[name]["cp"] = choice.cp
                 if with_ep:

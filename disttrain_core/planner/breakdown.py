@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..parallel.units import SIDE_ENCODERS
-from .memory import FSDP, ModelState
+from .memory import FSDP, ModelState, split_shard
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def role_memory(
             colocated = c.state(module, llm.tp, llm.dp, 1, shard, 0, hsdp_replicas, llm.cp)
             state = type(state)(*(a + b for a, b in zip(_fields(state), _fields(colocated), strict=True)))
             step += c.step_transient_bytes(module, llm.tp, 1, shard, held, 0, pipelined=S > 1)
-    absent = state.grads if shard in FSDP and m <= flight else 0.0
+    absent = state.grads if split_shard(shard)[0] in FSDP and m <= flight else 0.0
     return RoleMemory(name, pp, shard, policy, flight, state, act, logits, recompute, step, c.hw.overhead_bytes, absent)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..config import training_precision
 from .activation_costs import MemoryCosts, memoized
-from .memory import FSDP
+from .memory import FSDP, split_shard
 from .parallel_costs import all_to_all_s, context_parallel_s
 from .unit_work import UnitWork, Workload
 
@@ -57,6 +57,9 @@ class Hardware:
     hbm_bw: float  # bytes/s of device memory (optimizer step)
     overhead_bytes: float  # runtime context, communication buffers, fragmentation
     p2p_bw: float | None = None  # measured point-to-point bandwidth (profiled machines)
+    host_bw: float = 25e9  # bytes/s one device moves to or from host memory (optimizer offload)
+    host_adam: float = 0.5e9  # parameters/s the host's AdamW steps for one device (optimizer offload)
+    host_memory: float = 2048e9  # bytes of host memory per node (what offloaded optimizer state may use)
 
     @classmethod
     def from_config(cls, cluster, precision: str, peak_flops: float | None = None, tf32: bool = True) -> Hardware:
@@ -83,6 +86,9 @@ class Hardware:
             latency_s=float(cluster.latency_us) * 1e-6,
             hbm_bw=float(cluster.memory_bandwidth_gbps) * GB,
             overhead_bytes=float(cluster.runtime_overhead_gb) * GB,
+            host_bw=float(getattr(cluster, "host_bandwidth_gbps", 25.0)) * GB,
+            host_adam=float(getattr(cluster, "host_adam_gparams", 0.5)) * 1e9,
+            host_memory=float(getattr(cluster, "host_memory_per_node_gb", 2048.0)) * GB,
         )
 
 
@@ -95,6 +101,7 @@ class PlannerSettings:
     recompute_every: int = 2  # every_k
     # none | zero1 | zero2 | zero3 (planner/memory.py); auto: per unit, the least sharding that fits
     shard: str = "auto"
+    offload: bool = False  # may auto try zero1+offload / zero3+offload once nothing else fits (planner.offload)
     dp_overlap: float = 0.0  # share of the ZeRO-1 traffic hidden behind compute
     memory_margin: float = 0.9  # plan to this share of device memory
     moment_bytes: float = 8.0  # optimizer state per trainable parameter (AdamW; planner/memory.py)
@@ -293,7 +300,7 @@ class CostModel(MemoryCosts):
         ranks = dp * cp
         if ranks <= 1:
             return 0.0
-        shard = self.shard_of(shard)
+        shard = split_shard(self.shard_of(shard))[0]
         w = self.work.units[unit]
         dense, experts = self._split_params(unit, tp, pp, None, ep)
         bw = self.link_bw(tp * ranks)
@@ -327,6 +334,22 @@ class CostModel(MemoryCosts):
             return stepped * per + local * self.profile.copy_s_per_param
         # AdamW touches master, grad, two moments (read + write) ~ 28 bytes; copy-back 8 bytes
         return (28.0 * stepped + 8.0 * local) / self.hw.hbm_bw
+
+
+def offload_s(
+    costs, unit: str, tp: int, dp: int, pp: int, shard: str, microbatches: int, cp: int = 1, pipelined: bool = False
+) -> float:
+    """Seconds per step an offloaded optimizer adds in place of the device's step (parallel/offload.py): this
+    rank's trainable shard stepped by the host's AdamW (``cluster.host_adam_gparams``), and over the host link
+    (``cluster.host_bandwidth_gbps``) its fp32 gradients down and parameters up -- once per step under ZeRO-1 and
+    a pipelined or zero2 FSDP2 unit; per microbatch's reduce-scatter and gather under zero3 without a pipeline
+    (FSDP2 copies a group's host shard up for each all-gather). Nothing overlaps it."""
+    base = split_shard(shard)[0]
+    w = costs.work.units[unit]
+    dense, _ = costs._split_params(unit, tp, pp, None, 1)
+    shard_params = dense * w.trainable_fraction / max(1, dp * cp)
+    trips = microbatches if base == "zero3" and not pipelined else 1
+    return shard_params / costs.hw.host_adam + 2 * trips * 4.0 * shard_params / costs.hw.host_bw
 
 
 def interp(points: list[tuple[float, float]], x: float) -> float:

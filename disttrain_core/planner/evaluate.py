@@ -32,8 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..parallel.units import ENCODER_UNITS, GENERATOR_UNITS, UNIT_NAMES
-from .costs import CostModel
+from .costs import CostModel, offload_s
 from .layout_memory import AUDIO_UNITS, AUTO_RECOMPUTE, AUTO_SHARD, SIDE_ENCODERS, LayoutMemory  # noqa: F401
+from .memory import split_shard
 from .stage_split import StageCosts, per_rank_times
 
 
@@ -314,6 +315,8 @@ class LayoutModel(LayoutMemory):
         """Data-parallel traffic and the optimizer step of one unit (``pipelined``: more than one schedule stage)."""
         c = self.c
         sync = c.sync_s(name, ch.tp, dp, ch.pp, shard, m, ch.cp, ch.ep, pipelined)
+        if split_shard(shard)[1]:  # the optimizer on the host: its step and the copies there and back
+            return sync + offload_s(c, name, ch.tp, dp, ch.pp, shard, m, ch.cp, pipelined)
         return sync + c.optimizer_s(name, ch.tp, dp, ch.pp, ch.cp, ch.ep)
 
     def _sync_time(self, choices: dict, m: int, shards: dict[str, str], pipelined: bool = False) -> float:

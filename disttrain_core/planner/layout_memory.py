@@ -4,7 +4,7 @@ recompute policy and a shard mode, and the cheapest (shard, recompute) pair that
 from __future__ import annotations
 
 from ..parallel.units import SIDE_ENCODERS, SIDE_UNITS  # noqa: F401  (SIDE_ENCODERS re-exported)
-from .memory import FSDP
+from .memory import FSDP, OFFLOADED, split_shard
 
 AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full")  # least recomputation first
 AUTO_SHARD = ("zero1", "zero2", "zero3")  # least traffic first
@@ -55,7 +55,13 @@ class LayoutMemory:
         settings = self.c.settings
         shards = AUTO_SHARD if settings.shard == "auto" else (settings.shard,)
         policies = AUTO_RECOMPUTE if settings.recompute == "auto" else (settings.recompute,)
-        return [(shard, policy) for policy in policies for shard in shards]
+        options = [(shard, policy) for policy in policies for shard in shards]
+        if settings.offload:  # the optimizer on the host: a step slower, tried once nothing else fits
+            offloaded = [
+                s + OFFLOADED for s in shards if s != "none" and (s == "zero1" or s == "zero3" or len(shards) == 1)
+            ]
+            options += [(shard, policy) for policy in policies for shard in offloaded]
+        return options
 
     def recompute_policies(
         self, choices: dict, S: int, m: int
@@ -77,13 +83,23 @@ class LayoutMemory:
         if found is None:
             choice = choices[name]
             for shard, policy in self.memory_options():
-                if shard in FSDP and choice.dp * choice.cp < 2:
-                    shard = "zero1"
+                base, offloaded = split_shard(shard)
+                if offloaded and (base in FSDP and choice.tp > 1 or choice.ep > 1):
+                    continue  # what the runtime refuses (validation/offload.py): FSDP2's offload with TP, EP
+                if base in FSDP and choice.dp * choice.cp < 2:
+                    shard = "zero1" + (OFFLOADED if offloaded else "")
                 used = self.unit_memory(name, choices, S, m, policy, shard)
-                if used <= self.limit:
+                if used <= self.limit and (not offloaded or self._host_fits(name, choices, S, m, policy, shard, used)):
                     break
             found = self._choice_cache[key] = (policy, used, shard)
         return found
+
+    def _host_fits(self, name: str, choices: dict, S: int, m: int, policy: str, shard: str, used: float) -> bool:
+        """Does the optimizer state an offloaded unit moves to the host fit the host memory of a node, shared by
+        the node's devices (``cluster.host_memory_per_node_gb``, to ``planner.memory_margin``)?"""
+        moved = self.unit_memory(name, choices, S, m, policy, split_shard(shard)[0]) - used
+        hw = self.c.hw
+        return moved * min(hw.per_node, self.devices) <= hw.host_memory * self.c.settings.memory_margin
 
     def _memory_reason(self, name: str, used: float) -> str:
         """Why a unit needing ``used`` bytes per device does not fit."""

@@ -42,6 +42,8 @@ Besides the state, while a step runs (``transient``):
   one group's unsharded gradients while it is reduce-scattered;
   under a pipeline (more than one schedule stage) both keep the stage's whole gathered parameters and its
   unreduced gradients through the step, gathered once and reduced once (parallel/fsdp.py ``FsdpStepSync``);
+* with optimizer offload (``zero1+offload``, ``zero2+offload``, ``zero3+offload``: parallel/offload.py, FSDP2's
+  CPUOffloadPolicy) the state above leaves the device as ``model_state`` says; the transients stay;
 * under bf16-mixed with fp32 parameters in the compute (none, zero1, or FSDP2 with an fp32 wire),
   autocast keeps one bf16 copy of every weight of the stage: the units engine runs a whole step in
   one autocast region (its cache lives until the region ends), so in-flight microbatches share the
@@ -54,6 +56,15 @@ from dataclasses import asdict, dataclass
 
 from ..parallel.fsdp import FSDP_MODES as FSDP
 from ..parallel.fsdp import SHARD_MODES as SHARDS
+
+OFFLOADED = "+offload"  # a planner shard mode with the optimizer on the host: "zero1+offload", "zero3+offload"
+
+
+def split_shard(shard: str) -> tuple[str, bool]:
+    """(the runtime's shard mode, whether the optimizer is offloaded) of a planner shard mode."""
+    if shard.endswith(OFFLOADED):
+        return shard[: -len(OFFLOADED)], True
+    return shard, False
 
 
 @dataclass(frozen=True)
@@ -94,9 +105,19 @@ def model_state(
     outer: tuple[float, float] = (0.0, 0.0),
 ) -> ModelState:
     """``moment_bytes``: the optimizer's state per trainable parameter; ``outer``: local SGD's (anchor, outer
-    momentum) bytes per trainable parameter on this process (already divided by the shard group)."""
-    if shard not in SHARDS:
-        raise ValueError(f"shard={shard!r}: allowed values are {', '.join(SHARDS)}")
+    momentum) bytes per trainable parameter on this process (already divided by the shard group). A shard mode
+    with ``+offload`` (parallel.offload=optimizer) keeps on the device only what stays there: ZeRO-1 its
+    parameters, gradient buffer and gather buffer (the master shard and moments are on the host); FSDP2 nothing
+    between steps (its sharded parameters, gradients and optimizer state are on the host; the gathered ones are
+    ``transient_bytes``)."""
+    shard, offloaded = split_shard(shard)
+    if shard not in SHARDS or (offloaded and shard == "none"):
+        raise ValueError(f"shard={shard!r}: allowed values are {', '.join(SHARDS)} (and zero1/2/3{OFFLOADED})")
+    if offloaded:
+        state = model_state(local, trainable, dp, shard, hsdp_replicas, wire_bytes, moment_bytes, outer)
+        if shard == "zero1":
+            return ModelState(state.params, state.grads, 0.0, 0.0, state.buffers)
+        return ModelState(0.0, 0.0, 0.0, 0.0, 0.0)
     anchors, momentum = outer[0] * trainable, outer[1] * trainable
     m = moment_bytes
     if shard == "none":
@@ -167,7 +188,9 @@ def transient_bytes(
     """Bytes a rank holds during a step beyond the model state and the activations (see the module doc).
     ``largest_group``: parameters of the largest FSDP group (a block, the embedding or the LM head).
     ``pipelined``: FSDP2 under a pipeline keeps the stage's gathered parameters and its unreduced gradients
-    through the step (parallel/fsdp.py ``FsdpStepSync``)."""
+    through the step (parallel/fsdp.py ``FsdpStepSync``). FSDP2 with offload gathers on the device as without
+    it (the host shard is copied up first: not counted, ``1 / S`` of a group)."""
+    shard = split_shard(shard)[0]
     gathered = 0.0
     if shard in FSDP and pipelined:
         gathered = local * wire_bytes + 4.0 * local

@@ -144,6 +144,9 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
                 master=anchor * learn,
                 moments=(moments + outer) * learn + 8.0 * experts,
             )
+        if getattr(unit, "offload", "none") == "optimizer":  # on the host (parallel/offload.py, CPUOffloadPolicy)
+            moved = ("master", "moments") if unit.shard == "zero1" else ("params", "grads", "master", "moments")
+            counted.update(dict.fromkeys(moved, 0.0))
         counted["total"] = sum(counted.values())
         return counted
     finally:

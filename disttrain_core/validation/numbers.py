@@ -200,6 +200,7 @@ def _run_rules() -> list[Rule]:
         at_least("cluster.runtime_overhead_gb", 0, "use 0 or more GB"),
         positive("cluster.host_bandwidth_gbps", "use a positive bandwidth in GB/s"),
         positive("cluster.host_adam_gparams", "use a positive rate in billions of parameters per second"),
+        positive("cluster.host_memory_per_node_gb", "use a positive size"),
         # planner
         one_of("planner.solver", ("algorithm1", "exhaustive")),
         one_of("planner.precision", ("auto", "32", "bf16-mixed"), "allowed values are auto, '32' and 'bf16-mixed'"),

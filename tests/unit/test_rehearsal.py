@@ -35,6 +35,22 @@ def test_the_72b_plan_rehearses_within_2_percent_of_the_plan(tmp_path):
         assert role["ratio"] == pytest.approx(1.0, abs=0.02), role
 
 
+def test_the_72b_plan_with_offload_on_16_gpus_rehearses_within_1_percent(tmp_path):
+    """16 H100s hold mllm72b only with the optimizer on the host (planner.offload=true; 32 without it:
+    tests/unit/test_planner_offload.py): the plan says so and every role rehearses within 1% of it."""
+    args = ["model=mllm72b", "parallel=auto", "cluster=h100_80g", "cluster.num_gpus=16", "planner.offload=true"]
+    args.append("trainer.dry_run=true")
+    out = run_train([*args, f"hydra.run.dir={tmp_path}"], timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["units"]["llm"]["shard"].endswith("+offload")
+    rehearsal = json.loads((tmp_path / "rehearsal.json").read_text())
+    assert len(rehearsal["roles"]) == plan["units"]["llm"]["pp"]
+    for role in rehearsal["roles"]:
+        assert role["shard"] == plan["units"]["llm"]["shard"]
+        assert role["ratio"] == pytest.approx(1.0, abs=0.01), role
+
+
 MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp2", "schedule=none"]
 
 
@@ -89,6 +105,10 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
             "parallel.shard=zero1",
             "trainer.devices=4",
         ],
+        # optimizer offload: ZeRO-1's master shards and moments on the host (with TP), FSDP2's whole state there
+        ["model=llama3_8b", "parallel=megatron_tp2", "parallel.dp=2", "parallel.offload=optimizer"]
+        + ["trainer.devices=4", "schedule=none"],
+        ["model=llama3_8b", "parallel=dp", "parallel.shard=zero3", "parallel.offload=optimizer", "trainer.devices=4"],
     ],
     ids=[
         "units_zero3_zero1",
@@ -105,12 +125,20 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
         "local_sgd",
         "local_sgd_zero3",
         "local_sgd_zero1",
+        "zero1_offload_tp2",
+        "zero3_offload",
     ],
 )
 def test_rehearsed_roles_match_the_memory_model(overrides):
     result = rehearse(compose(overrides), progress=lambda *_: None)
     assert result["roles"]
     for role in result["roles"]:
+        if "parallel.offload=optimizer" in overrides:  # what stays on the device: no master, no moments
+            assert role["counted"]["master"] == role["counted"]["moments"] == 0.0, role
+            assert role["predicted"]["master"] == role["predicted"]["moments"] == 0.0, role
+            if role["shard"].startswith("zero3"):  # FSDP2 keeps no state on the device between steps
+                assert role["counted"]["total"] == role["predicted"]["total"] == 0.0, role
+                continue
         # tiny models pay relatively more padding; the 8B ones are within 0.1%
         tolerance = 0.05 if "mllm_tiny" in overrides else 0.001
         assert role["ratio"] == pytest.approx(1.0, abs=tolerance), role
