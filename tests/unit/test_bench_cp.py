@@ -56,3 +56,21 @@ def test_tiny_run_writes_sane_json(bench_cp, tmp_path):
     timeline = result["timeline"]
     assert timeline["simulated"] and timeline["cp"] == 4 and "picture" not in timeline
     assert all(span > 0 for span in timeline["makespan_s"].values())
+
+
+def test_every_mode_bench_writes_sane_json(monkeypatch, tmp_path):
+    """tools/bench_cp_modes.py at 64 positions per rank, cp=2: every mode timed and its peak counted; the
+    all-gather holds more than the ring (every rank's K/V and, in backward, their fp32 gradients at once)."""
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    import bench_cp_modes
+
+    out = tmp_path / "modes.json"
+    options = ["positions=64", "cp=2", "modes=ring,allgather,ulysses", "repeats=1", "warmup=0", "format=json"]
+    assert bench_cp_modes.main([*options, f"out={out}"]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["modes"]) == {"ring", "allgather", "ulysses"} and row["cp"] == 2
+    for values in row["modes"].values():
+        assert values["busiest_rank_s"] > 0 and values["peak_bytes"] > 0
+    assert row["modes"]["ring"]["time_vs_ring"] == row["modes"]["ring"]["peak_vs_ring"] == 1.0
+    assert row["modes"]["allgather"]["peak_vs_ring"] > 1.0
+    assert bench_cp_modes.tool_main(bench_cp_modes.main, ["cp=2", "modes=hybrid", "out=none"]) == 2  # one line

@@ -1,0 +1,91 @@
+"""The context-parallel modes of the one-GPU check (tools/gpu_check.py ``cp_modes``): each mode emulated in this
+process (one GPU per process, so the ranks run one after another) with the kernels its ranks run on a device.
+
+* ``allgather`` computes what the ring computes, blocks taken from their owners at once: the ring's emulation
+  (comm/ring_attention.py ``emulated_ring_attention``) is that computation;
+* ``ulysses`` at cp: every rank's head group (``H / cp`` query heads and their K/V heads, copied ``cp / kv`` times
+  when there are fewer: comm/context_modes.py ``kv_replicas``) attends over the whole sequence with the model's
+  own attention (SDPA, or one call per document for packed rows: models/document_attention.py ``varlen``);
+* ``hybrid`` at cp 4 (2 x 2): each head group of 2 runs the ring's emulation over 2 ring ranks.
+
+Each against fp64 SDPA of the whole sequence: fp32 outputs and q/k/v gradients within 1e-4; bf16 outputs within
+2x one bf16 SDPA call's error on the same inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from gpu_check_phases import _reference, _sdpa_error
+
+
+def _ulysses(q, k, v, docs, ulysses: int, ring: int):
+    """Attention by head groups of ``ulysses`` ranks, each over the whole sequence (``ring`` > 1: the ring's
+    emulation over that many ranks)."""
+    from disttrain_core.comm.context_modes import kv_replicas
+    from disttrain_core.comm.ring_attention import emulated_ring_attention
+    from disttrain_core.models.document_attention import varlen_attention
+    from disttrain_core.models.llama import Documents
+
+    copies = kv_replicas(k.shape[1], ulysses)
+    k, v = (t.repeat_interleave(copies, dim=1) for t in (k, v))
+    heads, kv_heads = q.shape[1] // ulysses, k.shape[1] // ulysses
+    outs = []
+    for i in range(ulysses):
+        qi, ki, vi = (
+            q[:, i * heads : (i + 1) * heads],
+            k[:, i * kv_heads : (i + 1) * kv_heads],
+            v[:, i * kv_heads : (i + 1) * kv_heads],
+        )
+        if ring > 1:
+            outs.append(emulated_ring_attention(qi, ki, vi, ring, doc_ids=docs))
+        elif docs is not None:
+            outs.append(varlen_attention(qi, ki, vi, Documents(docs, docs).segments(), qi.shape[1] != ki.shape[1]))
+        else:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True))
+    return torch.cat(outs, dim=1)
+
+
+def _mode(name: str, world: int):
+    from disttrain_core.comm.ring_attention import emulated_ring_attention
+
+    if name == "allgather":
+        return lambda q, k, v, docs: emulated_ring_attention(q, k, v, world, doc_ids=docs)
+    if name == "ulysses":
+        return lambda q, k, v, docs: _ulysses(q, k, v, docs, world, 1)
+    return lambda q, k, v, docs: _ulysses(q, k, v, docs, 2, world // 2)
+
+
+def _run(attend, q, k, v, docs, upstream):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = attend(*leaves, docs)
+    grads = torch.autograd.grad((out.float() * upstream).sum(), leaves)
+    return out.detach().float(), [g.float() for g in grads]
+
+
+def phase_cp_modes(check) -> dict:
+    """Each mode at cp 2 and 4 (hybrid at 4) against fp64 SDPA, causal and packed, fp32 and bf16 (module doc)."""
+    r = check.ring
+    g = torch.Generator(device=check.device).manual_seed(1)
+    q = torch.randn((1, r["heads"], r["seq"], r["head_dim"]), generator=g, device=check.device)
+    k, v = (
+        torch.randn((1, r["kv_heads"], r["seq"], r["head_dim"]), generator=g, device=check.device) for _ in range(2)
+    )
+    upstream = torch.randn(q.shape, generator=g, device=check.device)
+    third = r["seq"] // 3
+    docs = torch.tensor([[0] * third + [1] * third + [2] * (r["seq"] - 2 * third)], device=check.device)
+    errors, ok = {}, True
+    cases = [("allgather", 2), ("allgather", 4), ("ulysses", 2), ("ulysses", 4), ("hybrid", 4)]
+    for name, world in cases:
+        attend = _mode(name, world)
+        for ids, tag in ((None, ""), (docs, " packed")):
+            ref_out, ref_grads = _reference(q, k, v, ids, upstream)
+            out, grads = _run(attend, q, k, v, ids, upstream)
+            pairs = [(out, ref_out), *zip(grads, ref_grads, strict=True)]
+            errors[f"fp32 {name} cp{world}{tag}"] = max((a - b).abs().max().item() for a, b in pairs)
+            ok &= errors[f"fp32 {name} cp{world}{tag}"] < 1e-4
+            low = [t.bfloat16() for t in (q, k, v)]
+            with torch.autocast(check.device, dtype=torch.bfloat16):
+                out, _ = _run(attend, *low, ids, upstream)
+            errors[f"bf16 {name} cp{world}{tag}"] = (out - ref_out).abs().max().item()
+            ok &= errors[f"bf16 {name} cp{world}{tag}"] <= 2 * _sdpa_error(*low, ref_out, ids) + 1e-6
+    return {"ok": ok, "max_abs_error": errors}
