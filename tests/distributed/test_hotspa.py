@@ -69,11 +69,13 @@ def parameters_agree(ours: dict, theirs: dict, bulk: bool = True) -> None:
         ("[dp4,dp2tp2,tp2pp2]", True, ["parallel.hotspa.recompute=[none,selective_op,full]"]),
         # 24 s; context-parallel parity stays in make test (test_context_parallel*.py)
         pytest.param("[cp2dp2,dp4,cp2tp2]", False, [], marks=pytest.mark.slow),
+        # ... by all-to-all (parallel.cp_mode=ulysses; cp2tp2: one K/V head per rank, copied for the swap)
+        pytest.param("[cp2dp2,dp4,cp2tp2]", False, ["parallel.cp_mode=ulysses"], marks=pytest.mark.slow),
         # trainer.compile (parallel/compile.py): a static graph per bucket and strategy, recompute inside the
         # compiled blocks, packed attention (varlen) run eagerly between their compiled pieces
         ("[dp4,dp2tp2,tp2pp2]", False, ["parallel.hotspa.recompute=[none,selective_op,full]", "trainer.compile=true"]),
     ],
-    ids=["dp4_dp2tp2_tp2pp2", "cp2dp2_dp4_cp2tp2", "compiled"],
+    ids=["dp4_dp2tp2_tp2pp2", "cp2dp2_dp4_cp2tp2", "cp2dp2_dp4_cp2tp2_ulysses", "compiled"],
 )
 def test_three_strategies_in_one_step_match_one_process(one, strategies, bulk, extra, tmp_path):
     hot = _train(tmp_path / "hot", "parallel=hotspa", f"parallel.hotspa.strategies={strategies}", *extra)
