@@ -182,12 +182,12 @@ def _resolve_pp_split(run, container: dict):
 
 
 def _resolve_cp_mode(run, container: dict, rank: int):
-    """parallel.cp_mode=auto: the planner's choice for the configured LLM (planner/api.py ``auto_cp_mode``),
+    """parallel.cp_mode=auto: the planner's choice for the configured LLM (planner/auto.py ``auto_cp_mode``),
     printed with each mode's predicted seconds, then validated as if typed. Without context parallelism: ring."""
     if not any(unit.cp > 1 for unit in run.layout.units):
         container["parallel"]["cp_mode"] = "ring"
         return validate_run(typed_config(container), container)
-    from ..planner.api import auto_cp_mode
+    from ..planner.auto import auto_cp_mode
 
     mode, ulysses, found = auto_cp_mode(run.cfg, run.layout)
     if rank == 0:

@@ -127,3 +127,34 @@ def resolve_auto(cfg, container: dict, run_dir: Path) -> dict | None:
         out["trainer"]["devices"] = min(int(cfg.cluster.gpus_per_node), needed)
         out["trainer"]["num_nodes"] = -(-needed // out["trainer"]["devices"])
     return out
+
+
+def auto_cp_mode(cfg, layout) -> tuple[str, int, dict[str, tuple[float, float]]]:
+    """``parallel.cp_mode=auto`` for a configured layout: of the modes the LLM's heads allow
+    (planner/options.py ``cp_mode_candidates``), the one with the least predicted LLM rank time per microbatch
+    (compute plus exposed context-parallel communication, analytic costs of the cluster; a cluster listing no
+    peak counts compute as free, so the least communication wins) among those whose fullest LLM rank fits the
+    cluster's device memory (all of them when none does). Returns (mode, ranks per all-to-all,
+    {label: (seconds, peak bytes)}); analytic so that every node reaches the same choice."""
+    from .api import _configured_model, config_roles
+    from .costs import Hardware, PlannerSettings, planned_precision
+    from .options import cp_mode_candidates
+
+    unit = layout.llm
+    precision = planned_precision(cfg)
+    bf16 = precision.startswith("bf16")
+    listed = cfg.cluster.peak_flops_bf16 if bf16 else cfg.cluster.peak_flops_fp32
+    hw = Hardware.from_config(cfg.cluster, precision, None if listed else float("inf"), tf32=bool(cfg.trainer.tf32))
+    settings = PlannerSettings(precision=precision, recompute_every=int(cfg.planner.recompute_every))
+    model = _configured_model(cfg, layout, settings, hw)
+    llm = cfg.model.llm
+    candidates = cp_mode_candidates(unit.cp, unit.tp, llm.n_heads, llm.n_kv_heads, hw.per_node)
+    found = {}
+    for mode, ulysses in candidates:
+        seconds = model.c.rank_compute("llm", unit.tp, model.micro, unit.cp, unit.ep, mode, ulysses)
+        roles, _ = config_roles(cfg, layout, (mode, ulysses))
+        peak = max(role.total for role in roles if role.unit == unit.name)
+        found[mode if mode != "hybrid" else f"hybrid(u={ulysses})"] = (seconds, peak, mode, ulysses)
+    fitting = [entry for entry in found.values() if entry[1] <= hw.memory_bytes] or list(found.values())
+    _, _, mode, ulysses = min(fitting, key=lambda entry: entry[0])
+    return mode, ulysses, {label: entry[:2] for label, entry in found.items()}

@@ -1,5 +1,5 @@
 """How a configured LLM's context-parallel ranks attend (parallel.cp_mode) as the planner's choice. ``auto`` is
-resolved at launch (planner/api.py ``auto_cp_mode``); the solver weighs the modes itself (planner/options.py
+resolved at launch (planner/auto.py ``auto_cp_mode``); the solver weighs the modes itself (planner/options.py
 ``cp_mode_candidates``); their costs: planner/parallel_costs.py."""
 
 from __future__ import annotations

@@ -128,6 +128,26 @@ def _fault_tolerance_rules() -> list[Rule]:
     ]
 
 
+def _cluster_rules() -> list[Rule]:
+    return [
+        one_of("cluster.device", ("cpu", "cuda")),
+        at_least("cluster.num_gpus", 1),
+        at_least("cluster.gpus_per_node", 1),
+        positive("cluster.memory_per_device_gb", "use a positive size"),
+        optional(positive("cluster.peak_flops_bf16"), "use a positive FLOP/s value or null"),
+        optional(positive("cluster.peak_flops_fp32"), "use a positive FLOP/s value or null"),
+        positive("cluster.intra_node_bandwidth_gbps", "use a positive bandwidth in GB/s"),
+        positive("cluster.inter_node_bandwidth_gbps", "use a positive bandwidth in GB/s"),
+        at_least("cluster.latency_us", 0, "use 0 or more microseconds"),
+        positive("cluster.memory_bandwidth_gbps", "use a positive bandwidth in GB/s"),
+        within("cluster.compute_efficiency", 0, 1, open_low=True),
+        at_least("cluster.runtime_overhead_gb", 0, "use 0 or more GB"),
+        positive("cluster.host_bandwidth_gbps", "use a positive bandwidth in GB/s"),
+        positive("cluster.host_adam_gparams", "use a positive rate in billions of parameters per second"),
+        positive("cluster.host_memory_per_node_gb", "use a positive size"),
+    ]
+
+
 def _run_rules() -> list[Rule]:
     t, s = "trainer", "data.synthetic"
     return [
@@ -185,22 +205,7 @@ def _run_rules() -> list[Rule]:
         # schedule (the layout checks its agreement with the batch sizes)
         optional(at_least("schedule.microbatches", 1), "use null (derived from the batch sizes) or 1 or more"),
         at_least("schedule.vpp", 1),
-        # cluster
-        one_of("cluster.device", ("cpu", "cuda")),
-        at_least("cluster.num_gpus", 1),
-        at_least("cluster.gpus_per_node", 1),
-        positive("cluster.memory_per_device_gb", "use a positive size"),
-        optional(positive("cluster.peak_flops_bf16"), "use a positive FLOP/s value or null"),
-        optional(positive("cluster.peak_flops_fp32"), "use a positive FLOP/s value or null"),
-        positive("cluster.intra_node_bandwidth_gbps", "use a positive bandwidth in GB/s"),
-        positive("cluster.inter_node_bandwidth_gbps", "use a positive bandwidth in GB/s"),
-        at_least("cluster.latency_us", 0, "use 0 or more microseconds"),
-        positive("cluster.memory_bandwidth_gbps", "use a positive bandwidth in GB/s"),
-        within("cluster.compute_efficiency", 0, 1, open_low=True),
-        at_least("cluster.runtime_overhead_gb", 0, "use 0 or more GB"),
-        positive("cluster.host_bandwidth_gbps", "use a positive bandwidth in GB/s"),
-        positive("cluster.host_adam_gparams", "use a positive rate in billions of parameters per second"),
-        positive("cluster.host_memory_per_node_gb", "use a positive size"),
+        *_cluster_rules(),
         # planner
         one_of("planner.solver", ("algorithm1", "exhaustive")),
         one_of("planner.precision", ("auto", "32", "bf16-mixed"), "allowed values are auto, '32' and 'bf16-mixed'"),

@@ -95,7 +95,7 @@ def test_no_plan_picks_a_mode_that_does_not_divide_or_fit(overrides, devices):
 
 def test_auto_resolves_at_launch_to_the_least_predicted_time_that_fits():
     from disttrain_core.parallel.resolved import resolve_units
-    from disttrain_core.planner.api import auto_cp_mode
+    from disttrain_core.planner.auto import auto_cp_mode
 
     overrides = ["model=llama_tiny", "parallel=dp", "parallel.cp=2", "trainer.devices=4", "parallel.cp_mode=auto"]
     for cluster in ("local_cpu", "h100_80g"):

@@ -1,7 +1,7 @@
 """Optimizer offload in the planner (planner.offload; parallel.offload=optimizer at run time): what leaves the
 device in the memory model, what the host link and the host's AdamW cost, that mllm72b fits fewer H100s with it
-than without (32 without, 16 with planner.offload=true: tools/plan.py prints both), that a plan using it validates as the runtime
-runs it, and bad input, one line each. Analytic costs only."""
+than without (32 without, 16 with planner.offload=true: tools/plan.py prints both), that a plan using it writes
+what the runtime runs, and bad input, one line each. Analytic costs only."""
 
 import pytest
 
