@@ -28,13 +28,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_cp import phase_cp_modes  # noqa: E402
+from gpu_check_cp import phase_cp_modes, phase_offload  # noqa: E402
 from gpu_check_float8 import phase_float8  # noqa: E402
 from gpu_check_fsdp_bf16 import phase_fsdp_bf16  # noqa: E402
 from gpu_check_phases import PHASES, Check  # noqa: E402
 
 # tools/gpu_check_float8.py, tools/gpu_check_fsdp_bf16.py, tools/gpu_check_cp.py
-PHASES = {**PHASES, "fsdp_bf16": phase_fsdp_bf16, "float8": phase_float8, "cp_modes": phase_cp_modes}
+PHASES = {
+    **PHASES,
+    "fsdp_bf16": phase_fsdp_bf16,
+    "float8": phase_float8,
+    "cp_modes": phase_cp_modes,
+    "offload": phase_offload,
+}
 
 from disttrain_core.config import REPO_ROOT  # noqa: E402
 from disttrain_core.launch.cli import tool_main, tool_options  # noqa: E402

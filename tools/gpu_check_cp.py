@@ -89,3 +89,26 @@ def phase_cp_modes(check) -> dict:
             errors[f"bf16 {name} cp{world}{tag}"] = (out - ref_out).abs().max().item()
             ok &= errors[f"bf16 {name} cp{world}{tag}"] <= 2 * _sdpa_error(*low, ref_out, ids) + 1e-6
     return {"ok": ok, "max_abs_error": errors}
+
+
+def phase_offload(check) -> dict:
+    """parallel.offload=optimizer on the device (parallel/offload.py): the ~1B Llama's ZeRO-1 run (one rank, fp32)
+    with the master shards and AdamW's moments in pinned host memory, against the same run without: losses within
+    1e-5 relative (the host's fused AdamW and the device's are different kernels), the device's peak lower, the
+    step time of each reported. Added for issue 63."""
+    from gpu_check_phases import tokens_runs, train
+
+    runs = {}
+    for name, extra in (("device", []), ("offload", ["parallel.offload=optimizer"])):
+        metrics = train(
+            check, f"offload_{name}", [*tokens_runs(check), "parallel=zero1", "trainer.precision=32", *extra]
+        )
+        runs[name] = {
+            "losses": [m["loss"] for m in metrics],
+            "peak_memory_gib": max(m["perf/peak_memory_gib"] for m in metrics),
+            "step_time_s": metrics[-1]["perf/step_time_s"],
+        }
+    pairs = zip(runs["offload"]["losses"], runs["device"]["losses"], strict=True)
+    worst = max(abs(a - b) / abs(b) for a, b in pairs)
+    lower = runs["offload"]["peak_memory_gib"] < runs["device"]["peak_memory_gib"] or not check.cuda
+    return {"ok": worst < 1e-5 and lower, "worst_relative_loss_difference": worst, **runs}

@@ -19,6 +19,7 @@ def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_pat
         "host_syncs",
         "ring_attention",
         "cp_modes",
+        "offload",
         "throughput_and_compile",
         "recompute_memory",
         "fsdp2_async_dcp",
