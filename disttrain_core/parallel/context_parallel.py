@@ -3,9 +3,11 @@
 The ``cp`` ranks of one replica of an LLM stage (units.py: CP peers share a data-parallel index, a
 tensor-parallel index and a pipeline stage) receive the same samples. Each holds a slice of every
 sequence: the sequence, padded to a multiple of 2cp, is cut into 2cp chunks and rank c keeps chunks c and
-2cp-1-c (zig-zag, comm/ring_attention.py), so causal attention costs every rank the same. What changes:
+2cp-1-c (zig-zag, comm/ring_attention.py), so causal attention costs every rank the same (Ulysses and hybrid:
+consecutive pieces of a ring rank's chunks, comm/context_modes.py ``mode_positions``). What changes:
 
-* every decoder block's attention runs as a ring over the CP group (``Attention.core_attention``);
+* every decoder block's attention runs over the CP group (``Attention.core_attention``) as ``parallel.cp_mode``
+  says: a ring, one all-gather of K/V, Ulysses' all-to-alls, or both (``context_mode``, ``apply_context_parallel``);
 * the rotary table holds the angles of the rank's own positions (``Llama.rope_positions``); packed
   documents carry their own positions and ids, sliced the same way (``SequenceSlices.documents``);
 * the first LLM stage embeds the whole sequence (token embeddings and image placement need the
