@@ -81,17 +81,20 @@ class LayoutMemory:
         key = self._memory_key(name, choices, S, m, "", "")
         found = self._choice_cache.get(key)
         if found is None:
-            choice = choices[name]
-            for shard, policy in self.memory_options():
+            choice, last = choices[name], None
+            for shard, policy in self.memory_options():  # the device-resident options come first: never skipped
                 base, offloaded = split_shard(shard)
                 if offloaded and (base in FSDP and choice.tp > 1 or choice.ep > 1):
                     continue  # what the runtime refuses (validation/offload.py): FSDP2's offload with TP, EP
                 if base in FSDP and choice.dp * choice.cp < 2:
                     shard = "zero1" + (OFFLOADED if offloaded else "")
                 used = self.unit_memory(name, choices, S, m, policy, shard)
-                if used <= self.limit and (not offloaded or self._host_fits(name, choices, S, m, policy, shard, used)):
+                if used > self.limit:
+                    last = (policy, used, shard)  # what an infeasible unit reports: the last option over the limit
+                elif not offloaded or self._host_fits(name, choices, S, m, policy, shard, used):
+                    found = (policy, used, shard)
                     break
-            found = self._choice_cache[key] = (policy, used, shard)
+            found = self._choice_cache[key] = found or last
         return found
 
     def _host_fits(self, name: str, choices: dict, S: int, m: int, policy: str, shard: str, used: float) -> bool:

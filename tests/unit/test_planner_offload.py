@@ -56,6 +56,18 @@ def test_mllm72b_fits_fewer_gpus_with_offload():
     assert llm.gpus == 16
 
 
+def test_offload_that_the_hosts_cannot_hold_is_not_planned():
+    """At 16 H100s mllm72b needs about 432 GB of optimizer state on each 8-GPU node's host: with 256 GB per node
+    there is no layout (and the refusal is a planning error, not a plan whose state fits nowhere)."""
+    from disttrain_core.planner import PlanningError, make_plan
+
+    overrides = ["model=mllm72b", "cluster=h100_80g", "cluster.num_gpus=16", "planner.baselines=false"]
+    cfg = compose([*overrides, "cluster.host_memory_per_node_gb=256"])
+    cfg.planner.offload = True
+    with pytest.raises(PlanningError):
+        make_plan(cfg, progress=lambda *_: None, check_fit=False)
+
+
 def test_a_cpu_cluster_never_offloads():
     from disttrain_core.planner.api import build_layout_model
 
