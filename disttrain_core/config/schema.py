@@ -347,9 +347,10 @@ class PlannerConfig:
 # ---------------------------------------------------------------- schedule
 @dataclass
 class ScheduleConfig:
-    name: str = "none"  # none (pp = 1) | gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv
+    # none (pp = 1) | gpipe | 1f1b | interleaved_1f1b | breadth_first | zb_h1 | zb_h2 | zbv | dualpipev
+    name: str = "none"
     microbatches: Optional[int] = None  # per step per replica; None: global / (micro * dp)
-    vpp: int = 1  # stages per pipeline rank (interleaved_1f1b: >= 2; zbv: 2)
+    vpp: int = 1  # stages per pipeline rank (interleaved_1f1b, breadth_first: >= 2; zbv, dualpipev: 2)
     csv: Optional[str] = None  # a compute-only CSV schedule instead of a generator
 
 

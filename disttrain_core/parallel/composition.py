@@ -17,8 +17,8 @@ linears.
 
 * ``graph``  -- the units in pipeline order with what is folded into them, and the schedule;
 * ``unit``   -- one unit: its dimensions > 1, shard mode, sequence parallelism, and the schedule family it runs
-  under (``none``, ``pipelined`` for gpipe / 1f1b / interleaved 1F1B, ``zero-bubble`` for zb_h1 / zbv, whose
-  backward is split in two);
+  under (``none``, ``pipelined`` for gpipe / 1f1b / interleaved and breadth-first 1F1B, ``zero-bubble`` for
+  zb_h1 / zb_h2 / zbv / dualpipev, whose backward is split in two);
 * ``context`` -- a context-parallel mode other than the ring (parallel.cp_mode), whichever unit shape runs it: the
   mode replaces only the attention core inside the CP group (parallel/context_parallel.py);
 * ``offload`` -- the optimizer on the host (parallel.offload) under a shard mode, whatever the unit's shape;
@@ -41,13 +41,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..schedule.generators import LOOPED, SPLIT_BACKWARD, V_SHAPED
 from .units import ENCODER_UNITS, UNIT_MODULES, UnitLayout
 
 DIMS = ("dp", "tp", "pp", "vpp", "cp", "ep", "hsdp")
 # Module name -> the unit it belongs to (a folded module names the unit it would otherwise be)
 _MODULE_UNIT = {module: unit for unit, modules in UNIT_MODULES.items() for module in modules}
-INTERLEAVED = ("interleaved_1f1b", "zbv")  # schedules whose ranks hold schedule.vpp stages each
-ZERO_BUBBLE = ("zb_h1", "zbv")  # schedules that split a backward into input and weight gradients
+INTERLEAVED = LOOPED + V_SHAPED  # schedules whose ranks hold schedule.vpp stages each
+ZERO_BUBBLE = SPLIT_BACKWARD  # schedules that split a backward into input and weight gradients
 
 
 @dataclass(frozen=True)

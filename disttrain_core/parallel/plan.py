@@ -137,7 +137,9 @@ def _units_of(cfg: Config) -> UnitLayout:
 
 
 def stages_per_rank(cfg: Config) -> int:
-    return {"interleaved_1f1b": cfg.schedule.vpp, "zbv": 2}.get(cfg.schedule.name, 1)
+    from ..schedule.generators import stages_per_rank as per_rank
+
+    return per_rank(cfg.schedule.name, cfg.schedule.vpp)
 
 
 def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):

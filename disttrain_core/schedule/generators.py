@@ -1,4 +1,4 @@
-"""Schedule generators: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV.
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B (depth- and breadth-first), ZB-H1, ZB-H2, ZBV, DualPipeV.
 
 Placement: one stage per rank for GPipe, 1F1B and ZB-H1 (stage s on rank s);
 ``vpp`` stages per rank in a loop for interleaved 1F1B (stage s on rank s mod pp);
@@ -11,10 +11,29 @@ two stages per rank in a V for ZBV (stage s < pp on rank s, stage s >= pp on ran
 * Interleaved 1F1B (Megatron's depth-first order): microbatches in groups of pp go
   through chunk 0, then chunk 1, ...; rank r warms up with (pp - r - 1) * 2 +
   (vpp - 1) * pp forwards. Requires microbatches to be a multiple of pp.
+* Breadth-first interleaved 1F1B (the Playbook's; Megatron's order with its microbatch
+  group per virtual stage set to all m microbatches): every microbatch goes through
+  chunk 0 before any enters chunk 1; warm-up (pp - r - 1) * 2 + (vpp - 1) * m. Same
+  bubble as depth-first, more activations in flight (up to m * vpp on rank 0); what
+  it buys is that each chunk's backwards run back to back, so a chunk's gradients
+  are final -- and their data-parallel reduction can start -- after 1/vpp of the
+  backward phase instead of at its end.
 * ZB-H1 (zero bubble, same peak memory as 1F1B's first rank): the 1F1B order with
   each backward split into I (input gradient, on the critical path) and W (weight
   gradient, off it). Rank r keeps its W's r microbatches behind its I's, so the
   held-back W's fill the drain-phase waits; bubble (pp-1)(t_F+t_I-t_W) per rank.
+* ZB-H2 (zero bubble for 2 pp - 1 activations): the same list scheduling as ZBV on one
+  stage per rank with an activation budget of 2 pp - 1 microbatches: rank r warms up
+  with 2 (pp - r) - 1 forwards, and the W's it holds back fill the drain, so every
+  rank runs without an idle slot from its first action to its last (a parallelogram:
+  consecutive steps tile when the optimizer step does not synchronize the ranks).
+  Needs m >= 2 pp - 1 to fill the warm-up.
+* DualPipeV (DeepSeek-V3's DualPipe cut in half; torch's ScheduleDualPipeV): the V
+  placement, m >= 2 pp, in DualPipe's eight phases -- chunk-0 warm-up, F0 F1 pairs,
+  I1 W1 F1 (zero bubble), the main F0&B1 / F1&B0 overlapped pairs, B1 F1&B0, B1 B0
+  with half of them split, W B0, and the held-back W's. The F&B pairs are recorded in
+  ``meta["overlap"]``: the simulator can time each pair as one overlapped unit (what
+  DualPipe's bubble formula assumes); the executor runs the two in sequence.
 * ZBV: built by list scheduling with unit durations on the V placement: a free
   rank runs a ready I first (it unblocks the previous stage), else a ready F within
   the activation budget (2 pp chunk activations = 1F1B's memory), else a pending W.
@@ -28,7 +47,15 @@ from __future__ import annotations
 
 from .actions import Action, Kind, Schedule
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "zb_h1", "zb_h2", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zbv", "dualpipev")  # run weight gradients (W) apart from the input's (I)
+V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in a V
+LOOPED = ("interleaved_1f1b", "breadth_first")  # schedule.vpp stages per rank in a loop
+
+
+def stages_per_rank(name: str, vpp: int) -> int:
+    """Stages each rank holds under the named schedule (``vpp``: schedule.vpp)."""
+    return vpp if name in LOOPED else 2 if name in V_SHAPED else 1
 
 
 def gpipe(pp: int, microbatches: int) -> Schedule:
@@ -71,31 +98,114 @@ def zb_h1(pp: int, microbatches: int) -> Schedule:
     return Schedule("zb_h1", microbatches, list(range(pp)), rows)
 
 
-def interleaved_1f1b(pp: int, microbatches: int, vpp: int) -> Schedule:
-    if microbatches % pp:
+def interleaved_1f1b(pp: int, microbatches: int, vpp: int, group: int | None = None) -> Schedule:
+    """Looped 1F1B: depth-first with ``group`` = pp (Megatron's default), breadth-first with ``group`` = m."""
+    group = group or pp
+    if microbatches % group:
         raise ValueError(f"interleaved 1F1B needs schedule.microbatches ({microbatches}) to be a multiple of pp ({pp})")
     total = microbatches * vpp
 
-    def forward_of(step: int, rank: int) -> Action:
-        chunk = (step // pp) % vpp
-        microbatch = (step // (pp * vpp)) * pp + step % pp
-        return Action(chunk * pp + rank, Kind.F, microbatch)
-
-    def backward_of(step: int, rank: int) -> Action:
-        chunk = vpp - 1 - (step // pp) % vpp
-        microbatch = (step // (pp * vpp)) * pp + step % pp
-        return Action(chunk * pp + rank, Kind.B, microbatch)
+    def slot(step: int) -> tuple[int, int]:  # (chunk, microbatch) of a rank's step-th forward
+        return (step // group) % vpp, (step // (group * vpp)) * group + step % group
 
     rows = []
     for rank in range(pp):
-        warmup = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
-        row = [forward_of(step, rank) for step in range(warmup)]
+        forwards = [Action(c * pp + rank, Kind.F, k) for c, k in map(slot, range(total))]
+        backwards = [Action((vpp - 1 - c) * pp + rank, Kind.B, k) for c, k in map(slot, range(total))]
+        warmup = min((pp - rank - 1) * 2 + (vpp - 1) * group, total)
+        row = forwards[:warmup]
         for i in range(total - warmup):
-            row += [forward_of(warmup + i, rank), backward_of(i, rank)]
-        row += [backward_of(i, rank) for i in range(total - warmup, total)]
-        rows.append(row)
+            row += [forwards[warmup + i], backwards[i]]
+        rows.append(row + backwards[total - warmup :])
     placement = [s % pp for s in range(pp * vpp)]
-    return Schedule("interleaved_1f1b", microbatches, placement, rows, meta={"vpp": vpp})
+    name = "interleaved_1f1b" if group == pp else "breadth_first"
+    return Schedule(name, microbatches, placement, rows, meta={"vpp": vpp})
+
+
+def breadth_first(pp: int, microbatches: int, vpp: int) -> Schedule:
+    if microbatches < pp:
+        raise ValueError(
+            f"breadth_first needs at least pp ({pp}) microbatches per step to fill the loop, got {microbatches}; "
+            "raise optim.global_batch_size or lower optim.micro_batch_size"
+        )
+    return interleaved_1f1b(pp, microbatches, vpp, group=microbatches)
+
+
+def zb_h2(pp: int, microbatches: int) -> Schedule:
+    if microbatches < 2 * pp - 1:
+        raise ValueError(
+            f"zb_h2 needs at least 2 x pp - 1 = {2 * pp - 1} microbatches per step to fill its warm-up, got "
+            f"{microbatches}; raise optim.global_batch_size, lower optim.micro_batch_size, or use zb_h1"
+        )
+    rows = _list_schedule(list(range(pp)), microbatches, budget=2 * pp - 1)
+    return Schedule("zb_h2", microbatches, list(range(pp)), rows)
+
+
+def dualpipev(pp: int, microbatches: int) -> Schedule:
+    m = microbatches
+    if m < 2 * pp:
+        raise ValueError(
+            f"dualpipev needs at least 2 x pp = {2 * pp} microbatches per step, got {m}; raise "
+            "optim.global_batch_size or lower optim.micro_batch_size"
+        )
+    placement = [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
+    rows, overlap = [], []
+    for rank in range(pp):
+        row, pairs = _dualpipev_row(rank, pp, m)
+        rows.append(row)
+        overlap += pairs
+    return Schedule("dualpipev", m, placement, rows, meta={"vpp": 2, "overlap": overlap})
+
+
+def _dualpipev_row(r: int, pp: int, m: int) -> tuple[list[Action], list[tuple[Action, Action]]]:
+    """Rank r's DualPipeV order; chunk 0 is stage r (down the V), chunk 1 stage 2 pp - 1 - r (back up)."""
+    stage, forwards, backwards = (r, 2 * pp - 1 - r), [0, 0], [0, 0]
+    row: list[Action] = []
+    held_w: list[Action] = []
+    pairs: list[tuple[Action, Action]] = []
+
+    def f(chunk: int) -> Action:
+        row.append(Action(stage[chunk], Kind.F, forwards[chunk]))
+        forwards[chunk] += 1
+        return row[-1]
+
+    def b(chunk: int, split: bool = False) -> Action:
+        row.append(Action(stage[chunk], Kind.I if split else Kind.B, backwards[chunk]))
+        backwards[chunk] += 1
+        if split:
+            held_w.append(Action(stage[chunk], Kind.W, row[-1].microbatch))
+        return row[-1]
+
+    def w() -> None:
+        row.append(held_w.pop(0))
+
+    for _ in range(2 * (pp - r - 1)):  # 1: chunk-0 warm-up
+        f(0)
+    for _ in range(r + 1):  # 2: both chunks
+        f(0)
+        f(1)
+    for _ in range(pp - r - 1):  # 3: I1 W1 F1, zero bubble
+        b(1, split=True)
+        w()
+        f(1)
+    for _ in range(m - 2 * pp + r + 1):  # 4: main, F0&B1 then F1&B0
+        pairs.append((f(0), b(1)))
+        pairs.append((f(1), b(0)))
+    for _ in range(pp - r - 1):  # 5: B1, F1&B0
+        b(1)
+        pairs.append((f(1), b(0)))
+    split = False
+    for i in range(r + 1):  # 6: B1 B0, the second half split
+        split = split or (i == (r + 1) // 2 and r % 2 == 1)
+        b(1, split)
+        split = split or (i == (r + 1) // 2 and r % 2 == 0)
+        b(0, split)
+    for _ in range(pp - r - 1):  # 7: W, B0 split
+        w()
+        b(0, split=True)
+    for _ in range(r + 1):  # 8: the held-back W's
+        w()
+    return row, pairs
 
 
 def zbv(pp: int, microbatches: int) -> Schedule:
@@ -178,14 +288,13 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Sched
         raise ValueError(f"schedule={name!r} is unknown; available: {', '.join(SCHEDULES)}")
     if pp < 1 or microbatches < 1:
         raise ValueError(f"pp={pp} and microbatches={microbatches} must be at least 1")
-    if name == "interleaved_1f1b":
+    if name in LOOPED:
         if vpp < 2:
-            raise ValueError("interleaved_1f1b needs schedule.vpp >= 2 (virtual stages per rank); use 1f1b for vpp=1")
-        return interleaved_1f1b(pp, microbatches, vpp)
-    if vpp not in (1, 2) or (vpp == 2 and name != "zbv"):
+            raise ValueError(f"{name} needs schedule.vpp >= 2 (virtual stages per rank); use 1f1b for vpp=1")
+        return (interleaved_1f1b if name == "interleaved_1f1b" else breadth_first)(pp, microbatches, vpp)
+    if vpp != stages_per_rank(name, vpp):
         raise ValueError(
-            f"schedule={name} places {'2' if name == 'zbv' else '1'} stage(s) per rank; got schedule.vpp={vpp}"
+            f"schedule={name} places {stages_per_rank(name, vpp)} stage(s) per rank; got schedule.vpp={vpp}"
         )
-    if name == "zbv":
-        return zbv(pp, microbatches)
-    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1}[name](pp, microbatches)
+    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1, "zb_h2": zb_h2, "zbv": zbv, "dualpipev": dualpipev}
+    return builders[name](pp, microbatches)

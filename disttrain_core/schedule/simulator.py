@@ -10,9 +10,17 @@ dependency ran on another rank):
 * ``W(s, k)`` needs ``I(s, k)``.
 
 The result carries the makespan, per-rank busy/idle time, the bubble fraction
-(idle time over total time, summed over ranks), peak in-flight activations per
-rank (+1 at F, -1 at B, or at W for split backward), the critical path, and the
-start/end of every action for timeline pictures. An order that can never finish
+(idle time over total time, summed over ranks), each rank's idle time between its
+own first and last action (``span_idle``: what a step costs a rank when consecutive
+steps tile, i.e. when no optimizer-step barrier lines the ranks up -- ZB-H2's
+zero bubble is this one), peak in-flight activations per rank (+1 at F, -1 at B, or
+at W for split backward), the critical path, and the start/end of every action for
+timeline pictures.
+
+A schedule that lists overlapped forward/backward pairs (``meta["overlap"]``,
+DualPipeV's F&B) runs each pair in sequence unless ``Durations.forward_backward``
+gives the time of one overlapped pair: then the pair starts when both halves'
+inputs are ready and both finish together after that time. An order that can never finish
 raises :class:`ScheduleError` naming the actions every rank is stuck on.
 """
 
@@ -48,6 +56,7 @@ class Durations:
     per_stage: list[float] | None = None
     per_microbatch: list[float] | None = None
     table: dict[str, float] = field(default_factory=dict)  # exact overrides by action string, e.g. {"0F1": 2.5}
+    forward_backward: float | None = None  # one overlapped F&B pair (meta["overlap"]); None: in sequence
 
     def __call__(self, action: Action) -> float:
         exact = self.table.get(str(action))
@@ -80,6 +89,7 @@ class SimulationResult:
     busy: list[float]
     bubble_fraction: float
     bubble_fraction_per_rank: list[float]
+    span_idle: list[float]
     peak_activations: list[int]
     critical_path: list[str]
     timeline: list[TimedAction]
@@ -89,6 +99,7 @@ class SimulationResult:
             "makespan": self.makespan,
             "bubble_fraction": self.bubble_fraction,
             "bubble_fraction_per_rank": self.bubble_fraction_per_rank,
+            "span_idle": self.span_idle,
             "peak_activations": self.peak_activations,
             "busy": self.busy,
             "critical_path": self.critical_path,
@@ -111,11 +122,29 @@ def _grad_producer(stage: int, microbatch: int) -> Action:
     return Action(stage, Kind.B, microbatch)
 
 
+def _work_items(schedule: Schedule, durations: DurationFn) -> list[list[tuple[Action, ...]]]:
+    """Each rank's compute in order, an overlapped pair as one item when its time is given."""
+    fused = getattr(durations, "forward_backward", None) is not None
+    pairs = {first: second for first, second in schedule.meta.get("overlap", ())} if fused else {}
+    queues = []
+    for rank in range(schedule.num_ranks):
+        row, items, skip = schedule.compute(rank), [], False
+        for index, action in enumerate(row):
+            if skip:
+                skip = False
+                continue
+            partner = pairs.get(action)
+            skip = partner is not None and index + 1 < len(row) and row[index + 1] == partner
+            items.append((action, partner) if skip else (action,))
+        queues.append(items)
+    return queues
+
+
 def simulate(schedule: Schedule, durations: DurationFn, p2p: float = 0.0) -> SimulationResult:
     ranks = schedule.num_ranks
     last_stage = schedule.num_stages - 1
-    queues = [schedule.compute(rank) for rank in range(ranks)]
-    splits = {(a.stage, a.microbatch) for row in queues for a in row if a.kind == Kind.I}
+    queues = _work_items(schedule, durations)
+    splits = {(a.stage, a.microbatch) for row in queues for item in row for a in item if a.kind == Kind.I}
     finish: dict[Action, float] = {}
     cause: dict[Action, Action | None] = {}
     placed: dict[Action, int] = {}
@@ -134,8 +163,8 @@ def simulate(schedule: Schedule, durations: DurationFn, p2p: float = 0.0) -> Sim
         progressed = False
         for rank in range(ranks):
             while pointer[rank] < len(queues[rank]):
-                action = queues[rank][pointer[rank]]
-                deps = [resolve(d) for d in dependencies(action, last_stage)]
+                item = queues[rank][pointer[rank]]
+                deps = [resolve(d) for action in item for d in dependencies(action, last_stage) if d not in item]
                 if any(d not in finish for d in deps):
                     break
                 start, why = free[rank], last_on_rank[rank]
@@ -143,15 +172,20 @@ def simulate(schedule: Schedule, durations: DurationFn, p2p: float = 0.0) -> Sim
                     ready = finish[dep] + (p2p if placed[dep] != rank else 0.0)
                     if ready > start:
                         start, why = ready, dep
-                end = start + durations(action)
-                finish[action], cause[action], placed[action] = end, why, rank
-                free[rank], last_on_rank[rank] = end, action
-                timeline.append(TimedAction(rank, action, start, end))
+                times = [durations(action) for action in item]
+                end = start + (durations.forward_backward if len(item) == 2 else times[0])
+                begin = start
+                for action, share in zip(item, times, strict=True):  # a pair's interval split in proportion
+                    finish[action], cause[action], placed[action] = end, why, rank
+                    stop = begin + (end - start) * share / sum(times) if sum(times) else end
+                    timeline.append(TimedAction(rank, action, begin, stop))
+                    begin = stop
+                free[rank], last_on_rank[rank] = end, item[-1]
                 pointer[rank] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [str(queues[r][pointer[r]]) for r in range(ranks) if pointer[r] < len(queues[r])]
+            stuck = [str(queues[r][pointer[r]][0]) for r in range(ranks) if pointer[r] < len(queues[r])]
             raise ScheduleError(f"schedule {schedule.name!r} deadlocks: every rank waits ({', '.join(stuck)})")
 
     makespan = max(free) if timeline else 0.0
@@ -163,10 +197,18 @@ def simulate(schedule: Schedule, durations: DurationFn, p2p: float = 0.0) -> Sim
         busy=busy,
         bubble_fraction=bubble,
         bubble_fraction_per_rank=per_rank,
+        span_idle=_span_idle(timeline, busy),
         peak_activations=peak_activations(schedule),
         critical_path=_critical_path(finish, cause, placed),
         timeline=sorted(timeline, key=lambda t: (t.rank, t.start)),
     )
+
+
+def _span_idle(timeline: list[TimedAction], busy: list[float]) -> list[float]:
+    spans = [[float("inf"), 0.0] for _ in busy]
+    for t in timeline:
+        spans[t.rank] = [min(spans[t.rank][0], t.start), max(spans[t.rank][1], t.end)]
+    return [max(end - start - work, 0.0) if work else 0.0 for (start, end), work in zip(spans, busy, strict=True)]
 
 
 def peak_activations(schedule: Schedule) -> list[int]:

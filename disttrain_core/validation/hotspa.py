@@ -5,6 +5,7 @@ the planner's check (planner/fit.py)."""
 from __future__ import annotations
 
 from ..config import Config
+from ..schedule.generators import LOOPED, V_SHAPED
 from .common import ConfigError, _require
 from .layout import check_layout, validate_layout_settings
 
@@ -25,7 +26,7 @@ def _check_hotspa_settings(cfg: Config) -> None:
         "generator: use a text-only model (model=llama_tiny)",
     )
     _require(
-        cfg.schedule.name not in ("interleaved_1f1b", "zbv"),
+        cfg.schedule.name not in LOOPED + V_SHAPED,
         f"schedule={cfg.schedule.name}: hot switching assumes one pipeline stage per rank; use 1f1b, gpipe or zb_h1",
     )
     _require(cfg.model.llm.moe is None, "parallel.mode=hotspa: MoE models are not switched yet; use a dense Llama")

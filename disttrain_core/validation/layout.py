@@ -6,6 +6,7 @@ from ..comm.context_modes import MODES as CP_MODES
 from ..comm.context_modes import ulysses_degree
 from ..config import Config
 from ..parallel.units import UNIT_NAMES
+from ..schedule.generators import SPLIT_BACKWARD
 from .common import ConfigError, _require, world_size
 from .float8 import check_float8_layout
 from .offload import check_unit_offload, validate_offload_settings
@@ -186,9 +187,10 @@ def _validate_unit_shard(unit, schedule_name: str, key: str) -> None:
             "use shard=zero1",
         )
         _require(
-            schedule_name not in ("zb_h1", "zbv"),
+            schedule_name not in SPLIT_BACKWARD,
             f"{where}: schedule={schedule_name} runs weight gradients outside FSDP2's backward hooks; use "
-            "schedule=1f1b (or gpipe, interleaved_1f1b) with zero2/zero3, or shard=zero1 with zero-bubble",
+            "schedule=1f1b (or gpipe, interleaved_1f1b, breadth_first) with zero2/zero3, or shard=zero1 with "
+            "zero-bubble",
         )
 
 

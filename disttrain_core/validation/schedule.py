@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from ..config import Config
+from ..schedule.generators import V_SHAPED
 from .common import ConfigError, _require
 
 # Stages x microbatches of one step's pipeline schedule, which check_pipeline builds and replays (about 0.1 ms
@@ -83,8 +84,9 @@ def _check_units_interleaved(cfg: Config, llm, per_rank: int) -> None:
 def _check_single_unit_schedule(cfg: Config, llm, per_rank: int, micro: int) -> None:
     """The virtual stages, layer split or schedule file of a single-unit pipeline."""
     s = cfg.schedule
+    if s.name in ("interleaved_1f1b", "breadth_first"):
+        _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: {s.name} needs at least 2 virtual stages per rank")
     if s.name == "interleaved_1f1b":
-        _require(s.vpp >= 2, f"schedule.vpp={s.vpp}: interleaved_1f1b needs at least 2 virtual stages per rank")
         _require(
             micro % llm.pp == 0 and micro >= llm.pp,
             f"interleaved_1f1b needs the microbatches per step ({micro}) to be a multiple of the pipeline size "
@@ -172,8 +174,9 @@ def validate_schedule_config(cfg: Config, layout) -> None:
     if len(layout.units) > 1:
         _require(
             (per_rank == 1 or s.name == "interleaved_1f1b") and not s.csv,
-            f"schedule={s.name} places two stages per rank in a V, which a pipeline across units does not support; "
-            "use gpipe, 1f1b, zb_h1, or interleaved_1f1b (virtual stages of the LLM unit)",
+            f"schedule={s.name} places {'two stages per rank in a V' if s.name in V_SHAPED else 'its loops'} "
+            "by rank, which a pipeline across units does not support; use gpipe, 1f1b, zb_h1, zb_h2, or "
+            "interleaved_1f1b (virtual stages of the LLM unit)",
         )
         if s.name == "interleaved_1f1b":
             _check_units_interleaved(cfg, llm, per_rank)

@@ -12,7 +12,16 @@ from .spawn import start_processes
 
 pytestmark = pytest.mark.distributed
 
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
+CASES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("breadth_first", 2),
+    ("zb_h1", 1),
+    ("zb_h2", 1),
+    ("zbv", 2),
+    ("dualpipev", 2),
+]
 # 8 layers split over up to 4 ranks x 2 stages; an MLLM so the encoder and generator ride along.
 MODEL = [
     "model.llm.n_layers=8",

@@ -30,15 +30,21 @@ def train(shards, run_dir, *overrides):
 
 
 def test_pipelined_text_model_matches_one_process(shards, tmp_path):
-    """1F1B (the schedule a pipeline layout gets when none is named, as ``parallel=pp2`` alone, which says so)
-    and ZB-H1 on 2 processes: the losses of one process within 1e-5."""
+    """1F1B (the schedule a pipeline layout gets when none is named, as ``parallel=pp2`` alone, which says so),
+    ZB-H1, ZB-H2, DualPipeV (both directions of the V on each of the 2 ranks) and breadth-first interleaved
+    1F1B on 2 processes: the losses of one process within 1e-5."""
     reference = losses(train(shards, tmp_path / "one", *TEXT, "trainer.max_steps=5"))
-    for schedule in (None, "zb_h1"):
-        run_dir = tmp_path / str(schedule)
-        named = [] if schedule is None else [f"schedule={schedule}"]
+    for named in (
+        [],
+        ["schedule=zb_h1"],
+        ["schedule=zb_h2"],
+        ["schedule=dualpipev"],
+        ["schedule=breadth_first", "schedule.vpp=2"],
+    ):
+        run_dir = tmp_path / (named[0].split("=")[1] if named else "default")
         train(shards, run_dir, *TEXT, "trainer.max_steps=5", "parallel=pp2", *named, "trainer.devices=2")
-        assert losses(run_dir) == pytest.approx(reference, abs=1e-5), schedule
-        if schedule is None:
+        assert losses(run_dir) == pytest.approx(reference, abs=1e-5), named
+        if not named:
             log = (run_dir / "train.log").read_text()
             assert "schedule=1f1b: the layout has 2 pipeline stages and names no schedule" in log
             assert "\n  name: 1f1b\n" in (run_dir / "config.yaml").read_text()

@@ -53,6 +53,9 @@ TRAINED_BY_TEST = {
     ("parallel", "disagg5_audio"): "tests/distributed/test_any2any.py",  # 5 steps against one process
     ("parallel", "disagg6_video"): "tests/distributed/test_any2any.py",  # 5 steps against one process
     ("model", "any2any_video_tiny"): "tests/distributed/test_any2any.py",  # the one process those match
+    # 5 steps on 2 processes against one process, within 1e-5
+    **{("schedule", name): "tests/distributed/test_pipeline_training.py" for name in ("zb_h2", "dualpipev")},
+    ("schedule", "breadth_first"): "tests/distributed/test_pipeline_training.py",
 }
 TRAINED_ELSEWHERE |= set(TRAINED_BY_TEST)
 # Run as typed (reduced alike) by tests/recipes/test_cookbook.py: the README's commands.

@@ -61,18 +61,24 @@ def test_the_old_post_order_was_fine_for_one_stage_per_rank():
 
 
 def test_every_generated_schedule_replays_clean():
-    """pp 2-8, vpp 2-4 (interleaved), microbatches 1-32: the data flow and the NCCL replay both pass."""
+    """pp 2-8, vpp 2-4 (interleaved; 2 breadth-first), microbatches 1-32: the data flow and the NCCL replay
+    pass for every schedule at every count it accepts (ZB-H2 from 2 pp - 1, DualPipeV from 2 pp)."""
     checked = 0
     for pp in range(2, 9):
         for m in range(1, 33):
-            for name in ("gpipe", "1f1b", "zb_h1", "zbv"):
-                validate_schedule(build_schedule(name, pp, m, 2 if name == "zbv" else 1))
+            for name in ("gpipe", "1f1b", "zb_h1", "zbv", "zb_h2", "dualpipev"):
+                if name == "zb_h2" and m < 2 * pp - 1 or name == "dualpipev" and m < 2 * pp:
+                    continue
+                validate_schedule(build_schedule(name, pp, m, 2 if name in ("zbv", "dualpipev") else 1))
                 checked += 1
             for vpp in (2, 3, 4):
                 if m % pp == 0:
                     validate_schedule(build_schedule("interleaved_1f1b", pp, m, vpp))
                     checked += 1
-    assert checked == 1055
+            if m >= pp:
+                validate_schedule(build_schedule("breadth_first", pp, m, 2))
+                checked += 1
+    assert checked == 1055 + 168 + 161 + 196
 
 
 LAYOUTS = [  # (encoder, llm, generator) as (dp, tp, pp); samples per microbatch
@@ -85,13 +91,14 @@ LAYOUTS = [  # (encoder, llm, generator) as (dp, tp, pp); samples per microbatch
 
 
 @pytest.mark.parametrize("sizes", LAYOUTS, ids=[str(layout[:3]) for layout in LAYOUTS])
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1", "zb_h2"])
 def test_multi_unit_layouts_replay_clean(sizes, name):
     encoder, llm, generator, samples = sizes
     layout = build_layout({"encoder": encoder, "llm": llm, "generator": generator}, True, True, False, False)
     rows = sum(unit.pp for unit in layout.units)
     for m in (1, 2, 3, 8):
-        validate_pipeline(layout, build_schedule(name, rows, m), samples)
+        if name != "zb_h2" or m >= 2 * rows - 1:
+            validate_pipeline(layout, build_schedule(name, rows, m), samples)
 
 
 @pytest.mark.parametrize("preset", [p for p in group_options("parallel") if p != "auto"])

@@ -41,6 +41,56 @@ def test_zero_bubble_h1_closed_form_and_zbv_below_it(p, m):
     assert max(zb.peak_activations) == p and max(zbv.peak_activations) == 2 * p
 
 
+# Durations (t_F, t_I, t_W) beside unit times: a cheap weight gradient, a dear input gradient.
+TIMES = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 2.0, 1.0)]
+
+
+@pytest.mark.parametrize("p, m", [(p, m) for p, m in GRID if m >= 2 * p - 1])
+def test_zero_bubble_h2_is_a_parallelogram(p, m):
+    """ZB-H2 (Qi et al.): each rank's own span holds (p-1)(t_F+t_I-2t_W) of idle time -- none at equal times, so
+    steps that are not lined up by an optimizer barrier tile without a bubble; one synchronized step waits
+    only the (p-1) t_F ramp; 2p-1 microbatches in flight, twice ZB-H1's p."""
+    schedule = build_schedule("zb_h2", p, m)
+    for f, i, w in TIMES:
+        result = simulate(schedule, Durations(forward=f, backward_input=i, backward_weight=w))
+        assert max(result.span_idle) == pytest.approx((p - 1) * (f + i - 2 * w)), (f, i, w)
+        assert result.makespan == pytest.approx(m * (f + i + w) + (p - 1) * f), (f, i, w)
+    assert (
+        max(result.peak_activations) == 2 * p - 1 == 2 * max(bubble(build_schedule("zb_h1", p, m)).peak_activations) - 1
+    )
+
+
+@pytest.mark.parametrize("p, m", [(p, m) for p, m in GRID if m >= 2 * p])
+def test_dualpipev_bubble_is_deepseeks_closed_form(p, m):
+    """DualPipe's table: (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages on p ranks, F&B one overlapped
+    forward/backward pair (timed as one unit here: fully serial, perfectly overlapped, and in between);
+    PP + 1 = 2p + 1 chunk activations in flight."""
+    schedule = build_schedule("dualpipev", p, m, vpp=2)
+    placed = [{r, 2 * p - 1 - r} for r in range(p)]
+    for w in (1.0, 0.5):
+        full = 1.0 + w  # t_B = t_I + t_W with t_F = t_I = 1
+        for pair in (1.0 + full, max(1.0, full), 0.8 * (1.0 + full)):
+            result = simulate(schedule, Durations(backward_weight=w, forward_backward=pair))
+            worst = max(result.makespan - busy for busy in result.busy)
+            assert worst == pytest.approx((p - 1) * (pair + full - 3 * w)), (w, pair)
+    assert bubble(schedule).peak_activations == [2 * p + 1] * p
+    pairs = schedule.meta["overlap"]  # each an F of one chunk and a B of the rank's other chunk
+    assert all(f.kind == Kind.F and b.kind == Kind.B and {f.stage, b.stage} in placed for f, b in pairs)
+    assert len(pairs) == sum(2 * m - 3 * p + r + 1 for r in range(p))  # 2(m - 2p + r + 1) main + (p - r - 1)
+
+
+@pytest.mark.parametrize("p, m", GRID)
+@pytest.mark.parametrize("v", [2, 3])
+def test_breadth_first_keeps_the_bubble_and_holds_every_microbatch(p, m, v):
+    """Breadth-first (every microbatch through chunk 0 before chunk 1): depth-first's bubble, and
+    2(p-1) + (v-1)m + 1 chunk activations on rank 0 (at most all m v) instead of 2(p-1) + (v-1)p + 1."""
+    breadth = bubble(build_schedule("breadth_first", p, m, v), stages_per_rank=v)
+    depth = bubble(interleaved_1f1b(p, m, v), stages_per_rank=v)
+    assert breadth.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1), rel=0.01)
+    assert breadth.peak_activations[0] == min(2 * (p - 1) + (v - 1) * m + 1, v * m)
+    assert depth.peak_activations[0] == min(2 * (p - 1) + (v - 1) * p + 1, v * m)
+
+
 @pytest.mark.parametrize("p, m", GRID)
 def test_peak_in_flight_activations(p, m):
     assert bubble(build_schedule("gpipe", p, m)).peak_activations == [m] * p
@@ -55,8 +105,13 @@ def test_every_generated_schedule_validates():
         ("interleaved_1f1b", 3),
         ("zb_h1", 1),
         ("zbv", 2),
+        ("breadth_first", 2),
+        ("zb_h2", 1),
+        ("dualpipev", 2),
     ):
         for p, m in GRID:
+            if name == "dualpipev" and m < 2 * p or name == "zb_h2" and m < 2 * p - 1:
+                continue  # refused below
             validate_schedule(build_schedule(name, p, m, vpp))
 
 
@@ -148,6 +203,10 @@ def test_heterogeneous_stages_and_microbatches():
         (lambda: build_schedule("interleaved_1f1b", 4, 6, vpp=2), "multiple of pp"),
         (lambda: build_schedule("interleaved_1f1b", 2, 4, vpp=1), "vpp >= 2"),
         (lambda: build_schedule("1f1b", 2, 4, vpp=2), "stage\\(s\\) per rank"),
+        (lambda: build_schedule("zb_h2", 4, 6), "at least 2 x pp - 1 = 7 microbatches"),
+        (lambda: build_schedule("dualpipev", 4, 7, vpp=2), "at least 2 x pp = 8 microbatches"),
+        (lambda: build_schedule("dualpipev", 4, 8), "places 2 stage\\(s\\) per rank"),
+        (lambda: build_schedule("breadth_first", 4, 2, vpp=2), "at least pp \\(4\\) microbatches"),
     ],
 )
 def test_bad_schedule_requests_are_explained(call, message):
