@@ -9,10 +9,10 @@ model and batch is the reference.
 Two predictions: *in-sample* (each step simulated with its own measured durations: a check of
 the dependency and placement model) and *held-out* (``held_out``): every schedule predicted from
 the durations and latency measured under each *other* schedule with the same stages (2 stages:
-gpipe, 1f1b, zb_h1; 4: interleaved_1f1b with vpp 2, zbv), a whole backward from a split one's
-I + W. A pair whose durations cannot be derived (I and W from whole backwards) is listed as such.
+gpipe, 1f1b, zb_h1, zb_h2; 4: interleaved_1f1b and breadth_first with vpp 2, zbv, dualpipev), a whole
+backward from a split one's I + W. A pair whose durations cannot be derived (I and W from whole backwards) is listed as such.
 
-    python tools/bench_pipeline.py                       # ~3 minutes on 2 cores
+    python tools/bench_pipeline.py                       # ~3 minutes on 2 cores (8 schedules)
     python tools/bench_pipeline.py schedules=1f1b,zb_h1 model=llama_tiny steps=8
 """
 
@@ -30,7 +30,7 @@ from disttrain_core.config import REPO_ROOT
 from disttrain_core.launch.cli import split_tool_args
 
 OPTIONS = {
-    "schedules": "gpipe,1f1b,interleaved_1f1b,zb_h1,zbv",
+    "schedules": "gpipe,1f1b,interleaved_1f1b,breadth_first,zb_h1,zb_h2,zbv,dualpipev",
     "model": "mllm_tiny",
     "steps": "12",
     "global_batch": "16",

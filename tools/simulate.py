@@ -3,12 +3,16 @@
     python tools/simulate.py schedule=1f1b pp=4 microbatches=8
     python tools/simulate.py schedule=interleaved_1f1b pp=4 microbatches=8 vpp=2 format=json
     python tools/simulate.py schedule=zb_h1 pp=4 microbatches=8 t_f=1 t_i=1 t_w=1 t_p2p=0.05
+    python tools/simulate.py schedule=dualpipev pp=4 microbatches=16 vpp=2 t_fb=2.4
     python tools/simulate.py csv=my_schedule.csv t_f=1 t_b=2
 
 Durations are per microbatch through one rank's share of the model (t_f forward, t_b full
 backward, t_i / t_w the two halves of a split backward, t_p2p per cross-rank hop); with
-several stages per rank (vpp) each stage action takes 1/vpp of them. Defaults: t_f=1
-t_b=2 t_i=1 t_w=1 t_p2p=0. ``format=json`` prints
+several stages per rank (vpp) each stage action takes 1/vpp of them. ``t_fb``: the time of one
+overlapped forward+backward pair of DualPipeV (in the same units; empty: the pair runs in sequence,
+as this repository's executor runs it). Defaults: t_f=1 t_b=2 t_i=1 t_w=1 t_p2p=0. The table ends
+with each rank's idle time inside its own first-to-last span (zero for ZB-H2 at equal times: what a
+step costs when consecutive steps tile). ``format=json`` prints
 {"makespan", "bubble_fraction", "peak_activations", ...}; a PNG Gantt chart is written to
 ``out`` (default outputs/simulate/<schedule>_pp<pp>_m<microbatches>.png).
 """
@@ -36,6 +40,7 @@ OPTIONS = {
     "t_i": "1",
     "t_w": "1",
     "t_p2p": "0",
+    "t_fb": "",
     "format": "table",
     "out": "",
     "csv": "",
@@ -65,6 +70,7 @@ def main(argv: list[str]) -> int:
             backward=float(options["t_b"]) * scale,
             backward_input=float(options["t_i"]) * scale,
             backward_weight=float(options["t_w"]) * scale,
+            forward_backward=float(options["t_fb"]) * scale if options["t_fb"] else None,
         )
         result = simulate(schedule, durations, p2p=float(options["t_p2p"]))
     except (ValueError, ScheduleError) as error:
@@ -95,6 +101,7 @@ def main(argv: list[str]) -> int:
             f"(per rank: {', '.join(f'{b:.3f}' for b in result.bubble_fraction_per_rank)})"
         )
         print(f"peak in-flight activations per rank: {result.peak_activations}")
+        print(f"idle inside each rank's own span: {', '.join(f'{idle:.3f}' for idle in result.span_idle)}")
         print(f"critical path: {' -> '.join(result.critical_path)}")
         print(f"timeline: {out}")
     return 0

@@ -45,6 +45,8 @@ two stages per rank in a V for ZBV (stage s < pp on rank s, stage s >= pp on ran
 
 from __future__ import annotations
 
+from collections import deque
+
 from .actions import Action, Kind, Schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "zb_h1", "zb_h2", "zbv", "dualpipev")
@@ -218,20 +220,20 @@ def _list_schedule(placement: list[int], m: int, budget: int) -> list[list[Actio
     """Greedy unit-time list scheduling with split backward (see the module docstring)."""
     ranks = max(placement) + 1
     last = len(placement) - 1
-    stages_of = [[s for s, r in enumerate(placement) if r == rank] for rank in range(ranks)]
+    stages_of = [sorted((s for s, r in enumerate(placement) if r == rank), reverse=True) for rank in range(ranks)]
     done: dict[Action, int] = {}  # action -> finish time
     next_f = {s: 0 for s in range(len(placement))}
     next_i = {s: 0 for s in range(len(placement))}
-    pending_w: list[list[Action]] = [[] for _ in range(ranks)]
+    pending_w: list[deque[Action]] = [deque() for _ in range(ranks)]
     held = [0] * ranks
     rows: list[list[Action]] = [[] for _ in range(ranks)]
     total = 3 * m * len(placement)
-    time = 0
-    while sum(len(row) for row in rows) < total:
+    time = placed = 0
+    while placed < total:
         started = []
         for rank in range(ranks):
             choice = None
-            for stage in sorted(stages_of[rank], reverse=True):  # deeper stage first: unblocks sooner
+            for stage in stages_of[rank]:  # deeper stage first: unblocks sooner
                 k = next_i[stage]
                 if k < m and Action(stage, Kind.F, k) in done:
                     grad = Action(stage + 1, Kind.I, k)
@@ -239,17 +241,18 @@ def _list_schedule(placement: list[int], m: int, budget: int) -> list[list[Actio
                         choice = Action(stage, Kind.I, k)
                         break
             if choice is None and held[rank] < budget:
-                for stage in sorted(stages_of[rank], reverse=True):
+                for stage in stages_of[rank]:
                     k = next_f[stage]
                     if k < m and (stage == 0 or done.get(Action(stage - 1, Kind.F, k), time + 1) <= time):
                         choice = Action(stage, Kind.F, k)
                         break
             if choice is None and pending_w[rank]:
-                choice = pending_w[rank].pop(0)
+                choice = pending_w[rank].popleft()
             if choice is not None:
                 started.append((rank, choice))
         if not started and time > total * 4:
             raise RuntimeError("list scheduling made no progress")
+        placed += len(started)
         for rank, action in started:
             rows[rank].append(action)
             done[action] = time + 1

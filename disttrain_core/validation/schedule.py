@@ -13,6 +13,9 @@ from .common import ConfigError, _require
 # Stages x microbatches of one step's pipeline schedule, which check_pipeline builds and replays (about 0.1 ms
 # a slot): beyond this the check would take minutes, and such a batch is a typo.
 MAX_PIPELINE_SLOTS = 65_536
+# Samples in one microbatch slot (every LLM replica's micro-batch): the check routes each of them through the
+# broker; beyond this a micro-batch is a typo (a 1M-sample micro-batch of 1-token rows is still a million rows).
+MAX_SLOT_SAMPLES = 1 << 20
 
 
 def _validate_hotspa_schedules(run) -> None:
@@ -162,6 +165,11 @@ def validate_schedule_config(cfg: Config, layout) -> None:
     # Samples per global microbatch: every LLM replica's micro-batch, together.
     samples = cfg.optim.micro_batch_size * llm.dp
     micro = cfg.optim.global_batch_size // samples
+    _require(
+        rows == 1 or samples <= MAX_SLOT_SAMPLES,
+        f"optim.micro_batch_size={cfg.optim.micro_batch_size} x llm dp({llm.dp}) = {samples} samples per "
+        f"microbatch (the pipeline check routes each; at most {MAX_SLOT_SAMPLES:,}); lower optim.micro_batch_size",
+    )
     _check_microbatch_sharing(cfg, layout, samples)
     check_pp_split(cfg, llm.pp * per_rank)
     if rows == 1:

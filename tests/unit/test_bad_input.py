@@ -100,6 +100,26 @@ CASES = [
         "schedule.microbatches=7 disagrees",
     ),
     (["parallel=pp2", "trainer.devices=2", "schedule=zbv", "schedule.vpp=1"], "places 2 stage(s) per rank"),
+    (  # found by the slow fuzz: the pipeline check's routing would have listed every sample
+        ["parallel=disagg2", "optim.micro_batch_size=2000000", "optim.global_batch_size=2000000"],
+        "optim.micro_batch_size=2000000 x llm dp(1) = 2000000 samples per microbatch",
+    ),
+    (
+        ["parallel=pp2", "trainer.devices=2", "schedule=zb_h2", "optim.micro_batch_size=8"],
+        "schedule=zb_h2: zb_h2 needs at least 2 x pp - 1 = 3 microbatches per step to fill its warm-up, got 2",
+    ),
+    (
+        ["parallel=pp2", "trainer.devices=2", "schedule=dualpipev", "optim.micro_batch_size=8"],
+        "schedule=dualpipev: dualpipev needs at least 2 x pp = 4 microbatches per step, got 2",
+    ),
+    (
+        ["parallel=pp2", "trainer.devices=2", "schedule=breadth_first", "optim.micro_batch_size=16"],
+        "breadth_first needs at least pp (2) microbatches per step to fill the loop, got 1",
+    ),
+    (
+        ["parallel=pp2", "trainer.devices=2", "schedule=breadth_first", "schedule.vpp=1"],
+        "schedule.vpp=1: breadth_first needs at least 2 virtual stages per rank",
+    ),
     # overlapped communication
     (["parallel.comm.bucket_mb=-1"], "parallel.comm.bucket_mb=-1.0"),
     (["parallel.comm.collectives=mpi"], "parallel.comm.collectives='mpi'"),
@@ -169,6 +189,10 @@ CASES = [
         "interleaved_1f1b needs at least 2 virtual stages",
     ),
     (["parallel=disagg4_pp2", "schedule=zbv", "schedule.vpp=2"], "which a pipeline across units does not support"),
+    (
+        ["parallel=disagg4_pp2", "schedule=dualpipev", "schedule.vpp=2"],
+        "schedule=dualpipev places two stages per rank in a V by rank, which a pipeline across units does not",
+    ),
     (
         ["parallel=disagg4_pp2", "parallel.units.llm.vpp=2"],
         "parallel.units.llm.vpp=2: virtual LLM stages run under schedule=interleaved_1f1b with as many per rank",
