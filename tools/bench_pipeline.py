@@ -10,9 +10,10 @@ Two predictions: *in-sample* (each step simulated with its own measured duration
 the dependency and placement model) and *held-out* (``held_out``): every schedule predicted from
 the durations and latency measured under each *other* schedule with the same stages (2 stages:
 gpipe, 1f1b, zb_h1, zb_h2; 4: interleaved_1f1b and breadth_first with vpp 2, zbv, dualpipev), a whole
-backward from a split one's I + W. A pair whose durations cannot be derived (I and W from whole backwards) is listed as such.
+backward from a split one's I + W. A pair whose durations cannot be derived (I and W from whole
+backwards) is listed as such.
 
-    python tools/bench_pipeline.py                       # ~3 minutes on 2 cores (8 schedules)
+    python tools/bench_pipeline.py                       # ~2.5 minutes on 2 cores (8 schedules)
     python tools/bench_pipeline.py schedules=1f1b,zb_h1 model=llama_tiny steps=8
 """
 
