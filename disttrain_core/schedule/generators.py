@@ -295,7 +295,7 @@ def build_schedule(name: str, pp: int, microbatches: int, vpp: int = 1) -> Sched
         if vpp < 2:
             raise ValueError(f"{name} needs schedule.vpp >= 2 (virtual stages per rank); use 1f1b for vpp=1")
         return (interleaved_1f1b if name == "interleaved_1f1b" else breadth_first)(pp, microbatches, vpp)
-    if vpp != stages_per_rank(name, vpp):
+    if vpp not in (1, stages_per_rank(name, vpp)):  # the V-shaped ones place 2 whatever vpp=1 asks
         raise ValueError(
             f"schedule={name} places {stages_per_rank(name, vpp)} stage(s) per rank; got schedule.vpp={vpp}"
         )
