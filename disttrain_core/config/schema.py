@@ -321,6 +321,9 @@ class PlannerConfig:
     # Virtual stages per LLM pipeline rank the solver may use; a plan with vpp > 1 runs under
     # schedule=interleaved_1f1b (in multi-unit layouts too: parallel/plan.py)
     vpp_options: list[int] = field(default_factory=lambda: [1, 2])
+    # Schedules a plan may run, per layout the fastest that fits (planner/schedule_choice.py; docs/PLANNER.md): add
+    # breadth_first, zb_h1, zb_h2, zbv, dualpipev to the default to let the solver weigh them
+    schedules: list[str] = field(default_factory=lambda: ["1f1b", "interleaved_1f1b"])
     colocation: bool = True  # may the encoder / generator run inside the LLM's first / last stage
     # Activation recompute the plan assumes and the runtime then applies (parallel/recompute.py): none | full |
     # selective_op | every_k for every unit, or auto (the default, as shard): per unit the least recomputation

@@ -13,6 +13,7 @@ from .costs import CostModel, Hardware, PlannerSettings, planned_devices, planne
 from .evaluate import AUDIO_UNITS, COLOCATED, LayoutModel, UnitChoice
 from .memory import OFFLOADED
 from .options import CP_MIN_TOKENS, CP_OPTIONS
+from .schedule_choice import DEFAULT as DEFAULT_SCHEDULES
 from .solver import Orchestrator, Plan, PlanningError
 from .workload import workload_of
 
@@ -74,6 +75,7 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
         shard=cfg.planner.shard,
         # on a CPU cluster the host is the device: moving state there frees nothing
         offload=bool(cfg.planner.get("offload", False)) and cfg.cluster.device == "cuda",
+        schedules=tuple(cfg.planner.get("schedules", DEFAULT_SCHEDULES)),
         dp_overlap=float(cfg.planner.dp_overlap),
         memory_margin=float(cfg.planner.memory_margin),
         pp_split=settings_split(cfg.parallel.get("pp_split")),

@@ -73,9 +73,9 @@ def planned_container(cfg, container: dict, result) -> dict:
     planned = copy.deepcopy(container)
     every = result.model.c.settings.recompute_every
     planned["parallel"] = layout_container(result.plan.evaluation, every, runtime_has_ep(cfg))
-    stages = len(result.plan.evaluation.stage_times)
-    vpp = planned["parallel"]["units"]["llm"]["vpp"]  # virtual LLM stages run under interleaved 1F1B
-    name = "interleaved_1f1b" if vpp > 1 else ("1f1b" if stages > 1 else "none")
+    evaluation = result.plan.evaluation
+    vpp = planned["parallel"]["units"]["llm"]["vpp"]  # the LLM's stages per rank (a loop or a V)
+    name = evaluation.schedule if len(evaluation.stage_times) > 1 else "none"
     planned["schedule"] = {**planned["schedule"], "name": name, "vpp": vpp}
     return planned
 

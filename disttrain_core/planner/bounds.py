@@ -17,10 +17,18 @@ import bisect
 
 from .evaluate import SIDE_ENCODERS, UnitChoice
 from .options import LlmOption
+from .schedule_choice import BUBBLE_SHARE
 
 
 class SearchBounds:
     """Mixed into planner/solver.py's Orchestrator (``self.m``: its LayoutModel; the option enumeration)."""
+
+    def _fill_bound(self, fill: float, steady: float) -> float:
+        """The fill a bound may count: 1F1B's, or where planner.schedules lets a zero-bubble schedule charge only
+        a share of the bubble (planner/schedule_choice.py), no more than one more steady stage."""
+        if any(name in BUBBLE_SHARE for name in self.m.c.settings.schedules):
+            return min(fill, steady)
+        return fill
 
     def llm_entries(self):
         """(lower bound, LlmOption, its context) per LLM option that can fit: the bound holds for every combination
@@ -57,7 +65,7 @@ class SearchBounds:
                 ends = max(x_first, x_last)  # a riding module on the first / last stage (both: pp=1, more)
                 steady = max(K_l / (opt.width * room[-1]) + p2p + ends, K_l / (N - g_a), (K_l + K_a) / N, t_ae, t_ag)
                 fill = (C_l + pl_min * p2p + x_first + x_last) / vpp + t_ae + t_ag
-                lower = fill + (m - 1) * steady + least_tail
+                lower = self._fill_bound(fill, steady) + (m - 1) * steady + least_tail
                 yield lower, opt, (m, pl_min, pps, C_l, p2p, tails, audio, terms)
 
     def expand(self, opt: LlmOption, context):
@@ -126,7 +134,7 @@ class SearchBounds:
                 )
                 # the colocated modules run on the LLM's end stages, whose fill shares its virtual stages
                 fill = max(C_e, t_ae) + (C_l + pl_min * p2p + x_e + x_g) / vpp + fill_g
-                lower = fill + (m - 1) * steady + tails[pps[top - 1]]
+                lower = self._fill_bound(fill, steady) + (m - 1) * steady + tails[pps[top - 1]]
                 yield lower, opt, enc, gen, ((x_min, x_max), (a_l * pl_min, y_max)), audio
 
     def refined_bound(self, opt: LlmOption, enc, gen, bounds, audio: dict | None = None) -> float:
@@ -194,7 +202,7 @@ class SearchBounds:
                     enc_fill = max(enc_fill, t)
                 else:
                     gen_fill = max(gen_fill, t)
-            best = min(best, fill + enc_fill + gen_fill + (m - 1) * steady + tail)
+            best = min(best, self._fill_bound(fill + enc_fill + gen_fill, steady) + (m - 1) * steady + tail)
         return best
 
     def _llm_part(self, opt: LlmOption, pp: int, enc, gen, S: int, m: int, bw: float, audio: dict, riders: tuple):

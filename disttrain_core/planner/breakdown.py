@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..parallel.units import SIDE_ENCODERS
+from ..schedule.generators import V_SHAPED
 from .memory import FSDP, ModelState, split_shard
 
 
@@ -59,12 +60,24 @@ class RoleMemory:
         }
 
 
-def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
-    """Microbatches a pipeline stage holds activations for: all of them under GPipe; under 1F1B (and its
-    interleaved and zero-bubble variants, approximately) the stages after it plus one, at most all."""
+def in_flight(schedule: str, stages: int, stage: int, microbatches: int, vpp: int = 1) -> int:
+    """Microbatches a pipeline stage holds activations for, in whole-rank shares (a rank's ``vpp`` chunks of
+    one microbatch count one), the simulator's peaks (schedule/simulator.py ``peak_activations``; docs/
+    SCHEDULES.md): all of them under GPipe; 2 stages - 1 under ZB-H2 (on every rank, as its list scheduling
+    holds them); 2 stages + 1 half-rank chunks under DualPipeV, rounded up; 2 (stages - 1 - stage) + (vpp - 1)
+    m + 1 chunks under breadth-first, at most every chunk; under 1F1B (and its interleaved, ZB-H1 and ZBV
+    variants, approximately) the stages after it plus one. At most all of them."""
+    m = microbatches
     if schedule == "gpipe":
-        return microbatches
-    return max(1, min(stages - stage, microbatches))
+        return m
+    if schedule == "zb_h2":
+        return min(2 * stages - 1, m)
+    if schedule == "dualpipev":
+        return min(stages + 1, m)
+    if schedule == "breadth_first":
+        chunks = min(2 * (stages - 1 - stage) + (vpp - 1) * m + 1, vpp * m)
+        return -(-chunks // vpp)
+    return max(1, min(stages - stage, m))
 
 
 def role_memory(
@@ -105,9 +118,19 @@ def role_memory(
         enc, gen = choices.get("encoder"), choices.get("generator")
         # context parallelism: 1/cp of every sequence's activations and logits; expert parallelism: 1/ep of
         # the experts (costs.py); modules colocated with the LLM run whole sequences on every CP rank
-        flight = in_flight(schedule, S, r + pp, m)
-        first, last = pp == 0, pp == llm.pp - 1
-        state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp, hsdp_replicas, llm.cp, llm.ep)
+        flight = in_flight(schedule, S, r + pp, m, llm.vpp)
+        # a V (zbv, dualpipev) places stages pp and 2 pp - 1 - pp of 2 pp on rank pp: the first and the last
+        # (the embedding and the head, the colocated encoder and generator) both on rank 0
+        v_shaped = schedule in V_SHAPED and llm.pp > 1
+        first, last = pp == 0, pp == (0 if v_shaped else llm.pp - 1)
+        if v_shaped:
+            halves = [
+                c.state("llm", llm.tp, llm.dp, 2 * llm.pp, shard, s, hsdp_replicas, llm.cp, llm.ep)
+                for s in (pp, 2 * llm.pp - 1 - pp)
+            ]
+            state = type(halves[0])(*(a + b for a, b in zip(*map(_fields, halves), strict=True)))
+        else:
+            state = c.state("llm", llm.tp, llm.dp, llm.pp, shard, pp, hsdp_replicas, llm.cp, llm.ep)
         share = c.settings.llm_share(pp, llm.pp, c.work.units["llm"].layers)  # parallel.pp_split
         act = c.activation_bytes("llm", llm.tp, micro, policy, llm.cp) * share * flight
         # one block at a time: what recompute reruns, and ring attention's buffers in its backward

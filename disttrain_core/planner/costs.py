@@ -37,6 +37,7 @@ from ..config import training_precision
 from .activation_costs import MemoryCosts, memoized
 from .memory import FSDP, split_shard
 from .parallel_costs import all_to_all_s, context_parallel_s
+from .schedule_choice import DEFAULT as DEFAULT_SCHEDULES
 from .unit_work import UnitWork, Workload
 
 GB = 1e9
@@ -102,6 +103,7 @@ class PlannerSettings:
     # none | zero1 | zero2 | zero3 (planner/memory.py); auto: per unit, the least sharding that fits
     shard: str = "auto"
     offload: bool = False  # may auto try zero1+offload / zero3+offload once nothing else fits (planner.offload)
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES  # planner.schedules (planner/schedule_choice.py)
     dp_overlap: float = 0.0  # share of the ZeRO-1 traffic hidden behind compute
     memory_margin: float = 0.9  # plan to this share of device memory
     moment_bytes: float = 8.0  # optimizer state per trainable parameter (AdamW; planner/memory.py)

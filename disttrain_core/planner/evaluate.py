@@ -35,6 +35,7 @@ from ..parallel.units import ENCODER_UNITS, GENERATOR_UNITS, UNIT_NAMES
 from .costs import CostModel, offload_s
 from .layout_memory import AUDIO_UNITS, AUTO_RECOMPUTE, AUTO_SHARD, SIDE_ENCODERS, LayoutMemory  # noqa: F401
 from .memory import split_shard
+from .schedule_choice import candidates, pipeline_s
 from .stage_split import StageCosts, per_rank_times
 
 
@@ -86,6 +87,7 @@ class Evaluation:
     recompute: dict[str, str] = field(default_factory=dict)  # unit -> policy (colocated modules: the LLM's)
     shard: dict[str, str] = field(default_factory=dict)  # unit -> shard mode (colocated modules: the LLM's)
     llm_split: list[int] = field(default_factory=list)  # blocks per LLM stage when parallel.pp_split is set
+    schedule: str = "1f1b"  # the pipeline schedule it runs under (none: one stage; planner/schedule_choice.py)
 
 
 class LayoutModel(LayoutMemory):
@@ -181,33 +183,42 @@ class LayoutModel(LayoutMemory):
 
         before, after = self.group_rows(choices)
         S = before + llm.pp + after
-        policies, memory, shards = self.recompute_policies(choices, S, m)
-        stages, split = self._pipeline_stages(choices, B, bw, policies)
+        allowed = self.c.settings.schedules
+        schedules = candidates(allowed, llm.vpp, S == llm.pp, S, m) if S > 1 else ["1f1b"]
+        if not schedules:  # what the settings allow cannot run this layout: 1F1B's costs, flagged
+            return self._under(choices, gpus, m, B, bw, S, "1f1b", f"no schedule of {list(allowed)} runs it")
+        found = [self._under(choices, gpus, m, B, bw, S, schedule) for schedule in schedules]
+        return min(found, key=lambda e: (not e.feasible, e.iteration_s))
 
-        warmup = sum(t / (llm.vpp if name == "llm" else 1) for name, t in stages)
-        steady = (m - 1) * max(t for _, t in stages)
+    def _under(
+        self, choices: dict, gpus: int, m: int, B: float, bw: float, S: int, schedule: str, problem: str = ""
+    ) -> Evaluation:
+        """The layout ``choices`` run under ``schedule`` (``problem``: a reason it cannot be, found already)."""
+        llm = choices["llm"]
+        policies, memory, shards = self.recompute_policies(choices, S, m, schedule)
+        stages, split = self._pipeline_stages(choices, B, bw, policies)
         sync = self._sync_time(choices, m, shards, S > 1)
-        iteration = warmup + steady + sync
+        iteration = pipeline_s(schedule, stages, llm.vpp, m) + sync
         if self.data_s_per_sample:
             iteration += self._data_time(choices, gpus)
-
-        for name, used in memory.items():
-            if used > self.limit:
-                return Evaluation(
-                    float("inf"),
-                    False,
-                    gpus,
-                    m,
-                    stages,
-                    memory,
-                    sync,
-                    self._memory_reason(name, used),
-                    choices,
-                    policies,
-                    shards,
-                    split,
-                )
-        return Evaluation(iteration, True, gpus, m, stages, memory, sync, "", choices, policies, shards, split)
+        over = next((name for name, used in memory.items() if used > self.limit), None)
+        reason = problem or (self._memory_reason(over, memory[over]) if over is not None else "")
+        feasible = not reason
+        return Evaluation(
+            iteration if feasible else float("inf"),
+            feasible,
+            gpus,
+            m,
+            stages,
+            memory,
+            sync,
+            reason,
+            choices,
+            policies,
+            shards,
+            split,
+            schedule if S > 1 else "none",
+        )
 
     def _placement_problem(self, choices: dict[str, UnitChoice], gpus: int) -> str | None:
         """Why the units cannot be placed (too many devices, a TP group straddling nodes, units side by side of

@@ -72,7 +72,18 @@ def _expert_share(model, ep: int) -> set[int]:
 
 
 def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, float]:
-    """Model-state bytes of stage ``stage_index`` of ``unit``, built on meta with the runtime's code."""
+    """Model-state bytes of pipeline rank ``stage_index`` of ``unit``, built on meta with the runtime's code: its
+    stage, or under a V-shaped schedule (zbv, dualpipev) its two of 2 pp stages, counted apart and added."""
+    from ..schedule.generators import V_SHAPED
+
+    if cfg.schedule.name not in V_SHAPED or unit.pp == 1:
+        return _count_stage(cfg, unit, stage_index, unit.pp, wire)
+    halves = [_count_stage(cfg, unit, s, 2 * unit.pp, wire) for s in (stage_index, 2 * unit.pp - 1 - stage_index)]
+    return {part: halves[0][part] + halves[1][part] for part in halves[0]}
+
+
+def _count_stage(cfg, unit, stage_index: int, stages: int, wire: torch.dtype) -> dict[str, float]:
+    """Model-state bytes of stage ``stage_index`` of ``stages`` of ``unit``."""
     from ..comm.buckets import FlatBuckets, bucket_numel
     from ..data.tokenizer import tokenizer_for
     from ..parallel.fsdp import apply_fsdp
@@ -86,9 +97,9 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
     try:
         fsdp_mesh, tp_mesh = _meshes(unit)
         tokenizer = tokenizer_for(cfg)
-        split = cfg.parallel.get("pp_split")  # rehearsed per rank (vpp 1): a split of pp stages
-        split = split if split is not None and not isinstance(split, str) and len(split) == unit.pp else None
-        stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, unit.pp, split=split)
+        split = cfg.parallel.get("pp_split")  # rehearsed per rank (a loop as vpp 1): a split of pp stages
+        split = split if split is not None and not isinstance(split, str) and len(split) == stages else None
+        stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, stages, split=split)
         if tp_mesh is not None:
             apply_tensor_parallel(stage.model, tp_mesh, cfg.parallel.comm.tp_overlap, cfg.parallel.sequence_parallel)
         apply_recompute(stage.model, unit.recompute, unit.recompute_every)

@@ -76,8 +76,8 @@ def plan_dict(result: PlanResult) -> dict:
         **result.cfg_summary,
         "units": unit_rows(e),
         "microbatches": e.microbatches,
-        # what the run trains with (planner/auto.py): interleaved 1F1B for virtual LLM stages
-        "schedule": "interleaved_1f1b" if e.choices["llm"].vpp > 1 else ("1f1b" if len(e.stage_times) > 1 else "none"),
+        # what the run trains with (planner/auto.py), chosen among planner.schedules (planner/schedule_choice.py)
+        "schedule": e.schedule if len(e.stage_times) > 1 else "none",
         "pipeline_stages": len(e.stage_times),
         "gpus_used": e.gpus,
         "predicted_iteration_s": e.iteration_s,

@@ -53,6 +53,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "breadth_first", "zb_h1", "zb_
 SPLIT_BACKWARD = ("zb_h1", "zb_h2", "zbv", "dualpipev")  # run weight gradients (W) apart from the input's (I)
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank in a V
 LOOPED = ("interleaved_1f1b", "breadth_first")  # schedule.vpp stages per rank in a loop
+# What planner.schedules may name (planner/schedule_choice.py); not gpipe: 1F1B's bubble with every activation held
+PLANNABLE = tuple(name for name in SCHEDULES if name != "gpipe")
 
 
 def stages_per_rank(name: str, vpp: int) -> int:

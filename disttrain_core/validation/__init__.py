@@ -33,7 +33,7 @@ from .layout import check_layout, reads_global_stream, validate_layout_settings
 from .local_sgd import validate_optimizer
 from .producer import check_producer_pool
 from .sampling import check_sampling, check_sampling_layout, check_trackers
-from .schedule import check_pipeline, validate_run_schedules, validate_schedule_config
+from .schedule import check_pipeline, check_planner_schedules, validate_run_schedules, validate_schedule_config
 from .settings import (
     validate_cluster,
     validate_data,
@@ -104,6 +104,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
     # the cluster and planner settings first: later checks read them
     validate_cluster(cfg)
     validate_planner(cfg)
+    check_planner_schedules(cfg)
     check_replan(cfg, planned=plan is not None)
     mode = cfg.parallel.mode
     hotspa = mode == "hotspa"

@@ -146,6 +146,20 @@ def check_pp_split(cfg: Config, stages: int) -> None:
     )
 
 
+def check_planner_schedules(cfg: Config) -> None:
+    """planner.schedules: one or more of the schedules the planner can cost (planner/schedule_choice.py)."""
+    from ..schedule.generators import PLANNABLE
+
+    names = list(cfg.planner.get("schedules", ()))
+    unknown = [name for name in names if name not in PLANNABLE]
+    _require(
+        bool(names) and not unknown,
+        f"planner.schedules={names}: "
+        + (f"{', '.join(map(str, unknown))} cannot be planned" if unknown else "give at least one")
+        + f"; choose among {', '.join(PLANNABLE)}, e.g. planner.schedules=[1f1b,interleaved_1f1b,zb_h1]",
+    )
+
+
 def validate_run_schedules(run) -> None:
     """The pipeline schedule of a resolved run (parallel/resolved.py): HotSPa's, one per bucket."""
     if run.buckets:

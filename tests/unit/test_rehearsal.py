@@ -109,6 +109,8 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
         ["model=llama3_8b", "parallel=megatron_tp2", "parallel.dp=2", "parallel.offload=optimizer"]
         + ["trainer.devices=4", "schedule=none"],
         ["model=llama3_8b", "parallel=dp", "parallel.shard=zero3", "parallel.offload=optimizer", "trainer.devices=4"],
+        # a V (zbv, dualpipev): rank 0 holds the first and the last of 4 stages, the embedding and the head
+        ["model=llama3_8b", "parallel=pp2", "parallel.dp=2", "schedule=dualpipev", "trainer.devices=4"],
     ],
     ids=[
         "units_zero3_zero1",
@@ -127,6 +129,7 @@ MIXTRAL_4 = ["model=mixtral_8x7b", "model.llm.n_layers=4", "parallel=megatron_tp
         "local_sgd_zero1",
         "zero1_offload_tp2",
         "zero3_offload",
+        "v_placement",
     ],
 )
 def test_rehearsed_roles_match_the_memory_model(overrides):
@@ -142,3 +145,16 @@ def test_rehearsed_roles_match_the_memory_model(overrides):
         # tiny models pay relatively more padding; the 8B ones are within 0.1%
         tolerance = 0.05 if "mllm_tiny" in overrides else 0.001
         assert role["ratio"] == pytest.approx(1.0, abs=tolerance), role
+
+
+def test_a_v_puts_the_embedding_and_the_head_on_rank_0():
+    """The memory model places a V's stages as the runtime does (schedule.vpp = 2 stages per rank either way):
+    under dualpipev rank 0 holds more than under interleaved 1F1B, rank 1 less, and the rehearsal agrees."""
+    base = ["model=llama3_8b", "parallel=pp2", "parallel.dp=2", "trainer.devices=4", "schedule.vpp=2"]
+    totals = {}
+    for name in ("interleaved_1f1b", "dualpipev"):
+        roles = rehearse(compose([*base, f"schedule={name}"]), progress=lambda *_: None)["roles"]
+        assert all(r["ratio"] == pytest.approx(1.0, abs=0.001) for r in roles), name
+        totals[name] = [r["predicted"]["total"] for r in roles]
+    (loop0, loop1), (v0, v1) = totals["interleaved_1f1b"], totals["dualpipev"]
+    assert v0 > loop0 and v1 < loop1 and v0 + v1 == pytest.approx(loop0 + loop1, rel=1e-6)
