@@ -102,7 +102,9 @@ def zb_h1(pp: int, microbatches: int) -> Schedule:
     return Schedule("zb_h1", microbatches, list(range(pp)), rows)
 
 
-def interleaved_1f1b(pp: int, microbatches: int, vpp: int, group: int | None = None) -> Schedule:
+def interleaved_1f1b(
+    pp: int, microbatches: int, vpp: int, group: int | None = None, name: str = "interleaved_1f1b"
+) -> Schedule:
     """Looped 1F1B: depth-first with ``group`` = pp (Megatron's default), breadth-first with ``group`` = m."""
     group = group or pp
     if microbatches % group:
@@ -122,7 +124,6 @@ def interleaved_1f1b(pp: int, microbatches: int, vpp: int, group: int | None = N
             row += [forwards[warmup + i], backwards[i]]
         rows.append(row + backwards[total - warmup :])
     placement = [s % pp for s in range(pp * vpp)]
-    name = "interleaved_1f1b" if group == pp else "breadth_first"
     return Schedule(name, microbatches, placement, rows, meta={"vpp": vpp})
 
 
@@ -132,7 +133,7 @@ def breadth_first(pp: int, microbatches: int, vpp: int) -> Schedule:
             f"breadth_first needs at least pp ({pp}) microbatches per step to fill the loop, got {microbatches}; "
             "raise optim.global_batch_size or lower optim.micro_batch_size"
         )
-    return interleaved_1f1b(pp, microbatches, vpp, group=microbatches)
+    return interleaved_1f1b(pp, microbatches, vpp, group=microbatches, name="breadth_first")
 
 
 def zb_h2(pp: int, microbatches: int) -> Schedule:
