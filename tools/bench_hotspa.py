@@ -168,16 +168,19 @@ def static_candidates(options: dict[str, str], cfg) -> list[str]:
     return [s.name for s in candidate_strategies(int(options["devices"])) if runs_on(cfg, s, max_len)]
 
 
-def memory_limit(options: dict[str, str]) -> tuple[float, float, dict[str, float]]:
+def memory_limit(options: dict[str, str], extra: list[str]) -> tuple[float, float, dict[str, float]]:
     """(limit in GB, planner.memory_margin, bytes each static candidate needs at max_len): a strategy fits
-    when it needs at most limit x margin; the limit sits just below what pure DP needs at least."""
+    when it needs at most limit x margin; the limit sits just below what pure DP needs at least. ``extra``: the
+    overrides every run gets (parallel.cp_mode=ulysses, ...), so the candidates are those the runs accept."""
     from disttrain_core.config import compose, typed_config
     from disttrain_core.parallel.switch_plan import Strategy
     from disttrain_core.planner.fit import strategy_memory
 
     devices, max_len = int(options["devices"]), int(options["max_len"])
     cfg = typed_config(
-        compose(_common(options, 1000.0) + [f"parallel.hotspa.strategies=[dp{devices}]", "trainer.accelerator=cpu"])
+        compose(
+            _common(options, 1000.0) + extra + [f"parallel.hotspa.strategies=[dp{devices}]", "trainer.accelerator=cpu"]
+        )
     )
     least_dp = strategy_memory(cfg, Strategy(dp=devices), max_len, recompute="full", shard="zero3").memory["llm"]
     margin = float(cfg.planner.memory_margin)
@@ -263,7 +266,7 @@ def measure(options: dict[str, str], extra: list[str]) -> dict:
     skip = int(options["skip"])
     if int(options["steps"]) <= skip:
         raise SystemExit(f"steps={options['steps']} must exceed skip={skip}")
-    limit_gb, margin, needs = memory_limit(options)
+    limit_gb, margin, needs = memory_limit(options, extra)
     candidates = [name for name in needs if not name.endswith(")")]  # the pure-DP floor is not a candidate
     fitting = [name for name in candidates if needs[name] <= limit_gb * 1e9 * margin]
     if not fitting:

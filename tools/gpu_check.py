@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check_cp import phase_cp_modes, phase_offload  # noqa: E402
+from gpu_check_cp import phase_act_offload, phase_cp_modes, phase_offload  # noqa: E402
 from gpu_check_float8 import phase_float8  # noqa: E402
 from gpu_check_fsdp_bf16 import phase_fsdp_bf16  # noqa: E402
 from gpu_check_phases import PHASES, Check  # noqa: E402
@@ -40,6 +40,7 @@ PHASES = {
     "float8": phase_float8,
     "cp_modes": phase_cp_modes,
     "offload": phase_offload,
+    "act_offload": phase_act_offload,
 }
 
 from disttrain_core.config import REPO_ROOT  # noqa: E402

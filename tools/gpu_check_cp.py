@@ -14,6 +14,8 @@ Each against fp64 SDPA of the whole sequence: fp32 outputs and q/k/v gradients w
 
 from __future__ import annotations
 
+import json
+
 import torch
 from gpu_check_phases import _reference, _sdpa_error
 
@@ -112,3 +114,27 @@ def phase_offload(check) -> dict:
     worst = max(abs(a - b) / abs(b) for a, b in pairs)
     lower = runs["offload"]["peak_memory_gib"] < runs["device"]["peak_memory_gib"] or not check.cuda
     return {"ok": worst < 1e-5 and lower, "worst_relative_loss_difference": worst, **runs}
+
+
+def phase_act_offload(check) -> dict:
+    """parallel.recompute=offload on the device (parallel/saved_activations.py): the Llama's run (one rank) with
+    every block's saved tensors in pinned host memory, copied on a side stream, against recompute=none: the same
+    losses (the restored tensors are the saved bytes: equal up to 1e-6 relative), a lower measured peak, the memory
+    model's predicted peak beside the measured one, and each step time. Added for issue 63."""
+    from gpu_check_phases import tokens_runs, train
+
+    runs = {}
+    for policy in ("none", "offload"):
+        overrides = [*tokens_runs(check), f"parallel.recompute={policy}", "trainer.memory_report_step=2"]
+        metrics = train(check, f"act_offload_{policy}", overrides)
+        report = json.loads((check.scratch / f"act_offload_{policy}" / "memory" / "rank00000.json").read_text())
+        runs[policy] = {
+            "losses": [m["loss"] for m in metrics],
+            "measured_peak_bytes": report["measured"]["peak"],
+            "predicted_peak_bytes": report["predicted"]["peak"],
+            "step_time_s": metrics[-1]["perf/step_time_s"],
+        }
+    pairs = zip(runs["offload"]["losses"], runs["none"]["losses"], strict=True)
+    worst = max(abs(a - b) / abs(b) for a, b in pairs)
+    lower = runs["offload"]["measured_peak_bytes"] < runs["none"]["measured_peak_bytes"] or not check.cuda
+    return {"ok": worst < 1e-6 and lower, "worst_relative_loss_difference": worst, **runs}

@@ -18,9 +18,9 @@ The arithmetic is the same AdamW on the same fp32 values, so a run with offload 
 where both step on the same kind of processor (on this CPU the host is the device: tests/distributed/
 test_offload.py checks the bookkeeping -- masters, gradients and checkpoints on the host -- not a transfer). The
 cost: per step the shard's gradients down and its parameters up (4 bytes each per parameter / dp) over the
-host-device link (``cluster.host_bw_gbps``) and the step at the host's AdamW rate (``cluster.host_adam_gparams``),
-neither overlapped with compute (planner/costs.py ``offload_s``). ``trainer.sync_debug`` is refused with it:
-step 1 waits for the device by design.
+host-device link (``cluster.host_bandwidth_gbps``) and the step at the host's AdamW rate
+(``cluster.host_adam_gparams``), neither overlapped with compute (planner/costs.py ``offload_s``).
+``trainer.sync_debug`` is refused with it: step 1 waits for the device by design.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ block, a ViT block, a U-Net residual block or spatial transformer:
 * ``selective_op``: inside each block the outputs of matmuls, attention and collectives are kept and
   everything else (norms, rotary embeddings, activations, elementwise products) is recomputed --
   TorchTitan's op-level selective checkpointing (``torch.utils.checkpoint`` with a policy);
-* ``every_k``: full recompute of every k-th block of a stage (``recompute_every``), none for the rest.
+* ``every_k``: full recompute of every k-th block of a stage (``recompute_every``), none for the rest;
+* ``full_partitioned``: ``full`` with each block's kept input split over the tensor-parallel group (ZeRO-R's
+  partitioned activation checkpoints), gathered again before the block reruns (parallel/saved_activations.py);
+* ``offload``: nothing recomputed; every block's saved activations wait in host memory, copied there and back
+  while other blocks compute (parallel/saved_activations.py ``HostOffload``).
 
 A block's ``forward`` is wrapped on the instance with non-reentrant ``torch.utils.checkpoint``, so
 parameter names (and checkpoints, and the seeded initialization) do not change, hooks on the block
@@ -31,8 +35,10 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..models.llama import DecoderBlock
 from ..models.unet import ResBlock, SpatialTransformer
 from ..models.vit import VitBlock
+from .saved_activations import HostOffload, TpPartition
 
-POLICIES = ("none", "full", "selective_op", "every_k")
+POLICIES = ("none", "full", "selective_op", "every_k", "full_partitioned", "offload")
+NEEDS_TP = ("full_partitioned",)  # a policy that splits over the TP group: tp > 1, no sequence parallelism
 FAMILIES = ((DecoderBlock,), (VitBlock,), (ResBlock, SpatialTransformer))  # every_k counts within each
 BLOCKS = tuple(kind for family in FAMILIES for kind in family)
 
@@ -65,21 +71,26 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_keep_matmuls)
 
 
-def _wrap(block: nn.Module, context_fn: Callable | None) -> None:
+def _wrap(block: nn.Module, context_fn: Callable | None, partition: TpPartition | None = None) -> None:
     inner = block.forward  # bound; may already be the chunked TP forward
     kwargs = {"context_fn": context_fn} if context_fn is not None else {}
 
     @functools.wraps(inner)
     def forward(*args, **kw):
         # No block draws random numbers (no dropout), so the RNG state need not be saved per call.
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs, **kw)
+        if partition is None:
+            return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs, **kw)
+        with partition.hooks():  # the checkpoint saves its inputs through these: 1/tp of each kept
+            return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **kwargs, **kw)
 
     block.forward = forward
     block._recompute = True
 
 
-def apply_recompute(module: nn.Module, policy: str, every: int = 1) -> int:
-    """Wrap the blocks of ``module`` for ``policy``; returns how many blocks recompute."""
+def apply_recompute(module: nn.Module, policy: str, every: int = 1, tp_group=None):
+    """Wrap the blocks of ``module`` for ``policy``; returns how many blocks recompute (or offload), or for
+    ``offload`` and ``full_partitioned`` the hooks' object (``HostOffload``, ``TpPartition``: their byte counts).
+    ``tp_group``: the blocks' tensor-parallel group (``full_partitioned``)."""
     if policy not in POLICIES:
         raise ValueError(f"recompute={policy!r}: allowed values are {', '.join(POLICIES)}")
     if policy == "none":
@@ -90,7 +101,15 @@ def apply_recompute(module: nn.Module, policy: str, every: int = 1) -> int:
     for family in FAMILIES:  # LLM blocks, ViT blocks, U-Net blocks: every k-th of each, in definition order
         members = [m for m in module.modules() if isinstance(m, family)]
         blocks += members[:: every if policy == "every_k" else 1]
+    if policy == "offload":
+        offload = HostOffload()
+        for index, block in enumerate(blocks):
+            offload.wrap(block, index)
+        return offload
+    if policy == "full_partitioned" and tp_group is None:
+        raise ValueError("recompute=full_partitioned splits each block's input over the TP group: none was given")
+    partition = TpPartition(tp_group) if policy == "full_partitioned" else None
     context_fn = _selective_contexts if policy == "selective_op" else None
     for block in blocks:
-        _wrap(block, context_fn)
-    return len(blocks)
+        _wrap(block, context_fn, partition)
+    return partition if partition is not None else len(blocks)

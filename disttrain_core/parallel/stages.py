@@ -344,7 +344,8 @@ def build_rank_stages(
             apply_context_parallel(module.model, context)
         if experts is not None and unit.name == "llm":  # this rank's experts only, tokens exchanged all-to-all
             apply_expert_parallel(module.model, experts)
-        apply_recompute(module.model, unit.recompute, unit.recompute_every)
+        tp_group = tp_mesh.get_group() if tp_mesh is not None else None  # full_partitioned splits over it
+        apply_recompute(module.model, unit.recompute, unit.recompute_every, tp_group)
         if compile_blocks:  # before FSDP2, as TorchTitan orders them (parallel/compile.py)
             apply_compile(module.model)
         if shard is not None:  # FSDP2 (parallel/fsdp.py), still on meta: only this rank's shards get memory

@@ -126,7 +126,12 @@ class MemoryCosts:
         recompute policy (parallel/recompute.py): none, full (a block keeps its input), selective_op, or
         every_k (every k-th block full, the rest none). A context-parallel rank holds 1/cp of every
         sequence and so 1/cp of every tensor (ring attention saves what flash attention does: its q, k, v,
-        output and log-sum-exp)."""
+        output and log-sum-exp). ``auto`` without a unit's choice: the least any policy it may choose keeps (a
+        bound)."""
+        if (policy or self.settings.recompute) == "auto":
+            least = ("full", *(() if self.settings.sequence_parallel else ("full_partitioned",)))
+            least += ("offload",) if self.settings.offload else ()
+            return min(self.activation_bytes(unit, tp, items, p, cp) for p in least)
         w = self.work.units[unit]
         policy = self._policy(policy)
         if w.counted_activation_bytes:  # U-Net: counted on fake CPU tensors with the runtime's wrappers
@@ -134,8 +139,8 @@ class MemoryCosts:
             if policy == "every_k":  # between none and full, by the share of blocks recomputed
                 k = self.settings.recompute_every
                 kept = counted["none"] - (counted["none"] - counted["full"]) / k
-            else:
-                kept = counted[policy]
+            else:  # offload, full_partitioned: at most what full keeps (the modules outside the blocks)
+                kept = counted[policy if policy in counted else "full"]
             return items * kept
         none, selective = self._block_bytes(unit, tp, cp)
         _, r = self._element_bytes()
@@ -143,6 +148,8 @@ class MemoryCosts:
         per_layer = {
             "none": none,
             "full": r_in,
+            "full_partitioned": r_in / self.split_tp(unit, tp),  # 1/tp of each input (sequence parallelism off)
+            "offload": 0.0,  # on the host; what comes back for a backward: recompute_transient_bytes
             "selective_op": selective,
             "every_k": (r_in + (self.settings.recompute_every - 1) * none) / self.settings.recompute_every,
         }[policy]
@@ -153,17 +160,39 @@ class MemoryCosts:
         self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1
     ) -> float:
         """Extra bytes while one recomputed block runs its backward: what recompute dropped, for one block
-        (1/cp of it on a context-parallel rank)."""
+        (1/cp of it on a context-parallel rank); under ``offload`` two blocks' saved tensors, the one whose
+        backward runs and the one prefetched for the next (parallel/saved_activations.py)."""
         w = self.work.units[unit]
         policy = self._policy(policy)
         if policy == "none":
             return 0.0
         if w.counted_activation_bytes:  # U-Net: its largest block, counted
-            return items * self._unet_counts(w).get("largest_block", 0.0)
+            return items * self._unet_counts(w).get("largest_block", 0.0) * (2 if policy == "offload" else 1)
         none, selective = self._block_bytes(unit, tp, cp)
         _, r = self._element_bytes()
-        dropped = none - (selective if policy == "selective_op" else r * self.sequence_share(unit, tp, cp))
-        return items * (w.tokens / cp) * w.dim * dropped
+        kept = {"selective_op": selective, "offload": -none}.get(policy, r * self.sequence_share(unit, tp, cp))
+        if policy == "full_partitioned":
+            kept /= self.split_tp(unit, tp)
+        return items * (w.tokens / cp) * w.dim * (none - kept)
+
+    def saved_activation_s(
+        self, unit: str, policy: str | None, compute: float, tp: int, items: float, cp: int = 1, share: float = 1.0
+    ) -> float:
+        """``compute`` (seconds of ``share`` of the unit's blocks, recompute included) with what the policy's
+        movements add. ``offload``: the saved bytes go to the host during the forward (a third of the compute) and
+        come back during the backward (two thirds), each direction at ``cluster.host_bandwidth_gbps`` and hidden up to
+        the compute it overlaps. ``full_partitioned``: before each block reruns, an all-gather of its input over
+        the TP group (not overlapped)."""
+        policy = policy or self.settings.recompute
+        if policy == "offload":
+            moved = self.activation_bytes(unit, tp, items, "none", cp) * share / self.hw.host_bw
+            return max(compute / 3.0, moved) + max(2.0 * compute / 3.0, moved)
+        if policy == "full_partitioned" and self.split_tp(unit, tp) > 1:
+            w, n = self.work.units[unit], self.split_tp(unit, tp)
+            gathered = items * (w.tokens / cp) * w.dim * self._element_bytes()[1]
+            gather = (n - 1) / n * gathered / self.hw.intra_bw + (n - 1) * self.hw.latency_s
+            return compute + w.layers * share * gather
+        return compute
 
     @memoized
     def attention_transient_bytes(
@@ -213,10 +242,10 @@ class MemoryCosts:
         is counted as free."""
         w = self.work.units[unit]
         policy = policy or self.settings.recompute  # auto without a unit's choice: no recompute (a lower bound)
-        if policy in ("none", "selective_op", "auto") or w.counted_activation_bytes or not w.train_flops:
+        if policy in ("none", "selective_op", "offload", "auto") or w.counted_activation_bytes or not w.train_flops:
             return 1.0
         blocks = (w.train_flops - w.flops_not_tp - w.flops_head) / w.train_flops
-        share = 1.0 if policy == "full" else 1.0 / self.settings.recompute_every
+        share = 1.0 / self.settings.recompute_every if policy == "every_k" else 1.0  # full, full_partitioned
         return 1.0 + blocks * share / 3.0
 
     def shard_of(self, shard: str | None) -> str:

@@ -146,6 +146,7 @@ class LayoutModel(LayoutMemory):
         items = self.items(unit, samples)
         compute = self.c.rank_compute(unit, choice.tp, items, choice.cp, choice.ep, choice.cp_mode, choice.cp_ulysses)
         compute *= self.c.recompute_factor(unit, policy) / choice.pp
+        compute = self.c.saved_activation_s(unit, policy, compute, choice.tp, items, choice.cp, 1.0 / choice.pp)
         boundary = self.c.boundary_bytes(unit, samples) if unit not in GENERATOR_UNITS else 0.0
         if unit == "generator":  # between its own stages (the U-Net's state at a level boundary)
             boundary = self.c.generator_cut_bytes(choice.pp, samples)
@@ -159,7 +160,8 @@ class LayoutModel(LayoutMemory):
 
     def colocated_time(self, unit: str, tp: int, samples: float, policy: str | None = None) -> float:
         items = self.items(unit, samples)
-        return self.c.compute(unit, tp, items) * self.c.recompute_factor(unit, policy)
+        compute = self.c.compute(unit, tp, items) * self.c.recompute_factor(unit, policy)
+        return self.c.saved_activation_s(unit, policy, compute, tp, items)
 
     # -------------------------------------------------------------------- evaluation
     def evaluate(
@@ -308,7 +310,9 @@ class LayoutModel(LayoutMemory):
         never recomputed; the rest, recompute included, splits evenly over the blocks."""
         c, w = self.c, self.w.units["llm"]
         compute = c.rank_compute("llm", llm.tp, self.micro, llm.cp, llm.ep, llm.cp_mode, llm.cp_ulysses)
-        whole = compute * c.recompute_factor("llm", policy)
+        whole = c.saved_activation_s(
+            "llm", policy, compute * c.recompute_factor("llm", policy), llm.tp, self.micro, llm.cp
+        )
         head = compute * (w.flops_head / w.train_flops if w.train_flops else 0.0)
         return StageCosts((whole - head) / w.layers, first, last + head, w.layers, whole)
 

@@ -7,7 +7,7 @@ from ..parallel.units import SIDE_ENCODERS, SIDE_UNITS  # noqa: F401  (SIDE_ENCO
 from .memory import FSDP, OFFLOADED, split_shard
 from .schedule_choice import splits_backward
 
-AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full")  # least recomputation first
+AUTO_RECOMPUTE = ("none", "selective_op", "every_k", "full", "full_partitioned")  # least recomputation first
 AUTO_SHARD = ("zero1", "zero2", "zero3")  # least traffic first
 # The units beside the image encoder and generator (the audio tower, the video tower, the audio generator): each rides
 # in the LLM unit's first / last stage or is a unit of its own, one pipeline stage (planner/audio_search.py).
@@ -61,6 +61,8 @@ class LayoutMemory:
         if splits_backward(schedule):
             shards = tuple(s for s in shards if s not in FSDP)
         policies = AUTO_RECOMPUTE if settings.recompute == "auto" else (settings.recompute,)
+        if settings.offload and settings.recompute == "auto":  # activations to the host: once nothing else fits
+            policies = (*policies, "offload")
         options = [(shard, policy) for policy in policies for shard in shards]
         if settings.offload:  # the optimizer on the host: a step slower, tried once nothing else fits
             offloaded = [
@@ -92,23 +94,39 @@ class LayoutMemory:
                 base, offloaded = split_shard(shard)
                 if offloaded and (base in FSDP and choice.tp > 1 or choice.ep > 1):
                     continue  # what the runtime refuses (validation/offload.py): FSDP2's offload with TP, EP
+                if not self._policy_runs(name, choice, policy):
+                    continue
                 if base in FSDP and choice.dp * choice.cp < 2:
                     shard = "zero1" + (OFFLOADED if offloaded else "")
                 used = self.unit_memory(name, choices, S, m, policy, shard, schedule)
                 if used > self.limit:
                     last = (policy, used, shard)  # what an infeasible unit reports: the last option over the limit
-                elif not offloaded or self._host_fits(name, choices, S, m, policy, shard, used, schedule):
+                elif not (offloaded or policy == "offload") or self._host_fits(
+                    name, choices, S, m, policy, shard, used, schedule
+                ):
                     found = (policy, used, shard)
                     break
             found = self._choice_cache[key] = found or last
         return found
 
+    def _policy_runs(self, name: str, choice, policy: str) -> bool:
+        """What validation/offload.py accepts: full_partitioned splits over tp > 1 without sequence parallelism
+        (the planner offers both new policies for transformer units only: the U-Net's bytes are counted per
+        policy it was measured under)."""
+        if policy not in ("full_partitioned", "offload"):
+            return True
+        if self.c.work.units[name].counted_activation_bytes:
+            return False
+        return policy == "offload" or (self.c.split_tp(name, choice.tp) > 1 and not self.c.settings.sequence_parallel)
+
     def _host_fits(
         self, name: str, choices: dict, S: int, m: int, policy: str, shard: str, used: float, schedule: str = "1f1b"
     ) -> bool:
-        """Does the optimizer state an offloaded unit moves to the host fit the host memory of a node, shared by
-        the node's devices (``cluster.host_memory_per_node_gb``, to ``planner.memory_margin``)?"""
-        moved = self.unit_memory(name, choices, S, m, policy, split_shard(shard)[0], schedule) - used
+        """Does what an offloading unit moves to the host (its optimizer state; under recompute=offload the saved
+        activations of its microbatches in flight) fit the host memory of a node, shared by the node's devices
+        (``cluster.host_memory_per_node_gb``, to ``planner.memory_margin``)?"""
+        kept = "none" if policy == "offload" else policy  # what the device would hold without moving anything
+        moved = self.unit_memory(name, choices, S, m, kept, split_shard(shard)[0], schedule) - used
         hw = self.c.hw
         return moved * min(hw.per_node, self.devices) <= hw.host_memory * self.c.settings.memory_margin
 

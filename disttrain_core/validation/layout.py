@@ -9,7 +9,7 @@ from ..parallel.units import UNIT_NAMES
 from ..schedule.generators import SPLIT_BACKWARD
 from .common import ConfigError, _require, world_size
 from .float8 import check_float8_layout
-from .offload import check_unit_offload, validate_offload_settings
+from .offload import check_unit_offload, check_unit_saved_activations, validate_offload_settings
 from .unit_shapes import validate_moe_unit, validate_unit_pp, validate_unit_tp
 
 COLOCATABLE = tuple(name for name in UNIT_NAMES if name != "llm")
@@ -295,12 +295,21 @@ def _validate_unit(cfg: Config, unit) -> None:
         key = f"parallel.units.{unit.name}.shard" if cfg.parallel.mode == "manual" else "parallel.shard"
         _validate_unit_shard(unit, cfg.schedule.name, key)
         check_unit_offload(unit, key.replace(".shard", ".offload"))
+    check_unit_saved_activations(cfg, unit, _recompute_key(cfg, unit))
     where = f"parallel {unit.name} unit"
     if "llm" in unit.modules and cfg.model.llm.moe is not None:
         validate_moe_unit(cfg, unit)
     if unit.tp > 1:
         validate_unit_tp(cfg, unit, where)
     validate_unit_pp(cfg, unit, where)
+
+
+def _recompute_key(cfg: Config, unit) -> str:
+    """The setting that set a resolved unit's recompute policy."""
+    mode = cfg.parallel.mode
+    if mode == "manual":
+        return f"parallel.units.{unit.name}.recompute"
+    return "parallel.hotspa.recompute" if mode == "hotspa" and cfg.parallel.hotspa.recompute else "parallel.recompute"
 
 
 def check_layout(cfg: Config, layout) -> None:

@@ -132,16 +132,10 @@ def _check_penalty_and_spikes(ls, world: int, size: int) -> None:
     )
 
 
-def _check_offload_and_compile(cfg: Config, shard: str) -> None:
+def _check_offload_and_compile(cfg: Config) -> None:
     """Anchors offloaded to host memory, and layerwise syncs against trainer.compile."""
     ls = cfg.parallel.local_sgd
-    if ls.offload:
-        _require(
-            shard not in ("zero2", "zero3"),
-            f"parallel.local_sgd.offload with parallel.shard={shard}: host-memory anchors of FSDP2 shards are not "
-            "built (they would be checkpointed as CPU shards of device DTensors); use parallel.shard=none or zero1, "
-            "or unset offload",
-        )
+    if ls.offload:  # FSDP2 workers too: their anchors are host copies of the local shards (train/local_sgd/sync.py)
         _require(
             resolve_accelerator(cfg.trainer.accelerator) == "cuda",
             "parallel.local_sgd.offload moves anchors from device to host memory; on CPU they are in host memory "
@@ -161,9 +155,9 @@ def validate_local_sgd(cfg: Config) -> None:
     size = _check_workers(cfg, world)
     _check_sync_schedule(cfg)
     _check_outer_step(ls)
-    shard = _check_worker_layout(cfg, size)
+    _check_worker_layout(cfg, size)
     _check_penalty_and_spikes(ls, world, size)
-    _check_offload_and_compile(cfg, shard)
+    _check_offload_and_compile(cfg)
 
 
 def validate_optimizer(cfg: Config, layout=None) -> None:

@@ -1,4 +1,6 @@
-"""Checks of optimizer offload (``parallel.offload``, ``parallel.units.<unit>.offload``; parallel/offload.py)."""
+"""Checks of optimizer offload (``parallel.offload``, ``parallel.units.<unit>.offload``; parallel/offload.py) and of
+the recompute policies that move or split saved activations (``offload``, ``full_partitioned``:
+parallel/saved_activations.py)."""
 
 from __future__ import annotations
 
@@ -56,3 +58,28 @@ def check_unit_offload(unit, key: str) -> None:
         f"{where}: the expert-parallel experts' own optimizer stays on the device; offload with ep={unit.ep} is "
         "not built: use ep=1 or offload=none",
     )
+
+
+def check_unit_saved_activations(cfg: Config, unit, key: str) -> None:
+    """A resolved unit's ``recompute=offload`` / ``full_partitioned`` against its sizes and the other settings
+    (``key``: the setting that sets the policy)."""
+    policy = unit.recompute
+    if policy not in ("offload", "full_partitioned"):
+        return
+    where = f"the {unit.name} unit ({key}={policy})"
+    _require(
+        not cfg.trainer.compile,
+        f"{where}: its saved-tensor hooks inside compiled blocks are not built; set trainer.compile=false or use "
+        "recompute=full",
+    )
+    if policy == "full_partitioned":
+        _require(
+            unit.tp > 1,
+            f"{where}: splits each block's kept input over the tensor-parallel group, and tp=1 has none; use "
+            "recompute=full",
+        )
+        _require(
+            not cfg.parallel.sequence_parallel,
+            f"{where}: sequence parallelism already splits each block's input over the TP group; use recompute=full "
+            "(or parallel.sequence_parallel=false)",
+        )

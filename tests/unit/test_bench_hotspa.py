@@ -25,7 +25,7 @@ def test_the_limit_refuses_pure_data_parallelism_at_the_longest_bucket(bench):
     from disttrain_core.launch.cli import split_tool_args
 
     options, _ = split_tool_args(TINY, bench.OPTIONS)
-    limit_gb, margin, needs = bench.memory_limit(options)
+    limit_gb, margin, needs = bench.memory_limit(options, [])
     floor = needs["dp4 (zero3, full recompute)"]
     assert floor > limit_gb * 1e9 * margin  # not even zero3 with full recompute fits
     assert min(needs["dp2cp2"], needs["cp4"]) <= limit_gb * 1e9 * margin
@@ -37,7 +37,7 @@ def test_every_strategy_the_runtime_accepts_is_a_static_candidate_by_default(ben
 
     options, _ = split_tool_args([o for o in TINY if not o.startswith("static=")], bench.OPTIONS)
     assert options["static"] == "all"
-    _, _, needs = bench.memory_limit(options)
+    _, _, needs = bench.memory_limit(options, [])
     assert {"pp4", "dp2tp2", "tp2pp2", "dp2cp2", "cp4", "dp4"} <= set(needs)
 
 

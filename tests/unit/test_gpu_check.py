@@ -20,6 +20,7 @@ def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_pat
         "ring_attention",
         "cp_modes",
         "offload",
+        "act_offload",
         "throughput_and_compile",
         "recompute_memory",
         "fsdp2_async_dcp",

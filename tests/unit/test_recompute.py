@@ -8,7 +8,11 @@ from disttrain_core.config import compose
 from disttrain_core.data.tokenizer import ByteTokenizer
 from disttrain_core.models import build_model, materialize
 from disttrain_core.models.llama import DecoderBlock
-from disttrain_core.parallel.recompute import POLICIES, apply_recompute
+from disttrain_core.parallel.recompute import NEEDS_TP, POLICIES, apply_recompute
+from disttrain_core.parallel.saved_activations import HostOffload
+
+# Kept or rerun on the device (the other two: offload moves to the host, full_partitioned splits over TP ranks)
+ON_DEVICE = tuple(p for p in POLICIES if p not in ("offload", *NEEDS_TP))
 
 SMALL = ["model=mllm_tiny", "model.llm.n_layers=4", "model.seq_len=96", "model.encoder.n_layers=2"]
 
@@ -34,13 +38,16 @@ def _loss_and_grads(model, batch, n_tokens, n_gen):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "none"])
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p not in ("none", *NEEDS_TP)])
 def test_recompute_changes_nothing_but_memory(policy, shards):
+    """Every policy that needs no TP group (full_partitioned: tests/distributed/test_saved_activations.py)."""
     cfg = compose([f"data.path={shards}", *SMALL])
     batch, n_tokens, n_gen = _batch(cfg)
     reference, _ = _model(cfg, "none")
     model, wrapped = _model(cfg, policy)
     blocks = cfg.model.llm.n_layers + cfg.model.encoder.n_layers
+    if isinstance(wrapped, HostOffload):
+        wrapped = sum(getattr(m, "_offload", False) for m in model.modules())
     assert wrapped >= (blocks // 2 if policy == "every_k" else blocks)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
     want_loss, want = _loss_and_grads(reference, batch, n_tokens, n_gen)
@@ -89,12 +96,47 @@ def _kept_bytes(policy: str) -> int:
 
 
 def test_recompute_keeps_less_between_forward_and_backward():
-    kept = {policy: _kept_bytes(policy) for policy in POLICIES}
+    kept = {policy: _kept_bytes(policy) for policy in ON_DEVICE}
     assert kept["full"] < kept["every_k"] < kept["none"]
     assert kept["full"] < kept["selective_op"] < kept["none"]
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+def _costs(policy: str):
+    from disttrain_core.planner import CostModel, Hardware, workload_of
+    from disttrain_core.planner.costs import PlannerSettings
+
+    cfg = compose(["model=llama_tiny", "model.seq_len=256"])
+    settings = PlannerSettings(precision="32", recompute=policy, recompute_every=2)
+    return cfg, CostModel(workload_of(cfg.model), Hardware.from_config(compose([]).cluster, "32", 1e11), settings)
+
+
+def test_offload_moves_what_the_planner_counts_and_changes_nothing():
+    """recompute=offload on 4 Llama blocks (llama_tiny, fp32, 2 x 256 tokens): the bytes the hooks copy to the
+    host per block are within 2% of the planner's per-block bytes without recompute (what then leaves the device;
+    the planner keeps none of it and holds two blocks back for the backward), and the gradients are bit-equal."""
+    from disttrain_core.models.llama import rope_table
+
+    cfg, costs = _costs("offload")
+    rope = rope_table(cfg.model.llm.dim // cfg.model.llm.n_heads, 256, 10000.0)
+    grads = {}
+    for policy in ("none", "offload"):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList([DecoderBlock(cfg.model.llm) for _ in range(4)])
+        hooks = apply_recompute(blocks, policy)
+        x = torch.randn(2, 256, cfg.model.llm.dim, requires_grad=True)
+        h = x
+        for block in blocks:
+            h = block(h, rope)
+        h.square().sum().backward()
+        grads[policy] = [x.grad, *(p.grad for p in blocks.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["offload"], strict=True))
+    per_block = costs.activation_bytes("llm", 1, 2, "none") / cfg.model.llm.n_layers
+    assert 0.98 < hooks.moved_bytes / 4 / per_block < 1.02, (hooks.moved_bytes / 4, per_block)
+    assert costs.activation_bytes("llm", 1, 2) == 0.0
+    assert costs.recompute_transient_bytes("llm", 1, 2) == pytest.approx(2 * per_block)
+
+
+@pytest.mark.parametrize("policy", ON_DEVICE)
 def test_planner_activation_model_matches_what_the_runtime_keeps(policy):
     """The planner's per-block bytes for each policy against the tensor bytes a real CPU forward leaves
     allocated (torch's profiler), for 4 Llama blocks of llama_tiny, fp32, 2 sequences of 256 tokens."""
