@@ -72,14 +72,14 @@ def table(result: dict) -> str:
         f"{result['model']} ({result['precision']}), {result['layout']}, {result['microbatches']} microbatch(es), "
         f"schedule {result['schedule']}",
         "",
-        f"{'role':19s} {'shard':6s} {'recompute':>12s} {'params':>9s} {'grads':>9s} {'master':>9s} {'moments':>9s} "
+        f"{'role':19s} {'shard':6s} {'recompute':>16s} {'params':>9s} {'grads':>9s} {'master':>9s} {'moments':>9s} "
         f"{'buffers':>9s} {'state':>9s} {'activ.':>9s} {'transient':>9s} {'peak':>9s}  (GB)",
     ]
     for role in result["roles"]:
         s = role["state"]
         transient = role["step_transient"] + role["recompute_transient"] + role["logits"]
         lines.append(
-            f"{role['unit'] + ' pp' + str(role['pp']):19s} {role['shard']:6s} {role['recompute']:>12s} "
+            f"{role['unit'] + ' pp' + str(role['pp']):19s} {role['shard']:6s} {role['recompute']:>16s} "
             + " ".join(f"{s[k] / GB:9.3f}" for k in ("params", "grads", "master", "moments", "buffers", "total"))
             + f" {role['activations'] / GB:9.3f} {transient / GB:9.3f} {role['peak'] / GB:9.3f}"
         )

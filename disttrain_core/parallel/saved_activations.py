@@ -7,16 +7,19 @@ are ``torch.autograd.graph.saved_tensors_hooks``: autograd hands every tensor it
 ``offload`` (``HostOffload``), per block forward:
 
 * every saved tensor except the block's parameters (their storage is the module's: nothing to free) is copied to
-  host memory -- on CUDA into pinned memory on a side stream that first waits for the compute stream, the device
-  tensor released to the allocator once that copy is done (``record_stream``), so the copy overlaps the next
-  block's forward and the compute stream never waits for the host;
-* in the backward, the first unpack of a block's tensors also starts copying the previous block's tensors back on
-  the side stream (its backward is next), so those copies overlap this block's backward; a tensor not prefetched
-  is copied back on the compute stream when asked for (after its host copy is complete: an event, no host sync).
+  host memory a storage at a time (several saved views of one storage cost one copy; a DTensor's local tensor is
+  copied and its placement rebuilt on the way back) -- on CUDA into pinned memory on a side stream that first
+  waits for the compute stream, the device storage released to the allocator once the block's forward has ended
+  and that copy is done (``record_stream``), so the copies overlap the next block's forward and the compute stream
+  never waits for the host;
+* in the backward, the first unpack of a block's tensors also starts copying the previous block's back on the
+  side stream (its backward is next), so those copies overlap this block's backward; a tensor not prefetched is
+  copied back on the compute stream when asked for (after its copy out is complete: an event, no host sync).
+  Only autograd holds a copied-back tensor: it goes when the backward is done with it.
 
 On the device then live one block's restored tensors and the next block's prefetched ones, and the copies of the
 block whose forward just ran (planner/activation_costs.py counts two blocks). On a CPU the host is the device: the
-hooks still copy (tests check which tensors move and that results are bit-equal), nothing is saved.
+hooks still copy (tests check which tensors move and that results are bit-equal), nothing is freed.
 
 ``full_partitioned`` (``TpPartition``) wraps the full-recompute checkpoint: torch's non-reentrant checkpoint saves
 the block's inputs (all it keeps) through the hooks active around it, so each TP rank keeps 1/tp of each input that

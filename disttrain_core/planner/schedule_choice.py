@@ -20,7 +20,13 @@ stage cannot split its backward (data enters it directly: schedule/executor.py),
 
 from __future__ import annotations
 
-from ..schedule.generators import LOOPED, PLANNABLE, SPLIT_BACKWARD, V_SHAPED  # noqa: F401  (PLANNABLE re-exported)
+from ..schedule.generators import (  # noqa: F401  (PLANNABLE re-exported)
+    LOOPED,
+    PLANNABLE,
+    SPLIT_BACKWARD,
+    V_SHAPED,
+    min_microbatches,
+)
 
 DEFAULT = ("1f1b", "interleaved_1f1b")  # what plans ran before the other schedules existed
 BUBBLE_SHARE = {"zb_h1": 1 / 3, "zb_h2": 1 / 3, "zbv": 1 / 4, "dualpipev": 1 / 6}
@@ -33,12 +39,12 @@ def candidates(allowed: tuple[str, ...], vpp: int, single_unit: bool, stages: in
     names = []
     for name in allowed:
         if vpp == 1:
-            fits = name in ("1f1b", "zb_h1") or (name == "zb_h2" and m >= 2 * stages - 1)
+            fits = name in ("1f1b", "zb_h1", "zb_h2")
         elif name in LOOPED:
-            fits = name == "interleaved_1f1b" or (single_unit and m >= stages)
+            fits = name == "interleaved_1f1b" or single_unit
         else:
-            fits = vpp == 2 and name in V_SHAPED and single_unit and (name == "zbv" or m >= 2 * stages)
-        if fits:
+            fits = vpp == 2 and name in V_SHAPED and single_unit
+        if fits and m >= min_microbatches(name, stages):
             names.append(name)
     return names
 

@@ -62,6 +62,13 @@ def stages_per_rank(name: str, vpp: int) -> int:
     return vpp if name in LOOPED else 2 if name in V_SHAPED else 1
 
 
+def min_microbatches(name: str, pp: int) -> int:
+    """The fewest microbatches per step the named schedule runs on ``pp`` ranks (what its generator checks and
+    the planner's candidates ask): breadth-first fills its loop with pp, ZB-H2 its warm-up with 2pp - 1, DualPipeV
+    its two directions with 2pp."""
+    return {"breadth_first": pp, "zb_h2": 2 * pp - 1, "dualpipev": 2 * pp}.get(name, 1)
+
+
 def gpipe(pp: int, microbatches: int) -> Schedule:
     rows = [
         [Action(r, Kind.F, k) for k in range(microbatches)] + [Action(r, Kind.B, k) for k in range(microbatches)]
@@ -128,7 +135,7 @@ def interleaved_1f1b(
 
 
 def breadth_first(pp: int, microbatches: int, vpp: int) -> Schedule:
-    if microbatches < pp:
+    if microbatches < min_microbatches("breadth_first", pp):
         raise ValueError(
             f"breadth_first needs at least pp ({pp}) microbatches per step to fill the loop, got {microbatches}; "
             "raise optim.global_batch_size or lower optim.micro_batch_size"
@@ -137,7 +144,7 @@ def breadth_first(pp: int, microbatches: int, vpp: int) -> Schedule:
 
 
 def zb_h2(pp: int, microbatches: int) -> Schedule:
-    if microbatches < 2 * pp - 1:
+    if microbatches < min_microbatches("zb_h2", pp):
         raise ValueError(
             f"zb_h2 needs at least 2 x pp - 1 = {2 * pp - 1} microbatches per step to fill its warm-up, got "
             f"{microbatches}; raise optim.global_batch_size, lower optim.micro_batch_size, or use zb_h1"
@@ -148,7 +155,7 @@ def zb_h2(pp: int, microbatches: int) -> Schedule:
 
 def dualpipev(pp: int, microbatches: int) -> Schedule:
     m = microbatches
-    if m < 2 * pp:
+    if m < min_microbatches("dualpipev", pp):
         raise ValueError(
             f"dualpipev needs at least 2 x pp = {2 * pp} microbatches per step, got {m}; raise "
             "optim.global_batch_size or lower optim.micro_batch_size"

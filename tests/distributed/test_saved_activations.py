@@ -128,11 +128,8 @@ def _losses(shards, run_dir, *overrides):
     return [m["loss"] for m in read_metrics(run_dir)]
 
 
-def test_both_policies_train_like_one_process(shards, tmp_path):
-    reference = _losses(shards, tmp_path / "one")
-    partitioned = _losses(
-        shards,
-        tmp_path / "tp2",
+LAYOUTS = {
+    "full_partitioned": [
         "parallel.mode=megatron",
         "parallel.modality_stages=folded",
         "parallel.tp=2",
@@ -140,9 +137,16 @@ def test_both_policies_train_like_one_process(shards, tmp_path):
         "trainer.devices=2",
         "parallel.sequence_parallel=false",
         "parallel.recompute=full_partitioned",
-    )
-    assert partitioned == pytest.approx(reference, abs=1e-5)
-    offloaded = _losses(
-        shards, tmp_path / "pp2", "parallel=pp2", "schedule=zb_h1", "trainer.devices=2", "parallel.recompute=offload"
-    )
-    assert offloaded == pytest.approx(reference, abs=1e-5)
+    ],
+    "offload": ["parallel=pp2", "schedule=zb_h1", "trainer.devices=2", "parallel.recompute=offload"],
+}
+
+
+@pytest.fixture(scope="module")
+def one_process(shards, tmp_path_factory):
+    return _losses(shards, tmp_path_factory.mktemp("one"))
+
+
+@pytest.mark.parametrize("policy", list(LAYOUTS))
+def test_policy_trains_like_one_process(policy, one_process, shards, tmp_path):
+    assert _losses(shards, tmp_path / policy, *LAYOUTS[policy]) == pytest.approx(one_process, abs=1e-5)
