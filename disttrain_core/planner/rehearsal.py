@@ -102,8 +102,7 @@ def _count_stage(cfg, unit, stage_index: int, stages: int, wire: torch.dtype) ->
         stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, stages, split=split)
         if tp_mesh is not None:
             apply_tensor_parallel(stage.model, tp_mesh, cfg.parallel.comm.tp_overlap, cfg.parallel.sequence_parallel)
-        tp_group = tp_mesh.get_group() if tp_mesh is not None else None
-        apply_recompute(stage.model, unit.recompute, unit.recompute_every, tp_group)
+        apply_recompute(stage.model, unit.recompute, unit.recompute_every, tp_mesh and tp_mesh.get_group())
         held = _expert_share(stage.model, unit.ep) if getattr(unit, "ep", 1) > 1 else set()
         if fsdp_mesh is not None:  # the held experts stay whole, outside FSDP2 (train/unit_engine.py)
             ignored = {p for p in stage.model.parameters() if id(p) in held}
