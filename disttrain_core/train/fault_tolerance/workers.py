@@ -100,7 +100,12 @@ class WorkerReplicas:
 
     def _reached(self, worker: int, step: int) -> bool:
         key = at_key(worker)
-        return self.store.check([key]) and int(self.store.get(key)) >= step
+        if not self.store.check([key]):
+            return False
+        try:
+            return int(self.store.get(key)) >= step
+        except ValueError:  # the launcher deleted it between the check and the read (the worker died): b""
+            return False
 
     def _wait_for_workers(self, step: int) -> set[int]:
         """Until every worker not given up has reached sync ``step``; returns the ones given up on."""
