@@ -93,7 +93,6 @@ class HostOffload:
 
     def __init__(self) -> None:
         self.moved_bytes = 0  # bytes copied to the host in forwards so far (tests compare the memory model)
-        self.moved_tensors = 0
         self._stream = None
         self._last: _Block | None = None
 
@@ -140,7 +139,6 @@ class HostOffload:
 
     def _copy_out(self, source: torch.Tensor) -> _Saved:
         self.moved_bytes += source.numel()
-        self.moved_tensors += 1
         if source.device.type != "cuda":  # the host is the device: a copy, nothing freed
             return _Saved(source.clone(), None)
         side, compute = self._side(source.device), torch.cuda.current_stream(source.device)
