@@ -3,7 +3,8 @@ processes:
 - 4 replica groups of 1, one SIGKILLed as step 3 begins (after its quorum formed, so the step fails in the others'
   all-reduce) and its replacement withheld 15 s: the job goes on as 3 groups, then back to 4 (elastic);
 - 2 groups of 2 (DDP inside each), one process SIGKILLed in step 5's backward;
-- parallel=zero1 in 2 groups of 2, one process SIGKILLed while step 5's all-reduce across groups runs;
+- parallel=zero1 in 2 groups of 2, one process SIGKILLed as step 5's all-reduce across groups begins
+  (before its part is sent, so the other group's all-reduce fails);
 - FSDP2 (parallel.shard=zero3) in 2 groups of 2 -- HSDP: sharded inside a group, replicated across groups -- one
   process SIGKILLed as step 5's forward begins;
 - ZeRO-2 (parallel.shard=zero2: FSDP2 keeping the gathered weights) on an HSDP mesh inside each of 2 groups of 2

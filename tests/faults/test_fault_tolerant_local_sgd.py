@@ -1,7 +1,7 @@
 """DiLoCo workers as replica groups (trainer.fault_tolerance with parallel=local_sgd; train/fault_tolerance/
 workers.py): 4 workers of 1 process, synced every 4 steps for 12 steps.
 
-- Worker 2 SIGKILLed as step 6 begins (between syncs) and worker 0 SIGKILLed while the sync at step 8 reduces:
+- Worker 2 SIGKILLed as step 6 begins (between syncs) and worker 0 SIGKILLed as the sync at step 8 begins to reduce:
   the survivors keep their processes, the sync at 8 commits nowhere until every worker is back, each replacement
   takes its worker's state at step 4 from the next worker in the ring and replays steps 5-8, and the synced model
   equals the same job without failures (fp32, 1e-5).

@@ -221,9 +221,11 @@ class ReplicaGroupMember:
         flat = torch.cat([g.reshape(-1) for g in pieces]) if pieces else torch.zeros(0, device=device)
         names = sorted(sums)
         losses = torch.stack([sums[n].double() for n in names]) if names else None
+        # fault drills: killed as its all-reduce across groups begins, before its part is sent, so the peers'
+        # all-reduce fails (after the send a small all-reduce can finish before the kill lands: a race)
+        inject("allreduce", self.trainer.rank, self.trainer.step + 1)
         work = self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
         loss_work = self.manager.allreduce(losses, reduce_op=torch.distributed.ReduceOp.SUM) if names else None
-        inject("allreduce", self.trainer.rank, self.trainer.step + 1)  # fault drills: the all-reduce is under way
         work.wait()
         if loss_work is not None:
             loss_work.wait()

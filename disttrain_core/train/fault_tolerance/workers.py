@@ -141,9 +141,8 @@ class WorkerReplicas:
         self._back_up(engine, step)
 
     def _allreduce(self, flat: torch.Tensor):
-        work = self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
-        inject("allreduce", self.rank, self.trainer.step + 1)  # fault drills: a sync's all-reduce is under way
-        return work
+        inject("allreduce", self.rank, self.trainer.step + 1)  # fault drills: before this worker's part is sent
+        return self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM)
 
     def _back_up(self, engine, step: int) -> None:
         """Serve this worker's synced state, copy the predecessor's and serve that for its replacement."""
