@@ -208,6 +208,9 @@ class ParallelConfig:
     # norms and residuals on 1/tp of the sequence, reduce-scatter + all-gather in place of all-reduces. false:
     # plain TP (the residual stream replicated over the TP group). parallel.comm.tp_overlap chunks it.
     sequence_parallel: bool = True
+    # Item-level rebalancing (OrchMLLM): each encoder's images, clips and frame groups spread evenly over its
+    # data-parallel replicas by an all-to-all, encoded there, their embeddings sent back (comm/item_balance.py)
+    rebalance_items: bool = False
     comm: CommConfig = field(default_factory=CommConfig)
     hotspa: HotSpaConfig = field(default_factory=HotSpaConfig)
     local_sgd: LocalSgdConfig = field(default_factory=LocalSgdConfig)

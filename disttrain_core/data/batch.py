@@ -36,6 +36,9 @@ class Batch:
     doc_ids: torch.Tensor | None = None  # [B, S] int64
     positions: torch.Tensor | None = None  # [B, S] int64
     keys: list[str] = field(default_factory=list)
+    # Item rebalancing (parallel.rebalance_items): the images, clips and frame groups of every data-parallel
+    # replica's block of this microbatch, by kind (image, clip, group); host integers, set by the trainer.
+    replica_items: dict[str, tuple[int, ...]] | None = None
     # Audio clips (model.audio_encoder): log-mel features of all samples' clips in order, and clips per sample.
     # Left out, a batch has none ([0, 1, 1] and zeros), as a text batch has no images.
     audio: torch.Tensor | None = None  # [A, n_mels, frames] float32
@@ -73,7 +76,7 @@ class Batch:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        return Batch(**moved, keys=list(self.keys))
+        return Batch(**moved, keys=list(self.keys), replica_items=self.replica_items)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self.map(lambda tensor: tensor.to(device, non_blocking=non_blocking))

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..data.batch import Batch
 from ..models.mllm import MultimodalLLM
+from .item_balance import encode_items
 from .stage_output import StageOutput
 from .units import AUDIO_GENERATOR_MODULES, AUDIO_MODULES, VIDEO_MODULES
 
@@ -69,7 +70,7 @@ class AudioEncoderStage(TowerStage):
     batch_fields = ("image_counts", "audio_counts", "audio")
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
-        return StageOutput(self.model.encode_audio(batch.audio).flatten(0, 1))
+        return StageOutput(encode_items(self, "clip", self.model.encode_audio, batch).flatten(0, 1))
 
 
 class VideoEncoderStage(TowerStage):
@@ -77,7 +78,7 @@ class VideoEncoderStage(TowerStage):
     batch_fields = ("image_counts", "video_counts", "video")
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
-        return StageOutput(self.model.encode_video(batch.video).flatten(0, 1))
+        return StageOutput(encode_items(self, "group", self.model.encode_video, batch).flatten(0, 1))
 
 
 class AudioGeneratorStage(SideStage):

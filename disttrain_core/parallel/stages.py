@@ -34,6 +34,7 @@ from ..models.mllm import MultimodalLLM
 from ..models.vit import vit_block_count
 from .context_parallel import SequenceSlices, scale_gradient
 from .generator_stages import GeneratorStage
+from .item_balance import encode_items
 from .side_stages import (
     AUDIO_GENERATION,
     AUDIO_TARGET_FIELDS,
@@ -123,6 +124,8 @@ class EncoderStage(nn.Module):
         self.batch_fields = encoder_stage_fields(self.is_first)
 
     def forward(self, inbound: torch.Tensor | None, batch: Batch) -> StageOutput:
+        if self.is_first and self.is_last:  # the whole tower: its images may be rebalanced over the replicas
+            return StageOutput(encode_items(self, "image", self.model.encode_images, batch).flatten(0, 1))
         vit = self.model.encoder
         x = vit.embed(batch.images) if self.is_first else inbound
         x = vit.run_blocks(x)
@@ -204,9 +207,16 @@ class LlmStage(nn.Module):
                 if cp is not None:  # the encoder units hear one CP rank
                     part = sum_gradient(part, cp.group)
                 received[name] = part.unsqueeze(0)  # embed_tokens fills the slots in order from any [n, P, D]
-            image_embeds = m.encode_images(batch.images) if m.encoder is not None else received.get("encoder")
-            audio_embeds = m.audio_embeddings(batch) if m.audio_encoder is not None else received.get("audio_encoder")
-            video_embeds = m.video_embeddings(batch) if m.video_encoder is not None else received.get("video_encoder")
+            image_embeds = audio_embeds = video_embeds = None
+            if m.encoder is not None:  # colocated towers (their items may be rebalanced over the replicas)
+                image_embeds = encode_items(self, "image", m.encode_images, batch)
+            if m.audio_encoder is not None:
+                audio_embeds = encode_items(self, "clip", m.encode_audio, batch)
+            if m.video_encoder is not None:
+                video_embeds = encode_items(self, "group", m.encode_video, batch)
+            image_embeds = received.get("encoder", image_embeds)
+            audio_embeds = received.get("audio_encoder", audio_embeds)
+            video_embeds = received.get("video_encoder", video_embeds)
             hidden = m.embed_tokens(batch.tokens, image_embeds, audio_embeds, video_embeds)
             if cp is not None:
                 hidden = cp.slice(hidden)

@@ -79,7 +79,10 @@ class Evaluation:
             samples += sum(mb.gen_samples() for mb in microbatches)
             if self.broker is not None:
                 self.broker.count_items(microbatches)
-            sums += self.engine.evaluate(microbatches if hotspa else self._replica_share(microbatches, self.dp_rank))
+            local = (
+                microbatches if hotspa else self._with_replica_items(self._replica_share(microbatches, self.dp_rank))
+            )
+            sums += self.engine.evaluate(local)
         lm_sum, gen_sum = sums.tolist()  # a host read, off the training steps
         lm = lm_sum / max(tokens, 1.0)
         metrics = {"val/lm_loss": lm, "val/ppl": math.exp(min(lm, 80.0))}

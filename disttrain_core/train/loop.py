@@ -102,7 +102,12 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
         # trainer.fault_tolerance: the replica groups of a quorum split each whole step between them
         self.fault_tolerant = cfg.trainer.fault_tolerance.enabled
         self.global_stream = (
-            len(self.layout.units) > 1 or self.producer or self.packing or self.token_file or self.fault_tolerant
+            len(self.layout.units) > 1
+            or self.producer
+            or self.packing
+            or self.token_file
+            or self.fault_tolerant
+            or cfg.parallel.rebalance_items  # every replica's item counts, without asking the others
         )
         self.audio_data = not (self.packing or self.token_file)  # samples that may carry audio members
         self.tokenizer = tokenizer_for(cfg)

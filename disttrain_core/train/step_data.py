@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.batch import Batch
+from ..parallel.item_balance import replica_items
 from .engine import GlobalCounts, to_device
 
 
@@ -58,7 +59,21 @@ class StepData:
         return getattr(self.loader, "summary", None) if self.producer else None
 
     def _local_microbatches(self, microbatches: list[Batch]) -> list[Batch]:
-        """The samples this process works on: its unit replica's block of every global microbatch."""
+        """The samples this process works on: its unit replica's block of every global microbatch (with every
+        replica's item counts under parallel.rebalance_items)."""
+        return self._with_replica_items(self._share_of_step(microbatches))
+
+    def _with_replica_items(self, local: list[Batch]) -> list[Batch]:
+        """parallel.rebalance_items: each microbatch's images, clips and frame groups per replica of this process's
+        unit (from the broker's per-sample counts of the step), which the balanced encodes plan from."""
+        if not self.cfg.parallel.rebalance_items or self.broker is None:
+            return local
+        blocks = [self.unit.block(r, self.slot_samples) for r in range(self.unit.dp)]
+        for k, mb in enumerate(local):
+            mb.replica_items = replica_items(self.broker.counts, k, blocks)
+        return local
+
+    def _share_of_step(self, microbatches: list[Batch]) -> list[Batch]:
         summary = self._summary()
         if summary is not None:  # the producer sent this block only
             if self.broker is not None:

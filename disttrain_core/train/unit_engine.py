@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning_fabric import Fabric
 
 from ..comm.engine import MODES
+from ..comm.item_balance import BalanceLedger
 from ..comm.p2p import Channels
 from ..comm.partial_grads import PartialGradients
 from ..comm.trace import CommTrace
@@ -28,6 +29,7 @@ from ..parallel.broker import CommBroker
 from ..parallel.context_parallel import context_mode
 from ..parallel.expert_parallel import configure_moe
 from ..parallel.fsdp import FsdpStepSync, ShardedOptimizer, apply_fsdp, fsdp_modules, unit_meshes
+from ..parallel.item_balance import EncoderBalance
 from ..parallel.recompute import BLOCKS
 from ..parallel.stages import build_rank_stages, fields_read
 from ..parallel.tensor_parallel import sequence_parallel_partial_params
@@ -84,6 +86,12 @@ class UnitEngine(Engine):
         self.row = rows_of_units[self.unit.name][self.pp_rank]
         self.wire_dtype = wire_dtype(cfg, fabric.device.type)
         mesh = self._build_stages(tokenizer, rows_of_units)
+        self.balance_ledger = None
+        if cfg.parallel.rebalance_items and self.unit.dp > 1:  # each stage's encodes spread over its replicas
+            self.balance_ledger = BalanceLedger()
+            balance = EncoderBalance(self.groups.data_parallel, self.dp_rank, self.balance_ledger)
+            for stage in self.stages.values():
+                stage.item_balance = balance
         import_pretrained(cfg, tokenizer, [stage.model for stage in self.stages.values()])
         # MoE aux terms: balanced over the ranks that share a global microbatch's tokens (data x context),
         # averaged over the step's microbatches (gradients are summed over those ranks).
@@ -182,6 +190,10 @@ class UnitEngine(Engine):
 
     def models(self) -> list[torch.nn.Module]:
         return [stage.model for stage in self.stages.values()]
+
+    def window_metrics(self, seconds: float, steps: int) -> dict[str, float]:
+        """parallel.rebalance_items: this unit's balanced encodes since the last log (comm/item_balance.py)."""
+        return {} if self.balance_ledger is None else self.balance_ledger.metrics(steps)
 
     def called_modules(self) -> list[torch.nn.Module]:
         return list(self.stages.values())  # the executor calls the stages, which run parts of their models

@@ -9,6 +9,7 @@ from ..parallel.units import UNIT_NAMES
 from ..schedule.generators import SPLIT_BACKWARD
 from .common import ConfigError, _require, world_size
 from .float8 import check_float8_layout
+from .item_balance import check_item_balance
 from .offload import check_unit_offload, check_unit_saved_activations, validate_offload_settings
 from .unit_shapes import validate_moe_unit, validate_unit_pp, validate_unit_tp
 
@@ -326,6 +327,8 @@ def check_layout(cfg: Config, layout) -> None:
     )
     for unit in layout.units:
         _validate_unit(cfg, unit)
+    if p.rebalance_items:
+        check_item_balance(cfg, layout)
     check_float8_layout(cfg, layout)
     _require(
         p.sequence_parallel or not p.comm.tp_overlap,

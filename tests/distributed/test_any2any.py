@@ -89,6 +89,12 @@ def test_one_process_trains_with_a_video_tower(video_reference):
         ),
         # the video tower in the LLM unit's first stage, tensor-parallel with it (tp=2)
         pytest.param(["parallel=disagg4_tp2"], id="colocated_tp2"),
+        # every tower in the LLM's first stage at dp=2, its images, clips and frame groups rebalanced over the two
+        # replicas (parallel.rebalance_items; comm/item_balance.py)
+        pytest.param(
+            ["trainer.devices=2", "parallel.shard=zero1", "parallel.rebalance_items=true"],
+            id="colocated_dp2_rebalanced",
+        ),
     ],
 )
 def test_video_tower_layouts_match_one_process(layout, video_reference, any2any_shards, tmp_path):
