@@ -31,6 +31,15 @@ per 4 frames, and the frame counts vary from sample to sample (the skew the reor
   disagg2_video_reorder  disagg2_video with the decoding in a data producer that reorders every global batch
                          (docs/DATA.md): DistTrain whole
 
+Item rebalancing (parallel.rebalance_items: each encoder's items spread evenly over its data-parallel replicas by an
+all-to-all) against DistTrain's reordering, on 2 processes holding the whole model each (ZeRO-1) and reading the same
+global batches from a data producer: ``dp2_arrival`` (arrival order), ``dp2_reordered`` (Algorithms 2 and 3),
+``dp2_rebalanced``, ``dp2_reordered_rebalanced``; beside ``dp2_zero1``, the rigid data-parallel layout reading its own
+shards (the audio and video workloads offer ``dp2_arrival`` and ``dp2_rebalanced``). On 4 processes:
+``disagg4_enc2_llm2_rebalanced`` and ``megatron_folded_pp2_dp2_rebalanced``. On the image workload each prediction
+also comes straggler-adjusted (planner/stragglers.py on the shards' own images-per-sample law, the layout's
+reordering and rebalancing).
+
 Layouts on 2 processes:
   disagg2              encoder unit | LLM unit with the generator colocated, 1F1B
   disagg2_gen          LLM unit with the encoder colocated | generator unit, 1F1B
@@ -99,7 +108,20 @@ LAYOUTS = {
     "megatron_folded_pp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=2"],
     "megatron_folded_tp2": ["parallel=pp2", "parallel.pp=1", "parallel.tp=2", "trainer.devices=2"],
     "ddp": ["parallel=dp", "trainer.devices=2"],
+    # the whole model on each of 2 ranks (ZeRO-1), each reading its own shards: the rigid data-parallel layout
+    "dp2_zero1": ["parallel=zero1", "trainer.devices=2"],
 }
+# The same on global batches from a data producer (every variant reads the same samples): in arrival order, reordered
+# (DistTrain's Algorithms 2 and 3), its encoder's images rebalanced over both replicas, and both.
+ARRIVAL = ["data.producer.workers=1", "data.producer.reorder.intra=false", "data.producer.reorder.inter=false"]
+REBALANCED = ["parallel.rebalance_items=true"]
+LAYOUTS["dp2_arrival"] = [*LAYOUTS["dp2_zero1"], *ARRIVAL]
+LAYOUTS["dp2_reordered"] = [*LAYOUTS["dp2_zero1"], "data.producer.workers=1"]
+LAYOUTS["dp2_rebalanced"] = [*LAYOUTS["dp2_arrival"], *REBALANCED]
+LAYOUTS["dp2_reordered_rebalanced"] = [*LAYOUTS["dp2_reordered"], *REBALANCED]
+# Under FSDP2 (zero3) the replicas meet at every block's gather already: the exchange adds no new meeting point
+LAYOUTS["dp2_fsdp_arrival"] = ["parallel.shard=zero3", "trainer.devices=2", *ARRIVAL]
+LAYOUTS["dp2_fsdp_rebalanced"] = [*LAYOUTS["dp2_fsdp_arrival"], *REBALANCED]
 LAYOUTS_4 = {
     "disagg4_enc2_llm2": [
         "parallel=disagg2",
@@ -110,6 +132,8 @@ LAYOUTS_4 = {
     "disagg4_enc2": ["parallel=disagg4_enc2"],
     "megatron_folded_pp2_dp2": ["parallel=pp2", "schedule=1f1b", "trainer.devices=4"],
 }
+LAYOUTS_4["disagg4_enc2_llm2_rebalanced"] = [*LAYOUTS_4["disagg4_enc2_llm2"], *REBALANCED]
+LAYOUTS_4["megatron_folded_pp2_dp2_rebalanced"] = [*LAYOUTS_4["megatron_folded_pp2_dp2"], *REBALANCED]
 # The audio workload: every sample has a 1 s clip; the tower is 384 wide and 10 blocks deep.
 MODEL_AUDIO = [
     "model=any2any_tiny",
@@ -127,6 +151,8 @@ LAYOUTS_AUDIO = {
         "parallel.units.audio_encoder.colocate=false",
     ],
     "megatron_folded_pp2": LAYOUTS["megatron_folded_pp2"],
+    "dp2_arrival": LAYOUTS["dp2_arrival"],
+    "dp2_rebalanced": LAYOUTS["dp2_rebalanced"],  # the images and clips of both replicas rebalanced
 }
 # The video workload: half the images are videos of 2..16 frames, all given to a video tower 256 wide and 5 blocks
 # deep that averages groups of 4 frames (64 <video> positions for 16 frames): many frames, few LLM tokens.
@@ -157,9 +183,17 @@ LAYOUTS_VIDEO = {
 }
 # DistTrain whole: the tower's unit, and the decoding in a data producer that reorders each global batch (docs/DATA.md)
 LAYOUTS_VIDEO["disagg2_video_reorder"] = [*LAYOUTS_VIDEO["disagg2_video"], "data.producer.workers=1"]
+LAYOUTS_VIDEO["dp2_arrival"] = LAYOUTS["dp2_arrival"]
+LAYOUTS_VIDEO["dp2_rebalanced"] = LAYOUTS["dp2_rebalanced"]  # the images and frame groups rebalanced
+# The layouts compared with the baseline (each ratio is one of them over it, measured in the same alternation).
 DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2_llm2", "disagg4_enc2", "disagg2_audio", "disagg2_video"}
-DISAGGREGATED.add("disagg2_video_reorder")
+DISAGGREGATED |= {"disagg2_video_reorder", "dp2_zero1", "dp2_arrival", "dp2_reordered", "dp2_rebalanced"}
+DISAGGREGATED |= {"dp2_reordered_rebalanced", "disagg4_enc2_llm2_rebalanced", "megatron_folded_pp2_dp2_rebalanced"}
+DISAGGREGATED |= {"dp2_fsdp_arrival", "dp2_fsdp_rebalanced"}
 BASELINES = {2: "megatron_folded_pp2", 4: "megatron_folded_pp2_dp2"}
+# Rigid layouts: every module with the same data, tensor and pipeline parallel sizes (the strongest measured one is
+# the other reference of each run)
+RIGID = {"megatron_folded_pp2", "megatron_folded_tp2", "ddp", "dp2_zero1", "megatron_folded_pp2_dp2"}
 DEFAULT_LAYOUTS = {2: "disagg2,megatron_folded_pp2", 4: "disagg4_enc2_llm2,megatron_folded_pp2_dp2"}
 # The side-tower workloads (2 processes only): model, data, layouts, default layouts, file prefix.
 TOWER_WORKLOADS = {
@@ -211,7 +245,20 @@ def predicted_step_s(data_dir: Path, options: dict, layout: list[str]) -> dict:
     model = build_layout_model(cfg, devices=int(options["processes"]), progress=lambda *_: None)
     evaluation = model.evaluate(*choices_of_config(cfg))
     stages = [round(t, 4) for _, t in evaluation.stage_times]
-    return {"predicted_step_s": evaluation.iteration_s, "predicted_stage_s": stages}
+    out = {"predicted_step_s": evaluation.iteration_s, "predicted_stage_s": stages}
+    if options["workload"] == "image":  # the images per sample vary: the straggler model on the shards' own law
+        from disttrain_core.planner.stragglers import pipeline_of, straggler_factor, synthetic_law
+
+        producer, order = cfg.data.producer, cfg.data.producer.reorder
+        reorder = (producer.address is not None or int(producer.workers) > 0) and bool(order.intra or order.inter)
+        factor = straggler_factor(
+            pipeline_of(model, evaluation),
+            synthetic_law(cfg.data.synthetic),
+            reorder,
+            rebalance=cfg.parallel.rebalance_items,
+        ).factor
+        out.update(straggler_factor=factor, predicted_skewed_step_s=evaluation.iteration_s * factor)
+    return out
 
 
 def measure(run_dir: Path, data_dir: Path, options: dict, layout: list[str], out: Path) -> dict:
@@ -316,6 +363,8 @@ def main(argv: list[str]) -> int:
             if options["predict"] == "true":
                 entry.update(predicted_step_s(data_dir, options, layout))
                 entry["predicted_over_measured"] = entry["predicted_step_s"] / entry["step_time_s"]
+                if "predicted_skewed_step_s" in entry:
+                    entry["skewed_predicted_over_measured"] = entry["predicted_skewed_step_s"] / entry["step_time_s"]
             results["layouts"][name] = entry
     ratios = {
         name: [d["samples_per_s"] / b["samples_per_s"] for d, b in zip(runs[name], runs[baseline], strict=True)]
@@ -326,6 +375,24 @@ def main(argv: list[str]) -> int:
     results["disaggregated_over_megatron"] = statistics.median(ratios[best])
     results["ratio_runs"] = {n: [round(r, 4) for r in v] for n, v in ratios.items()}
     results["ratio_spread"] = [min(ratios[best]), max(ratios[best])]
+    # Over the strongest rigid layout measured (by median throughput), not only the Megatron pipeline baseline
+    rigid = [n for n in chosen if n in RIGID]
+    if rigid:
+        strongest = max(rigid, key=lambda n: results["layouts"][n]["samples_per_s"])
+        challengers = [n for n in ratios if n not in RIGID]
+        if challengers:
+            over = {
+                n: [d["samples_per_s"] / r["samples_per_s"] for d, r in zip(runs[n], runs[strongest], strict=True)]
+                for n in challengers
+            }
+            top = max(over, key=lambda n: statistics.median(over[n]))
+            results["strongest_rigid"] = strongest
+            results["best_over_strongest_rigid"] = {
+                "layout": top,
+                "median": statistics.median(over[top]),
+                "spread": [min(over[top]), max(over[top])],
+                "runs": {n: [round(r, 4) for r in v] for n, v in over.items()},
+            }
     if options["predict"] == "true":
         layouts = results["layouts"]
         predicted = layouts[baseline]["predicted_step_s"] / layouts[best]["predicted_step_s"]

@@ -339,7 +339,7 @@ class PlannerConfig:
     offload: bool = False
     dp_overlap: float = 0.0  # share of ZeRO-1 traffic hidden behind compute (0: charged in full; docs/PLANNER.md)
     memory_margin: float = 0.9  # plan to this share of device memory
-    baselines: bool = True  # also evaluate the Megatron and FLOPs-proportional layouts
+    baselines: bool = True  # also evaluate the Megatron (best, and as the paper ran it) and FLOPs-proportional ones
     # measured on this machine: under $DISTTRAIN_MEASURED_CACHE when set (base/disk_cache.py), else $DISTTRAIN_CACHE
     profile_cache: str = (
         "${oc.env:DISTTRAIN_MEASURED_CACHE,${oc.env:DISTTRAIN_CACHE,${oc.env:HOME,/tmp}/.cache/disttrain}}/profiles"

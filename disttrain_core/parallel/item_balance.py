@@ -34,7 +34,8 @@ class EncoderBalance:
             )
         plan = ItemPlan.of(counts, self.rank)
         out = plan.encode(encode, items, self.group)
-        self.ledger.add(plan, _row_bytes(items), _row_bytes(out))
+        if torch.is_grad_enabled():  # training steps only (validation runs without gradients)
+            self.ledger.add(plan, _row_bytes(items), _row_bytes(out))
         return out
 
 

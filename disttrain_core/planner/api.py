@@ -215,7 +215,7 @@ def make_plan(
         raise PlanningError(f"planner.solver={cfg.planner.solver!r}: allowed values are algorithm1 and exhaustive")
     plan = solver.solve() if cfg.planner.solver == "algorithm1" else exhaustive(solver)
     if cfg.planner.baselines:
-        for baseline in (megatron(solver), flops_proportional(solver)):
+        for baseline in (megatron(solver), megatron(solver, as_paper=True), flops_proportional(solver)):
             if baseline is not None:
                 plan.baselines[baseline.name] = baseline
     summary = {

@@ -44,19 +44,25 @@ def exhaustive(solver: Orchestrator) -> Plan:
     return Plan("exhaustive", best, N, time.perf_counter() - started, count)
 
 
-def megatron(solver: Orchestrator) -> Plan | None:
+def megatron(solver: Orchestrator, as_paper: bool = False) -> Plan | None:
     """The rigid layout: every module with the LLM's DP and TP; encoder and generator either
     folded into the first / last LLM stage (Megatron-LM's multimodal example) or one extra
     stage each. The best DP/TP/PP of both. As the runtime's megatron layout does
-    (parallel/plan.py), an extra modality stage takes the LLM's CP ranks as data-parallel replicas."""
+    (parallel/plan.py), an extra modality stage takes the LLM's CP ranks as data-parallel replicas.
+
+    ``as_paper``: Megatron-LM as the DistTrain paper ran it (its section 2.1 and Figure 2): the encoder and the
+    generator one extra stage each, the LLM's layers split evenly (unless parallel.pp_split says otherwise), no
+    virtual stages and no context parallelism; the paper lists no DP/TP/PP of its own, so the best of those."""
     started = time.perf_counter()
     best = None
     count = 0
     for opt in solver.llm_options():
+        if as_paper and (opt.vpp != 1 or opt.cp != 1):
+            continue
         tp, side_dp = opt.tp, opt.dp * opt.cp
         for pl in solver.llm_pp_options(opt.vpp, opt.dp):
             llm = opt.choice(pl)
-            for separate in (False, True):
+            for separate in (True,) if as_paper else (False, True):
                 if separate and not (solver.has_enc or solver.has_gen):
                     continue
                 if separate and (solver.m.micro * opt.dp) % side_dp:
@@ -72,7 +78,8 @@ def megatron(solver: Orchestrator) -> Plan | None:
                     best = result
     if best is None:
         return None
-    return Plan("megatron", best, solver.m.devices, time.perf_counter() - started, count)
+    name = "megatron_paper" if as_paper else "megatron"
+    return Plan(name, best, solver.m.devices, time.perf_counter() - started, count)
 
 
 def flops_proportional(solver: Orchestrator) -> Plan | None:

@@ -38,6 +38,11 @@ averaged:
    the one with the most images (``candidate_ranks``), so the maximum over ranks may miss a rank that the
    estimate ranks lower.
 
+5. **Rebalanced** (``rebalance``; parallel.rebalance_items, comm/item_balance.py): the encoder's replicas share
+   each slot's items evenly, so every LLM rank waits for ``ceil(items / replicas)`` images, plus the exchange of the
+   busiest sender or receiver (``Pipeline.exchange_s_per_item``: an embedding forward and its gradient back over the
+   encoder's DP links; the pixels sent are left out, a few percent of an embedding's bytes).
+
 The **straggler factor** is the mean over the sampled batches of that iteration time over the iteration
 time with every microbatch at the mean; the layout's straggler-adjusted iteration time is the evaluation's
 ``iteration_s`` times it.
@@ -108,6 +113,16 @@ def truncated_geometric_law(mean: float, most: int) -> ImageCountLaw:
     )
 
 
+def synthetic_law(cfg) -> ImageCountLaw:
+    """Images per sample of the embedded generator's shards (data/synthetic.py; ``cfg``: data.synthetic): 0 with
+    probability text_only_fraction, else geometric with images_geometric_p on 1.. truncated at max_images."""
+    p, most, none = float(cfg.images_geometric_p), int(cfg.max_images), float(cfg.text_only_fraction)
+    geometric = [(1 - p) ** (n - 1) * p for n in range(1, most)] + [(1 - p) ** (most - 1)]
+    counts = (0, *range(1, most + 1))
+    probabilities = (none, *((1 - none) * q for q in geometric))
+    return ImageCountLaw(counts, probabilities, f"synthetic: {none:g} none, geometric p={p:g} on 1..{most}")
+
+
 def most_images(preset, seq_len: int, patch_size: int) -> int:
     """The most images of ``preset`` whose patches (every tile's) fit a sequence of ``seq_len`` tokens."""
     patches = (preset.encoder_px // patch_size) ** 2 * preset.tiles
@@ -136,6 +151,9 @@ class Pipeline:
     llm_dp: int
     encoder_dp: int  # replicas sharing a slot's samples for the encoder work
     unit_dps: tuple[int, ...]  # the DP size of every unit with its own devices (the reordering grid)
+    # parallel.rebalance_items: seconds one moved item adds on the busiest replica (its embedding sent back in the
+    # forward, its gradient out in the backward, over the encoder's data-parallel links)
+    exchange_s_per_item: float = 0.0
 
     @property
     def stages(self) -> int:
@@ -163,7 +181,12 @@ def pipeline_of(model: LayoutModel, evaluation: Evaluation) -> Pipeline:
     # so the mean-load simulation still reproduces the evaluation and stragglers scale the same stage times.
     tail = evaluation.iteration_s - sum(seconds) - (m - 1) * max(seconds)
     dps = tuple(sorted({ch.dp for ch in choices.values() if not ch.colocated}))
-    return Pipeline(tuple(seconds), tuple(varying), tail, m, model.micro * llm.dp, llm.dp, encoder_dp, dps)
+    exchange = 0.0
+    if encoder is not None and model.images(1.0) > 0:
+        per_item = model.c.boundary_bytes("encoder", 1.0) / model.w.units["encoder"].items_per_sample
+        span = encoder_dp * (llm.tp if encoder.colocated else encoder.tp)
+        exchange = 2.0 * per_item / model.c.link_bw(span)
+    return Pipeline(tuple(seconds), tuple(varying), tail, m, model.micro * llm.dp, llm.dp, encoder_dp, dps, exchange)
 
 
 # ------------------------------------------------------------------------------------------ batches, orders
@@ -209,12 +232,21 @@ def batches_for(pipeline: Pipeline, law: ImageCountLaw, reorder: bool, batches: 
 
 
 # ---------------------------------------------------------------------------------------- iteration times
-def load_scales(pipeline: Pipeline, images: np.ndarray, mean_images: float) -> np.ndarray:
+def load_scales(pipeline: Pipeline, images: np.ndarray, mean_images: float, rebalance: bool = False) -> np.ndarray:
     """``(dp_llm, m)``: each LLM rank's encoder time per slot over its time at the mean load -- the slowest
-    of the encoder replicas holding its samples (their loads over the mean load of a replica)."""
+    of the encoder replicas holding its samples (their loads over the mean load of a replica). Rebalanced
+    (parallel.rebalance_items, comm/item_balance.py): every replica encodes ``ceil(slot's items / replicas)``
+    at most, and the busiest sender or receiver's exchange is added; every LLM rank then waits the same."""
     m, per_slot = images.shape
     enc_dp, llm_dp = pipeline.encoder_dp, pipeline.llm_dp
-    loads = images.reshape(m, enc_dp, per_slot // enc_dp).sum(axis=2) / (mean_images * (per_slot // enc_dp))
+    held = images.reshape(m, enc_dp, per_slot // enc_dp).sum(axis=2)
+    mean_load = mean_images * (per_slot // enc_dp)
+    if rebalance:
+        most = -(-held.sum(axis=1) // enc_dp)  # ceil: the fullest replica after balancing
+        moved = np.abs(held - held.sum(axis=1, keepdims=True) / enc_dp).max(axis=1)
+        exchange = moved * pipeline.exchange_s_per_item / max(pipeline.varying)
+        return np.broadcast_to(most / mean_load + exchange, (llm_dp, m)).copy()
+    loads = held / mean_load
     scales = np.empty((llm_dp, m))
     for d in range(llm_dp):
         first = d * per_slot // llm_dp
@@ -263,10 +295,10 @@ def candidate_ranks(times: np.ndarray, scales: np.ndarray, count: int = CANDIDAT
     return ranked + ([heaviest] if heaviest not in ranked else [])
 
 
-def sampled_iteration(pipeline: Pipeline, images: np.ndarray, mean_images: float) -> float:
+def sampled_iteration(pipeline: Pipeline, images: np.ndarray, mean_images: float, rebalance: bool = False) -> float:
     """Seconds of one iteration on the ``(m, B)`` batch ``images``: the slowest LLM rank's simulated
     makespan plus the tail."""
-    scales = load_scales(pipeline, images, mean_images)
+    scales = load_scales(pipeline, images, mean_images, rebalance)
     times = stage_table(pipeline, scales)
     slowest = max(simulated_makespan(times[d]) for d in candidate_ranks(times, scales))
     return slowest + pipeline.tail_s
@@ -284,6 +316,7 @@ class StragglerResult:
     factors: tuple[float, ...]
     mean_iteration_s: float  # simulated, every microbatch at the mean
     reorder: bool
+    rebalance: bool = False
 
     def as_dict(self) -> dict:
         return {
@@ -291,20 +324,27 @@ class StragglerResult:
             "worst_batch": max(self.factors),
             "batches": len(self.factors),
             "reordered": self.reorder,
+            "rebalanced": self.rebalance,
         }
 
 
 @lru_cache(maxsize=512)
 def straggler_factor(
-    pipeline: Pipeline, law: ImageCountLaw, reorder: bool, batches: int = BATCHES, seed: int = SEED
+    pipeline: Pipeline,
+    law: ImageCountLaw,
+    reorder: bool,
+    batches: int = BATCHES,
+    seed: int = SEED,
+    rebalance: bool = False,
 ) -> StragglerResult:
-    """The expected straggler factor of a layout under ``law`` (see the module docstring); cached, since the
-    plan and the rigid layout are often the same layout."""
+    """The expected straggler factor of a layout under ``law`` (see the module docstring), its batches reordered
+    or not, its encoders' items rebalanced or not; cached, since the plan and the rigid layout are often the same
+    layout."""
     if not law.skewed or not any(pipeline.varying):  # every microbatch at the mean: nothing to simulate
-        return StragglerResult(1.0, (1.0,) * batches, float("nan"), reorder)
+        return StragglerResult(1.0, (1.0,) * batches, float("nan"), reorder, rebalance)
     reference = mean_iteration(pipeline)
     factors = tuple(
-        sampled_iteration(pipeline, table, law.mean) / reference
+        sampled_iteration(pipeline, table, law.mean, rebalance) / reference
         for table in batches_for(pipeline, law, reorder, batches, seed)
     )
-    return StragglerResult(float(np.mean(factors)), factors, reference, reorder)
+    return StragglerResult(float(np.mean(factors)), factors, reference, reorder, rebalance)

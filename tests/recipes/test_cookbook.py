@@ -156,6 +156,15 @@ BENCHMARKS = {
         "samples_per_shard=16",
         "global_batch=8",
     ],
+    "python tools/bench_layouts.py layouts=megatron_folded_pp2,dp2_zero1,dp2_arrival,dp2_reordered,dp2_rebalanced,"
+    "dp2_reordered_rebalanced repeats=3": [
+        "layouts=dp2_rebalanced,megatron_folded_pp2",
+        "steps=2",
+        "repeats=1",
+        "predict=false",
+        "samples_per_shard=16",
+        "global_batch=8",
+    ],
     "python tools/bench_reorder.py": ["measure=false", "groups=16,64", "trials=1"],
     "python tools/regime.py": ["models=mllm9b", "gpus=256", "presets=laion_pairs,gen_512"],
     "sudo python tools/bench_overlap.py": ["network=loopback", "cycles=2", "block=2", "rounds=1"],
