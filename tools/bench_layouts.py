@@ -271,10 +271,8 @@ def measure(run_dir: Path, data_dir: Path, options: dict, layout: list[str], out
         "losses": [round(m["loss"], 4) for m in metrics if "loss" in m],
     }
     reports = [json.loads(p.read_text()) for p in sorted((run_dir / "timelines").glob("step_*.json"))]
-    if reports:
-        tower = TOWER_WORKLOADS.get(options["workload"])
-        prefix = f"{tower[4]}_" if tower else "layouts_"
-        picture = out.parent / f"{prefix}{run_dir.name}.png"
+    if reports:  # named after the results file (bench_layouts_video.json -> layouts_video_<layout>.png)
+        picture = out.parent / f"{out.stem.removeprefix('bench_')}_{run_dir.name}.png"
         shutil.copy(reports[-1]["png"], picture)
         entry["picture"] = str(picture.relative_to(REPO_ROOT) if picture.is_relative_to(REPO_ROOT) else picture)
         entry["simulated_bubble_fraction"] = statistics.median(
