@@ -105,18 +105,12 @@ class ItemPlan:
     def _outbound_order(self, items: torch.Tensor) -> torch.Tensor:
         """This rank's items grouped by destination rank, ascending: its kept prefix at its own place."""
         kept, lower = self._split()
-        if lower == 0:
-            return items
-        rest = items.shape[0] - kept - lower
-        return torch.cat([items.narrow(0, kept, lower), items.narrow(0, 0, kept), items.narrow(0, kept + lower, rest)])
+        return _swap_front(items, kept, lower)
 
     def _own_order(self, rows: torch.Tensor) -> torch.Tensor:
         """The inverse of ``_outbound_order``, on the outputs returned per item."""
         kept, lower = self._split()
-        if lower == 0:
-            return rows
-        rest = rows.shape[0] - kept - lower
-        return torch.cat([rows.narrow(0, lower, kept), rows.narrow(0, 0, lower), rows.narrow(0, kept + lower, rest)])
+        return _swap_front(rows, lower, kept)
 
     def encode(self, encode: Callable[[torch.Tensor], torch.Tensor], items: torch.Tensor, group) -> torch.Tensor:
         """``encode(items)`` with the work spread over the group: returns this rank's items' outputs, in order."""
@@ -124,6 +118,15 @@ class ItemPlan:
             raise ValueError(f"rank {self.rank} holds {items.shape[0]} items, its plan counts {sum(self.send)}")
         held = all_to_all(self._outbound_order(items), self.send, self.receive, group)
         return self._own_order(all_to_all(encode(held), self.receive, self.send, group))
+
+
+def _swap_front(rows: torch.Tensor, first: int, second: int) -> torch.Tensor:
+    """``rows`` = [A (first rows) | B (second rows) | rest] -> [B | A | rest]; ``rows`` itself when A or B is
+    empty."""
+    if first == 0 or second == 0:
+        return rows
+    rest = rows.shape[0] - first - second
+    return torch.cat([rows.narrow(0, first, second), rows.narrow(0, 0, first), rows.narrow(0, first + second, rest)])
 
 
 def moved_bytes(plan: ItemPlan, item_bytes: int, output_bytes: int) -> int:
