@@ -23,16 +23,16 @@ def check_item_balance(cfg: Config, layout) -> None:
         f"{key} with parallel.mode={mode}: rebalancing is built for the ddp, megatron and manual layouts (HotSPa "
         "strategies and local-SGD workers encode their own items); set parallel.rebalance_items=false",
     )
-    _require(
-        not layout.trains_with_ddp(),
-        f"{key}: torch DDP runs the whole model as one module, with no stage to rebalance in; shard the state "
-        "(parallel.shard=zero1, or parallel=zero1)",
-    )
     replicas = {name: layout.unit(name) if layout.has_unit(name) else layout.llm for name in towers}
     _require(
         any(unit.dp > 1 for unit in replicas.values()),
         f"{key}: every encoder runs in one data-parallel replica ({', '.join(towers)}: dp=1), so there is nothing "
         "to balance; set parallel.rebalance_items=false",
+    )
+    _require(
+        not layout.trains_with_ddp(),
+        f"{key}: torch DDP runs the whole model as one module, with no stage to rebalance in; shard the state "
+        "(parallel.shard=zero1, or parallel=zero1)",
     )
     for name, unit in replicas.items():
         _require(
