@@ -149,7 +149,7 @@ def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
     (interleaved, V). Several units: one row per pipeline stage of every unit, in data-flow order, and
     one stage per row but the LLM's under interleaved_1f1b (``schedule.vpp`` stages per LLM row).
     """
-    from ..schedule.actions import Schedule
+    from ..schedule.actions import Schedule, drop_backward
     from ..schedule.generators import build_schedule, interleaved_units
 
     rows = len(layout.rows)
@@ -166,9 +166,27 @@ def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
         vpp = cfg.schedule.vpp
         groups = [[layout.units[u] for u in group] for group in branch_groups(layout.units)]
         units = [(group[0].pp, vpp if group[0].name == "llm" else 1) for group in groups]
-        return interleaved_units(units, microbatches)
-    vpp = cfg.schedule.vpp if len(layout.units) == 1 else 1
-    return build_schedule(cfg.schedule.name, rows, microbatches, vpp)
+        schedule = interleaved_units(units, microbatches)
+    else:
+        vpp = cfg.schedule.vpp if len(layout.units) == 1 else 1
+        schedule = build_schedule(cfg.schedule.name, rows, microbatches, vpp)
+    return drop_backward(schedule, forward_only_stages(cfg.model, layout, schedule))
+
+
+def forward_only_stages(model, layout: UnitLayout, schedule) -> int:
+    """How many leading stages run forwards only: those of the leading pipeline rows whose every unit holds only
+    frozen modules (model.freeze: a frozen encoder unit before a trainable LLM), ended by the first row with a
+    trainable module. Their backward would compute nothing (parallel/stages.py gives them no trainable input)."""
+    frozen_rows = 0
+    for places in layout.rows:
+        modules = {m for u, _ in places for m in layout.units[u].modules if getattr(model, m, None) is not None}
+        if not modules or not all(getattr(model.freeze, m) for m in modules):
+            break
+        frozen_rows += 1
+    if frozen_rows == len(layout.rows):  # nothing trains: validation's business, the schedule stays whole
+        return 0
+    stages = sorted(s for row in range(frozen_rows) for s in schedule.stages_of(row))
+    return len(stages) if stages == list(range(len(stages))) else 0
 
 
 def validate_pipeline(layout: UnitLayout, schedule, samples_per_microbatch: int) -> None:

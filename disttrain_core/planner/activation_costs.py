@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+from ..parallel.units import ENCODER_UNITS
 from .memory import ModelState, model_state, transient_bytes, unit_model_state
 
 
@@ -128,6 +129,8 @@ class MemoryCosts:
         sequence and so 1/cp of every tensor (ring attention saves what flash attention does: its q, k, v,
         output and log-sum-exp). ``auto`` without a unit's choice: the least any policy it may choose keeps (a
         bound)."""
+        if self.forward_only(unit):
+            return 0.0
         if (policy or self.settings.recompute) == "auto":
             least = ("full", *(() if self.settings.sequence_parallel else ("full_partitioned",)))
             least += ("offload",) if self.settings.offload else ()
@@ -156,6 +159,12 @@ class MemoryCosts:
         return items * (w.tokens / cp) * w.dim * per_layer * w.layers
 
     @memoized
+    def forward_only(self, unit: str) -> bool:
+        """An encoder with every parameter frozen: fed by data, nothing of it needs a gradient, so it saves nothing
+        for a backward (its own unit's stages run forwards only: schedule/actions.py ``drop_backward``;
+        colocated, autograd keeps nothing for it)."""
+        return unit in ENCODER_UNITS and self.work.units[unit].trainable_fraction == 0
+
     def recompute_transient_bytes(
         self, unit: str, tp: int, items: float, policy: str | None = None, cp: int = 1
     ) -> float:
@@ -164,7 +173,7 @@ class MemoryCosts:
         backward runs and the one prefetched for the next (parallel/saved_activations.py)."""
         w = self.work.units[unit]
         policy = self._policy(policy)
-        if policy == "none":
+        if policy == "none" or self.forward_only(unit):
             return 0.0
         if w.counted_activation_bytes:  # U-Net: its largest block, counted
             return items * self._unet_counts(w).get("largest_block", 0.0) * (2 if policy == "offload" else 1)

@@ -80,6 +80,11 @@ class Schedule:
     def compute(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a is not None and a.is_compute]
 
+    @property
+    def forward_only(self) -> frozenset[int]:
+        """Stages that run forwards only (frozen modules with nothing trainable before them: ``drop_backward``)."""
+        return frozenset(self.meta.get("forward_only", ()))
+
     def uses_split_backward(self) -> bool:
         return any(a is not None and a.kind in (Kind.I, Kind.W) for row in self.actions for a in row)
 
@@ -117,3 +122,20 @@ class Schedule:
             raise ValueError(f"{path}: stages must be numbered 0..N-1, found {stages}")
         microbatches = 1 + max(a.microbatch for row in rows for a in row if a is not None)
         return cls(name or Path(path).stem, num_microbatches or microbatches, [stage_rank[s] for s in stages], rows)
+
+
+def drop_backward(schedule: Schedule, stages: int) -> Schedule:
+    """The schedule with the first ``stages`` stages forward-only: their backward actions (B, I, W) removed, and
+    no gradient sent to them (transfers.py reads ``Schedule.forward_only``). For stages whose modules are all
+    frozen and that have no trainable stage before them (Cornstarch's frozen-aware pipeline): a backward there
+    computes nothing, yet in 1F1B it holds the stage's next forward back until the gradient arrives."""
+    if stages <= 0:
+        return schedule
+    if stages >= schedule.num_stages:
+        raise ValueError(f"{stages} forward-only stages of {schedule.num_stages}: some stage must train")
+    actions = [
+        [a for a in row if a is None or not a.is_compute or a.kind == Kind.F or a.stage >= stages]
+        for row in schedule.actions
+    ]
+    meta = {**schedule.meta, "forward_only": tuple(range(stages))}
+    return Schedule(schedule.name, schedule.num_microbatches, list(schedule.stage_to_rank), actions, meta)

@@ -191,13 +191,16 @@ class PipelineExecutor:
         stage, k = action.stage, action.microbatch
         module = self.stages[stage]
         inbound = feed = None
+        forward_only = self.schedule.forward_only  # a prefix of the stages (actions.py drop_backward)
         if module.inbound_row() is not None:
-            inbound = state.take(ACT, stage, k).requires_grad_(True)
+            # no gradient is computed for what a forward-only stage sent: it has no backward to take one
+            inbound = state.take(ACT, stage, k).requires_grad_(stage - 1 not in forward_only)
             feed = inbound.to(self._compute_dtype(module))
             sections = getattr(module, "inbound_sections", None)
             if sections is not None:  # one part per unit of the sending branch group, in its order
                 feed = feed.split(state.section_sizes(ACT, stage, k, sections))
-        with self.autocast():
+        keep = stage not in forward_only  # a forward-only stage saves nothing for a backward
+        with self.autocast(), nullcontext() if keep else torch.no_grad():
             out = module(feed, state.batches[k])
         loss = None
         if out.loss_sums:
@@ -205,7 +208,8 @@ class PipelineExecutor:
             for name, value in out.loss_sums.items():
                 total = value.detach().double()
                 sums[name] = sums[name] + total if name in sums else total
-        state.saved[(stage, k)] = (inbound, out.send, loss)
+        if keep:
+            state.saved[(stage, k)] = (inbound, out.send, loss)
         if out.send is not None and stage < self.last_stage:
             return out.send.detach().to(self.dtype)
         return None
@@ -236,7 +240,7 @@ class PipelineExecutor:
             params = [p for p in self.stages[stage].parameters() if p.requires_grad]
             _, groups = stage_backward_input(outputs, grads, [inbound], iter(params))
             state.weight_work[(stage, k)] = (params, groups)
-        if stage > 0 and inbound is not None:
+        if stage > 0 and inbound is not None and stage - 1 not in self.schedule.forward_only:
             grad = inbound.grad if inbound.grad is not None else torch.zeros_like(inbound)
             return grad.to(self.dtype)
         return None

@@ -218,7 +218,9 @@ def peak_activations(schedule: Schedule) -> list[int]:
         held = peak = 0
         split = {(a.stage, a.microbatch) for a in schedule.compute(rank) if a.kind == Kind.I}
         for action in schedule.compute(rank):
-            if action.kind == Kind.F:
+            if action.kind == Kind.F and action.stage in schedule.forward_only:
+                peak = max(peak, held + 1)  # kept only while it runs: nothing is saved for a backward
+            elif action.kind == Kind.F:
                 held += 1
                 peak = max(peak, held)
             elif action.kind == Kind.B or (action.kind == Kind.W and (action.stage, action.microbatch) in split):

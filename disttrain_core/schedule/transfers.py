@@ -115,11 +115,11 @@ class Step:
     local: list[Transfer] = field(default_factory=list)  # to this rank's own next stage (no communication)
 
 
-def produces(action: Action, last_stage: int) -> tuple[str, int] | None:
-    """(kind, consuming stage) of the tensor an action hands on, if any."""
+def produces(action: Action, last_stage: int, forward_only: frozenset[int] = frozenset()) -> tuple[str, int] | None:
+    """(kind, consuming stage) of the tensor an action hands on, if any (no gradient to a forward-only stage)."""
     if action.kind == Kind.F and action.stage < last_stage:
         return ACT, action.stage + 1
-    if action.kind in (Kind.B, Kind.I) and action.stage > 0:
+    if action.kind in (Kind.B, Kind.I) and action.stage > 0 and action.stage - 1 not in forward_only:
         return GRAD, action.stage - 1
     return None
 
@@ -134,7 +134,7 @@ def needs(action: Action, last_stage: int) -> tuple[str, int, int] | None:
 
 
 def outgoing_transfers(schedule: Schedule, routing: Routing, action: Action, rank: int) -> list[Transfer]:
-    made = produces(action, schedule.num_stages - 1)
+    made = produces(action, schedule.num_stages - 1, schedule.forward_only)
     if made is None:
         return []
     kind, target = made
@@ -156,7 +156,7 @@ def incoming_channels(schedule: Schedule, routing: Routing, row: int, rank: int)
             if peer == rank:
                 continue
             for action in actions:
-                made = produces(action, last)
+                made = produces(action, last, schedule.forward_only)
                 if made is None or made[1] not in mine:
                     continue
                 for transfer in outgoing_transfers(schedule, routing, action, peer):

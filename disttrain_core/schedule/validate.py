@@ -52,7 +52,10 @@ def validate_schedule(schedule: Schedule, routing: Routing | None = None) -> Non
             name = f"stage {stage} microbatch {k}"
             if f != 1:
                 raise ScheduleError(f"schedule {schedule.name!r}: {name} has {f} forwards (needs exactly 1)")
-            if not ((b == 1 and i == 0 and w == 0) or (b == 0 and i == 1 and w == 1)):
+            if stage in schedule.forward_only:
+                if b or i or w:
+                    raise ScheduleError(f"schedule {schedule.name!r}: {name} is forward-only but has a backward")
+            elif not ((b == 1 and i == 0 and w == 0) or (b == 0 and i == 1 and w == 1)):
                 raise ScheduleError(
                     f"schedule {schedule.name!r}: {name} has B={b} I={i} W={w}; needs one B, or one I and one W"
                 )
