@@ -208,8 +208,8 @@ class PipelineExecutor:
             for name, value in out.loss_sums.items():
                 total = value.detach().double()
                 sums[name] = sums[name] + total if name in sums else total
-        if keep:
-            state.saved[(stage, k)] = (inbound, out.send, loss)
+        if keep:  # the inbound tensor only where a gradient is taken for it (else nothing holds it)
+            state.saved[(stage, k)] = (inbound if stage - 1 not in forward_only else None, out.send, loss)
         if out.send is not None and stage < self.last_stage:
             return out.send.detach().to(self.dtype)
         return None
