@@ -3,9 +3,9 @@
 ``composition_of(run)`` reads a resolved run (parallel/resolved.py) and names what the runtime must get right
 together: the units present and where each module runs (a unit of its own, or folded into the LLM unit's first /
 last stage), per unit the dimensions larger than one (dp, tp, pp, vpp, cp, ep and HSDP replicas), its shard
-mode, recompute policy and Megatron sequence parallelism (with tp); the pipeline schedule, chunked loss; and the
-precision policy. Two runs with the same composition differ only in sizes (tp 2 or tp 8, pp 2 or pp 40). The
-planner (the closure over its plans: tools/compositions.py, tests/unit/test_compositions.py) and the runtime
+mode, recompute policy and Megatron sequence parallelism (with tp); the pipeline schedule, chunked loss, item
+rebalancing and forward-only frozen stages; and the precision policy. Two runs with the same composition differ
+only in sizes (tp 2 or tp 8, pp 2 or pp 40). The planner (the closure over its plans: tools/compositions.py, tests/unit/test_compositions.py) and the runtime
 (rank 0's first lines and ``composition.json`` in the run directory) call this one function.
 
 Precision policies: ``fp32``; ``bf16-autocast`` (fp32 parameters and masters, bf16 matmuls); ``fsdp2-bf16-params``
@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedule.generators import LOOPED, SPLIT_BACKWARD, V_SHAPED
+from .plan import frozen_rows
 from .units import ENCODER_UNITS, UNIT_MODULES, UnitLayout
 
 DIMS = ("dp", "tp", "pp", "vpp", "cp", "ep", "hsdp")
@@ -82,7 +83,7 @@ class Composition:
     engine: str  # units | ddp | hotspa | local_sgd
     units: tuple[UnitPart, ...]  # hotspa: the home strategy's
     schedule: str  # the pipeline schedule (none without stages)
-    features: tuple[str, ...]  # chunked-loss, tp-overlap
+    features: tuple[str, ...]  # chunked-loss, tp-overlap, rebalance-items, forward-only
     precision: str  # fp32 | bf16-autocast | fsdp2-bf16-params, +fp8
     # hotspa: every bucket strategy's units and the schedule family they run under
     buckets: tuple[tuple[tuple[UnitPart, ...], str], ...] = ()
@@ -211,6 +212,10 @@ def composition_of(run) -> Composition:
         features.append("tp-overlap")
     if int(cfg.model.get("loss_chunk", 0) or 0) > 0:
         features.append("chunked-loss")
+    if cfg.parallel.get("rebalance_items", False):  # the encoders' items spread over their replicas
+        features.append("rebalance-items")
+    if len(layout.rows) > 1 and frozen_rows(cfg.model, layout):  # frozen leading stages run forwards only
+        features.append("forward-only")
     return Composition(
         engine=engine,
         units=unit_parts(layout, vpp, sp, cp_mode),

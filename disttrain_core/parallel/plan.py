@@ -173,19 +173,23 @@ def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
     return drop_backward(schedule, forward_only_stages(cfg.model, layout, schedule))
 
 
-def forward_only_stages(model, layout: UnitLayout, schedule) -> int:
-    """How many leading stages run forwards only: those of the leading pipeline rows whose every unit holds only
-    frozen modules (model.freeze: a frozen encoder unit before a trainable LLM), ended by the first row with a
-    trainable module. Their backward would compute nothing (parallel/stages.py gives them no trainable input)."""
-    frozen_rows = 0
+def frozen_rows(model, layout: UnitLayout) -> int:
+    """The leading pipeline rows whose every unit holds only frozen modules (model.freeze: a frozen encoder unit
+    before a trainable LLM), ended by the first row with a trainable module; 0 when every row is frozen (nothing
+    trains: the schedule stays whole)."""
+    count = 0
     for places in layout.rows:
         modules = {m for u, _ in places for m in layout.units[u].modules if getattr(model, m, None) is not None}
         if not modules or not all(getattr(model.freeze, m) for m in modules):
             break
-        frozen_rows += 1
-    if frozen_rows == len(layout.rows):  # nothing trains: validation's business, the schedule stays whole
-        return 0
-    stages = sorted(s for row in range(frozen_rows) for s in schedule.stages_of(row))
+        count += 1
+    return 0 if count == len(layout.rows) else count
+
+
+def forward_only_stages(model, layout: UnitLayout, schedule) -> int:
+    """How many leading stages run forwards only: those of the ``frozen_rows``. Their backward would compute
+    nothing (parallel/stages.py gives them no trainable input)."""
+    stages = sorted(s for row in range(frozen_rows(model, layout)) for s in schedule.stages_of(row))
     return len(stages) if stages == list(range(len(stages))) else 0
 
 
