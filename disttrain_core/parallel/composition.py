@@ -5,8 +5,9 @@ together: the units present and where each module runs (a unit of its own, or fo
 last stage), per unit the dimensions larger than one (dp, tp, pp, vpp, cp, ep and HSDP replicas), its shard
 mode, recompute policy and Megatron sequence parallelism (with tp); the pipeline schedule, chunked loss, item
 rebalancing and forward-only frozen stages; and the precision policy. Two runs with the same composition differ
-only in sizes (tp 2 or tp 8, pp 2 or pp 40). The planner (the closure over its plans: tools/compositions.py, tests/unit/test_compositions.py) and the runtime
-(rank 0's first lines and ``composition.json`` in the run directory) call this one function.
+only in sizes (tp 2 or tp 8, pp 2 or pp 40). The planner (the closure over its plans: tools/compositions.py,
+tests/unit/test_compositions.py) and the runtime (rank 0's first lines and ``composition.json`` in the run
+directory) call this one function.
 
 Precision policies: ``fp32``; ``bf16-autocast`` (fp32 parameters and masters, bf16 matmuls); ``fsdp2-bf16-params``
 (an FSDP2 unit gathers and computes with bf16 parameters, reduces fp32 gradients into fp32 masters:
