@@ -214,3 +214,9 @@ class ParallelConfig:
     comm: CommConfig = field(default_factory=CommConfig)
     hotspa: HotSpaConfig = field(default_factory=HotSpaConfig)
     local_sgd: LocalSgdConfig = field(default_factory=LocalSgdConfig)
+
+
+def reads_whole_steps(cfg) -> bool:
+    """Settings that make every process read the whole step, whatever the layout: item rebalancing and bubble
+    filling plan from every replica's item counts, which each process then knows without asking."""
+    return bool(cfg.parallel.rebalance_items or cfg.schedule.fill_bubbles)

@@ -355,6 +355,7 @@ class ScheduleConfig:
     microbatches: Optional[int] = None  # per step per replica; None: global / (micro * dp)
     vpp: int = 1  # stages per pipeline rank (interleaved_1f1b, breadth_first: >= 2; zbv, dualpipev: 2)
     csv: Optional[str] = None  # a compute-only CSV schedule instead of a generator
+    fill_bubbles: bool = False  # the colocated image encoder split over the pipeline ranks, in their bubbles
 
 
 # ---------------------------------------------------------------------- logger/paths

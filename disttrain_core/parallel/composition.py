@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedule.generators import LOOPED, SPLIT_BACKWARD, V_SHAPED
+from .bubble_plan import forward_only_chunks
 from .plan import frozen_rows
 from .units import ENCODER_UNITS, UNIT_MODULES, UnitLayout
 
@@ -84,7 +85,7 @@ class Composition:
     engine: str  # units | ddp | hotspa | local_sgd
     units: tuple[UnitPart, ...]  # hotspa: the home strategy's
     schedule: str  # the pipeline schedule (none without stages)
-    features: tuple[str, ...]  # chunked-loss, tp-overlap, rebalance-items, forward-only
+    features: tuple[str, ...]  # chunked-loss, tp-overlap, rebalance-items, bubble-fill, forward-only
     precision: str  # fp32 | bf16-autocast | fsdp2-bf16-params, +fp8
     # hotspa: every bucket strategy's units and the schedule family they run under
     buckets: tuple[tuple[tuple[UnitPart, ...], str], ...] = ()
@@ -215,7 +216,11 @@ def composition_of(run) -> Composition:
         features.append("chunked-loss")
     if cfg.parallel.get("rebalance_items", False):  # the encoders' items spread over their replicas
         features.append("rebalance-items")
-    if len(layout.rows) > 1 and frozen_rows(cfg.model, layout):  # frozen leading stages run forwards only
+    fill = bool(cfg.schedule.get("fill_bubbles", False)) and len(layout.rows) > 1
+    if fill:  # the colocated encoder's chunks in the pipeline's bubbles (parallel/bubble_plan.py)
+        features.append("bubble-fill")
+    frozen = forward_only_chunks(cfg.model, len(layout.rows)) if fill else frozen_rows(cfg.model, layout)
+    if len(layout.rows) > 1 and frozen:  # frozen leading stages run forwards only
         features.append("forward-only")
     return Composition(
         engine=engine,

@@ -162,6 +162,10 @@ def pipeline_schedule(cfg: Config, layout: UnitLayout, microbatches: int):
         return schedule
     if rows == 1:
         return build_schedule("1f1b", 1, microbatches)  # one stage: forward and backward per microbatch
+    if cfg.schedule.fill_bubbles:  # the colocated encoder's chunks in the LLM's bubbles (parallel/bubble_plan.py)
+        from .bubble_plan import filled_schedule
+
+        return filled_schedule(cfg, rows, microbatches)
     if len(layout.units) > 1 and cfg.schedule.name == "interleaved_1f1b":
         vpp = cfg.schedule.vpp
         groups = [[layout.units[u] for u in group] for group in branch_groups(layout.units)]
@@ -263,6 +267,12 @@ def pipeline_broker(layout: UnitLayout, schedule, samples_per_microbatch: int, p
             for u, _ in places:
                 rows_of_units.setdefault(layout.units[u].name, []).append(row)
     stage_places = [row_places[schedule.stage_to_rank[s]] for s in range(schedule.num_stages)]
+    chunks = schedule.meta.get("encoder_stages", 0)  # schedule.fill_bubbles: the encoder's chunks come first
+    if chunks:
+        from .bubble_plan import encoder_unit
+
+        encoder = encoder_unit(layout.units[0])  # the LLM unit's places, rows counted per image
+        stage_places = [[(encoder, s)] for s in range(chunks)] + stage_places[chunks:]
     row_kinds = []
     for s in range(schedule.num_stages):
         after = stage_places[s + 1] if s + 1 < schedule.num_stages else []

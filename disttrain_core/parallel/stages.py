@@ -43,7 +43,7 @@ from .side_stages import (
     VideoEncoderStage,
 )
 from .stage_output import GENERATION_FIELDS, StageOutput
-from .units import AUDIO_MODULES, ENCODER_UNITS, GENERATOR_UNITS, VIDEO_MODULES
+from .units import AUDIO_MODULES, ENCODER_MODULES, ENCODER_UNITS, GENERATOR_UNITS, VIDEO_MODULES
 
 
 def split_evenly(count: int, parts: int, what: str) -> list[range]:
@@ -342,10 +342,16 @@ def build_rank_stages(
     from .tensor_parallel import apply_tensor_parallel
 
     unit_stages = [s for s in range(schedule.num_stages) if schedule.stage_to_rank[s] in unit_rows]
+    chunks = schedule.meta.get("encoder_stages", 0)  # schedule.fill_bubbles: the encoder's chunks, then the LLM's
     stages = {}
     for stage in schedule.stages_of(row):
         index = unit_stages.index(stage)
-        module = build_unit_stage(cfg, tokenizer, unit.name, unit.modules, index, len(unit_stages), context, split)
+        if index < chunks:
+            module = build_unit_stage(cfg, tokenizer, "encoder", ENCODER_MODULES, index, chunks)
+        else:
+            modules = tuple(name for name in unit.modules if name not in ENCODER_MODULES) if chunks else unit.modules
+            count = len(unit_stages) - chunks
+            module = build_unit_stage(cfg, tokenizer, unit.name, modules, index - chunks, count, context, split)
         # model.float8 first, as TorchTitan converts at build: FSDP2 then all-gathers the FP8 weights
         apply_float8(module.model, float8, fsdp_all_gather=shard is not None)
         if tp_mesh is not None:

@@ -28,6 +28,7 @@ from ..base import faults
 from ..base.clock import DeviceClock
 from ..comm.engine import interleaved_mode
 from ..config import training_precision
+from ..config.parallel import reads_whole_steps
 from ..data.tokenizer import tokenizer_for
 from ..models import build_model
 from ..models.flops import document_flops, llm_flop_terms
@@ -107,7 +108,7 @@ class Trainer(StepData, StepMetrics, CheckpointIO, Evaluation, Samples):
             or self.packing
             or self.token_file
             or self.fault_tolerant
-            or cfg.parallel.rebalance_items  # every replica's item counts, without asking the others
+            or reads_whole_steps(cfg)  # every replica's item counts, without asking the others
         )
         self.audio_data = not (self.packing or self.token_file)  # samples that may carry audio members
         self.tokenizer = tokenizer_for(cfg)

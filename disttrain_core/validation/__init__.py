@@ -18,6 +18,7 @@ checks the layout in it; it returns the ``ResolvedRun`` everything after it read
 from __future__ import annotations
 
 from ..config import Config
+from ..config.parallel import reads_whole_steps
 from .cluster_fit import launches_elsewhere, validate_cluster_fit
 from .common import (
     ConfigError,
@@ -126,7 +127,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
             check_producer_pool(cfg, run.layout)
             validate_optimizer(cfg, run.layout)
     dp = 1 if run is None else run.layout.llm.dp
-    validate_data(cfg, 1 if run is None or reads_global_stream(run.layout) or cfg.parallel.rebalance_items else dp)
+    validate_data(cfg, 1 if run is None or reads_global_stream(run.layout) or reads_whole_steps(cfg) else dp)
     validate_optim(cfg, dp)
     if mode == "auto":  # the planner's memory model and the sharded optimizers it chooses from are AdamW's
         validate_optimizer(cfg)

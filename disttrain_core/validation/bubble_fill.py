@@ -1,0 +1,68 @@
+"""schedule.fill_bubbles against the model, the layout and the schedule (parallel/bubble_plan.py)."""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..models.vit import vit_block_count
+from ..schedule.bubble_fill import FILLABLE
+from ..schedule.generators import SPLIT_BACKWARD
+from .common import _require
+
+KEY = "schedule.fill_bubbles=true"
+
+
+def check_bubble_fill(cfg: Config, layout) -> None:
+    """The image encoder rides in the LLM unit, the only unit, over a pipeline of one stage per rank with
+    bubbles; its blocks split evenly over the ranks."""
+    model, p, s = cfg.model, cfg.parallel, cfg.schedule
+    _require(
+        model.encoder is not None,
+        f"{KEY}: model {model.name} has no image encoder (model.encoder) to spread over the pipeline; set "
+        "schedule.fill_bubbles=false",
+    )
+    towers = [name for name in ("audio_encoder", "video_encoder") if getattr(model, name) is not None]
+    _require(
+        not towers,
+        f"{KEY}: bubble filling spreads the image encoder only, and model {model.name} also has "
+        f"{', '.join(towers)} on the LLM's first stage; set schedule.fill_bubbles=false",
+    )
+    _require(
+        p.mode in ("megatron", "manual"),
+        f"{KEY} with parallel.mode={p.mode}: bubble filling is built for a fixed colocated layout (the planner "
+        "does not place encoder chunks); use parallel=pp2 or parallel=pp4 (the encoder folded into the first stage)",
+    )
+    units = ", ".join(unit.name for unit in layout.units)
+    _require(
+        len(layout.units) == 1 and "encoder" in layout.units[0].modules,
+        f"{KEY}: the layout has units {units}; bubble filling needs every module in the LLM unit "
+        "(parallel.mode=megatron with parallel.modality_stages=folded, or manual with colocate=true)",
+    )
+    llm = layout.llm
+    _require(
+        llm.pp >= 2,
+        f"{KEY}: a pipeline of one stage (pp=1) has no bubbles to fill; set parallel.pp>=2 or "
+        "schedule.fill_bubbles=false",
+    )
+    why = "a zero-bubble schedule" if s.name in SPLIT_BACKWARD else "it places several stages per rank"
+    _require(
+        s.csv is None and s.name in FILLABLE,
+        f"{KEY}: schedule={s.csv or s.name} has no bubbles to fill this way ({why}); use schedule=1f1b or "
+        "schedule=gpipe, or set schedule.fill_bubbles=false",
+    )
+    blocks = vit_block_count(model.encoder)
+    _require(
+        blocks % llm.pp == 0,
+        f"{KEY}: the image encoder builds {blocks} blocks, which do not split evenly into pp={llm.pp} chunks; "
+        "choose a pipeline size dividing them",
+    )
+    _require(llm.cp == 1, f"{KEY} with cp={llm.cp}: the encoder's chunks do not split sequences; set parallel.cp=1")
+    _require(
+        not p.rebalance_items,
+        f"{KEY} with parallel.rebalance_items=true: rebalancing moves a whole encoder's items, and here the encoder "
+        "is split over the pipeline; set one of them false",
+    )
+    _require(
+        not isinstance(p.pp_split, str),
+        f"{KEY} with parallel.pp_split={p.pp_split}: auto balances the encoder on the first stage, which bubble "
+        "filling spreads over every rank; give the LLM blocks per stage or leave it unset",
+    )

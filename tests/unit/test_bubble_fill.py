@@ -1,0 +1,110 @@
+"""Bubble filling (issue 64; schedule/bubble_fill.py, parallel/bubble_plan.py): the colocated image encoder cut
+into one chunk per pipeline rank, its forwards and backwards list-scheduled into the LLM schedule's bubbles.
+The simulator's step against the colocated schedule (the whole encoder on the first stage), the replay under
+NCCL's rules, the memory cap, and the refusals. Training against one process:
+tests/distributed/test_bubble_fill.py."""
+
+import pytest
+
+from disttrain_core.config import compose, typed_config
+from disttrain_core.schedule.actions import Action, Kind
+from disttrain_core.schedule.bubble_fill import StageDurations, fill_bubbles
+from disttrain_core.schedule.generators import build_schedule
+from disttrain_core.schedule.simulator import ScheduleError, peak_activations, simulate
+from disttrain_core.schedule.transfers import GRAD, RowRouting, plan_all
+from disttrain_core.schedule.validate import validate_schedule
+
+
+def _colocated(ranks: int, encoder: float) -> StageDurations:
+    """One LLM stage costs 1 forward, 2 backward; the first also runs the whole encoder (``encoder`` forward)."""
+    return StageDurations([1.0 + encoder] + [1.0] * (ranks - 1), [2.0 * (1.0 + encoder)] + [2.0] * (ranks - 1))
+
+
+def _filled(ranks: int, encoder: float) -> StageDurations:
+    return StageDurations([encoder / ranks] * ranks + [1.0] * ranks, [2 * encoder / ranks] * ranks + [2.0] * ranks)
+
+
+# (ranks, microbatches, encoder forward in LLM-stage forwards): colocated 1F1B step, filled step, and 1F1B over
+# stages with the encoder's work spread perfectly evenly (the best a rigid split of blocks could do)
+CASES = [(2, 8, 1.0, 49.0, 39.0, 40.5), (4, 8, 1.0, 51.0, 39.0, 41.25), (4, 16, 2.0, 144.0, 81.0, 85.5)]
+
+
+@pytest.mark.parametrize("ranks, m, encoder, colocated, filled, even", CASES)
+def test_the_encoder_in_the_bubbles_shortens_the_step(ranks, m, encoder, colocated, filled, even):
+    base = build_schedule("1f1b", ranks, m)
+    assert simulate(base, _colocated(ranks, encoder)).makespan == pytest.approx(colocated)
+    schedule = fill_bubbles(base, _filled(ranks, encoder))
+    validate_schedule(schedule)  # the data flow, and every rank's posts replayed under NCCL's rules
+    assert simulate(schedule, _filled(ranks, encoder)).makespan == pytest.approx(filled)
+    assert (m + ranks - 1) * 3 * (1.0 + encoder / ranks) == pytest.approx(even)
+    assert filled < even < colocated  # beyond balancing: the fill and drain ramps carry encoder work
+    assert schedule.stage_to_rank == list(range(ranks)) * 2
+    for rank in range(ranks):  # the base order of the LLM's actions is kept; every encoder action is placed once
+        llm = [Action(a.stage - ranks, a.kind, a.microbatch) for a in schedule.compute(rank) if a.stage >= ranks]
+        assert llm == base.compute(rank)
+        encoder_actions = sorted(a for a in schedule.compute(rank) if a.stage < ranks)
+        assert encoder_actions == sorted(Action(rank, kind, k) for kind in (Kind.F, Kind.B) for k in range(m))
+
+
+def test_encoder_activations_stay_within_the_colocated_first_rank_bytes():
+    """At most P x (the base schedule's first-rank peak) chunks of 1/P of the encoder in flight on any rank."""
+    ranks, m = 4, 16
+    base = build_schedule("1f1b", ranks, m)
+    schedule = fill_bubbles(base, _filled(ranks, 2.0))
+    cap = ranks * peak_activations(base)[0]
+    for rank in range(ranks):
+        held = peak = 0
+        for action in schedule.compute(rank):
+            if action.stage < ranks:
+                held += 1 if action.kind == Kind.F else -1
+                peak = max(peak, held)
+        assert 0 < peak <= cap
+
+
+def test_a_frozen_encoder_runs_forwards_only_and_receives_no_gradient():
+    ranks = 2
+    schedule = fill_bubbles(build_schedule("1f1b", ranks, 4), _filled(ranks, 1.0), forward_only=ranks)
+    validate_schedule(schedule)
+    assert {a.kind for r in range(ranks) for a in schedule.compute(r) if a.stage < ranks} == {Kind.F}
+    gradients = [t for steps in plan_all(schedule, RowRouting(schedule)).values() for s in steps for t in s.sends]
+    assert not any(t.kind == GRAD and t.stage < ranks for t in gradients)
+
+
+def test_the_run_config_builds_the_filled_schedule_from_flops():
+    from disttrain_core.parallel.bubble_plan import stage_durations
+    from disttrain_core.parallel.plan import pipeline_schedule, units_of
+
+    cfg = typed_config(compose(["parallel=pp2", "trainer.devices=2", "schedule=1f1b", "schedule.fill_bubbles=true"]))
+    schedule = pipeline_schedule(cfg, units_of(cfg), 4)
+    assert schedule.meta["encoder_stages"] == 2 and schedule.name == "1f1b+fill"
+    durations = stage_durations(cfg, 2)
+    assert durations.forward[0] == durations.forward[1] > 0  # the encoder's blocks split evenly
+    assert durations.backward[3] > durations.backward[2]  # the generator rides on the LLM's last stage
+
+
+@pytest.mark.parametrize("name", ["zb_h2", "zbv", "interleaved_1f1b"])
+def test_schedules_without_bubbles_to_fill_are_refused(name):
+    base = build_schedule(name, 2, 4, 2 if name != "zb_h2" else 1)
+    with pytest.raises(ScheduleError, match="bubble filling starts from gpipe or 1f1b"):
+        fill_bubbles(base, _filled(2, 1.0))
+
+
+BAD = [
+    (["parallel=pp2", "schedule=zb_h1"], "schedule=zb_h1 has no bubbles to fill this way (a zero-bubble schedule)"),
+    (["parallel=pp2", "parallel.pp=1"], "a pipeline of one stage (pp=1) has no bubbles to fill"),
+    (["model=llama_tiny", "parallel=pp2"], "model llama_tiny has no image encoder"),
+    (["parallel=megatron_pp2", "trainer.devices=4"], "the layout has units encoder, llm, generator"),
+    (["parallel=pp2", "parallel.rebalance_items=true", "trainer.devices=4"], "set one of them false"),
+    (["parallel=pp4", "trainer.devices=4"], "builds 2 blocks, which do not split evenly into pp=4 chunks"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=["zb_h1", "pp1", "no_encoder", "separate", "rebalance", "pp4"])
+def test_bad_bubble_filling_is_one_line(overrides, message):
+    from disttrain_core.planner.fit import validate_run
+    from disttrain_core.validation import ConfigError
+
+    cfg = compose(["trainer.devices=2", "schedule=1f1b", *overrides, "schedule.fill_bubbles=true"])
+    with pytest.raises(ConfigError) as error:
+        validate_run(typed_config(cfg))
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
