@@ -38,7 +38,12 @@ global batches from a data producer: ``dp2_arrival`` (arrival order), ``dp2_reor
 shards (the audio and video workloads offer ``dp2_arrival`` and ``dp2_rebalanced``). On 4 processes:
 ``disagg4_enc2_llm2_rebalanced`` and ``megatron_folded_pp2_dp2_rebalanced``. On the image workload each prediction
 also comes straggler-adjusted (planner/stragglers.py on the shards' own images-per-sample law, the layout's
-reordering and rebalancing).
+reordering and rebalancing). Bubble filling (schedule.fill_bubbles: the folded encoder cut into one chunk per
+pipeline stage, its actions in the 1F1B bubbles; image workload only, the towers' models refuse it):
+``megatron_folded_pp2_fill``, ``megatron_folded_pp2_fill_reordered`` (with the producer's reordering), the same two
+``_planned`` (the encoder's blocks per stage from the planner's profiled costs: planner/api.py planned_fill_split)
+and, on 4 processes, ``megatron_folded_pp2_dp2_fill``; the planner prices each (schedule_choice.py
+filled_pipeline_s).
 
 Layouts on 2 processes:
   disagg2              encoder unit | LLM unit with the generator colocated, 1F1B
@@ -122,6 +127,12 @@ LAYOUTS["dp2_reordered_rebalanced"] = [*LAYOUTS["dp2_reordered"], *REBALANCED]
 # Under FSDP2 (zero3) the replicas meet at every block's gather already: the exchange adds no new meeting point
 LAYOUTS["dp2_fsdp_arrival"] = ["parallel.shard=zero3", "trainer.devices=2", *ARRIVAL]
 LAYOUTS["dp2_fsdp_rebalanced"] = [*LAYOUTS["dp2_fsdp_arrival"], *REBALANCED]
+# Bubble filling (schedule.fill_bubbles): the folded encoder cut into one chunk per stage, in the 1F1B bubbles
+FILL = ["schedule.fill_bubbles=true"]
+LAYOUTS["megatron_folded_pp2_fill"] = [*LAYOUTS["megatron_folded_pp2"], *FILL]
+LAYOUTS["megatron_folded_pp2_fill_reordered"] = [*LAYOUTS["megatron_folded_pp2_fill"], "data.producer.workers=1"]
+LAYOUTS["megatron_folded_pp2_fill_planned"] = LAYOUTS["megatron_folded_pp2_fill"]  # + the planner's fill_split
+LAYOUTS["megatron_folded_pp2_fill_planned_reordered"] = LAYOUTS["megatron_folded_pp2_fill_reordered"]
 LAYOUTS_4 = {
     "disagg4_enc2_llm2": [
         "parallel=disagg2",
@@ -134,6 +145,7 @@ LAYOUTS_4 = {
 }
 LAYOUTS_4["disagg4_enc2_llm2_rebalanced"] = [*LAYOUTS_4["disagg4_enc2_llm2"], *REBALANCED]
 LAYOUTS_4["megatron_folded_pp2_dp2_rebalanced"] = [*LAYOUTS_4["megatron_folded_pp2_dp2"], *REBALANCED]
+LAYOUTS_4["megatron_folded_pp2_dp2_fill"] = [*LAYOUTS_4["megatron_folded_pp2_dp2"], *FILL]
 # The audio workload: every sample has a 1 s clip; the tower is 384 wide and 10 blocks deep.
 MODEL_AUDIO = [
     "model=any2any_tiny",
@@ -153,6 +165,8 @@ LAYOUTS_AUDIO = {
     "megatron_folded_pp2": LAYOUTS["megatron_folded_pp2"],
     "dp2_arrival": LAYOUTS["dp2_arrival"],
     "dp2_rebalanced": LAYOUTS["dp2_rebalanced"],  # the images and clips of both replicas rebalanced
+    "dp2_zero1": LAYOUTS["dp2_zero1"],  # the rigid data-parallel layout (the strongest rigid on images)
+    "dp2_reordered": LAYOUTS["dp2_reordered"],
 }
 # The video workload: half the images are videos of 2..16 frames, all given to a video tower 256 wide and 5 blocks
 # deep that averages groups of 4 frames (64 <video> positions for 16 frames): many frames, few LLM tokens.
@@ -185,11 +199,15 @@ LAYOUTS_VIDEO = {
 LAYOUTS_VIDEO["disagg2_video_reorder"] = [*LAYOUTS_VIDEO["disagg2_video"], "data.producer.workers=1"]
 LAYOUTS_VIDEO["dp2_arrival"] = LAYOUTS["dp2_arrival"]
 LAYOUTS_VIDEO["dp2_rebalanced"] = LAYOUTS["dp2_rebalanced"]  # the images and frame groups rebalanced
+LAYOUTS_VIDEO["dp2_zero1"] = LAYOUTS["dp2_zero1"]
+LAYOUTS_VIDEO["dp2_reordered"] = LAYOUTS["dp2_reordered"]
 # The layouts compared with the baseline (each ratio is one of them over it, measured in the same alternation).
 DISAGGREGATED = {"disagg2", "disagg2_gen", "disagg4_enc2_llm2", "disagg4_enc2", "disagg2_audio", "disagg2_video"}
 DISAGGREGATED |= {"disagg2_video_reorder", "dp2_zero1", "dp2_arrival", "dp2_reordered", "dp2_rebalanced"}
 DISAGGREGATED |= {"dp2_reordered_rebalanced", "disagg4_enc2_llm2_rebalanced", "megatron_folded_pp2_dp2_rebalanced"}
 DISAGGREGATED |= {"dp2_fsdp_arrival", "dp2_fsdp_rebalanced"}
+DISAGGREGATED |= {"megatron_folded_pp2_fill", "megatron_folded_pp2_fill_reordered", "megatron_folded_pp2_dp2_fill"}
+DISAGGREGATED |= {"megatron_folded_pp2_fill_planned", "megatron_folded_pp2_fill_planned_reordered"}
 BASELINES = {2: "megatron_folded_pp2", 4: "megatron_folded_pp2_dp2"}
 # Rigid layouts: every module with the same data, tensor and pipeline parallel sizes (the strongest measured one is
 # the other reference of each run)
@@ -233,16 +251,31 @@ def train(run_dir: Path, data_dir: Path, options: dict, layout: list[str]) -> li
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def predicted_step_s(data_dir: Path, options: dict, layout: list[str]) -> dict:
-    """The planner's prediction for this layout, from its profiled cost model (docs/PLANNER.md)."""
+def layout_model(data_dir: Path, options: dict, layout: list[str]):
+    """(config, the planner's profiled cost model) of a layout on the workload (docs/PLANNER.md)."""
     from disttrain_core.config import compose
-    from disttrain_core.planner import build_layout_model, choices_of_config
+    from disttrain_core.planner import build_layout_model
 
     model, data = shapes(options)
     overrides = [*model, *data, f"data.path={data_dir}", f"optim.global_batch_size={options['global_batch']}"]
     overrides += [f"optim.micro_batch_size={options['micro_batch']}", *layout]
     cfg = compose(overrides)
-    model = build_layout_model(cfg, devices=int(options["processes"]), progress=lambda *_: None)
+    return cfg, build_layout_model(cfg, devices=int(options["processes"]), progress=lambda *_: None)
+
+
+def planned_split(data_dir: Path, options: dict, layout: list[str]) -> list[str]:
+    """A ``*_fill_planned`` layout: the encoder's blocks per stage from the planner's profiled costs."""
+    from disttrain_core.planner.api import planned_fill_split
+
+    split = planned_fill_split(*layout_model(data_dir, options, layout))
+    return [*layout, f"schedule.fill_split=[{','.join(map(str, split))}]"]
+
+
+def predicted_step_s(data_dir: Path, options: dict, layout: list[str]) -> dict:
+    """The planner's prediction for this layout, from its profiled cost model (docs/PLANNER.md)."""
+    from disttrain_core.planner import choices_of_config
+
+    cfg, model = layout_model(data_dir, options, layout)
     evaluation = model.evaluate(*choices_of_config(cfg))
     stages = [round(t, 4) for _, t in evaluation.stage_times]
     out = {"predicted_step_s": evaluation.iteration_s, "predicted_stage_s": stages}
@@ -335,6 +368,8 @@ def main(argv: list[str]) -> int:
             capture_output=True,
             timeout=600,
         )
+        for name in [n for n in chosen if "_planned" in n]:  # the planner splits the encoder's blocks
+            chosen[name] = planned_split(data_dir, options, chosen[name])
         for repeat in range(repeats):  # alternate the order: each layout runs first as often as last
             order = list(chosen) if repeat % 2 == 0 else list(reversed(chosen))
             for name in order:

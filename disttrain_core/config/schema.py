@@ -356,6 +356,7 @@ class ScheduleConfig:
     vpp: int = 1  # stages per pipeline rank (interleaved_1f1b, breadth_first: >= 2; zbv, dualpipev: 2)
     csv: Optional[str] = None  # a compute-only CSV schedule instead of a generator
     fill_bubbles: bool = False  # the colocated image encoder split over the pipeline ranks, in their bubbles
+    fill_split: Any = None  # its blocks per rank: null (even) | auto (balanced by FLOPs) | [n0, n1, ...]
 
 
 # ---------------------------------------------------------------------- logger/paths

@@ -8,9 +8,9 @@ embeddings stay with the replica that owns their samples, as between separate un
 
 The list scheduler orders actions by their cost. Every rank builds the same schedule from the config alone:
 per stage, FLOPs per sample from the model (models/flops.py; ``model.nominal_images_per_sample`` images),
-the encoder's blocks split evenly over its chunks (the stem on the first, the head and projector on the last
-counted with the blocks), the LLM's over its stages (``parallel.pp_split`` where set), and the rest of the
-model (generators) on the LLM's last stage.
+the encoder's over its chunks by their blocks (``schedule.fill_split``: even, given, or balanced; the stem on the
+first, the head and projector on the last counted with the blocks), the LLM's over its stages
+(``parallel.pp_split`` where set), and the rest of the model (generators) on the LLM's last stage.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import replace
 
 from ..config import Config
 from ..models.flops import module_flops
-from ..schedule.bubble_fill import StageDurations, fill_bubbles
+from ..models.vit import vit_block_count
+from ..schedule.bubble_fill import StageDurations, balance_blocks, fill_bubbles
 from .units import ENCODER_MODULES, ParallelismUnit
 
 ENCODER_COUNTED = ("encoder", "encoder_projector")
@@ -38,21 +39,48 @@ def forward_only_chunks(model, chunks: int) -> int:
     return chunks if model.freeze.encoder_projector else chunks - 1
 
 
-def stage_durations(cfg: Config, ranks: int) -> StageDurations:
-    """Relative forward and backward cost per stage of the filled schedule (encoder chunks, then LLM stages)."""
+def stage_durations(cfg: Config, ranks: int, split: tuple[int, ...] | None = None) -> StageDurations:
+    """Relative forward and backward cost per stage of the filled schedule (encoder chunks, then LLM stages);
+    ``split``: the encoder's blocks per chunk (None: even)."""
     per_module = module_flops(cfg.model)
     amount = {"image": cfg.model.nominal_images_per_sample, "sequence": 1.0, "sample": 1.0}
     forward = {name: f.forward * amount.get(f.unit, 1.0) for name, f in per_module.items()}
     backward = {name: (f.train - f.forward) * amount.get(f.unit, 1.0) for name, f in per_module.items()}
+    shares = [n / sum(split) for n in split] if split else [1.0 / ranks] * ranks
 
-    def split(costs: dict) -> list[float]:
-        encoder = sum(costs.get(name, 0.0) for name in ENCODER_COUNTED) / ranks
-        shares = _llm_shares(cfg, ranks)
-        llm = [costs.get("llm", 0.0) * share for share in shares]
+    def per_stage(costs: dict) -> list[float]:
+        encoder = sum(costs.get(name, 0.0) for name in ENCODER_COUNTED)
+        llm = [costs.get("llm", 0.0) * share for share in _llm_shares(cfg, ranks)]
         llm[-1] += sum(value for name, value in costs.items() if name not in (*ENCODER_COUNTED, "llm"))
-        return [encoder] * ranks + llm
+        return [encoder * share for share in shares] + llm
 
-    return StageDurations(split(forward), split(backward))
+    return StageDurations(per_stage(forward), per_stage(backward))
+
+
+def encoder_split(cfg: Config, ranks: int) -> tuple[int, ...]:
+    """The encoder's blocks per chunk: ``schedule.fill_split`` as given, even where null, or for ``auto`` each
+    block in turn to the rank whose chunk plus LLM stage costs least so far (forward + backward FLOPs)."""
+    blocks, wanted = vit_block_count(cfg.model.encoder), cfg.schedule.fill_split
+    if wanted is None:
+        return (blocks // ranks,) * ranks
+    if not isinstance(wanted, str):
+        return tuple(int(n) for n in wanted)
+    even = stage_durations(cfg, ranks)
+    loads = [even.forward[ranks + r] + even.backward[ranks + r] for r in range(ranks)]
+    return balance_blocks(loads, sum(even.forward[r] + even.backward[r] for r in range(ranks)) / blocks, blocks)
+
+
+def configured_fill_split(cfg: Config) -> tuple[int, ...] | None:
+    """The encoder's blocks per chunk the run would use (None: no bubble filling, or no pipeline to fill)."""
+    if not cfg.schedule.get("fill_bubbles", False) or cfg.model.encoder is None:
+        return None
+    from .plan import units_of
+
+    try:
+        pp = units_of(cfg).llm.pp
+    except ValueError:  # parallel=auto: nothing placed yet (and validation refuses the setting there)
+        return None
+    return encoder_split(cfg, pp) if pp > 1 else None
 
 
 def _llm_shares(cfg: Config, ranks: int) -> list[float]:
@@ -68,4 +96,8 @@ def filled_schedule(cfg: Config, rows: int, microbatches: int):
     from ..schedule.generators import build_schedule
 
     base = build_schedule(cfg.schedule.name, rows, microbatches)
-    return fill_bubbles(base, stage_durations(cfg, rows), forward_only=forward_only_chunks(cfg.model, rows))
+    split = encoder_split(cfg, rows)
+    durations = stage_durations(cfg, rows, split)
+    schedule = fill_bubbles(base, durations, forward_only=forward_only_chunks(cfg.model, rows))
+    schedule.meta["encoder_split"] = split
+    return schedule

@@ -105,11 +105,15 @@ def llm_stage_fields(first: bool, last: bool, encoder: bool, generator: bool, se
 class EncoderStage(nn.Module):
     kind = "encoder"
 
-    def __init__(self, model: MultimodalLLM, index: int, count: int):
+    def __init__(self, model: MultimodalLLM, index: int, count: int, split: tuple[int, ...] | None = None):
         super().__init__()
         self.is_first, self.is_last = index == 0, index == count - 1
         vit = model.encoder
-        blocks = split_evenly(vit_block_count(vit.cfg), count, "model.encoder blocks built (n_layers, feature_layer)")
+        built = vit_block_count(vit.cfg)
+        if split is None:  # ``split``: blocks per stage (schedule.fill_split), else even
+            blocks = split_evenly(built, count, "model.encoder blocks built (n_layers, feature_layer)")
+        else:
+            blocks = [range(sum(split[:i]), sum(split[: i + 1])) for i in range(count)]
         _keep_blocks(vit.blocks, blocks[index])
         if not self.is_first:
             _drop(vit, ("patch_embed", "class_embedding", "positional_embedding", "norm_pre"))
@@ -347,7 +351,9 @@ def build_rank_stages(
     for stage in schedule.stages_of(row):
         index = unit_stages.index(stage)
         if index < chunks:
-            module = build_unit_stage(cfg, tokenizer, "encoder", ENCODER_MODULES, index, chunks)
+            module = EncoderStage(
+                build_model(cfg, tokenizer, device="meta"), index, chunks, schedule.meta["encoder_split"]
+            )
         else:
             modules = tuple(name for name in unit.modules if name not in ENCODER_MODULES) if chunks else unit.modules
             count = len(unit_stages) - chunks

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..parallel.bubble_plan import configured_fill_split
 from .baselines import exhaustive, flops_proportional, megatron
 from .breakdown import RoleMemory, unit_roles
 from .context_choice import configured_cp_mode
@@ -80,6 +81,7 @@ def build_layout_model(cfg, devices: int | None = None, progress=print) -> Layou
         memory_margin=float(cfg.planner.memory_margin),
         pp_split=settings_split(cfg.parallel.get("pp_split")),
         sequence_parallel=bool(cfg.parallel.get("sequence_parallel", True)),
+        fill_split=configured_fill_split(cfg),
     )
     profile = None
     peak = None
@@ -294,6 +296,7 @@ def config_roles(cfg, layout=None, cp_mode: tuple[str, int] | None = None) -> tu
         outer_bytes=outer,
         pp_split=settings_split(cfg.parallel.get("pp_split")),
         sequence_parallel=bool(cfg.parallel.get("sequence_parallel", True)),
+        fill_split=configured_fill_split(cfg),
     )
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
     model = _configured_model(cfg, layout, settings, hw)
@@ -373,3 +376,20 @@ def annotate_memory_report(cfg, layout, run_dir, rank: int) -> None:
     stages = sum(1 for r in roles if r.unit == role["unit"])
     match = next(r for r in roles if r.unit == role["unit"] and r.pp == min(role["pp"], stages - 1))
     path.write_text(json.dumps({**report, **context, "predicted": match.as_dict()}, indent=1))
+
+
+def planned_fill_split(cfg, model: LayoutModel) -> tuple[int, ...]:
+    """A ``schedule.fill_split`` for a configured layout with the encoder folded, from the planner's costs (profiled
+    where it profiles this machine): the encoder's colocated seconds spread evenly over its blocks, balanced against
+    each LLM stage's own seconds (schedule/bubble_fill.py balance_blocks). FLOPs (``fill_split=auto``) weigh every
+    module at the same speed; a CPU runs a U-Net's convolutions far slower than a ViT's matmuls."""
+    from ..models.vit import vit_block_count
+    from ..schedule.bubble_fill import balance_blocks
+
+    llm, enc, gen, audio = choices_of_config(cfg)
+    evaluation = model.evaluate(llm, enc, gen, audio)
+    encoder_s = model.colocated_time("encoder", llm.tp, model.micro, evaluation.recompute.get("llm"))
+    loads = [t for _, t in evaluation.stage_times]
+    loads[0] -= encoder_s
+    blocks = vit_block_count(cfg.model.encoder)
+    return balance_blocks(loads, encoder_s / blocks, blocks)

@@ -114,6 +114,9 @@ class PlannerSettings:
     # parallel.sequence_parallel: the Llama and ViT stacks' residual stream and norms split over TP
     # (comm/sequence_split.py); planner/activation_costs.py counts their bytes per rank accordingly
     sequence_parallel: bool = True
+    # schedule.fill_bubbles: a configured layout's colocated encoder priced in chunks of these blocks each, in the
+    # bubbles (parallel/bubble_plan.py configured_fill_split; None: no filling; the solver does not search it)
+    fill_split: tuple[int, ...] | None = None
 
     def llm_share(self, stage: int | None, pp: int, layers: int) -> float:
         """The share of the LLM's blocks pipeline stage ``stage`` of ``pp`` holds (None: the average)."""

@@ -32,10 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..parallel.units import ENCODER_UNITS, GENERATOR_UNITS, UNIT_NAMES
+from ..schedule.bubble_fill import FILLABLE
 from .costs import CostModel, offload_s
 from .layout_memory import AUDIO_UNITS, AUTO_RECOMPUTE, AUTO_SHARD, SIDE_ENCODERS, LayoutMemory  # noqa: F401
 from .memory import split_shard
-from .schedule_choice import candidates, pipeline_s
+from .schedule_choice import candidates, filled_pipeline_s, pipeline_s
 from .stage_split import StageCosts, per_rank_times
 
 
@@ -196,11 +197,10 @@ class LayoutModel(LayoutMemory):
         self, choices: dict, gpus: int, m: int, B: float, bw: float, S: int, schedule: str, problem: str = ""
     ) -> Evaluation:
         """The layout ``choices`` run under ``schedule`` (``problem``: a reason it cannot be, found already)."""
-        llm = choices["llm"]
         policies, memory, shards = self.recompute_policies(choices, S, m, schedule)
         stages, split = self._pipeline_stages(choices, B, bw, policies)
         sync = self._sync_time(choices, m, shards, S > 1)
-        iteration = pipeline_s(schedule, stages, llm.vpp, m) + sync
+        iteration = self._pipeline_s(choices, schedule, stages, m, S, policies["llm"]) + sync
         if self.data_s_per_sample:
             iteration += self._data_time(choices, gpus)
         over = next((name for name, used in memory.items() if used > self.limit), None)
@@ -221,6 +221,16 @@ class LayoutModel(LayoutMemory):
             split,
             schedule if S > 1 else "none",
         )
+
+    def _pipeline_s(self, choices: dict, schedule: str, stages: list, m: int, S: int, policy: str | None) -> float:
+        """The pipeline's seconds; with schedule.fill_bubbles the colocated encoder's in chunks in the bubbles."""
+        llm, enc = choices["llm"], choices.get("encoder")
+        split = self.c.settings.fill_split
+        fill = split is not None and enc is not None and enc.colocated and S == llm.pp == len(split)
+        if not fill or schedule not in FILLABLE:
+            return pipeline_s(schedule, stages, llm.vpp, m)
+        encoder_s = self.colocated_time("encoder", llm.tp, self.micro, policy)
+        return filled_pipeline_s(schedule, stages, encoder_s, m, split)
 
     def _placement_problem(self, choices: dict[str, UnitChoice], gpus: int) -> str | None:
         """Why the units cannot be placed (too many devices, a TP group straddling nodes, units side by side of

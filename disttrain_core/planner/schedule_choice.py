@@ -64,3 +64,26 @@ def pipeline_s(schedule: str, stages: list[tuple[str, float]], vpp: int, m: int)
         return one_f_one_b
     bubble = sum(t for _, t in stages) - slowest
     return m * slowest + share * bubble
+
+
+def filled_pipeline_s(
+    schedule: str, stages: list[tuple[str, float]], encoder_s: float, m: int, split: tuple[int, ...] | None = None
+) -> float:
+    """``pipeline_s`` of a single-unit pipeline whose first stage's colocated encoder (``encoder_s`` of its seconds
+    per microbatch) runs in chunks of ``split`` blocks (None: even) in the bubbles (schedule.fill_bubbles,
+    schedule/bubble_fill.py): the 1F1B formula scaled by the simulator's ratio of the filled step to the colocated
+    one on these stage times (forward a third of each, as the rest of this model counts)."""
+    from ..schedule.bubble_fill import StageDurations, fill_bubbles
+    from ..schedule.generators import build_schedule
+    from ..schedule.simulator import simulate
+
+    times = [t for _, t in stages]
+    ranks = len(times)
+    base = build_schedule(schedule, ranks, m)
+    colocated = StageDurations([t / 3 for t in times], [2 * t / 3 for t in times])
+    llm = [times[0] - encoder_s, *times[1:]]
+    shares = [n / sum(split) for n in split] if split else [1.0 / ranks] * ranks
+    chunks = [encoder_s * share for share in shares]
+    filled = StageDurations([t / 3 for t in chunks + llm], [2 * t / 3 for t in chunks + llm])
+    ratio = simulate(fill_bubbles(base, filled), filled).makespan / simulate(base, colocated).makespan
+    return pipeline_s(schedule, stages, 1, m) * ratio

@@ -167,3 +167,14 @@ def _choose(rank, queues, ready, durations, policy: FillPolicy, room: bool, fed:
             continue
         return now, action
     return times[llm], llm  # fit_only skipped every filler: wait for the LLM's action
+
+
+def balance_blocks(loads: list[float], per_block: float, blocks: int) -> tuple[int, ...]:
+    """Blocks per chunk: each rank's chunk keeps one (the first embeds, the last projects), then each further block
+    goes to the rank whose load (its other work plus its chunk so far) is least, the lower rank on ties."""
+    counts, load = [1] * len(loads), [x + per_block for x in loads]
+    for _ in range(blocks - len(loads)):
+        lightest = min(range(len(loads)), key=lambda r: (load[r], r))
+        counts[lightest] += 1
+        load[lightest] += per_block
+    return tuple(counts)

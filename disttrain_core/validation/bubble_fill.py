@@ -49,12 +49,7 @@ def check_bubble_fill(cfg: Config, layout) -> None:
         f"{KEY}: schedule={s.csv or s.name} has no bubbles to fill this way ({why}); use schedule=1f1b or "
         "schedule=gpipe, or set schedule.fill_bubbles=false",
     )
-    blocks = vit_block_count(model.encoder)
-    _require(
-        blocks % llm.pp == 0,
-        f"{KEY}: the image encoder builds {blocks} blocks, which do not split evenly into pp={llm.pp} chunks; "
-        "choose a pipeline size dividing them",
-    )
+    _check_split(s.fill_split, vit_block_count(model.encoder), llm.pp)
     _require(llm.cp == 1, f"{KEY} with cp={llm.cp}: the encoder's chunks do not split sequences; set parallel.cp=1")
     _require(
         not p.rebalance_items,
@@ -65,4 +60,37 @@ def check_bubble_fill(cfg: Config, layout) -> None:
         not isinstance(p.pp_split, str),
         f"{KEY} with parallel.pp_split={p.pp_split}: auto balances the encoder on the first stage, which bubble "
         "filling spreads over every rank; give the LLM blocks per stage or leave it unset",
+    )
+
+
+def _check_split(split, blocks: int, pp: int) -> None:
+    """schedule.fill_split: null (even: pp divides the blocks), auto, or one block count per pipeline rank."""
+    if split is None:
+        _require(
+            blocks % pp == 0,
+            f"{KEY}: the image encoder builds {blocks} blocks, which do not split evenly into pp={pp} chunks; "
+            "choose a pipeline size dividing them, or give schedule.fill_split (blocks per rank, or auto)",
+        )
+        return
+    if isinstance(split, str):
+        _require(split == "auto", f"schedule.fill_split={split!r}: use auto, null, or blocks per rank, e.g. [10, 6]")
+        return
+    counts = list(split) if not isinstance(split, (bool, int, float)) else None
+    _require(
+        counts is not None and all(isinstance(n, int) and not isinstance(n, bool) for n in counts),
+        f"schedule.fill_split={split!r}: give whole block counts, one per pipeline rank, e.g. [10, 6]",
+    )
+    _require(
+        len(counts) == pp and min(counts) >= 1 and sum(counts) == blocks,
+        f"schedule.fill_split={counts}: give {pp} counts (one per pipeline rank), each at least 1, adding up to "
+        f"the image encoder's {blocks} blocks",
+    )
+
+
+def check_fill_split_alone(cfg: Config) -> None:
+    """schedule.fill_split without schedule.fill_bubbles would be silently ignored."""
+    _require(
+        cfg.schedule.fill_split is None,
+        f"schedule.fill_split={cfg.schedule.fill_split} splits the encoder for bubble filling, which is off; set "
+        "schedule.fill_bubbles=true or unset schedule.fill_split",
     )

@@ -7,7 +7,7 @@ from ..comm.context_modes import ulysses_degree
 from ..config import Config
 from ..parallel.units import UNIT_NAMES
 from ..schedule.generators import SPLIT_BACKWARD
-from .bubble_fill import check_bubble_fill
+from .bubble_fill import check_bubble_fill, check_fill_split_alone
 from .common import ConfigError, _require, world_size
 from .float8 import check_float8_layout
 from .item_balance import check_item_balance
@@ -332,6 +332,8 @@ def check_layout(cfg: Config, layout) -> None:
         check_item_balance(cfg, layout)
     if cfg.schedule.fill_bubbles:
         check_bubble_fill(cfg, layout)
+    else:
+        check_fill_split_alone(cfg)
     check_float8_layout(cfg, layout)
     _require(
         p.sequence_parallel or not p.comm.tp_overlap,

@@ -1,7 +1,8 @@
 """Bubble filling (schedule.fill_bubbles, parallel/bubble_plan.py) trains as one process does: the colocated image
 encoder cut into one chunk per pipeline rank, its actions list-scheduled into the 1F1B bubbles. pp=2 x dp=2 on
 shards where a third of the samples carry no image (a replica's microbatch may send its next chunk nothing), and
-pp=4 with a frozen 4-block encoder (three chunks run forwards only, the last trains the projector). Per-step
+pp=4 with a frozen 6-block encoder split 3-1-1-1 (schedule.fill_split; three chunks run forwards only, the last
+trains the projector). Per-step
 losses and final parameters within 1e-4 of one process (fp32, 5 steps); the recorded timeline shows each rank
 running its own encoder chunk."""
 
@@ -21,8 +22,8 @@ FILL = ["schedule=1f1b", "schedule.fill_bubbles=true", "trainer.record_timeline=
 CASES = {
     "pp2_dp2": (["parallel=pp2", "trainer.devices=4"], []),
     "pp4_frozen_encoder": (
-        ["parallel=pp4", "trainer.devices=4"],
-        ["model.encoder.n_layers=4", "model.freeze.encoder=true"],
+        ["parallel=pp4", "trainer.devices=4", "schedule.fill_split=[3,1,1,1]"],
+        ["model.encoder.n_layers=6", "model.freeze.encoder=true"],
     ),
 }
 

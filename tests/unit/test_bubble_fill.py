@@ -96,10 +96,12 @@ BAD = [
     (["parallel=megatron_pp2", "trainer.devices=4"], "the layout has units encoder, llm, generator"),
     (["parallel=pp2", "parallel.rebalance_items=true", "trainer.devices=4"], "set one of them false"),
     (["parallel=pp4", "trainer.devices=4"], "builds 2 blocks, which do not split evenly into pp=4 chunks"),
+    (["parallel=pp2", "schedule.fill_split=[2,1]"], "adding up to the image encoder's 2 blocks"),
+    (["parallel=pp2", "schedule.fill_split=even"], "schedule.fill_split='even': use auto, null"),
 ]
 
 
-@pytest.mark.parametrize("overrides, message", BAD, ids=["zb_h1", "pp1", "no_encoder", "separate", "rebalance", "pp4"])
+@pytest.mark.parametrize("overrides, message", BAD, ids=["zb_h1", "pp1", "no_encoder", "separate", "rebalance", "pp4", "split_sum", "split_word"])
 def test_bad_bubble_filling_is_one_line(overrides, message):
     from disttrain_core.planner.fit import validate_run
     from disttrain_core.validation import ConfigError
@@ -108,3 +110,62 @@ def test_bad_bubble_filling_is_one_line(overrides, message):
     with pytest.raises(ConfigError) as error:
         validate_run(typed_config(cfg))
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_the_planner_prices_the_fill_by_the_simulators_ratio():
+    """planner/schedule_choice.py ``filled_pipeline_s``: the planner's 1F1B time of the colocated stages, scaled by the
+    simulator's filled / colocated steps (the first CASES row: 39 / 49)."""
+    from disttrain_core.planner.schedule_choice import filled_pipeline_s, pipeline_s
+
+    stages = [("llm", 6.0), ("llm", 3.0)]  # forward + backward: the whole encoder (3) and an LLM stage (3) on stage 0
+    assert pipeline_s("1f1b", stages, 1, 8) == pytest.approx(51.0)  # fill 9 + 7 x the slowest 6
+    assert filled_pipeline_s("1f1b", stages, 3.0, 8) == pytest.approx(51.0 * 39.0 / 49.0)
+
+
+HEAVY = ["model.encoder.dim=256", "model.encoder.n_layers=16", "model.encoder.mlp_dim=1024", "model.encoder.n_heads=8"]
+
+
+@pytest.mark.parametrize(
+    "layout, model, effect",
+    [("pp2", HEAVY, "faster"), ("pp2", [], "slower"), ("megatron_pp2", HEAVY, "same")],
+    ids=["heavy_encoder", "light_encoder", "separate_unit"],
+)
+def test_a_configured_layout_is_priced_with_its_fill(layout, model, effect):
+    """The planner's evaluation of a configured layout (what bench_layouts predicts with) prices the fill where the
+    runtime runs one: with bench_layouts' encoder-heavy ViT it is faster; with mllm_tiny's light one, the even split
+    moves half the encoder onto the last stage, already the heavier, and costs a little; a separate encoder unit is
+    priced as before."""
+    from disttrain_core.planner import build_layout_model, choices_of_config
+
+    def step(*extra):
+        overrides = [f"parallel={layout}", "schedule=1f1b", "optim.global_batch_size=16", "optim.micro_batch_size=2"]
+        overrides += ["planner.cost=analytic", "cluster.peak_flops_fp32=1e11", "cluster.peak_flops_bf16=4e11"]
+        cfg = compose([*overrides, f"trainer.devices={2 if layout == 'pp2' else 4}", *model, *extra])
+        planned = build_layout_model(cfg, devices=cfg.trainer.devices, progress=lambda *_: None)
+        return planned.evaluate(*choices_of_config(cfg)).iteration_s
+
+    plain, fill = step(), step("schedule.fill_bubbles=true")
+    assert {"faster": fill < plain, "slower": fill > plain, "same": fill == plain}[effect], (plain, fill)
+
+
+def test_a_split_without_filling_is_refused():
+    from disttrain_core.planner.fit import validate_run
+    from disttrain_core.validation import ConfigError
+
+    cfg = compose(["trainer.devices=2", "parallel=pp2", "schedule=1f1b", "schedule.fill_split=[1,1]"])
+    with pytest.raises(ConfigError, match="which is off; set schedule.fill_bubbles=true"):
+        validate_run(typed_config(cfg))
+
+
+def test_blocks_go_to_the_lightest_rank_and_auto_balances_by_flops():
+    from disttrain_core.parallel.bubble_plan import encoder_split
+    from disttrain_core.schedule.bubble_fill import balance_blocks
+
+    assert balance_blocks([0.0, 3.0], 1.0, 8) == (6, 2)  # loads 6 and 5 after the last block
+    assert balance_blocks([2.0, 0.0, 0.0], 1.0, 4) == (1, 2, 1)  # ties to the lower rank
+    base = ["parallel=pp2", "trainer.devices=2", "schedule=1f1b", "schedule.fill_bubbles=true"]
+    cfg = typed_config(compose([*base, "model.encoder.n_layers=8", "schedule.fill_split=auto"]))
+    auto = encoder_split(cfg, 2)
+    assert sum(auto) == 8 and auto[0] >= auto[1]  # the LLM's last stage also runs the generator
+    given = typed_config(compose([*base, "model.encoder.n_layers=8", "schedule.fill_split=[5,3]"]))
+    assert encoder_split(given, 2) == (5, 3)
