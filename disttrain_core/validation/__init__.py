@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from ..config import Config
 from ..config.parallel import reads_whole_steps
+from .bubble_fill import check_fill_mode
 from .cluster_fit import launches_elsewhere, validate_cluster_fit
 from .common import (
     ConfigError,
@@ -107,6 +108,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
     validate_planner(cfg)
     check_planner_schedules(cfg)
     check_replan(cfg, planned=plan is not None)
+    check_fill_mode(cfg)  # before the planner could run
     mode = cfg.parallel.mode
     hotspa = mode == "hotspa"
     if mode != "auto":  # the layout is checked once the planner has chosen it

@@ -26,11 +26,6 @@ def check_bubble_fill(cfg: Config, layout) -> None:
         f"{KEY}: bubble filling spreads the image encoder only, and model {model.name} also has "
         f"{', '.join(towers)} on the LLM's first stage; set schedule.fill_bubbles=false",
     )
-    _require(
-        p.mode in ("megatron", "manual"),
-        f"{KEY} with parallel.mode={p.mode}: bubble filling is built for a fixed colocated layout (the planner "
-        "does not place encoder chunks); use parallel=pp2 or parallel=pp4 (the encoder folded into the first stage)",
-    )
     units = ", ".join(unit.name for unit in layout.units)
     _require(
         len(layout.units) == 1 and "encoder" in layout.units[0].modules,
@@ -93,4 +88,14 @@ def check_fill_split_alone(cfg: Config) -> None:
         cfg.schedule.fill_split is None,
         f"schedule.fill_split={cfg.schedule.fill_split} splits the encoder for bubble filling, which is off; set "
         "schedule.fill_bubbles=true or unset schedule.fill_split",
+    )
+
+
+def check_fill_mode(cfg: Config) -> None:
+    """Before any layout is resolved (the planner has not run): bubble filling runs in a configured layout."""
+    mode = cfg.parallel.mode
+    _require(
+        not cfg.schedule.fill_bubbles or mode in ("megatron", "manual"),
+        f"{KEY} with parallel.mode={mode}: bubble filling is built for a configured colocated layout (the planner "
+        "does not place encoder chunks); use parallel=pp2 or parallel=pp4 (the encoder folded into the first stage)",
     )

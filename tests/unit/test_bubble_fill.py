@@ -98,10 +98,14 @@ BAD = [
     (["parallel=pp4", "trainer.devices=4"], "builds 2 blocks, which do not split evenly into pp=4 chunks"),
     (["parallel=pp2", "schedule.fill_split=[2,1]"], "adding up to the image encoder's 2 blocks"),
     (["parallel=pp2", "schedule.fill_split=even"], "schedule.fill_split='even': use auto, null"),
+    (["parallel=auto"], "with parallel.mode=auto: bubble filling is built for a configured colocated layout"),
 ]
 
 
-@pytest.mark.parametrize("overrides, message", BAD, ids=["zb_h1", "pp1", "no_encoder", "separate", "rebalance", "pp4", "split_sum", "split_word"])
+IDS = ["zb_h1", "pp1", "no_encoder", "separate", "rebalance", "pp4", "split_sum", "split_word", "auto"]
+
+
+@pytest.mark.parametrize("overrides, message", BAD, ids=IDS)
 def test_bad_bubble_filling_is_one_line(overrides, message):
     from disttrain_core.planner.fit import validate_run
     from disttrain_core.validation import ConfigError
