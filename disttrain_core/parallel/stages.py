@@ -294,11 +294,11 @@ def build_unit_stage(
     context: SequenceSlices | None = None,
     split=None,
 ) -> nn.Module:
-    """Stage ``index`` of ``count`` of a unit, on the meta device (materialize it afterwards); ``split``:
-    parallel.pp_split, the LLM's blocks per stage (None: even)."""
+    """Stage ``index`` of ``count`` of a unit, on the meta device (materialize it afterwards); ``split``: the
+    blocks per stage (None: even): parallel.pp_split for the LLM, schedule.fill_split's for the encoder's chunks."""
     model = build_model(cfg, tokenizer, device="meta")
     if unit_name == "encoder":
-        return EncoderStage(model, index, count)
+        return EncoderStage(model, index, count, split)
     if unit_name == "generator":
         return GeneratorStage(model, index, count)
     if unit_name == "audio_encoder":
@@ -351,9 +351,8 @@ def build_rank_stages(
     for stage in schedule.stages_of(row):
         index = unit_stages.index(stage)
         if index < chunks:
-            module = EncoderStage(
-                build_model(cfg, tokenizer, device="meta"), index, chunks, schedule.meta["encoder_split"]
-            )
+            blocks = schedule.meta["encoder_split"]
+            module = build_unit_stage(cfg, tokenizer, "encoder", ENCODER_MODULES, index, chunks, split=blocks)
         else:
             modules = tuple(name for name in unit.modules if name not in ENCODER_MODULES) if chunks else unit.modules
             count = len(unit_stages) - chunks

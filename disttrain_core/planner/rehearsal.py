@@ -76,13 +76,35 @@ def count_role(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, floa
     stage, or under a V-shaped schedule (zbv, dualpipev) its two of 2 pp stages, counted apart and added."""
     from ..schedule.generators import V_SHAPED
 
+    if cfg.schedule.get("fill_bubbles", False) and "encoder" in unit.modules and unit.pp > 1:
+        return _count_filled(cfg, unit, stage_index, wire)
     if cfg.schedule.name not in V_SHAPED or unit.pp == 1:
         return _count_stage(cfg, unit, stage_index, unit.pp, wire)
     halves = [_count_stage(cfg, unit, s, 2 * unit.pp, wire) for s in (stage_index, 2 * unit.pp - 1 - stage_index)]
     return {part: halves[0][part] + halves[1][part] for part in halves[0]}
 
 
-def _count_stage(cfg, unit, stage_index: int, stages: int, wire: torch.dtype) -> dict[str, float]:
+def _count_filled(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, float]:
+    """schedule.fill_bubbles: the rank's encoder chunk (its blocks of schedule.fill_split) and its LLM stage,
+    counted apart and added, as parallel/stages.py builds them."""
+    from dataclasses import replace
+
+    from ..parallel.bubble_plan import encoder_split
+    from ..parallel.units import ENCODER_MODULES
+
+    chunk = replace(unit, name="encoder", modules=ENCODER_MODULES)
+    llm = replace(unit, modules=tuple(m for m in unit.modules if m not in ENCODER_MODULES))
+    blocks = encoder_split(cfg, unit.pp)
+    parts = [
+        _count_stage(cfg, chunk, stage_index, unit.pp, wire, blocks),
+        _count_stage(cfg, llm, stage_index, unit.pp, wire),
+    ]
+    return {part: parts[0][part] + parts[1][part] for part in parts[0]}
+
+
+def _count_stage(
+    cfg, unit, stage_index: int, stages: int, wire: torch.dtype, blocks: tuple[int, ...] | None = None
+) -> dict[str, float]:
     """Model-state bytes of stage ``stage_index`` of ``stages`` of ``unit``."""
     from ..comm.buckets import FlatBuckets, bucket_numel
     from ..data.tokenizer import tokenizer_for
@@ -99,6 +121,7 @@ def _count_stage(cfg, unit, stage_index: int, stages: int, wire: torch.dtype) ->
         tokenizer = tokenizer_for(cfg)
         split = cfg.parallel.get("pp_split")  # rehearsed per rank (a loop as vpp 1): a split of pp stages
         split = split if split is not None and not isinstance(split, str) and len(split) == stages else None
+        split = split if unit.name == "llm" else blocks  # the encoder's chunk: schedule.fill_split's blocks
         stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, stages, split=split)
         if tp_mesh is not None:
             apply_tensor_parallel(stage.model, tp_mesh, cfg.parallel.comm.tp_overlap, cfg.parallel.sequence_parallel)

@@ -173,3 +173,22 @@ def test_blocks_go_to_the_lightest_rank_and_auto_balances_by_flops():
     assert sum(auto) == 8 and auto[0] >= auto[1]  # the LLM's last stage also runs the generator
     given = typed_config(compose([*base, "model.encoder.n_layers=8", "schedule.fill_split=[5,3]"]))
     assert encoder_split(given, 2) == (5, 3)
+
+
+def test_the_rehearsal_counts_each_ranks_chunk():
+    """planner/rehearsal.py builds each rank's encoder chunk and LLM stage as the runtime does: the model state
+    moves between ranks (the encoder's blocks 3-1 instead of all on the first), the total stays the same."""
+    import torch
+
+    from disttrain_core.parallel.plan import units_of
+    from disttrain_core.planner.rehearsal import count_role
+
+    def params(*extra):
+        cfg = typed_config(
+            compose(["parallel=pp2", "trainer.devices=2", "schedule=1f1b", "model.encoder.n_layers=4", *extra])
+        )
+        return [count_role(cfg, units_of(cfg).llm, rank, torch.float32)["params"] for rank in range(2)]
+
+    folded, filled = params(), params("schedule.fill_bubbles=true", "schedule.fill_split=[3,1]")
+    assert sum(filled) == pytest.approx(sum(folded))
+    assert filled[0] < folded[0] and filled[1] > folded[1]
