@@ -16,14 +16,17 @@ encoder's actions: whenever a rank is free it starts, among the actions ready th
    being needed);
 2. an encoder backward, when ``eager_backward`` (it frees that microbatch's encoder activations);
 3. the rank's next LLM action;
-4. an encoder backward, then an encoder forward (bubble filling). With ``fit_only`` such filler runs only where
-   it ends before the next LLM action is ready, or where that action's readiness is not known yet.
+4. an encoder backward, then an encoder forward (bubble filling).
 
 Encoder chunks in flight on a rank are capped at P times the base schedule's peak on its first rank: as many
 encoder activation bytes as the colocated schedule keeps there (a chunk is 1/P of the encoder; a chunk's
 activations live longer than the colocated encoder's, from its forward until the gradient has come back
-through the LLM and the later chunks). ``fill_bubbles`` tries twelve policies (``lead`` 0, 1 or 2 and the
-two flags) and keeps the one with the shortest simulated step, then the fewest activations in flight.
+through the LLM and the later chunks). ``fill_bubbles`` tries six policies (``lead`` 0, 1 or 2, eager or not)
+and keeps the one with the shortest step, then the fewest activations in flight. The list scheduler places each
+action when its rank is free and its inputs have arrived, as the simulator times a schedule, so its own finish
+time is the simulated step (tests/unit/test_bubble_fill.py holds them equal). On 54 cases (2-8 ranks, 1-4
+microbatches per rank, the encoder 0.25-3 LLM stages, the last stage 1-2x the others) the six found the best
+of twelve that also tried filling only where the filler ends before the LLM's next action is ready.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .actions import Action, Kind, Schedule
-from .simulator import DurationFn, ScheduleError, dependencies, peak_activations, simulate
+from .simulator import DurationFn, ScheduleError, dependencies, peak_activations
 
 FILLABLE = ("gpipe", "1f1b")  # one stage per rank, whole backwards: the schedules whose bubbles this fills
 LEADS = (0, 1, 2)  # how far encoder forwards may run ahead of the LLM's first stage: the policies tried
@@ -53,7 +56,6 @@ class StageDurations:
 class FillPolicy:
     lead: int
     eager_backward: bool
-    fit_only: bool
 
 
 def fillable(base: Schedule) -> str | None:
@@ -78,16 +80,18 @@ def fill_bubbles(base: Schedule, durations: DurationFn, p2p: float = 0.0, forwar
     best, best_key = None, None
     for lead in LEADS:
         for eager in (False, True):
-            for fit in (False, True):
-                policy = FillPolicy(lead, eager, fit)
-                schedule = _list_fill(base, durations, p2p, forward_only, policy)
-                key = (simulate(schedule, durations, p2p).makespan, max(peak_activations(schedule)))
-                if best_key is None or key < best_key:
-                    best, best_key = schedule, key
+            schedule, makespan = _list_fill(base, durations, p2p, forward_only, FillPolicy(lead, eager))
+            key = (makespan, max(peak_activations(schedule)))
+            if best_key is None or key < best_key:
+                best, best_key = schedule, key
     return best
 
 
-def _list_fill(base: Schedule, durations: DurationFn, p2p: float, forward_only: int, policy: FillPolicy) -> Schedule:
+def _list_fill(
+    base: Schedule, durations: DurationFn, p2p: float, forward_only: int, policy: FillPolicy
+) -> tuple[Schedule, float]:
+    """The filled schedule under ``policy`` and its step time (each action at the earliest its rank and inputs
+    allow: what the simulator gives this order)."""
     ranks, m = base.num_ranks, base.num_microbatches
     last = 2 * ranks - 1
     queues = {
@@ -105,20 +109,25 @@ def _list_fill(base: Schedule, durations: DurationFn, p2p: float, forward_only: 
     fed = 0  # forwards of the LLM's first stage placed so far
     rows: list[list[Action]] = [[] for _ in range(ranks)]
 
+    arrival: dict[Action, float] = {}  # when an action's inputs are all there (fixed once they are)
+
     def ready(action: Action, rank: int) -> float | None:
-        start = free[rank]
-        for dep in dependencies(action, last):
-            if dep not in finish:
+        inputs = arrival.get(action)
+        if inputs is None:
+            deps = dependencies(action, last)
+            if any(dep not in finish for dep in deps):
                 return None
-            start = max(start, finish[dep] + (p2p if where[dep] != rank else 0.0))
-        return start
+            inputs = arrival[action] = max(
+                (finish[dep] + (p2p if where[dep] != rank else 0.0) for dep in deps), default=0.0
+            )
+        return max(free[rank], inputs)
 
     remaining = sum(len(q) for lists in queues.values() for q in lists)
     choices: list = [None] * ranks
     stale = set(range(ranks))  # ranks whose next choice may have changed: a neighbour's action feeds theirs
     while remaining:
         for rank in stale:
-            choices[rank] = _choose(rank, queues, ready, durations, policy, held[rank] < budget, fed)
+            choices[rank] = _choose(rank, queues, ready, policy, held[rank] < budget, fed)
         pick = None
         for rank, choice in enumerate(choices):
             if choice is not None and (pick is None or choice[0] < pick[0]):
@@ -140,11 +149,11 @@ def _list_fill(base: Schedule, durations: DurationFn, p2p: float, forward_only: 
         fed += first_llm_forward
         stale = set(range(ranks)) if first_llm_forward else {rank, (rank + 1) % ranks, (rank - 1) % ranks}
     meta = {"encoder_stages": ranks, "base": base.name, "forward_only": tuple(range(forward_only))}
-    meta["fill_policy"] = (policy.lead, policy.eager_backward, policy.fit_only)
-    return Schedule(f"{base.name}+fill", m, list(range(ranks)) * 2, rows, meta)
+    meta["fill_policy"] = (policy.lead, policy.eager_backward)
+    return Schedule(f"{base.name}+fill", m, list(range(ranks)) * 2, rows, meta), max(free)
 
 
-def _choose(rank, queues, ready, durations, policy: FillPolicy, room: bool, fed: int):
+def _choose(rank, queues, ready, policy: FillPolicy, room: bool, fed: int):
     """(start, action) this rank runs next under ``policy``, or None when nothing it holds can start yet."""
     llm = queues["llm"][rank][0] if queues["llm"][rank] else None
     back = queues["enc_b"][rank][0] if queues["enc_b"][rank] else None
@@ -154,19 +163,11 @@ def _choose(rank, queues, ready, durations, policy: FillPolicy, room: bool, fed:
     if not times:
         return None
     now = min(times.values())
-    due = [a for a, t in times.items() if t <= now]
-    urgent = fore in due and fore.microbatch < fed + policy.lead
+    urgent = fore is not None and times.get(fore) == now and fore.microbatch < fed + policy.lead
     order = [fore] if urgent else []
     order += [back] if policy.eager_backward else []
     order += [llm, back, fore]
-    for action in order:
-        if action is None or action not in due:
-            continue
-        filler = action is not llm and not (urgent and action is fore)
-        if filler and policy.fit_only and llm in times and now + durations(action) > times[llm]:
-            continue
-        return now, action
-    return times[llm], llm  # fit_only skipped every filler: wait for the LLM's action
+    return next((now, a) for a in order if a is not None and times.get(a) == now)
 
 
 def balance_blocks(loads: list[float], per_block: float, blocks: int) -> tuple[int, ...]:

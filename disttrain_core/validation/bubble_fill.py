@@ -9,6 +9,9 @@ from ..schedule.generators import SPLIT_BACKWARD
 from .common import _require
 
 KEY = "schedule.fill_bubbles=true"
+# Pipeline ranks x microbatches the list scheduler orders before launch (and every rank again at start): about
+# 10 s at pp 16 x 512 microbatches on this machine (schedule/bubble_fill.py)
+MAX_FILL_SLOTS = 8192
 
 
 def check_bubble_fill(cfg: Config, layout) -> None:
@@ -45,6 +48,12 @@ def check_bubble_fill(cfg: Config, layout) -> None:
         "schedule=gpipe, or set schedule.fill_bubbles=false",
     )
     _check_split(s.fill_split, vit_block_count(model.encoder), llm.pp)
+    micro = cfg.optim.global_batch_size // max(cfg.optim.micro_batch_size * llm.dp, 1)
+    _require(
+        micro * llm.pp <= MAX_FILL_SLOTS,
+        f"{KEY}: {micro} microbatches per step x pp={llm.pp} = {micro * llm.pp} slots to list-schedule before launch "
+        f"(at most {MAX_FILL_SLOTS}); raise optim.micro_batch_size or lower optim.global_batch_size",
+    )
     _require(llm.cp == 1, f"{KEY} with cp={llm.cp}: the encoder's chunks do not split sequences; set parallel.cp=1")
     _require(
         not p.rebalance_items,

@@ -99,10 +99,11 @@ BAD = [
     (["parallel=pp2", "schedule.fill_split=[2,1]"], "adding up to the image encoder's 2 blocks"),
     (["parallel=pp2", "schedule.fill_split=even"], "schedule.fill_split='even': use auto, null"),
     (["parallel=auto"], "with parallel.mode=auto: bubble filling is built for a configured colocated layout"),
+    (["parallel=pp2", "optim.global_batch_size=65536", "optim.micro_batch_size=1"], "(at most 8192)"),
 ]
 
 
-IDS = ["zb_h1", "pp1", "no_encoder", "separate", "rebalance", "pp4", "split_sum", "split_word", "auto"]
+IDS = ["zb_h1", "pp1", "no_encoder", "separate", "rebalance", "pp4", "split_sum", "split_word", "auto", "slots"]
 
 
 @pytest.mark.parametrize("overrides, message", BAD, ids=IDS)
@@ -192,3 +193,20 @@ def test_the_rehearsal_counts_each_ranks_chunk():
     folded, filled = params(), params("schedule.fill_bubbles=true", "schedule.fill_split=[3,1]")
     assert sum(filled) == pytest.approx(sum(folded))
     assert filled[0] < folded[0] and filled[1] > folded[1]
+
+
+@pytest.mark.parametrize("p2p", [0.0, 0.1])
+def test_the_list_schedulers_step_is_the_simulators(p2p):
+    """fill_bubbles ranks its policies by the list scheduler's own finish time, which must be what the simulator
+    gives the order it produced (each action at the earliest its rank and inputs allow)."""
+    from disttrain_core.schedule.bubble_fill import FillPolicy, _list_fill
+
+    for ranks, m, encoder in CASES_SHAPES:
+        base, durations = build_schedule("1f1b", ranks, m), _filled(ranks, encoder)
+        for lead in (0, 1, 2):
+            for eager in (False, True):
+                schedule, step = _list_fill(base, durations, p2p, 0, FillPolicy(lead, eager))
+                assert step == pytest.approx(simulate(schedule, durations, p2p).makespan)
+
+
+CASES_SHAPES = [(2, 4, 0.5), (3, 6, 1.0), (4, 8, 3.0)]
