@@ -135,13 +135,10 @@ class DataConfig:
     # No shards at data.path: generate the embedded synthetic ones there, but only if data.path is the data
     # group's own location (paths.data_dir/<data.name>) or an existing empty directory (a typo is an error).
     generate_if_missing: bool = False
-    # A brace pattern or glob naming shards that do not exist is an error; true: train on those that exist
-    # (a warning counts the missing ones).
-    allow_missing_shards: bool = False
+    allow_missing_shards: bool = False  # true: train on the shards a pattern names that exist (warned), else an error
     # fsspec options per protocol for shards behind URLs (data/storage.py, docs/DATA.md), e.g.
-    # 'data.storage_options={s3:{endpoint_url:"http://127.0.0.1:9000"}}' or {s3:{anon:true}}. Credentials never go
-    # here (the config is saved with the run): they come from the environment (AWS_ACCESS_KEY_ID, ...).
-    # Typed Any (None: no options): an empty dict default would refuse the keys of an override (struct mode).
+    # 'data.storage_options={s3:{endpoint_url:"http://127.0.0.1:9000"}}' or {s3:{anon:true}}. Never credentials
+    # (the config is saved with the run; they come from the environment). Any: a {} default refuses override keys.
     storage_options: Any = None
     max_image_pixels: int = 64_000_000  # larger images are skipped and counted
     # Frames a video member (an animated webp, gif or apng) gives the image encoder, at most: spread evenly from its

@@ -72,19 +72,6 @@ def encoder_split(cfg: Config, ranks: int) -> tuple[int, ...]:
     return balance_blocks(loads, sum(even.forward[r] + even.backward[r] for r in range(ranks)) / blocks, blocks)
 
 
-def configured_fill_split(cfg: Config) -> tuple[int, ...] | None:
-    """The encoder's blocks per chunk the run would use (None: no bubble filling, or no pipeline to fill)."""
-    if not cfg.schedule.get("fill_bubbles", False) or cfg.model.encoder is None:
-        return None
-    from .plan import units_of
-
-    try:  # parallel=auto has nothing placed yet; a bad fill_split is validation's to name (validation/bubble_fill.py)
-        pp = units_of(cfg).llm.pp
-        return encoder_split(cfg, pp) if pp > 1 else None
-    except (ValueError, TypeError):
-        return None
-
-
 def _llm_shares(cfg: Config, ranks: int) -> list[float]:
     split = cfg.parallel.pp_split
     if isinstance(split, (list, tuple)) or (split is not None and not isinstance(split, str)):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..parallel.bubble_plan import configured_fill_split
 from .baselines import exhaustive, flops_proportional, megatron
 from .breakdown import RoleMemory, unit_roles
 from .context_choice import configured_cp_mode
 from .costs import CostModel, Hardware, PlannerSettings, planned_devices, planned_precision
 from .evaluate import AUDIO_UNITS, COLOCATED, LayoutModel, UnitChoice
+from .fill_split import configured_fill_split
 from .memory import OFFLOADED
 from .options import CP_MIN_TOKENS, CP_OPTIONS
 from .schedule_choice import DEFAULT as DEFAULT_SCHEDULES
@@ -296,7 +296,6 @@ def config_roles(cfg, layout=None, cp_mode: tuple[str, int] | None = None) -> tu
         outer_bytes=outer,
         pp_split=settings_split(cfg.parallel.get("pp_split")),
         sequence_parallel=bool(cfg.parallel.get("sequence_parallel", True)),
-        fill_split=configured_fill_split(cfg),
     )
     hw = Hardware.from_config(cfg.cluster, precision, peak_flops=1.0)  # memory only: no time is computed
     model = _configured_model(cfg, layout, settings, hw)

@@ -115,7 +115,7 @@ class PlannerSettings:
     # (comm/sequence_split.py); planner/activation_costs.py counts their bytes per rank accordingly
     sequence_parallel: bool = True
     # schedule.fill_bubbles: a configured layout's colocated encoder priced in chunks of these blocks each, in the
-    # bubbles (parallel/bubble_plan.py configured_fill_split; None: no filling; the solver does not search it)
+    # bubbles (planner/fill_split.py; None: no filling; the solver does not search it)
     fill_split: tuple[int, ...] | None = None
 
     def llm_share(self, stage: int | None, pp: int, layers: int) -> float:

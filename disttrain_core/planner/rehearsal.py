@@ -102,34 +102,48 @@ def _count_filled(cfg, unit, stage_index: int, wire: torch.dtype) -> dict[str, f
     return {part: parts[0][part] + parts[1][part] for part in parts[0]}
 
 
-def _count_stage(
-    cfg, unit, stage_index: int, stages: int, wire: torch.dtype, blocks: tuple[int, ...] | None = None
-) -> dict[str, float]:
-    """Model-state bytes of stage ``stage_index`` of ``stages`` of ``unit``."""
-    from ..comm.buckets import FlatBuckets, bucket_numel
+def _stage_split(cfg, unit, stages: int, blocks: tuple[int, ...] | None):
+    """The blocks per stage the runtime builds: parallel.pp_split for the LLM (rehearsed per rank, a loop as vpp 1:
+    a split of pp stages), the encoder chunk's ``blocks`` (schedule.fill_split) for an encoder, else even."""
+    if unit.name != "llm":
+        return blocks
+    split = cfg.parallel.get("pp_split")
+    return split if split is not None and not isinstance(split, str) and len(split) == stages else None
+
+
+def _built_stage(cfg, unit, stage_index: int, stages: int, wire, blocks, fsdp_mesh, tp_mesh):
+    """The stage on meta as the runtime builds it (tensor-parallel, recomputing, sharded), and the ids of the expert
+    parameters its EP rank holds."""
     from ..data.tokenizer import tokenizer_for
     from ..parallel.fsdp import apply_fsdp
     from ..parallel.recompute import apply_recompute
     from ..parallel.stages import build_unit_stage
     from ..parallel.tensor_parallel import apply_tensor_parallel
+
+    split = _stage_split(cfg, unit, stages, blocks)
+    stage = build_unit_stage(cfg.model, tokenizer_for(cfg), unit.name, unit.modules, stage_index, stages, split=split)
+    if tp_mesh is not None:
+        apply_tensor_parallel(stage.model, tp_mesh, cfg.parallel.comm.tp_overlap, cfg.parallel.sequence_parallel)
+    apply_recompute(stage.model, unit.recompute, unit.recompute_every, tp_mesh and tp_mesh.get_group())
+    held = _expert_share(stage.model, unit.ep) if getattr(unit, "ep", 1) > 1 else set()
+    if fsdp_mesh is not None:  # the held experts stay whole, outside FSDP2 (train/unit_engine.py)
+        ignored = {p for p in stage.model.parameters() if id(p) in held}
+        apply_fsdp(stage, fsdp_mesh, unit.shard, wire, ignored or None)
+    return stage, held
+
+
+def _count_stage(
+    cfg, unit, stage_index: int, stages: int, wire: torch.dtype, blocks: tuple[int, ...] | None = None
+) -> dict[str, float]:
+    """Model-state bytes of stage ``stage_index`` of ``stages`` of ``unit``."""
+    from ..comm.buckets import FlatBuckets, bucket_numel
     from .memory import optimizer_state_bytes
 
     replicas = unit.dp * getattr(unit, "cp", 1)  # the ZeRO-1 group: dp x cp (train/unit_engine.py)
     _fake_group(replicas * unit.tp)
     try:
         fsdp_mesh, tp_mesh = _meshes(unit)
-        tokenizer = tokenizer_for(cfg)
-        split = cfg.parallel.get("pp_split")  # rehearsed per rank (a loop as vpp 1): a split of pp stages
-        split = split if split is not None and not isinstance(split, str) and len(split) == stages else None
-        split = split if unit.name == "llm" else blocks  # the encoder's chunk: schedule.fill_split's blocks
-        stage = build_unit_stage(cfg.model, tokenizer, unit.name, unit.modules, stage_index, stages, split=split)
-        if tp_mesh is not None:
-            apply_tensor_parallel(stage.model, tp_mesh, cfg.parallel.comm.tp_overlap, cfg.parallel.sequence_parallel)
-        apply_recompute(stage.model, unit.recompute, unit.recompute_every, tp_mesh and tp_mesh.get_group())
-        held = _expert_share(stage.model, unit.ep) if getattr(unit, "ep", 1) > 1 else set()
-        if fsdp_mesh is not None:  # the held experts stay whole, outside FSDP2 (train/unit_engine.py)
-            ignored = {p for p in stage.model.parameters() if id(p) in held}
-            apply_fsdp(stage, fsdp_mesh, unit.shard, wire, ignored or None)
+        stage, held = _built_stage(cfg, unit, stage_index, stages, wire, blocks, fsdp_mesh, tp_mesh)
         named = list(stage.model.named_parameters())
         # the experts an EP rank holds are stepped by their own optimizer (train/expert_optim.py): fp32
         # parameters that are their own masters, gradients and AdamW moments, outside the ZeRO-1 buffers

@@ -67,7 +67,10 @@ def one_process_text(shards, tmp_path_factory):
 
 # (drill, replica groups, the fault: its rank is the job rank = group x group size + rank in the group, extra)
 DRILLS = [
-    ("elastic", 4, "kill@step:rank=1:step=3", ["trainer.fault_tolerance.replace_delay_s=15"]),
+    # the replacement withheld just past the survivors' recovery (their quorum's 10 s timeout), so that they commit
+    # steps alone and it still joins before the end at 0.3-1 s a step (at 15 s, a fast day's survivors finished all
+    # 24 steps first and it was never started; at 8 s it joined during their recovery)
+    ("elastic", 4, "kill@step:rank=1:step=3", ["trainer.fault_tolerance.replace_delay_s=11"]),
     ("backward", 2, "kill@backward:rank=3:step=5", ["data.num_workers=1"]),  # and decode workers that end with it
     ("zero1", 2, "kill@allreduce:rank=2:step=5", ["parallel=zero1"]),  # AdamW state sharded inside each group
     ("fsdp2", 2, "kill@forward:rank=3:step=5", ["parallel.shard=zero3"]),  # FSDP2 inside, HSDP across groups
