@@ -5,6 +5,9 @@ host (a sync on CUDA) and runs three matmuls per expert in a Python loop. Here t
 the block boundaries stay a device tensor (``offs``, the cumulative counts), and each of SwiGLU's three
 projections runs as one ``torch._grouped_mm`` over all of the module's experts: the number of kernels no longer
 grows with the experts, and nothing is read back. An expert with no rows gets a zero gradient, as in the loop.
+Each expert's rows start at a multiple of 16 rows in a zero-padded buffer (``aligned_slots``; TorchTitan pads the
+same way): CUDA's grouped matmul stops the process with a device-side assert when a group's extent is not a
+multiple of 16 bytes, and the weight gradient splits the rows (an H200 hit it at the first uneven routing).
 
 The experts keep their parameters (``experts.<e>.w1.weight`` ...: checkpoints, initialization and expert
 parallelism are unchanged); each projection stacks them into one [E, out, in] operand in forward and again in
@@ -95,17 +98,44 @@ def run_experts_grouped(experts: nn.ModuleDict, rows: torch.Tensor, ids: torch.T
     modules = [experts[str(key)] for key in keys]
     local = ids - keys[0]  # the module's experts are one contiguous range (expert_range): no lookup table
     order = torch.argsort(local, stable=True)
-    offs = torch.bincount(local, minlength=len(keys)).cumsum(0).to(torch.int32)
+    slots, offs = aligned_slots(local.index_select(0, order), len(keys))
+    # each expert's rows at a 16-row-aligned start, zero rows between (they add nothing to any weight gradient)
     sorted_rows = rows.index_select(0, order)
+    padded = sorted_rows.new_zeros(padded_rows(rows.shape[0], len(keys)), rows.shape[1])
+    padded = padded.index_copy(0, slots, sorted_rows)
     dtype = _matmul_dtype(rows)
 
     def project(x: torch.Tensor, name: str) -> torch.Tensor:
         return _GroupedLinear.apply(x, offs, dtype, *(local_part(getattr(m, name).weight) for m in modules))
 
-    hidden = F.silu(project(sorted_rows, "w1")) * project(sorted_rows, "w3")
-    outputs = project(hidden, "w2")
+    hidden = F.silu(project(padded, "w1")) * project(padded, "w3")
+    outputs = project(hidden, "w2").index_select(0, slots)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return outputs.index_select(0, inverse)
+
+
+# Rows per expert block are padded to a multiple of this: on CUDA, torch._grouped_mm needs every group's extent
+# along a dimension the offsets split to be a multiple of 16 bytes (the weight gradient splits the rows: 8 rows in
+# bf16), else a device-side assert stops the process (seen on an H200, 2026-12-04). 16 rows covers every dtype.
+ALIGN_ROWS = 16
+
+
+def padded_rows(n: int, experts: int) -> int:
+    """Rows of the padded layout: a bound known on the host (no count is read back), a multiple of ALIGN_ROWS."""
+    return -(-(n + experts * (ALIGN_ROWS - 1)) // ALIGN_ROWS) * ALIGN_ROWS
+
+
+def aligned_slots(sorted_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows sorted by expert id (0..experts-1): each row's slot in the padded layout, where every expert's block
+    starts at a multiple of ALIGN_ROWS, and the blocks' cumulative padded ends (int32, the grouped matmul's
+    ``offs``). All on the device."""
+    counts = torch.bincount(sorted_ids, minlength=experts)
+    padded = (counts + ALIGN_ROWS - 1) // ALIGN_ROWS * ALIGN_ROWS
+    ends = padded.cumsum(0)
+    start_padded, start = ends - padded, counts.cumsum(0) - counts
+    position = torch.arange(sorted_ids.numel(), device=sorted_ids.device)
+    slots = start_padded.index_select(0, sorted_ids) + position - start.index_select(0, sorted_ids)
+    return slots, ends.to(torch.int32)
 
 
 def use_grouped(kernel: str, experts: nn.ModuleDict, rows: torch.Tensor) -> bool:

@@ -334,6 +334,45 @@ def test_grouped_experts_match_the_per_expert_loop(moe):
         torch.testing.assert_close(grads_g[name], grads_l[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_every_grouped_matmul_group_is_16_row_aligned(monkeypatch):
+    """CUDA's grouped matmul asserts on the device unless every group's extent along the split dimension is a
+    multiple of 16 bytes (an H200 stopped on the weight gradient's split of 13 rows): each expert's rows start at a
+    multiple of 16 in a zero-padded layout, forward and backward, and the result still equals the loop."""
+    from disttrain_core.models import grouped_experts
+
+    grouped_experts.grouped_available(torch.device("cpu"), torch.float32)  # its probe runs before the spy
+    extents = []
+    real = torch._grouped_mm
+
+    def spy(a, b, offs=None, **kwargs):
+        ends = offs.tolist()
+        extents.extend(e - s for s, e in zip([0, *ends[:-1]], ends, strict=True))
+        return real(a, b, offs=offs, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    grouped, loop = _grouped_pair(num_experts=4)
+    x = torch.randn(37, 16, generator=torch.Generator().manual_seed(3))  # 74 assignments over 4 experts
+    outs = []
+    for layer in (grouped, loop):
+        inp = x.clone().requires_grad_()
+        out = layer(inp)
+        out.sum().backward()
+        outs.append((out.detach(), inp.grad))
+    assert len(extents) == 9 * 4 and all(e % 16 == 0 for e in extents), extents
+    assert any(e > 0 for e in extents)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_aligned_slots_keep_each_expert_block_in_order():
+    from disttrain_core.models.grouped_experts import ALIGN_ROWS, aligned_slots, padded_rows
+
+    ids = torch.tensor([0] * 3 + [2] * 17 + [3] * 16)  # expert 1 has no rows
+    slots, ends = aligned_slots(ids, 4)
+    assert ends.tolist() == [16, 16, 48, 64] and ends.dtype == torch.int32
+    assert slots.tolist() == [0, 1, 2, *range(16, 33), *range(48, 64)]
+    assert padded_rows(ids.numel(), 4) >= int(ends[-1]) and padded_rows(ids.numel(), 4) % ALIGN_ROWS == 0
+
+
 def test_grouped_experts_under_bf16_autocast_follow_the_loop():
     grouped, loop = _grouped_pair()
     x = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
