@@ -1,6 +1,6 @@
 """Every CUDA path one GPU can reach, in one command: a PASS/FAIL table and a JSON of the numbers.
 
-    python tools/gpu_check.py                    # on a CUDA machine (about 3 minutes on one H100)
+    python tools/gpu_check.py                    # on a CUDA machine (about 5 minutes on one H200)
     python tools/gpu_check.py device=cpu         # every phase with tiny shapes on the CPU (make test runs it)
     python tools/gpu_check.py phases=api,ring_attention out=/tmp/gpu_check.json
 
@@ -11,7 +11,9 @@ recipe's block size; throughput and MFU of a ~1B Llama in bf16 against a plain P
 and trainer.compile=true against eager; peak memory of no / full / selective recompute against the memory model;
 FSDP2 and asynchronous DCP save/load on a one-rank NCCL group; FSDP2 with bf16 parameters training the Llama on a
 one-rank NCCL group, its peak memory against the memory model's prediction; weight materialization time; FP8
-(model.float8) against bf16 over 50 compiled steps, or its one-line refusal without FP8 tensor cores. On a machine with
+(model.float8) against bf16 over 50 compiled steps, or its one-line refusal without FP8 tensor cores; the context-
+parallel modes emulated; activation and optimizer offload against the runs without; grouped MoE experts and
+packed-document attention kernels against their plain paths. About 5 minutes on one H200 (docs/GPU.md). On a machine with
 torch but no package index, see docs/GPU.md (tools/prepare_wheels.py).
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -29,11 +32,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_cp import phase_act_offload, phase_cp_modes, phase_offload  # noqa: E402
+from gpu_check_fast_paths import phase_fast_paths  # noqa: E402
 from gpu_check_float8 import phase_float8  # noqa: E402
 from gpu_check_fsdp_bf16 import phase_fsdp_bf16  # noqa: E402
 from gpu_check_phases import PHASES, Check  # noqa: E402
 
-# tools/gpu_check_float8.py, tools/gpu_check_fsdp_bf16.py, tools/gpu_check_cp.py
+# tools/gpu_check_float8.py, tools/gpu_check_fsdp_bf16.py, tools/gpu_check_cp.py, tools/gpu_check_fast_paths.py
 PHASES = {
     **PHASES,
     "fsdp_bf16": phase_fsdp_bf16,
@@ -41,6 +45,7 @@ PHASES = {
     "cp_modes": phase_cp_modes,
     "offload": phase_offload,
     "act_offload": phase_act_offload,
+    "fast_paths": phase_fast_paths,
 }
 
 from disttrain_core.config import REPO_ROOT  # noqa: E402
@@ -86,6 +91,7 @@ def run(device: str, names: list[str], scratch: Path, save=lambda results: None)
     check = Check(device=device, scratch=scratch, **shapes)
     results = {}
     for name in names:
+        torch_defaults()
         started = time.perf_counter()
         try:
             result = PHASES[name](check)
@@ -96,6 +102,15 @@ def run(device: str, names: list[str], scratch: Path, save=lambda results: None)
         print(f"{'PASS' if result['ok'] else 'FAIL'}  {name:24s} {result['seconds']:7.1f} s", flush=True)
         save(results)
     return results
+
+
+def torch_defaults() -> None:
+    """Each phase starts from torch's process-wide defaults: a train.py run sets TF32 and determinism for its
+    process (launch/worker.py ``configure_device``) and leaves them set, and on the first H200 run a later phase's
+    fp32 attention inherited TF32 matmuls from the runs before it."""
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = True
 
 
 def machine(device: str) -> dict:
@@ -125,6 +140,8 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"error: phases={options['phases']}: unknown {unknown}; allowed: {', '.join(PHASES)}", file=sys.stderr)
         return 2
+    if device == "cuda":  # before cuBLAS starts: the deterministic phases' runs need it (launch/worker.py)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     logging.getLogger("disttrain").setLevel(logging.WARNING)  # the table is the output
     out = Path(options["out"] or REPO_ROOT / "outputs" / f"gpu_check_{device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

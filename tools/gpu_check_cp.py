@@ -93,6 +93,16 @@ def phase_cp_modes(check) -> dict:
     return {"ok": ok, "max_abs_error": errors}
 
 
+# Two runs that must agree: deterministic kernels (on CUDA the attention and embedding backwards otherwise
+# accumulate in a run-dependent order: on the first H200 run the pairs differed by 1e-4 after 10 steps, with or
+# without offload's part in it), every step's loss logged.
+SAME_RUNS = ["trainer.deterministic=true", "trainer.log_every_n_steps=1"]
+# The optimizer-offload pair runs different AdamW kernels (the host's and the device's), whose last-ulp differences
+# grow with the loss when the learning rate makes it climb (the check's warm-up to 3e-3 does on this Llama); at
+# 3e-4 the loss falls and the comparison measures offload, not that growth. fp32 without TF32.
+STABLE = ["optim.lr=3e-4", "trainer.precision=32", "trainer.tf32=false"]
+
+
 def phase_offload(check) -> dict:
     """parallel.offload=optimizer on the device (parallel/offload.py): the ~1B Llama's ZeRO-1 run (one rank, fp32)
     with the master shards and AdamW's moments in pinned host memory, against the same run without: losses within
@@ -102,9 +112,7 @@ def phase_offload(check) -> dict:
 
     runs = {}
     for name, extra in (("device", []), ("offload", ["parallel.offload=optimizer"])):
-        metrics = train(
-            check, f"offload_{name}", [*tokens_runs(check), "parallel=zero1", "trainer.precision=32", *extra]
-        )
+        metrics = train(check, f"offload_{name}", [*tokens_runs(check), *SAME_RUNS, *STABLE, "parallel=zero1", *extra])
         runs[name] = {
             "losses": [m["loss"] for m in metrics],
             "peak_memory_gib": max(m["perf/peak_memory_gib"] for m in metrics),
@@ -125,7 +133,7 @@ def phase_act_offload(check) -> dict:
 
     runs = {}
     for policy in ("none", "offload"):
-        overrides = [*tokens_runs(check), f"parallel.recompute={policy}", "trainer.memory_report_step=2"]
+        overrides = [*tokens_runs(check), *SAME_RUNS, f"parallel.recompute={policy}", "trainer.memory_report_step=2"]
         metrics = train(check, f"act_offload_{policy}", overrides)
         report = json.loads((check.scratch / f"act_offload_{policy}" / "memory" / "rank00000.json").read_text())
         runs[policy] = {
@@ -137,4 +145,22 @@ def phase_act_offload(check) -> dict:
     pairs = zip(runs["offload"]["losses"], runs["none"]["losses"], strict=True)
     worst = max(abs(a - b) / abs(b) for a, b in pairs)
     lower = runs["offload"]["measured_peak_bytes"] < runs["none"]["measured_peak_bytes"] or not check.cuda
-    return {"ok": worst < 1e-6 and lower, "worst_relative_loss_difference": worst, **runs}
+    link = _host_link_gbps() if check.cuda else {}
+    return {"ok": worst < 1e-6 and lower, "worst_relative_loss_difference": worst, **runs, "host_link_gbps": link}
+
+
+def _host_link_gbps(gib: int = 2) -> dict:
+    """GB/s of one pinned host buffer copied to the device and back (CUDA events; cluster.host_bandwidth_gbps)."""
+    host = torch.empty(gib << 30, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty_like(host, device="cuda")
+    out = {}
+    for name, (dst, src) in {"to_device": (device, host), "to_host": (host, device)}.items():
+        dst.copy_(src, non_blocking=True)  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        out[name] = round(3 * host.numel() / (start.elapsed_time(end) / 1e3) / 1e9, 1)
+    return out

@@ -28,6 +28,33 @@ def _predicted_peak(check: Check) -> float:
     return float(roles[0].as_dict()["peak"])
 
 
+class _Segments:
+    """Allocated bytes at the start of the last step, and after and at the peak of each of its parts (CUDA)."""
+
+    def __init__(self, on: bool):
+        self.on, self.seen = on, {}
+        if on:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.seen["start"] = {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.memory_allocated()}
+
+    def __call__(self, name: str) -> None:
+        if self.on:
+            torch.cuda.synchronize()
+            self.seen[name] = {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+            torch.cuda.reset_peak_memory_stats()
+
+
+def _state(stage, optimizer) -> dict:
+    """Bytes behind the stage's parameters (local shards), gradients and AdamW moments, each storage once."""
+    from disttrain_core.train.memory_report import count_storages
+
+    local = [getattr(p, "_local_tensor", p) for p in stage.parameters()]
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in stage.parameters() if p.grad is not None]
+    moments = [getattr(v, "_local_tensor", v) for st in optimizer.state.values() for v in st.values() if v.numel() > 1]
+    return count_storages({"params": local, "grads": grads, "moments": moments})
+
+
 def _stage(check: Check, mesh):
     from disttrain_core.config import compose
     from disttrain_core.data.tokenizer import tokenizer_for
@@ -55,27 +82,28 @@ def phase_fsdp_bf16(check: Check) -> dict:
     )
     try:
         stage, vocab = _stage(check, init_device_mesh(check.device, (1,)))
-        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-3, fused=True)  # the runtime's (parallel/zero.py)
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab, (check.micro_batch, check.seq_len), generator=generator).to(check.device)
         batch = text_rows(tokens, tokens)
         last_block = list(stage.model.llm.layers.values())[-1]
-        losses, kept_dtype, peak = [], None, None
+        losses, kept_dtype, segments = [], None, {}
         for step in range(STEPS):
-            if check.cuda and step == STEPS - 1:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            mark = _Segments(check.cuda and step == STEPS - 1)
             with torch.autocast(check.device, dtype=torch.bfloat16):
                 out = stage(None, batch)
             loss = sum(out.loss_sums.values()) / tokens.numel()
             kept_dtype = next(last_block.parameters()).dtype  # gathered, between its forward and backward
+            mark("forward")
             loss.backward()
+            mark("backward")
             optimizer.step()
+            mark("optimizer_step")
+            state = _state(stage, optimizer)
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach().float()))
-        if check.cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
+            segments = mark.seen or segments
+        peak = max((s["peak"] for s in segments.values()), default=None)
     finally:
         dist.destroy_process_group()
     predicted = _predicted_peak(check)
@@ -90,4 +118,6 @@ def phase_fsdp_bf16(check: Check) -> dict:
         "measured_peak_bytes": peak,
         "predicted_peak_bytes": predicted,
         "predicted_over_measured": ratio,
+        "last_step_segments": segments,
+        "state_after_step": state,
     }

@@ -27,11 +27,14 @@ def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_pat
         "fsdp_bf16",
         "weight_materialization",
         "float8",
+        "fast_paths",
     }
     assert all(phase["ok"] for phase in phases.values()) and report["passed"] and report["complete"]
     assert phases["ring_attention"]["memory_at_recipe_block"]["ratio"] <= 2.0
     assert phases["fsdp2_async_dcp"]["max_abs_difference"] == 0.0
     assert phases["fsdp_bf16"]["kept_block_dtype"] == "torch.bfloat16"
+    assert phases["act_offload"]["worst_relative_loss_difference"] == 0.0  # deterministic: the same bytes back
+    assert set(phases["fast_paths"]["document_attention"]) >= {"ok", "fp32 dense", "fp32 varlen", "bf16 varlen"}
     assert "model.float8=tensorwise runs FP8 matmuls on NVIDIA GPUs" in phases["float8"]["refused"]
 
 
