@@ -13,8 +13,8 @@ FSDP2 and asynchronous DCP save/load on a one-rank NCCL group; FSDP2 with bf16 p
 one-rank NCCL group, its peak memory against the memory model's prediction; weight materialization time; FP8
 (model.float8) against bf16 over 50 compiled steps, or its one-line refusal without FP8 tensor cores; the context-
 parallel modes emulated; activation and optimizer offload against the runs without; grouped MoE experts and
-packed-document attention kernels against their plain paths. About 5 minutes on one H200 (docs/GPU.md). On a machine with
-torch but no package index, see docs/GPU.md (tools/prepare_wheels.py).
+packed-document attention kernels against their plain paths. About 5 minutes on one H200 (docs/GPU.md). On a
+machine with torch but no package index, see docs/GPU.md (tools/prepare_wheels.py).
 """
 
 from __future__ import annotations
