@@ -7,13 +7,14 @@ DATA := data/synthetic_laion
 # make test runs the suite on this many pytest-xdist workers, whole files each (docs/performance/test_suite.md)
 TEST_WORKERS ?= 2
 
-.PHONY: train test test-slow lint data bench gpu-check clean-outputs help
+.PHONY: train test test-slow lint data bench gpu-check clean-outputs help slurm
 
 help:
 	@echo "make train      create .venv, install, generate the embedded data, train mllm_tiny on CPU"
 	@echo "make test       import-linter, then the default suite on TEST_WORKERS=2 workers (docs/performance/test_suite.md)"
 	@echo "make test-slow  the long tests (marked slow)"
 	@echo "make lint       ruff and import-linter (.importlinter: the layers of docs/ARCHITECTURE.md)"
+	@echo "make slurm      install Debian's slurm-wlm and munge for tests/slurm (root, apt; make test does it)"
 	@echo "make bench      tools/bench_*.py -> docs/results/*.json (summarized in docs/PERFORMANCE.md)"
 	@echo "make gpu-check  tools/gpu_check.py: every CUDA path one GPU reaches (docs/GPU.md)"
 
@@ -35,6 +36,23 @@ $(TRACKERS): $(STAMP) requirements-trackers.txt
 	$(BIN)/python -m pip install --quiet -r requirements-trackers.txt
 	touch $(TRACKERS)
 
+# A real SLURM for tests/slurm (tools/local_slurm.py starts it): Debian's slurm-wlm and munge, installed once where
+# this runs as root with apt, the install's seconds printed; elsewhere tests/slurm skip and say why.
+SLURM_PKGS := slurmctld slurmd slurm-client munge
+SLURM_STAMP := $(VENV)/.slurm
+$(SLURM_STAMP): | $(STAMP)
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null; then echo "slurm: already installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then start=$$(date +%s); \
+		export DEBIAN_FRONTEND=noninteractive; \
+		{ apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $(SLURM_PKGS) >/dev/null; }; } && \
+		echo "slurm: installed $(SLURM_PKGS) in $$(( $$(date +%s) - start )) s" || \
+		echo "slurm: apt-get could not install $(SLURM_PKGS): tests/slurm will skip"; \
+	else echo "slurm: not installed (needs root and apt-get): tests/slurm will skip"; fi
+	touch $@
+
+slurm: $(SLURM_STAMP)
+
 $(DATA): | $(STAMP)
 	$(BIN)/python tools/make_shards.py
 
@@ -45,12 +63,12 @@ train: $(STAMP) $(DATA)
 
 # pytest exits 5 when nothing was collected: an empty default suite is a failure,
 # an empty slow selection is not.
-test: $(STAMP) $(TRACKERS)
+test: $(STAMP) $(TRACKERS) $(SLURM_STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile -q --durations=20 \
 		--junitxml=outputs/tests/junit.xml
 
-test-slow: $(STAMP) $(TRACKERS)
+test-slow: $(STAMP) $(TRACKERS) $(SLURM_STAMP)
 	$(BIN)/python -m pytest -m slow -q; status=$$?; [ $$status -eq 5 ] && exit 0; exit $$status
 
 lint: $(STAMP)

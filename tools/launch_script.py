@@ -7,9 +7,10 @@
 
 Options: ``recipe=<name>`` (required), ``nodes=<count>`` (trainer.num_nodes; for a ``parallel=auto`` recipe the
 nodes to plan for, and the job gets the ones the plan uses), ``format=auto|sbatch|torchrun`` (auto: torchrun
-for one node, sbatch otherwise), ``launcher=<preset of conf/hydra/launcher>`` (default slurm). ``hydra.*`` overrides
-set the script (e.g. ``hydra.launcher.partition=gpu``); everything else overrides the recipe (e.g.
-``data.path=...``) and is passed to every rank.
+for one node, sbatch otherwise), ``launcher=<preset of conf/hydra/launcher>`` (default slurm). ``hydra.launcher.*``
+overrides set the script (e.g. ``hydra.launcher.partition=gpu``); everything else, ``hydra.run.dir`` too, overrides
+the recipe (e.g. ``data.path=...``) and is passed to every rank. The jobs' logs go to outputs/slurm/ (made now:
+SLURM does not create an --output folder).
 
 The ``#SBATCH`` lines are the ones ``python train.py -m recipe=<name> hydra/launcher=slurm`` submits (the same
 launcher preset through submitit's own writer). The job is validated first as the cluster will validate it:

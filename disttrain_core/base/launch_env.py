@@ -122,6 +122,11 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnvironment:
     return LaunchEnvironment("local", 1, 0, 0, _int(env, "NODE_RANK"), job)
 
 
+def requeued(environ: Mapping[str, str] | None = None) -> int:
+    """How many times SLURM has requeued this job (``SLURM_RESTART_COUNT``; 0 on a first run or elsewhere)."""
+    return _int(os.environ if environ is None else environ, "SLURM_RESTART_COUNT")
+
+
 def check(
     environment: LaunchEnvironment,
     devices: int,

@@ -139,6 +139,12 @@ def run_stamp(default: str) -> str:
     return default
 
 
+def gpus_per_node(accelerator: str, devices: Any) -> Any:
+    """The SLURM launcher's ``gpus_per_node``: the node's ranks for a GPU job, none for a CPU recipe (a real
+    scheduler refuses a GPU request on nodes without GPUs: "Invalid generic resource (gres) specification")."""
+    return None if str(accelerator) == "cpu" else devices
+
+
 def register_configs() -> None:
     """Store the schema and the recipes in Hydra's ConfigStore (idempotent).
 
@@ -155,6 +161,8 @@ def register_configs() -> None:
 
     if not OmegaConf.has_resolver("run_stamp"):
         OmegaConf.register_new_resolver("run_stamp", run_stamp)
+    if not OmegaConf.has_resolver("gpus_per_node"):
+        OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node)
     store = ConfigStore.instance()
     store.store(name="base_config", node=Config)
     for name in group_options("recipe"):

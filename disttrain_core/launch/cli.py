@@ -174,12 +174,39 @@ def check_overrides(argv: list[str], on_composed: Callable | None = None) -> Non
             raise PreflightError(str(error)) from error
 
 
+def check_submitter(argv: list[str]) -> None:
+    """``-m ... hydra/launcher=<SLURM preset>`` submits every job with sbatch: it must be on PATH here, and
+    SLURM must accept the job's sbatch settings (``sbatch --test-only`` on the first point's script: a partition,
+    account or QOS it rejects is its own message, before anything is submitted)."""
+    import shutil
+
+    from ..validation.cluster_fit import scheduler_launcher
+
+    launcher = scheduler_launcher(argv)
+    if launcher is None:
+        return
+    if shutil.which("sbatch") is None:
+        raise PreflightError(
+            f"hydra/launcher={launcher} submits each job with sbatch, which is not on PATH here: run this on a "
+            "SLURM login node (or load its environment), or leave out hydra/launcher to train on this machine"
+        )
+    from .cluster import test_submission
+
+    refused = test_submission(_variants(argv, True)[0])
+    if refused:
+        raise PreflightError(
+            f"SLURM refuses the job of hydra/launcher={launcher}: {refused} (sbatch --test-only; its settings are "
+            "hydra.launcher.* overrides: partition, account, qos, cpus_per_task, timeout_min)"
+        )
+
+
 def preflight(argv: list[str]) -> None:
     if any(arg.split("=", 1)[0] in PASSTHROUGH_FLAGS for arg in argv):
         return
     from .launchers import warm_up
 
     try:
+        check_submitter(argv)
         # the ranks' fork server starts importing while the config is validated (launchers.warm_up)
         check_overrides(argv, on_composed=warm_up)
     except PreflightError as error:

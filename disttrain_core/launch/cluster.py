@@ -21,6 +21,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..config import RECIPES_DIR, REPO_ROOT, compose, group_options, override_key, typed_config
 from ..planner.fit import validate_run
@@ -106,7 +107,8 @@ def compose_job(recipe: str, overrides: Sequence[str] = (), nodes: int | None = 
     """The job of ``recipe`` (its header's arguments, then ``overrides``; ``nodes``: the nodes to run on),
     validated as the cluster will validate it, with ``hydra/launcher=<launcher>``'s parameters."""
     header = read_header(recipe)
-    launcher_args = [arg for arg in overrides if override_key(arg).startswith("hydra.")]  # sbatch's, not the ranks'
+    # hydra.launcher.* set the sbatch script; other hydra.* (hydra.run.dir, ...) are the ranks' own Hydra settings
+    launcher_args = [arg for arg in overrides if override_key(arg).startswith("hydra.launcher.")]
     user = [arg for arg in overrides if arg not in launcher_args]
     if nodes is not None:
         user.append(f"trainer.num_nodes={nodes}")
@@ -207,12 +209,36 @@ def sbatch_text(cfg, command: str, folder: str) -> str:
     return executor._make_submission_file_text(command, uid="")
 
 
+def test_submission(overrides: list[str]) -> str | None:
+    """SLURM's own refusal of the sbatch script ``overrides`` (a ``hydra/launcher=<SLURM preset>`` run) would
+    submit, from ``sbatch --test-only`` (nothing is queued); None where it would accept it."""
+    import subprocess
+    import tempfile
+
+    cfg = compose([*overrides, "hydra.job.name=train"], return_hydra_config=True)
+    with tempfile.TemporaryDirectory(prefix="sbatch-test-") as folder:
+        script = Path(folder) / "job.sbatch"
+        script.write_text(sbatch_text(cfg, "true", folder))
+        try:
+            result = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return f"sbatch --test-only did not answer ({error})"
+    if result.returncode == 0:
+        return None
+    lines = [line.strip() for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+    return lines[-1] if lines else f"sbatch --test-only exited {result.returncode}"
+
+
 def sbatch_script(job: Job, folder: str | None = None, python: str | None = None) -> str:
     """The sbatch script of ``job``: the launcher's ``#SBATCH`` lines, then ``srun ... train.py <args>``."""
     t = job.cfg.trainer
     lead = float(job.cfg.hydra.launcher.signal_delay_s)
     check_signal_window(float(t.stop_grace_s), lead, f"hydra.launcher.signal_delay_s={lead:g}")
-    folder = folder or str(REPO_ROOT / "outputs" / "slurm" / "%j")
+    # one folder for every job's logs, made now: SLURM opens --output's file when the job starts and does not
+    # create its folder (a per-job "%j" folder, as submitit's, exists only where submitit makes it: a real
+    # scheduler failed the by-hand script's job at once)
+    folder = folder or str(REPO_ROOT / "outputs" / "slurm")
+    Path(folder).mkdir(parents=True, exist_ok=True)
     text = sbatch_text(job.cfg, shlex.join(train_command(job, python)), folder)
     lines = [line for line in text.splitlines() if line != SUBMITIT_ONLY]
     header = [

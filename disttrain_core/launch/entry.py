@@ -259,7 +259,9 @@ def launch(cfg: DictConfig) -> float | None:
         if pool is not None:
             pool.stop()
     summary = run_dir / SUMMARY_FILE
-    if not summary.is_file():
+    if environment.rank != 0 or not summary.is_file():
+        # under srun or torchrun each process is one rank and rank 0 reports the run (on a real SLURM a requeued
+        # job's other ranks read the first run's summary while rank 0 rewrote it)
         return None
     result = json.loads(summary.read_text())
     if "stopped_at_step" in result and _in_multirun():

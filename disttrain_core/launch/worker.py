@@ -146,7 +146,9 @@ def run_worker(run, run_dir: str, fabric=None) -> dict[str, Any]:
 
         annotate_memory_report(cfg, run.layout, Path(run_dir), fabric.global_rank)
     if fabric.global_rank == 0:
-        (Path(run_dir) / SUMMARY_FILE).write_text(json.dumps(metrics, indent=1, sort_keys=True))
+        partial = Path(run_dir) / f"{SUMMARY_FILE}.partial"  # replaced whole: a reader never sees half of it
+        partial.write_text(json.dumps(metrics, indent=1, sort_keys=True))
+        partial.replace(Path(run_dir) / SUMMARY_FILE)
     return metrics
 
 

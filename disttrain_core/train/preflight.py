@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..base.launch_env import requeued
 from ..config import Config
 from ..data.tokenizer import tokenizer_for
 from ..models import build_model
@@ -24,7 +25,22 @@ from .state import model_fingerprint
 STATE_ERRORS = (PretrainedError, CheckpointMismatch, FileNotFoundError)
 
 
+def check_requeued_resume(cfg: Config, run_dir: Path) -> None:
+    """A job SLURM requeued (``trainer.resume=auto``) must find its first run: a checkpoint, or at least the
+    metrics that run wrote (it may have ended before its first checkpoint: then it starts over, as it would)."""
+    restarts = requeued()
+    if cfg.trainer.resume != "auto" or restarts == 0 or resume_candidates("auto", run_dir):
+        return
+    if not (Path(run_dir) / "checkpoints").exists() and not (Path(run_dir) / "metrics.jsonl").exists():
+        raise FileNotFoundError(
+            f"this job was requeued (SLURM_RESTART_COUNT={restarts}) but its run directory {run_dir} has no "
+            "checkpoints/ and no metrics of the first run: put the run directory on storage every node sees "
+            "(hydra.run.dir), or pass trainer.resume=<the first run's directory>"
+        )
+
+
 def check_state_sources(cfg: Config, run_dir: Path) -> None:
+    check_requeued_resume(cfg, run_dir)
     if cfg.model.init_from in (None, "") and cfg.trainer.resume in (None, "", "none"):
         return
     model = build_model(cfg.model, tokenizer_for(cfg), device="meta")

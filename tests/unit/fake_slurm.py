@@ -7,6 +7,7 @@
     python fake_slurm.py srun [options] cmd  inside that allocation: one process per task with SLURM's per-task
                                              variables (rank, local rank, node), as srun starts them
     python fake_slurm.py sacct ...           knows no job (submitit then waits for the result files)
+    python fake_slurm.py sbatch --test-only  accepts any script (a real SLURM checks it: tests/slurm/)
 
 Only what submitit, Hydra's launcher and base/launch_env.py read is emulated: no resources, no signals.
 """
@@ -94,6 +95,9 @@ def srun(args: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
+    if command == "sbatch" and "--test-only" in rest:  # train.py's preflight: the fake accepts every job
+        print(f"sbatch: Job {JOB_ID} to start at now", file=sys.stderr)
+        return 0
     if command == "sbatch":
         return sbatch(rest[-1])
     if command == "srun":
