@@ -157,6 +157,10 @@ class WorkerReplicas:
         predecessor = (self.worker - 1) % self.workers
         if predecessor == self.worker or predecessor in self._given_up():
             return
+        if step >= int(self.trainer.cfg.trainer.max_steps):
+            # the run's last sync: no replacement follows, and the predecessor may have finished and closed its
+            # server already (seen as an inexact copy when a loaded machine slowed this worker)
+            return
         try:
             address = self.store.get(address_key("own", predecessor, self.rank)).decode()
             held = self.own.recv_checkpoint(predecessor, address, step, self.timeout)
