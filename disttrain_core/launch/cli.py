@@ -190,9 +190,9 @@ def check_submitter(argv: list[str]) -> None:
             f"hydra/launcher={launcher} submits each job with sbatch, which is not on PATH here: run this on a "
             "SLURM login node (or load its environment), or leave out hydra/launcher to train on this machine"
         )
-    from .cluster import test_submission
+    from .cluster import sbatch_test_only
 
-    refused = test_submission(_variants(argv, True)[0])
+    refused = sbatch_test_only(_variants(argv, True)[0])
     if refused:
         raise PreflightError(
             f"SLURM refuses the job of hydra/launcher={launcher}: {refused} (sbatch --test-only; its settings are "

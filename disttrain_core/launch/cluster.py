@@ -209,7 +209,7 @@ def sbatch_text(cfg, command: str, folder: str) -> str:
     return executor._make_submission_file_text(command, uid="")
 
 
-def test_submission(overrides: list[str]) -> str | None:
+def sbatch_test_only(overrides: list[str]) -> str | None:
     """SLURM's own refusal of the sbatch script ``overrides`` (a ``hydra/launcher=<SLURM preset>`` run) would
     submit, from ``sbatch --test-only`` (nothing is queued); None where it would accept it."""
     import subprocess
