@@ -1,21 +1,27 @@
-"""A real one-node SLURM on this machine (Debian's slurm-wlm and munge), for the tests and for trying the
+"""A real SLURM of one node, or of several network namespaces, on this machine (Debian's slurm-wlm and munge), for the tests and for trying the
 SLURM path without a cluster (docs/RECIPES.md "On a real SLURM here").
 
     python tools/local_slurm.py start dir=/tmp/slurm     # munged, slurmctld and slurmd; prints SLURM_CONF=...
     SLURM_CONF=/tmp/slurm/slurm.conf sbatch job.sbatch   # then sbatch, srun, squeue, scancel, scontrol as usual
     python tools/local_slurm.py stop dir=/tmp/slurm
+    python tools/local_slurm.py start dir=/tmp/slurm nodes=2   # two nodes, each a network namespace (root, iproute2)
 
 The daemons run as root (slurmd starts the jobs' processes), listen on 127.0.0.1 only
 (``CommunicationParameters=NoCtldInAddrAny,NoInAddrAny``) on ports free at start, and authenticate every message
 with a munge key made for this cluster alone. The node has this machine's CPUs and 80% of its memory, no GPUs, no
 cgroups (``proctrack/linuxproc``, ``task/none``) and no accounting database (``sacct`` knows no job; ``squeue`` and
 ``scontrol`` do). ``JobRequeue=1`` and ``KillWait=30``, so a job can be requeued and its ranks get SIGTERM, then
-30 s to stop, before SIGKILL. Installing the packages: ``make slurm`` (root, apt).
+30 s to stop, before SIGKILL. With ``nodes=N`` each node is a network namespace with its own slurmd, and the
+daemons listen on the namespaces' private link instead (``_emulated_nodes``). Installing the packages: ``make
+slurm`` (root, apt).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -53,11 +59,15 @@ def _memory_mb() -> int:
     return int(total * 0.8) >> 20
 
 
-def slurm_conf(root: Path, host: str, cpus: int, memory_mb: int) -> str:
+def slurm_conf(
+    root: Path, host: str, address: str, cpus: int, memory_mb: int, nodes: dict[str, str] | None = None
+) -> str:
+    """The controller runs on ``host`` at ``address``. ``nodes``: node name -> address, a slurmd each in its own
+    network namespace (the controller in the first one's); None: one node, this machine, on 127.0.0.1."""
     ctld, slurmd = _free_ports(2)
     lines = {
         "ClusterName": "disttrain",
-        "SlurmctldHost": f"{host}(127.0.0.1)",
+        "SlurmctldHost": f"{host}({address})",
         "SlurmctldPort": ctld,
         "SlurmdPort": slurmd,
         "CommunicationParameters": "NoCtldInAddrAny,NoInAddrAny",
@@ -67,11 +77,11 @@ def slurm_conf(root: Path, host: str, cpus: int, memory_mb: int) -> str:
         "AuthInfo": f"socket={root}/munge/munge.sock",
         "CredType": "cred/munge",
         "StateSaveLocation": root / "state",
-        "SlurmdSpoolDir": root / "spool",
+        "SlurmdSpoolDir": root / "spool" / "%n",
         "SlurmctldPidFile": root / "slurmctld.pid",
-        "SlurmdPidFile": root / "slurmd.pid",
+        "SlurmdPidFile": root / "slurmd-%n.pid",
         "SlurmctldLogFile": root / "slurmctld.log",
-        "SlurmdLogFile": root / "slurmd.log",
+        "SlurmdLogFile": root / "slurmd-%n.log",
         "ProctrackType": "proctrack/linuxproc",
         "TaskPlugin": "task/none",
         "JobAcctGatherType": "jobacct_gather/none",
@@ -85,7 +95,9 @@ def slurm_conf(root: Path, host: str, cpus: int, memory_mb: int) -> str:
         "MinJobAge": 600,  # finished jobs stay visible to scontrol for 10 minutes
     }
     text = "".join(f"{key}={value}\n" for key, value in lines.items())
-    text += f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN\n"
+    for name, node_address in (nodes or {host: "127.0.0.1"}).items():
+        share = memory_mb // len(nodes or [host])
+        text += f"NodeName={name} NodeAddr={node_address} CPUs={cpus} RealMemory={share} State=UNKNOWN\n"
     return text + "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
 
 
@@ -98,9 +110,44 @@ def _run(args: list, **kwargs) -> None:
     subprocess.run([str(a) for a in args], check=True, capture_output=True, text=True, timeout=60, **kwargs)
 
 
-def start(root: Path, cpus: int | None = None, timeout_s: float = 60.0) -> dict[str, str]:
-    """Start munged, slurmctld and slurmd with their state under ``root`` (emptied first); returns the environment
-    for SLURM's commands once the node is idle."""
+def _emulated_nodes(root: Path, count: int) -> dict[str, str]:
+    """``count`` network namespaces joined by a bridge (tools/netem_cluster.py), and a link from this machine's
+    namespace to that bridge for SLURM's commands (sbatch, squeue). Each namespace gets its own /etc/hosts
+    (/etc/netns/<name>/hosts, as ``ip netns exec`` would mount it; ``_in_node``): the node names, and this machine's
+    host name as the node's own address, which is what slurmctld, slurmd, srun and gloo bind to. Returns the nodes
+    (name -> address); what was made is recorded in ``root``/nodes.json for ``stop``."""
+    spec = importlib.util.spec_from_file_location("netem_cluster", Path(__file__).with_name("netem_cluster.py"))
+    netem = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(netem)
+    cluster = netem.Cluster(count, rate="10gbit", delay="0")
+    nodes = {name: cluster.address(k) for k, name in enumerate(cluster.nodes)}
+    link = f"{cluster.prefix}-c"
+    (root / "nodes.json").write_text(json.dumps({"namespaces": [*cluster.nodes, cluster.switch], "link": link}))
+    cluster.create()
+    _run(["ip", "link", "add", link, "type", "veth", "peer", "name", "pc", "netns", cluster.switch])
+    _run(["ip", "-n", cluster.switch, "link", "set", "pc", "master", "br0", "up"])
+    _run(["ip", "addr", "add", f"{cluster.address(253)}/24", "dev", link])
+    _run(["ip", "link", "set", link, "up"])
+    machine = socket.gethostname()
+    for name in nodes:
+        table = ["127.0.0.1 localhost"] + [f"{a} {n}" + (f" {machine}" if n == name else "") for n, a in nodes.items()]
+        (Path("/etc/netns") / name).mkdir(parents=True, exist_ok=True)
+        (Path("/etc/netns") / name / "hosts").write_text("\n".join(table) + "\n")
+    return nodes
+
+
+def _in_node(name: str, command: list) -> list:
+    """``command`` in node ``name``'s network namespace with its own /etc/hosts. Not ``ip netns exec``: that mounts
+    a sysfs of the namespace's own, without /sys/fs/cgroup, and slurmd will not start without it."""
+    hosts = Path("/etc/netns") / name / "hosts"
+    inner = f"mount --bind {hosts} /etc/hosts && exec {shlex.join(str(c) for c in command)}"
+    return ["nsenter", f"--net=/run/netns/{name}", "unshare", "--mount", "--", "sh", "-c", inner]
+
+
+def start(root: Path, cpus: int | None = None, nodes: int = 1, timeout_s: float = 60.0) -> dict[str, str]:
+    """Start munged, slurmctld and a slurmd per node with their state under ``root`` (emptied first); returns the
+    environment for SLURM's commands once every node is idle. ``nodes`` > 1: each node is a network namespace of its
+    own (``_emulated_nodes``)."""
     reason = missing()
     if reason:
         raise RuntimeError(reason)
@@ -118,28 +165,36 @@ def start(root: Path, cpus: int | None = None, timeout_s: float = 60.0) -> dict[
         + [f"--log-file={munge}/munged.log", f"--seed-file={munge}/seed", "--force"]
     )
     host = socket.gethostname().split(".")[0]
+    emulated = _emulated_nodes(root, nodes) if nodes > 1 else None
+    # the controller runs in the first node; it checks that it is on SlurmctldHost by this machine's host name
+    head, address = next(iter(emulated.items())) if emulated else (host, "127.0.0.1")
     conf = root / "slurm.conf"
-    conf.write_text(slurm_conf(root, host, cpus or os.cpu_count() or 1, _memory_mb()))
+    conf.write_text(slurm_conf(root, host, address, cpus or os.cpu_count() or 1, _memory_mb(), emulated))
     env = environment(root)
-    _run(["slurmctld", "-f", conf], env=env)
-    _run(["slurmd", "-f", conf], env=env)
+    _run(_in_node(head, ["slurmctld", "-f", conf]) if emulated else ["slurmctld", "-f", conf], env=env)
+    if emulated is None:
+        _run(["slurmd", "-f", conf], env=env)
+    for name in emulated or {}:
+        (root / "spool" / name).mkdir()
+        _run(_in_node(name, ["slurmd", "-f", conf, "-N", name]), env=env)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=env, timeout=30)
-        if state.stdout.strip() == "idle":
+        if state.stdout.split() == ["idle"]:
             return env
         time.sleep(0.5)
     log = (root / "slurmctld.log").read_text()[-2000:] if (root / "slurmctld.log").exists() else ""
-    raise RuntimeError(f"the local SLURM node did not become idle within {timeout_s:.0f} s: {log}")
+    raise RuntimeError(f"the local SLURM's nodes did not become idle within {timeout_s:.0f} s: {log}")
 
 
 def _pid_files(root: Path) -> list[Path]:
-    return [root / "slurmd.pid", root / "slurmctld.pid", root / "munge" / "munged.pid"]
+    return [*sorted(root.glob("slurmd*.pid")), root / "slurmctld.pid", root / "munge" / "munged.pid"]
 
 
 def stop(root: Path) -> None:
-    """Stop the daemons started under ``root`` (slurmd first); nothing if none runs."""
-    for path in _pid_files(Path(root)):
+    """Stop the daemons started under ``root`` (slurmd first) and remove its emulated nodes; nothing if none runs."""
+    root = Path(root)
+    for path in _pid_files(root):
         try:
             pid = int(path.read_text().split()[0])
             os.kill(pid, signal.SIGTERM)
@@ -151,6 +206,14 @@ def stop(root: Path) -> None:
             except OSError:
                 break
             time.sleep(0.1)
+    try:
+        made = json.loads((root / "nodes.json").read_text())
+    except (OSError, ValueError):
+        return
+    for name in made["namespaces"]:  # deleting the switch's namespace deletes the controller's link too
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+        shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+    (root / "nodes.json").unlink()
 
 
 def main(argv: list[str]) -> int:
@@ -159,7 +222,7 @@ def main(argv: list[str]) -> int:
     root = Path(options.get("dir", "/tmp/disttrain-slurm"))
     if verb == "start":
         try:
-            start(root, int(options["cpus"]) if "cpus" in options else None)
+            start(root, int(options["cpus"]) if "cpus" in options else None, int(options.get("nodes", 1)))
         except RuntimeError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -168,7 +231,8 @@ def main(argv: list[str]) -> int:
     if verb == "stop":
         stop(root)
         return 0
-    print("usage: python tools/local_slurm.py start|stop [dir=/tmp/disttrain-slurm] [cpus=N]", file=sys.stderr)
+    usage = "usage: python tools/local_slurm.py start|stop [dir=/tmp/disttrain-slurm] [cpus=N] [nodes=N]"
+    print(usage, file=sys.stderr)
     return 2
 
 
