@@ -196,6 +196,33 @@ def check(
             raise LaunchError(f"torchrun --nproc-per-node={local} but trainer.devices={devices}; make them agree")
 
 
+def elastic_nodes(
+    environment: LaunchEnvironment, num_nodes: int, min_nodes: int | None, environ: Mapping[str, str] | None = None
+) -> int:
+    """The nodes this run trains on: ``num_nodes``, or under elastic torchrun (``trainer.min_nodes``; torchrun
+    --nnodes=min_nodes:num_nodes) the nodes of this rendezvous round, WORLD_SIZE / LOCAL_WORLD_SIZE."""
+    if min_nodes is None:
+        return num_nodes
+    if not 1 <= min_nodes <= num_nodes:
+        raise LaunchError(f"trainer.min_nodes={min_nodes}: use null (not elastic) or 1 to trainer.num_nodes={num_nodes}")
+    if environment.kind != "torchrun":
+        raise LaunchError(
+            f"trainer.min_nodes={min_nodes} makes the job elastic, which only torchrun --nnodes={min_nodes}:{num_nodes}"
+            f" does (this process was started by {environment.kind}); launch with torchrun or set trainer.min_nodes="
+            "null"
+        )
+    env = os.environ if environ is None else environ
+    local = _int(env, "LOCAL_WORLD_SIZE", 1)
+    nodes, uneven = divmod(environment.world_size, local)
+    if uneven or not min_nodes <= nodes <= num_nodes:
+        raise LaunchError(
+            f"torchrun's round has WORLD_SIZE={environment.world_size} processes, {local} per node, but an elastic "
+            f"job takes {min_nodes} to {num_nodes} nodes (trainer.min_nodes, trainer.num_nodes) of the same size; "
+            f"launch with torchrun --nnodes={min_nodes}:{num_nodes} --nproc-per-node={local}"
+        )
+    return nodes
+
+
 def cluster_environment(environment: LaunchEnvironment):
     """The Fabric cluster environment for this process, named explicitly (never auto-detected)."""
     from lightning_fabric.plugins.environments import (

@@ -227,6 +227,7 @@ class TrainerConfig:
     # on CPU, at most this many processes per core (more is surely a typo; the 16-process test raises it)
     cpu_processes_per_core: int = 4
     num_nodes: int = 1
+    min_nodes: Optional[int] = None  # elastic torchrun --nnodes=min_nodes:num_nodes (launch_env.elastic_nodes)
     precision: str = "auto"  # auto (bf16-mixed on CUDA, 32 on CPU) | 32 | bf16-mixed
     backend: str = "auto"  # auto (gloo on CPU, nccl on CUDA) | gloo | nccl
     max_steps: int = 300

@@ -256,8 +256,11 @@ def torchrun_command(job: Job, python: str | None = None) -> str:
     job id shared by the nodes: base/launch_env.py names the run directory by it)."""
     command = [python or sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={job.devices}"]
     if job.nodes > 1:
+        low = job.cfg.trainer.min_nodes
+        # elastic (trainer.min_nodes): a round may have min_nodes to num_nodes nodes; each lost node costs a restart
+        elastic = [f"--nnodes={low}:{job.nodes}", f"--max-restarts={job.nodes - low}"] if low else []
         command += [
-            f"--nnodes={job.nodes}",
+            *(elastic or [f"--nnodes={job.nodes}"]),
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=$MASTER_ADDR:29500",
             f"--rdzv-id={job.recipe.name}-$JOB_ID",

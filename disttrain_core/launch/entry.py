@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..base.launch_env import LaunchError, detect, node_rendezvous
+from ..base.launch_env import LaunchError, detect, elastic_nodes, node_rendezvous
 from ..base.launch_env import check as check_launch
 from ..base.net import is_loopback, split_address
 from ..config import Config, determinism, resolve_accelerator, training_precision, typed_config
@@ -105,6 +105,27 @@ def prepare_device(cfg: Config, rank: int) -> None:
     line = peak_source(math, torch.cuda.get_device_name(0), cfg.cluster)
     if line:
         log.warning(line)
+
+
+def elastic_round(container: dict, environment) -> dict:
+    """Under elastic torchrun (trainer.min_nodes), the job as this rendezvous round has it: its node count.
+    The layout, batch split and data streams follow; the checkpoint reshards into them at resume."""
+    trainer = container["trainer"]
+    if trainer.get("dry_run"):  # a dry run plans the whole job, wherever it runs
+        return container
+    nodes = elastic_nodes(environment, trainer["num_nodes"], trainer.get("min_nodes"))
+    if nodes == trainer["num_nodes"]:
+        return container
+    if environment.rank == 0:
+        log.warning(
+            "elastic round: %d of trainer.num_nodes=%d node(s) joined (torchrun --nnodes=%d:%d); training on %d",
+            nodes,
+            trainer["num_nodes"],
+            trainer["min_nodes"],
+            trainer["num_nodes"],
+            nodes,
+        )
+    return {**container, "trainer": {**trainer, "num_nodes": nodes}}
 
 
 def resolve(cfg: Config, container: dict, environment):
@@ -208,6 +229,7 @@ def launch(cfg: DictConfig) -> float | None:
     composed = container  # as typed (parallel=auto stays auto): trainer.replan_on_failure plans it again
     environment = detect()
     try:
+        container = elastic_round(container, environment)
         run = resolve(typed_config(container), container, environment)
     except (ConfigError, LaunchError, *STATE_ERRORS) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -169,6 +169,7 @@ def _run_rules() -> list[Rule]:
         one_of(f"{t}.backend", ("auto", "gloo", "nccl")),
         at_least(f"{t}.devices", 1),
         at_least(f"{t}.num_nodes", 1),
+        optional(at_least(f"{t}.min_nodes", 1), "use null (exactly trainer.num_nodes) or 1 to trainer.num_nodes"),
         at_least(f"{t}.max_steps", 1),
         optional(at_least(f"{t}.exit_after_step", 1), "use null or a step >= 1"),
         at_least(f"{t}.log_every_n_steps", 1),

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from disttrain_core.base.launch_env import LaunchError, check, detect, tasks_per_node
+from disttrain_core.base.launch_env import LaunchError, check, detect, elastic_nodes, tasks_per_node
 from disttrain_core.config import run_stamp
 
 SRUN = {
@@ -78,6 +78,22 @@ def test_torchrun():
     unnamed = {**env_vars, "TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "4"}
     with pytest.raises(LaunchError, match="--rdzv-id"):
         check(detect(unnamed), devices=2, num_nodes=2, environ=unnamed)
+
+
+def test_an_elastic_round_trains_on_the_nodes_it_has_and_only_under_torchrun():
+    """trainer.min_nodes (torchrun --nnodes=MIN:MAX): the round's node count is WORLD_SIZE / LOCAL_WORLD_SIZE."""
+    round_of = {"TORCHELASTIC_RUN_ID": "j", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    for world, nodes in (("2", 1), ("4", 2)):
+        env_vars = {**round_of, "WORLD_SIZE": world}
+        assert elastic_nodes(detect(env_vars), num_nodes=2, min_nodes=1, environ=env_vars) == nodes
+    assert elastic_nodes(detect({}), num_nodes=2, min_nodes=None) == 2  # not elastic: trainer.num_nodes
+    too_few = {**round_of, "WORLD_SIZE": "2"}
+    with pytest.raises(LaunchError, match="WORLD_SIZE=2 processes, 2 per node, but an elastic job takes 2 to 3 nodes"):
+        elastic_nodes(detect(too_few), num_nodes=3, min_nodes=2, environ=too_few)
+    with pytest.raises(LaunchError, match="only torchrun --nnodes=1:2 does .*started by local"):
+        elastic_nodes(detect({}), num_nodes=2, min_nodes=1, environ={})
+    with pytest.raises(LaunchError, match=r"trainer.min_nodes=3: use null \(not elastic\) or 1 to trainer.num_nodes=2"):
+        elastic_nodes(detect(too_few), num_nodes=2, min_nodes=3, environ=too_few)
 
 
 def test_spawned_children_ignore_an_inherited_slurm_environment():

@@ -190,6 +190,10 @@ def test_torchrun_commands_for_one_node_and_for_every_node(tmp_path):
     status, printed, err = run_tool(["recipe=llama3_8b_128k_cp", f"data.path={tokens}", "format=torchrun"])
     assert status == 0, err
     assert "--nnodes=8" in printed and "--rdzv-id=llama3_8b_128k_cp-$JOB_ID" in printed and "every node" in printed
+    elastic = ["recipe=llama3_8b_128k_cp", f"data.path={tokens}", "format=torchrun", "trainer.min_nodes=6"]
+    status, printed, err = run_tool(elastic)
+    assert status == 0, err
+    assert "--nnodes=6:8 --max-restarts=2" in printed  # a restart for each node the job may lose
     status, _, err = run_tool(["recipe=llama3_8b_fsdp2", "data.path=/nonexistent/tokens.npy"])
     assert status == 2 and "/nonexistent/tokens.npy" in err  # the data is checked as on the cluster
 
