@@ -1,5 +1,5 @@
-"""A real SLURM of one node, or of several network namespaces, on this machine (Debian's slurm-wlm and munge), for the tests and for trying the
-SLURM path without a cluster (docs/RECIPES.md "On a real SLURM here").
+"""A real SLURM of one node, or of several network namespaces, on this machine (Debian's slurm-wlm and munge),
+for the tests and for trying the SLURM path without a cluster (docs/RECIPES.md "On a real SLURM here").
 
     python tools/local_slurm.py start dir=/tmp/slurm     # munged, slurmctld and slurmd; prints SLURM_CONF=...
     SLURM_CONF=/tmp/slurm/slurm.conf sbatch job.sbatch   # then sbatch, srun, squeue, scancel, scontrol as usual

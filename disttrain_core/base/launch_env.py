@@ -204,7 +204,9 @@ def elastic_nodes(
     if min_nodes is None:
         return num_nodes
     if not 1 <= min_nodes <= num_nodes:
-        raise LaunchError(f"trainer.min_nodes={min_nodes}: use null (not elastic) or 1 to trainer.num_nodes={num_nodes}")
+        raise LaunchError(
+            f"trainer.min_nodes={min_nodes}: use null (not elastic) or 1 to trainer.num_nodes={num_nodes}"
+        )
     if environment.kind != "torchrun":
         raise LaunchError(
             f"trainer.min_nodes={min_nodes} makes the job elastic, which only torchrun --nnodes={min_nodes}:{num_nodes}"
