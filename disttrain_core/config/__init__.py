@@ -27,6 +27,7 @@ from .model import (  # noqa: F401  re-exported: ``from disttrain_core.config im
     UNetConfig,
     VideoEncoderConfig,
     VitConfig,
+    head_dim_of,
 )
 from .schema import (  # noqa: F401
     REPO_ROOT,

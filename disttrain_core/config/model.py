@@ -109,6 +109,17 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     rope_scaling: Optional[RopeScalingConfig] = None  # Llama-3.1's "llama3" frequency scaling
     moe: Optional[MoeConfig] = None  # None: dense SwiGLU feed-forward; set: every block's is a MoE
+    # The model families beside Llama (models/llama.py; imports in models/hf/llama_family.py):
+    head_dim: Optional[int] = None  # None: dim / n_heads; Qwen3 sets its own (q is n_heads x head_dim wide)
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2, Qwen2.5)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before the rotation (Qwen3)
+    # Mistral 7B v0.1: a query sees the last sliding_window positions only (itself included); None: all earlier
+    sliding_window: Optional[int] = None
+
+
+def head_dim_of(cfg) -> int:
+    """The attention head width of an llm config: ``head_dim``, else ``dim / n_heads``."""
+    return int(cfg.head_dim) if getattr(cfg, "head_dim", None) else int(cfg.dim) // int(cfg.n_heads)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..config import head_dim_of
 from .llama import Llama, rope_table
 
 
@@ -139,9 +140,7 @@ def _uncached_last(llm: Llama, rows: torch.Tensor) -> torch.Tensor:
     """The normed final state of the last position, the whole row run again (its own rotary table, so rows may
     run past model.seq_len as the cache's do)."""
     cfg = llm.cfg
-    rope = rope_table(
-        cfg.dim // cfg.n_heads, rows.shape[1], cfg.rope_theta, rows.device, getattr(cfg, "rope_scaling", None)
-    )
+    rope = rope_table(head_dim_of(cfg), rows.shape[1], cfg.rope_theta, rows.device, getattr(cfg, "rope_scaling", None))
     h = llm.embed(rows)
     for layer in llm.layers.values():
         h = layer(h, rope)
@@ -151,4 +150,4 @@ def _uncached_last(llm: Llama, rows: torch.Tensor) -> torch.Tensor:
 def _rope(llm: Llama, length: int, device) -> torch.Tensor:
     """The rotary table of ``llm`` for ``length`` positions (rows past model.seq_len included)."""
     cfg = llm.cfg
-    return rope_table(cfg.dim // cfg.n_heads, length, cfg.rope_theta, device, getattr(cfg, "rope_scaling", None))
+    return rope_table(head_dim_of(cfg), length, cfg.rope_theta, device, getattr(cfg, "rope_scaling", None))

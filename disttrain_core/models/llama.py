@@ -1,5 +1,7 @@
 """Llama-style decoder: RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU feed-forward, untied output head. Single-device code only. Rotary
+SwiGLU feed-forward, untied output head; and the family around it (Qwen2's q/k/v
+biases, Qwen3's per-head q/k norm and own head width, Mistral's sliding window).
+Single-device code only. Rotary
 embeddings rotate interleaved pairs (Meta's layout; Hugging Face checkpoints
 are permuted on import, models/hf/llama.py).
 
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import LlamaConfig
+from ..config import LlamaConfig, head_dim_of
 from .common import SwiGLU
 from .document_attention import document_attention, segments_of
 from .head import LMHead, TokenEmbedding
@@ -97,14 +99,27 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+def window_mask(length: int, window: int, device=None) -> torch.Tensor:
+    """[length, length] bool: query i sees key j when ``i - window < j <= i`` (a sliding window, causal)."""
+    distance = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.head_dim = head_dim_of(cfg)
+        bias = bool(getattr(cfg, "qkv_bias", False))
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # Qwen3: each head's q and k normalized over head_dim before the rotation (one weight shared by the heads)
+        self.q_norm = self.k_norm = None
+        if getattr(cfg, "qk_norm", False):
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+        self.window = getattr(cfg, "sliding_window", None)
         self.document_kernel = "varlen"  # packed documents: model.document_attention (models/document_attention.py)
 
     def forward(
@@ -126,6 +141,8 @@ class Attention(nn.Module):
         the earlier positions' and the queries attend to all of them."""
         batch, seq_len, _ = q.shape
         q, k, v = (t.view(batch, seq_len, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if cache is not None:
@@ -139,6 +156,9 @@ class Attention(nn.Module):
         when ``documents`` is given. Context parallelism replaces it per module with ring attention over the
         sequence slices (parallel/context_parallel.py)."""
         gqa = q.shape[1] != k.shape[1]
+        if self.window is not None and q.shape[2] > self.window:  # validation refuses documents and CP with it
+            mask = window_mask(q.shape[2], self.window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         if documents is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return document_attention(self.document_kernel, q, k, v, documents, gqa)
@@ -196,7 +216,7 @@ class Llama(nn.Module):
 
     def reset_buffers(self) -> None:
         device = self.rope.device
-        head_dim = self.cfg.dim // self.cfg.n_heads
+        head_dim = head_dim_of(self.cfg)
         scaling = getattr(self.cfg, "rope_scaling", None)
         positions = self.rope_positions
         length = self.max_seq_len if positions is None else max(self.max_seq_len, int(positions.max()) + 1)

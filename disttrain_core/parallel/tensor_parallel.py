@@ -162,9 +162,12 @@ def enable_sequence_parallel(module: nn.Module, group, skip_dense_llama: bool = 
 
 def sequence_parallel_partial_params(module: nn.Module) -> list[nn.Parameter]:
     """Parameters whose gradient each TP rank computes from its sequence rows only (the norms inside a
-    sequence-parallel block stack): summed over the TP group before the data-parallel reduction."""
+    sequence-parallel block stack), or from its own heads only (Qwen3's q/k norms, one weight shared by the heads
+    that TP splits): summed over the TP group before the data-parallel reduction (used only where TP > 1)."""
     params: list[nn.Parameter] = []
     for child in module.modules():
+        if isinstance(child, DecoderBlock) and child.attention.q_norm is not None:
+            params += [*child.attention.q_norm.parameters(), *child.attention.k_norm.parameters()]
         if isinstance(child, DecoderBlock) and (child.sequence is not None or getattr(child, "_sequence_parallel", 0)):
             params += [*child.attention_norm.parameters(), *child.ffn_norm.parameters()]
         elif isinstance(child, VitBlock) and child.sequence is not None:

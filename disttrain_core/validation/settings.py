@@ -28,6 +28,7 @@ from .data import (
     check_val_tokens,
     check_validation_run,
 )
+from .llm_family import validate_llm_shape
 from .modalities import validate_audio, validate_synthetic_modalities
 from .numbers import check_bounds
 from .producer import check_pool_settings
@@ -59,15 +60,7 @@ def validate_model(cfg: Config) -> None:
     m = cfg.model
     _require(m.family in ("mllm", "llama"), f"model.family={m.family!r}: allowed values are 'mllm' and 'llama'")
     llm = m.llm
-    _require(llm.dim % llm.n_heads == 0, f"model.llm.dim={llm.dim} is not divisible by model.llm.n_heads={llm.n_heads}")
-    _require(
-        llm.n_heads % llm.n_kv_heads == 0,
-        f"model.llm.n_heads={llm.n_heads} is not a multiple of model.llm.n_kv_heads={llm.n_kv_heads}",
-    )
-    _require(
-        (llm.dim // llm.n_heads) % 2 == 0,
-        f"model.llm head size {llm.dim // llm.n_heads} must be even for rotary embeddings",
-    )
+    validate_llm_shape(cfg)
     _require(m.seq_len >= 8, f"model.seq_len={m.seq_len}: use at least 8 tokens")
     from ..models.document_attention import KERNELS
 

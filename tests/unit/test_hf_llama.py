@@ -192,12 +192,13 @@ def test_config_mismatch_names_both_values(tmp_path):
 
     for bad, match in [
         ({"attention_bias": True}, "attention_bias=True"),
-        ({"head_dim": 32}, "head_dim=32"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type='yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ]:
         with pytest.raises(PretrainedError, match=match):
             llama_overrides({**hf_json, **bad})
+    assert llama_overrides({**hf_json, "head_dim": 32})["model.llm.head_dim"] == 32  # a head width of its own
+    assert llama_overrides({**hf_json, "head_dim": 16})["model.llm.head_dim"] is None  # = hidden_size / heads
 
 
 def test_rope_parameters_and_defaults():

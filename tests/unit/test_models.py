@@ -20,6 +20,10 @@ PUBLISHED = {
     "llama2_13b": 13.0e9,
     "llama3_70b": 70.6e9,
     "sd21_unet": 866e6,
+    "qwen2_5_7b": 7.61e9,  # model cards' figures; the issue asks 0.5% of the 405B's
+    "qwen3_8b": 8.2e9,
+    "mistral_7b": 7.24e9,
+    "llama3_405b": 405.9e9,
 }
 
 
@@ -37,11 +41,15 @@ def _params(model_name: str) -> dict[str, int]:
         ("mllm72b", "generator", "sd21_unet"),
         ("llama3_8b", "llm", "llama3_8b"),
         ("llama3_70b", "llm", "llama3_70b"),
+        ("qwen2_5_7b", "llm", "qwen2_5_7b"),
+        ("qwen3_8b", "llm", "qwen3_8b"),
+        ("mistral_7b", "llm", "mistral_7b"),
+        ("llama3_405b", "llm", "llama3_405b"),
     ],
 )
 def test_parameter_counts_match_published_within_one_percent(model_name, module, published):
     count = _params(model_name)[module]
-    assert abs(count / PUBLISHED[published] - 1) < 0.01, (model_name, module, count)
+    assert abs(count / PUBLISHED[published] - 1) < (0.005 if published == "llama3_405b" else 0.01), (model_name, count)
 
 
 def test_exact_counts_are_pinned():

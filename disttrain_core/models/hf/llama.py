@@ -1,4 +1,6 @@
-"""Hugging Face ``LlamaForCausalLM`` (safetensors) <-> our :class:`~disttrain_core.models.llama.Llama` (part ``llm``).
+"""Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``
+(safetensors) <-> our :class:`~disttrain_core.models.llama.Llama` (part ``llm``; what each family adds:
+models/hf/llama_layout.py).
 
 Names::
 
@@ -12,7 +14,8 @@ Names::
 
 Hugging Face rotates the halves of each head (``rotate_half``), we rotate interleaved pairs: the rows of
 q_proj and k_proj are permuted per head (HF row ``j`` and ``j + head_dim/2`` become our rows ``2j``, ``2j+1``).
-Config keys absent from a config.json take transformers' ``LlamaConfig`` defaults.
+Config keys absent from a config.json take transformers' ``LlamaConfig`` defaults. A checkpoint with tied
+embeddings (``tie_word_embeddings``) is imported untied: the head starts as a copy of the embedding.
 """
 
 from __future__ import annotations
@@ -23,10 +26,22 @@ from typing import Any
 
 import torch
 
-from ...config import LlamaConfig, ModelConfig, RopeScalingConfig
+from ...config import LlamaConfig, ModelConfig, RopeScalingConfig, head_dim_of
 from . import PretrainedError, SafetensorsFiles, register_importer
+from .llama_layout import (
+    FAMILIES,
+    Family,
+    family_of,
+    heads_of,
+    hf_to_interleaved,
+    interleaved_to_hf,
+    shape_of,
+    tensor_names,
+    tensor_shapes,
+)
 
 ARCHITECTURE = "LlamaForCausalLM"
+__all__ = ["hf_to_interleaved", "interleaved_to_hf"]  # re-exported: tests and tools import them from here
 
 # Hugging Face config key -> our LlamaConfig field.
 CONFIG_KEYS = {
@@ -90,23 +105,45 @@ def _rope(hf_config: dict[str, Any], source: str) -> tuple[str, float, dict[str,
     return key, theta, scaling
 
 
+def _family_values(hf_config: dict[str, Any], family: Family, source: str, dim: int, heads: int) -> dict[str, Any]:
+    """Our head_dim, qkv_bias, qk_norm and sliding_window for a config.json of ``family``."""
+
+    def get(key: str) -> Any:
+        return hf_config.get(key, HF_DEFAULTS.get(key))
+
+    bias_keys = ("attention_bias", "mlp_bias") if not family.qkv_bias else ("mlp_bias",)
+    for key in bias_keys:
+        if get(key):
+            raise PretrainedError(
+                f"{source}: {key}={get(key)} is not supported (o_proj and MLP biases; only Qwen2's q/k/v biases are)"
+            )
+    head_dim = hf_config.get("head_dim")
+    if head_dim is None and dim % heads:
+        raise PretrainedError(f"{source}: hidden_size={dim} is not a multiple of num_attention_heads={heads}")
+    window = None
+    if family.window:
+        window = hf_config.get("sliding_window", 4096 if "sliding_window" not in hf_config else None)
+    elif hf_config.get("use_sliding_window"):
+        raise PretrainedError(
+            f"{source}: use_sliding_window=true (a window on some layers) is not supported; ours is Mistral's, on "
+            "every layer"
+        )
+    return {
+        "head_dim": None if head_dim in (None, dim // heads) and dim % heads == 0 else int(head_dim),
+        "qkv_bias": family.qkv_bias,
+        "qk_norm": family.qk_norm,
+        "sliding_window": None if window is None else int(window),
+    }
+
+
 def _overrides(hf_config: dict[str, Any], source: str) -> dict[str, Any]:
     def get(key: str) -> Any:
         return hf_config.get(key, HF_DEFAULTS.get(key))
 
+    family = FAMILIES.get((hf_config.get("architectures") or [ARCHITECTURE])[0], FAMILIES[ARCHITECTURE])
     if get("hidden_act") not in (None, "silu"):
         raise PretrainedError(f"{source}: hidden_act={get('hidden_act')!r} is not supported (our SwiGLU uses silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if get(key):
-            raise PretrainedError(f"{source}: {key}={get(key)} is not supported (our projections have no bias)")
     dim, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    if dim % heads:
-        raise PretrainedError(f"{source}: hidden_size={dim} is not a multiple of num_attention_heads={heads}")
-    if get("head_dim") not in (None, dim // heads):
-        raise PretrainedError(
-            f"{source}: head_dim={get('head_dim')} but our head_dim is model.llm.dim / model.llm.n_heads = "
-            f"{dim}/{heads} = {dim // heads}; a separate head_dim is not supported"
-        )
     _, theta, scaling = _rope(hf_config, source)
     values = {
         "dim": dim,
@@ -118,6 +155,7 @@ def _overrides(hf_config: dict[str, Any], source: str) -> dict[str, Any]:
         "norm_eps": float(get("rms_norm_eps")),
         "rope_theta": theta,
         "rope_scaling": scaling,
+        **_family_values(hf_config, family, source, dim, heads),
     }
     return {f"model.llm.{field}": value for field, value in values.items()}
 
@@ -139,9 +177,23 @@ def llama_config(hf_config: dict[str, Any]) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
+# our family fields -> how config.json says them (for messages)
+FAMILY_KEYS = {
+    "head_dim": "head_dim",
+    "qkv_bias": "architectures (q/k/v biases)",
+    "qk_norm": "architectures (q/k norms)",
+    "sliding_window": "sliding_window",
+}
+
+
 def _ours(cfg: LlamaConfig) -> dict[str, Any]:
     """``cfg`` (dataclass or DictConfig) as the values :func:`llama_overrides` returns."""
     values = {field: getattr(cfg, field) for field in CONFIG_KEYS.values()}
+    head_dim = getattr(cfg, "head_dim", None)
+    values["head_dim"] = None if head_dim in (None, cfg.dim // cfg.n_heads) and cfg.dim % cfg.n_heads == 0 else head_dim
+    values["qkv_bias"] = bool(getattr(cfg, "qkv_bias", False))
+    values["qk_norm"] = bool(getattr(cfg, "qk_norm", False))
+    values["sliding_window"] = getattr(cfg, "sliding_window", None)
     scaling = values["rope_scaling"]
     if scaling is not None:
         values["rope_scaling"] = {
@@ -158,7 +210,7 @@ def check_config(hf_config: dict[str, Any], cfg: LlamaConfig, source: str = "con
     rope_key = _rope(hf_config, source)[0]
     problems: list[str] = []
     overrides: list[str] = []
-    for hf_key, field in CONFIG_KEYS.items():
+    for hf_key, field in [*CONFIG_KEYS.items(), *((label, field) for field, label in FAMILY_KEYS.items())]:
         want, have = expected[f"model.llm.{field}"], ours[field]
         if field == "rope_scaling" and want is not None and have is not None:
             for key in ("rope_type", *SCALING_KEYS):
@@ -182,78 +234,27 @@ def check_config(hf_config: dict[str, Any], cfg: LlamaConfig, source: str = "con
         )
 
 
-def _names(n_layers: int) -> list[tuple[str, str, str | None]]:
-    """(our name, Hugging Face name, which head count permutes its rows or None), in order."""
-    names = [("tok_embeddings.weight", "model.embed_tokens.weight", None)]
-    for i in range(n_layers):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        names += [
-            (ours + "attention_norm.weight", hf + "input_layernorm.weight", None),
-            (ours + "attention.wq.weight", hf + "self_attn.q_proj.weight", "n_heads"),
-            (ours + "attention.wk.weight", hf + "self_attn.k_proj.weight", "n_kv_heads"),
-            (ours + "attention.wv.weight", hf + "self_attn.v_proj.weight", None),
-            (ours + "attention.wo.weight", hf + "self_attn.o_proj.weight", None),
-            (ours + "ffn_norm.weight", hf + "post_attention_layernorm.weight", None),
-            (ours + "feed_forward.w1.weight", hf + "mlp.gate_proj.weight", None),
-            (ours + "feed_forward.w2.weight", hf + "mlp.down_proj.weight", None),
-            (ours + "feed_forward.w3.weight", hf + "mlp.up_proj.weight", None),
-        ]
-    return names + [("norm.weight", "model.norm.weight", None), ("output.weight", "lm_head.weight", None)]
-
-
-def _shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Our parameter shapes by name suffix."""
-    dim, head_dim = cfg.dim, cfg.dim // cfg.n_heads
-    return {
-        "tok_embeddings.weight": (cfg.vocab_size, dim),
-        "norm.weight": (dim,),
-        "attention.wq.weight": (cfg.n_heads * head_dim, dim),
-        "attention.wk.weight": (cfg.n_kv_heads * head_dim, dim),
-        "attention.wv.weight": (cfg.n_kv_heads * head_dim, dim),
-        "attention.wo.weight": (dim, cfg.n_heads * head_dim),
-        "feed_forward.w1.weight": (cfg.ffn_dim, dim),
-        "feed_forward.w2.weight": (dim, cfg.ffn_dim),
-        "feed_forward.w3.weight": (cfg.ffn_dim, dim),
-        "output.weight": (cfg.vocab_size, dim),
-    }
-
-
-def _shape_of(name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    return next(shape for suffix, shape in shapes.items() if name.endswith(suffix))
-
-
-def hf_to_interleaved(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """q/k projection rows of each head from Hugging Face's half-split order to interleaved pairs."""
-    rows, cols = weight.shape
-    return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def interleaved_to_hf(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Inverse of :func:`hf_to_interleaved`."""
-    rows, cols = weight.shape
-    return weight.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
 def import_llama(directory: Path, hf_config: dict[str, Any], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """``LlamaForCausalLM`` safetensors -> tensors by our ``llm``-relative names (in the file's dtype)."""
+    """Safetensors of the Llama family -> tensors by our ``llm``-relative names (in the file's dtype)."""
     llm = cfg.llm
     check_config(hf_config, llm, f"{directory}/config.json")
     files = SafetensorsFiles(directory)
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    shapes = _shapes(llm)
+    shapes = tensor_shapes(llm)
     state: dict[str, torch.Tensor] = {}
-    for ours, hf, heads in _names(llm.n_layers):
+    for ours, hf, which in tensor_names(llm.n_layers, family_of(llm)):
+        heads = heads_of(llm, which)
         if ours == "output.weight" and tied:
             state[ours] = state["tok_embeddings.weight"]
             continue
         if hf not in files:
             raise PretrainedError(f"{directory}: tensor {hf} (our llm.{ours}) is missing from its *.safetensors")
         tensor = files[hf]
-        if tuple(tensor.shape) != _shape_of(ours, shapes):
+        if tuple(tensor.shape) != shape_of(ours, shapes):
             raise PretrainedError(
-                f"{directory}: tensor {hf} has shape {tuple(tensor.shape)}, llm.{ours} wants {_shape_of(ours, shapes)}"
+                f"{directory}: tensor {hf} has shape {tuple(tensor.shape)}, llm.{ours} wants {shape_of(ours, shapes)}"
             )
-        state[ours] = hf_to_interleaved(tensor, getattr(llm, heads)).contiguous() if heads else tensor
+        state[ours] = hf_to_interleaved(tensor, heads).contiguous() if heads else tensor
     return state
 
 
@@ -276,14 +277,15 @@ def hf_llama_config(cfg: LlamaConfig, max_position_embeddings: int | None = None
         max_position_embeddings = 8192
         if scaling is not None:
             max_position_embeddings = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    family = family_of(cfg)
     config = {
-        "architectures": [ARCHITECTURE],
-        "model_type": "llama",
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "hidden_size": int(cfg.dim),
         "num_hidden_layers": int(cfg.n_layers),
         "num_attention_heads": int(cfg.n_heads),
         "num_key_value_heads": int(cfg.n_kv_heads),
-        "head_dim": int(cfg.dim) // int(cfg.n_heads),
+        "head_dim": head_dim_of(cfg),
         "intermediate_size": int(cfg.ffn_dim),
         "vocab_size": int(cfg.vocab_size),
         "rms_norm_eps": float(cfg.norm_eps),
@@ -291,9 +293,11 @@ def hf_llama_config(cfg: LlamaConfig, max_position_embeddings: int | None = None
         "rope_scaling": scaling,
         "max_position_embeddings": int(max_position_embeddings),
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": False,  # o_proj (and Qwen3 q/k/v) biases: none
         "attention_dropout": 0.0,
         "mlp_bias": False,
+        **({"sliding_window": getattr(cfg, "sliding_window", None)} if family.window else {}),
+        **({"use_sliding_window": False} if family.model_type.startswith("qwen") else {}),
         "tie_word_embeddings": False,
         "pretraining_tp": 1,
         "initializer_range": 0.02,
@@ -322,19 +326,20 @@ def export_llama(
         state = {name.removeprefix("llm."): tensor for name, tensor in state.items() if name.startswith("llm.")}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = _shapes(cfg)
+    shapes = tensor_shapes(cfg)
     tensors: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
-    for ours, hf, heads in _names(cfg.n_layers):
+    for ours, hf, which in tensor_names(cfg.n_layers, family_of(cfg)):
+        heads = heads_of(cfg, which)
         if ours not in state:
             raise KeyError(f"export_llama: state has no {ours}")
         tensor = state[ours].detach().to("cpu", dtype or state[ours].dtype)
-        if tuple(tensor.shape) != _shape_of(ours, shapes):
+        if tuple(tensor.shape) != shape_of(ours, shapes):
             raise ValueError(
-                f"export_llama: {ours} has shape {tuple(tensor.shape)}, the config wants {_shape_of(ours, shapes)}"
+                f"export_llama: {ours} has shape {tuple(tensor.shape)}, the config wants {shape_of(ours, shapes)}"
             )
         if heads:
-            tensor = interleaved_to_hf(tensor, int(getattr(cfg, heads)))
+            tensor = interleaved_to_hf(tensor, heads)
         tensor = tensor.contiguous()
         if tensor.untyped_storage().data_ptr() in storages:  # safetensors refuses shared storage (tied weights)
             tensor = tensor.clone()
@@ -347,6 +352,10 @@ def export_llama(
     return out_dir
 
 
-register_importer(
-    ARCHITECTURE, "llm", import_llama, lambda directory, hf, cfg: check_config(hf, cfg.llm, f"{directory}/config.json")
-)
+for _architecture in FAMILIES:
+    register_importer(
+        _architecture,
+        "llm",
+        import_llama,
+        lambda directory, hf, cfg: check_config(hf, cfg.llm, f"{directory}/config.json"),
+    )
