@@ -125,7 +125,7 @@ class DataConfig:
     # webdataset: samples from .tar shards (images and text); tokens: a .npy file of pre-tokenized text
     # (data/token_file.py; text-only models)
     format: str = "webdataset"
-    tokenizer: str = "byte"
+    tokenizer: str = "byte"  # or a tokenizer.json / tiktoken file, its format read from it (docs/DATA.md)
     num_workers: int = 1  # decode workers per training process (0 = decode inline)
     prefetch_steps: int = 2  # optimizer steps of decoded samples kept ready ahead of the trainer
     # Niceness added to decode workers so they do not preempt the training threads

@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,18 +76,18 @@ class Layout:
 
 
 def tokenizer_identity(name: str) -> str:
-    """``byte`` for the built-in tokenizer; a tokenizer.json by its content (paths differ between hosts)."""
+    """``byte`` for the built-in tokenizer; a tokenizer file (tokenizer.json or tiktoken) by its content (paths
+    differ between hosts)."""
     from .tokenizer import TOKENIZERS
+    from .tokenizer_files import tokenizer_file
 
     name = str(name)
     if name in TOKENIZERS:
         return name
-    file = Path(name)
-    if file.is_dir():
-        file = file / "tokenizer.json"
     try:
+        file = tokenizer_file(name)
         digest = hashlib.sha256(file.read_bytes())
-    except OSError:
+    except (OSError, ValueError):
         return name
     config = file.parent / "tokenizer_config.json"
     if config.is_file():

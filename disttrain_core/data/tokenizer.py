@@ -1,8 +1,10 @@
 """Tokenizers behind a small interface.
 
 * ``byte`` (the default, no download): ids 0-255 are UTF-8 bytes, followed by a few special tokens.
-* any other ``data.tokenizer`` value is the path of a Hugging Face ``tokenizer.json`` (or of the directory
-  holding it), read with the ``tokenizers`` library: :class:`HFTokenizer`.
+* any other ``data.tokenizer`` value is the path of a tokenizer file (or of the directory holding it), its format
+  told by its content (``tokenizer_files``): a Hugging Face ``tokenizer.json``, read with the ``tokenizers``
+  library (:class:`HFTokenizer`), or a tiktoken BPE file such as Llama 3's ``tokenizer.model``, read with the
+  ``tiktoken`` package (``tiktoken_bpe.TiktokenTokenizer``). Both give the same ids for the same vocabulary.
 
 ``encode`` returns the ids of plain text only: the sample encoder (``samples.py``) adds ``<bos>``, ``<eos>``,
 image and generation tokens itself, so text can never produce a special id.
@@ -10,10 +12,22 @@ image and generation tokens itself, so text can never produce a special id.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from .tiktoken_bpe import TiktokenTokenizer
+from .tokenizer_files import (
+    AUDIO_TOKEN,
+    FIX,
+    GEN_TOKEN,
+    IMAGE_TOKEN,
+    VIDEO_TOKEN,
+    file_format,
+    placeholder_names,
+    special_ids,
+    tokenizer_file,
+)
 
 
 class Tokenizer(Protocol):
@@ -49,23 +63,6 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-# Names tried, in order, when tokenizer_config.json does not name the token (or is absent).
-BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
-EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>")
-PAD_NAMES = ("<pad>", "<|finetune_right_pad_id|>")
-IMAGE_TOKEN = "<image>"
-GEN_TOKEN = "<gen>"
-AUDIO_TOKEN = "<audio>"
-VIDEO_TOKEN = "<video>"
-
-
-def _token_name(entry) -> str | None:
-    """A ``bos_token``-style entry of tokenizer_config.json: a string, or a dict with ``content``."""
-    if isinstance(entry, dict):
-        entry = entry.get("content")
-    return entry if isinstance(entry, str) and entry else None
-
-
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json``.
 
@@ -85,55 +82,15 @@ class HFTokenizer:
 
         self.path = str(path)
         self.audio, self.video = bool(audio), bool(video)
-        file = Path(self.path)
-        if file.is_dir():
-            file = file / "tokenizer.json"
-        fix = "use data.tokenizer=byte or the path of a Hugging Face tokenizer.json (python tools/train_tokenizer.py)"
-        if not file.is_file():
-            raise ValueError(f"data.tokenizer={self.path}: no such file; {fix}")
+        file = tokenizer_file(self.path)
         try:
             backend = Backend.from_file(str(file))
         except Exception as error:  # the Rust side raises a bare Exception for bad JSON or an unknown model
             reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise ValueError(f"data.tokenizer={self.path}: not a readable tokenizer.json ({reason}); {fix}") from None
-        names = {}
-        config_file = file.parent / "tokenizer_config.json"
-        if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError) as error:
-                raise ValueError(
-                    f"data.tokenizer={self.path}: {config_file} is not valid JSON ({error}); fix or delete it"
-                ) from None
-            if isinstance(config, dict):
-                names = {key: _token_name(config.get(key)) for key in ("bos_token", "eos_token", "pad_token")}
-
-        def find(key: str, candidates: tuple[str, ...]) -> int | None:
-            named = names.get(key)
-            if named is not None:
-                token_id = backend.token_to_id(named)
-                if token_id is None:
-                    raise ValueError(
-                        f"data.tokenizer={self.path}: tokenizer_config.json names {key} {named!r}, which "
-                        "tokenizer.json does not contain; correct the entry or remove it"
-                    )
-                return token_id
-            return next((i for i in map(backend.token_to_id, candidates) if i is not None), None)
-
-        eos = find("eos_token", EOS_NAMES)
-        if eos is None:
-            raise ValueError(
-                f"data.tokenizer={self.path}: no end-of-text token (tried {', '.join(EOS_NAMES)}); name it as "
-                "eos_token in a tokenizer_config.json next to tokenizer.json"
-            )
-        self.eos_id = eos
-        bos = find("bos_token", BOS_NAMES)
-        self.bos_id = eos if bos is None else bos
-        pad = find("pad_token", PAD_NAMES)
-        self.pad_id = eos if pad is None else pad
+            raise ValueError(f"data.tokenizer={self.path}: not a readable tokenizer.json ({reason}); {FIX}") from None
+        self.bos_id, self.eos_id, self.pad_id = special_ids(self.path, file, backend.token_to_id)
         self.added: list[str] = []
-        wanted = (IMAGE_TOKEN, GEN_TOKEN) + (AUDIO_TOKEN,) * self.audio + (VIDEO_TOKEN,) * self.video
-        for name in wanted:
+        for name in placeholder_names(self.audio, self.video):
             if backend.token_to_id(name) is None:
                 backend.add_special_tokens([AddedToken(name, special=True, normalized=False)])
                 self.added.append(name)
@@ -149,6 +106,10 @@ class HFTokenizer:
         self._backend = backend
         self._special = {self.pad_id, self.bos_id, self.eos_id, self.image_id, self.gen_id}
         self._special |= {self.audio_id, self.video_id}
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token of the file (added ones included); None when it has none."""
+        return self._backend.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
@@ -168,12 +129,13 @@ TOKENIZERS = {"byte": ByteTokenizer}
 
 
 def build_tokenizer(name: str, audio: bool = False, video: bool = False) -> Tokenizer:
-    """``data.tokenizer``: a name of ``TOKENIZERS`` or the path of a tokenizer.json (with an ``<audio>`` token
-    when ``audio``, a ``<video>`` token when ``video``). Raises ValueError."""
+    """``data.tokenizer``: a name of ``TOKENIZERS`` or the path of a tokenizer.json or a tiktoken file (with an
+    ``<audio>`` token when ``audio``, a ``<video>`` token when ``video``). Raises ValueError in one line."""
     name = str(name)
     if name in TOKENIZERS:
         return TOKENIZERS[name]()
-    return HFTokenizer(name, audio, video)
+    loader = {"json": HFTokenizer, "tiktoken": TiktokenTokenizer}[file_format(name, tokenizer_file(name))]
+    return loader(name, audio, video)
 
 
 def tokenizer_for(cfg) -> Tokenizer:

@@ -35,7 +35,7 @@ from .producer import check_pool_settings
 
 
 def _tokenizer(cfg: Config):
-    """The tokenizer ``data.tokenizer`` names (loads a tokenizer.json: cheap); its errors become ConfigError."""
+    """The tokenizer ``data.tokenizer`` names (loads its file: cheap); its errors become ConfigError."""
     name = str(cfg.data.tokenizer)
     try:
         stamp = os.stat(name).st_mtime_ns
@@ -298,7 +298,7 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
     """``dp``: how many replicas split the shards (1 where every process reads the one global stream, or
     before the planner chose a layout)."""
     d = cfg.data
-    _tokenizer(cfg)  # a name it knows or a readable tokenizer.json
+    _tokenizer(cfg)  # a name it knows, a readable tokenizer.json or a tiktoken file
     _require(d.num_workers >= 0, f"data.num_workers={d.num_workers}: use 0 (decode inline) or more")
     _require(0 <= d.worker_nice <= 19, f"data.worker_nice={d.worker_nice}: use 0 (off) to 19")
     p = d.producer
