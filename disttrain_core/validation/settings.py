@@ -42,16 +42,16 @@ def _tokenizer(cfg: Config):
     except OSError:
         stamp = None
     try:
-        return _load_tokenizer(name, stamp, cfg.model.audio_encoder is not None)
+        return _load_tokenizer(name, stamp, cfg.model.audio_encoder is not None, cfg.model.video_encoder is not None)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
 @functools.lru_cache(maxsize=4)
-def _load_tokenizer(name: str, stamp: int | None, audio: bool):  # stamp: the file's mtime (an edit reads it again)
+def _load_tokenizer(name: str, stamp: int | None, audio: bool, video: bool):  # stamp: the file's mtime
     from ..data.tokenizer import build_tokenizer
 
-    return build_tokenizer(name, audio)
+    return build_tokenizer(name, audio, video)  # with the run's added tokens, as the run builds it
 
 
 def validate_model(cfg: Config) -> None:
