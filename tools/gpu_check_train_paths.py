@@ -13,6 +13,11 @@ layers (the ``fast_paths`` phase), now inside short training runs, each against 
   runtime's own pieces run it on a one-rank process group (NCCL on CUDA) as the units engine builds them
   (``units_of``, ``build_pipeline``, ``build_rank_stages`` with the host as ``param_device``, ``apply_fsdp``,
   ``ShardedOptimizer``), against the same run without offload: the losses, and on CUDA the peak allocated memory.
+  Both runs draw their initial weights on the host generator (models/common.py ``_seeded_normal_into``,
+  ``on_device=False``): the runtime draws them where the parameters live, and CUDA's generator gives other values
+  than the host's for the same seed, so on CUDA an offloaded zero3 run (parameters on the host) does not start
+  where the run without offload starts (``runtime_init_differs_host_vs_device`` in the result; the first H200 try
+  of this phase compared the runtime's two starts and failed on it). The pair compares offload from one start.
 
 Every pair runs fp32 without TF32, deterministic kernels, lr 3e-4, the same seed and data (gpu_check_cp.py's
 ``SAME_RUNS`` and ``STABLE``), every step logged. The data are the synthetic motif documents (a 3-8 token motif
@@ -263,9 +268,23 @@ def _fsdp_run(check, offload: bool) -> dict:
     }
 
 
+def _init_draws_differ(check) -> bool:
+    """Whether the runtime's seeded init writes other values into a host tensor than into one on the device."""
+    from disttrain_core.models.common import _seeded_normal_into
+
+    shape = torch.Size([64, 64])
+    host, device = torch.empty(shape), torch.empty(shape, device=check.device)
+    for target in (host, device):
+        _seeded_normal_into(target, shape, (0, 0), 0.02, 1)
+    return not torch.equal(host, device.cpu())
+
+
 def _fsdp_offload(check) -> dict:
-    """(c) FSDP2 zero3 with CPUOffloadPolicy against without, one rank (module doc)."""
+    """(c) FSDP2 zero3 with CPUOffloadPolicy against without, one rank, from the same initial weights (module
+    doc)."""
     import torch.distributed as dist
+
+    from disttrain_core.models import common
 
     refusal = _train_py_refusal(check)
     torch.use_deterministic_algorithms(True)  # as the pairs' train.py runs (SAME_RUNS), and no TF32 (STABLE)
@@ -274,7 +293,13 @@ def _fsdp_offload(check) -> dict:
     store = dist.FileStore(str(check.scratch / "train_paths_fsdp_store"), 1)
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
     try:
-        runs = {name: _fsdp_run(check, name == "offload") for name in ("device", "offload")}
+        draw = common._seeded_normal_into
+
+        def host_draw(*args, **kwargs):  # on the host generator wherever the parameters live (module doc)
+            return draw(*args, **{**kwargs, "on_device": False})
+
+        with mock.patch.object(common, "_seeded_normal_into", host_draw):
+            runs = {name: _fsdp_run(check, name == "offload") for name in ("device", "offload")}
     finally:
         dist.destroy_process_group()
     worst = _worst(runs["offload"]["losses"], runs["device"]["losses"])
@@ -284,6 +309,8 @@ def _fsdp_offload(check) -> dict:
         "ok": worst <= OFFLOAD_RTOL and placed and lower,
         "train_py_refuses": refusal,
         "ran": f"the runtime's FSDP2 stage and ShardedOptimizer on a one-rank {backend} group",
+        "initial_weights": "both drawn on the host generator",
+        "runtime_init_differs_host_vs_device": _init_draws_differ(check),
         "peak_measured": check.cuda,
         "worst_relative_loss_difference": worst,
         **runs,
