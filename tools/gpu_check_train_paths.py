@@ -21,20 +21,20 @@ layers (the ``fast_paths`` phase), now inside short training runs, each against 
 
 Every pair runs fp32 without TF32, deterministic kernels, lr 3e-4, the same seed and data (gpu_check_cp.py's
 ``SAME_RUNS`` and ``STABLE``), every step logged. The data are the synthetic motif documents (a 3-8 token motif
-repeated, 5% noise): the model learns to copy from earlier in its own document within a few steps, so a mask that
-leaked across documents, or an expert's rows or gradients misplaced, changes the loss and the gradient norm.
+repeated, 5% noise), so where attention looks changes the loss from the first step even before the model has
+learned much in these few steps. A control shows the comparison can fail: the document run again with attention
+leaking across documents (plain causal) must differ from ``dense`` by more than the bound.
 
 Bounds, as relative differences at any step: **1e-4** for the loss and the gradient norm of the kernel pairs (a)
 and (b). Those runs differ only in the summation order of one kernel (fp32: ~1e-7 relative per op; the fast_paths
 phase measured the layers within 3.5e-5 absolute of fp64 on the H200), and routing is discontinuous: a token whose
-top-2 scores nearly tie may take another expert in one run. Each such token moves the step's mean loss by about
-its own change over the tokens of the step (~1e-6 relative with thousands of tokens), so the bound leaves room for
-dozens of flips while a real fault (a cross-document leak, a misrouted block) moves a motif-copying model's loss
-by far more. **1e-5** for the loss under offload: the host's fused AdamW and the device's are different kernels,
-the bound and the reason of the ``offload`` phase (which measured 8.9e-8 over 20 steps).
+top-2 scores nearly tie may take another expert in one run, which moves the step's mean loss by about that token's
+change over the thousands of tokens of the step. The bound leaves room for such flips; a cross-document leak moves
+the loss and the gradient norm by far more (the control). **1e-5** for the loss under offload: the host's fused
+AdamW and the device's are different kernels, the bound and the reason of the ``offload`` phase.
 
 Step times are the median over the steps after the first two (flex compiles its kernels in the first); on the CPU
-the shapes are tiny and the times mean nothing. Added for the kernels README's fast paths (train_paths).
+the shapes are tiny and the times mean nothing. The whole phase is about a minute on one H200 (docs/GPU.md).
 """
 
 from __future__ import annotations
