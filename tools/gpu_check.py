@@ -13,8 +13,9 @@ FSDP2 and asynchronous DCP save/load on a one-rank NCCL group; FSDP2 with bf16 p
 one-rank NCCL group, its peak memory against the memory model's prediction; weight materialization time; FP8
 (model.float8) against bf16 over 50 compiled steps, or its one-line refusal without FP8 tensor cores; the context-
 parallel modes emulated; activation and optimizer offload against the runs without; grouped MoE experts and
-packed-document attention kernels against their plain paths. About 5 minutes on one H200 (docs/GPU.md). On a
-machine with torch but no package index, see docs/GPU.md (tools/prepare_wheels.py).
+packed-document attention kernels against their plain paths, as single layers and in short training runs, and
+FSDP2's CPU offload on a one-rank NCCL group against the run without (train_paths). About 5 minutes on one H200
+(docs/GPU.md). On a machine with torch but no package index, see docs/GPU.md (tools/prepare_wheels.py).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from gpu_check_fast_paths import phase_fast_paths  # noqa: E402
 from gpu_check_float8 import phase_float8  # noqa: E402
 from gpu_check_fsdp_bf16 import phase_fsdp_bf16  # noqa: E402
 from gpu_check_phases import PHASES, Check  # noqa: E402
+from gpu_check_train_paths import phase_train_paths  # noqa: E402
 
-# tools/gpu_check_float8.py, tools/gpu_check_fsdp_bf16.py, tools/gpu_check_cp.py, tools/gpu_check_fast_paths.py
+# tools/gpu_check_float8.py, tools/gpu_check_fsdp_bf16.py, tools/gpu_check_cp.py, tools/gpu_check_fast_paths.py,
+# tools/gpu_check_train_paths.py
 PHASES = {
     **PHASES,
     "fsdp_bf16": phase_fsdp_bf16,
@@ -46,6 +49,7 @@ PHASES = {
     "offload": phase_offload,
     "act_offload": phase_act_offload,
     "fast_paths": phase_fast_paths,
+    "train_paths": phase_train_paths,
 }
 
 from disttrain_core.config import REPO_ROOT  # noqa: E402

@@ -78,14 +78,9 @@ class _GroupedLinear(torch.autograd.Function):
         stacked = torch.stack([w.to(dtype) for w in weights])  # [E, out, in]
         grad_rows = torch._grouped_mm(grad, stacked, offs=offs).to(rows.dtype)
         # per group: grad_block.T @ rows_block, a grouped matmul over the shared (row) dimension, whose stride must
-        # be a multiple of 16 bytes: pad the rows with zeros past the last group (no group reads them)
-        n = rows.shape[0]
-        padded = -(-n // 16) * 16
-        grad_t = grad.new_zeros(grad.shape[1], padded)
-        grad_t[:, :n] = grad.t()
-        rows_p = rows.new_zeros(padded, rows.shape[1], dtype=dtype)
-        rows_p[:n] = rows
-        grad_stacked = torch._grouped_mm(grad_t, rows_p, offs=offs)  # [E, out, in]
+        # be a multiple of 16 bytes: the rows are run_experts_grouped's padded layout (padded_rows, a multiple of
+        # ALIGN_ROWS rows, every group starting aligned), so grad.T's row stride already is
+        grad_stacked = torch._grouped_mm(grad.t().contiguous(), rows.to(dtype).contiguous(), offs=offs)  # [E, out, in]
         grads = [g.to(w.dtype) for g, w in zip(grad_stacked.unbind(0), weights, strict=True)]
         return (grad_rows, None, None, *grads)
 

@@ -28,6 +28,7 @@ def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_pat
         "weight_materialization",
         "float8",
         "fast_paths",
+        "train_paths",
     }
     assert all(phase["ok"] for phase in phases.values()) and report["passed"] and report["complete"]
     assert phases["ring_attention"]["memory_at_recipe_block"]["ratio"] <= 2.0
@@ -36,6 +37,11 @@ def test_every_phase_of_the_gpu_check_passes_with_tiny_shapes_on_the_cpu(tmp_pat
     assert phases["act_offload"]["worst_relative_loss_difference"] == 0.0  # deterministic: the same bytes back
     assert set(phases["fast_paths"]["document_attention"]) >= {"ok", "fp32 dense", "fp32 varlen", "bf16 varlen"}
     assert "model.float8=tensorwise runs FP8 matmuls on NVIDIA GPUs" in phases["float8"]["refused"]
+    paths = phases["train_paths"]
+    calls = paths["moe_experts"]["grouped_mm_calls"]
+    assert calls["grouped"] > 0 and calls["loop"] == 0
+    assert set(paths["document_attention"]["against_dense"]) == {"varlen"}  # flex trains on CUDA only
+    assert "zero3" in paths["fsdp2_cpu_offload"]["train_py_refuses"]  # one rank: the runtime's pieces run it
 
 
 def test_without_a_gpu_the_default_device_says_what_to_type_instead():

@@ -341,12 +341,13 @@ def test_every_grouped_matmul_group_is_16_row_aligned(monkeypatch):
     from disttrain_core.models import grouped_experts
 
     grouped_experts.grouped_available(torch.device("cpu"), torch.float32)  # its probe runs before the spy
-    extents = []
+    extents, totals = [], []
     real = torch._grouped_mm
 
     def spy(a, b, offs=None, **kwargs):
         ends = offs.tolist()
         extents.extend(e - s for s, e in zip([0, *ends[:-1]], ends, strict=True))
+        totals.append(a.shape[-1] if b.dim() == 2 else a.shape[0])  # the rows the groups split (weight grad: K)
         return real(a, b, offs=offs, **kwargs)
 
     monkeypatch.setattr(torch, "_grouped_mm", spy)
@@ -359,6 +360,7 @@ def test_every_grouped_matmul_group_is_16_row_aligned(monkeypatch):
         out.sum().backward()
         outs.append((out.detach(), inp.grad))
     assert len(extents) == 9 * 4 and all(e % 16 == 0 for e in extents), extents
+    assert all(t % 16 == 0 for t in totals), totals  # the whole split extent too (stride of the rows)
     assert any(e > 0 for e in extents)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
