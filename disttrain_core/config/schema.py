@@ -126,10 +126,10 @@ class DataConfig:
     # (data/token_file.py; text-only models)
     format: str = "webdataset"
     tokenizer: str = "byte"  # or a tokenizer.json / tiktoken file, its format read from it (docs/DATA.md)
+    chat_template: str = "auto"  # conversations (data/conversations.py): auto | vicuna | chatml | llama3 | a .jinja
     num_workers: int = 1  # decode workers per training process (0 = decode inline)
     prefetch_steps: int = 2  # optimizer steps of decoded samples kept ready ahead of the trainer
-    # Niceness added to decode workers so they do not preempt the training threads
-    # (which stall each other at every OpenMP barrier when one is descheduled).
+    # Niceness added to decode workers so they do not preempt the training threads (stalled at OpenMP barriers)
     worker_nice: int = 10
     shuffle_shards: bool = True  # reshuffle shard order every epoch (seeded)
     # No shards at data.path: generate the embedded synthetic ones there, but only if data.path is the data

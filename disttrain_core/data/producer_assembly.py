@@ -132,7 +132,7 @@ class BatchAssembler:
         from .tokenizer import tokenizer_for
 
         self.encoder = SampleEncoder(
-            cfg.model, tokenizer_for(cfg), trainer.seed, data.max_image_pixels, data.video_frames
+            cfg.model, tokenizer_for(cfg), trainer.seed, data.max_image_pixels, data.video_frames, data.chat_template
         )
         self.batch_size = layout.slots * layout.samples_per_slot
         workers = int(data.producer.workers)

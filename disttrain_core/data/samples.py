@@ -41,7 +41,6 @@ skips such samples and counts them by reason.
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass, field
 
@@ -51,12 +50,17 @@ from PIL import Image
 
 from ..config import ModelConfig
 from .audio import audio_frames, audio_tokens, check_audio, decode_audio, log_mel
-from .bad_sample import BadSample
+from .bad_sample import BadSample  # noqa: F401  re-exported: the loaders and tests read it from here
+from .conversations import template_source
 from .images import decode_frame, decode_image, frame_indices
+from .sample_layouts import (  # noqa: F401  parse_segments and the extensions are read from here too
+    AUDIO_EXTENSIONS,
+    IMAGE_EXTENSIONS,
+    conversation_of,
+    conversation_segments,
+    parse_segments,
+)
 from .tokenizer import Tokenizer
-
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "gif")  # an animated webp or gif is a video: its frames
-AUDIO_EXTENSIONS = ("flac", "wav", "ogg", "mp3")
 
 
 @dataclass
@@ -113,52 +117,6 @@ class PlannedSample:
     video: list[tuple[tuple[bytes, int], ...]] = field(default_factory=list)
 
 
-def _member_kind(name: str) -> str:
-    return "audio" if name.rsplit(".", 1)[-1] in AUDIO_EXTENSIONS else "image"
-
-
-def parse_segments(members: dict[str, bytes]) -> list[tuple[str, object]]:
-    """Ordered ``("text", str)`` / ``("image", bytes)`` / ``("audio", bytes)`` segments of a raw sample."""
-    meta = None
-    if "json" in members:
-        try:
-            meta = json.loads(members["json"])
-        except (ValueError, UnicodeDecodeError) as error:
-            raise BadSample("bad_json", str(error)) from error
-        if not isinstance(meta, dict):
-            raise BadSample("bad_json", "top level is not an object")
-    segments: list[tuple[str, object]] = []
-    if meta is not None and "texts" in meta and "images" in meta:
-        texts, images = meta["texts"], meta["images"]
-        if not isinstance(texts, list) or not isinstance(images, list) or len(texts) != len(images):
-            raise BadSample("bad_json", "texts and images must be lists of equal length")
-        for text, image in zip(texts, images, strict=True):
-            if image:
-                name = str(image).lower()
-                if name not in members:
-                    raise BadSample("missing_image", name)
-                segments.append((_member_kind(name), members[name]))
-            elif text:
-                segments.append(("text", str(text)))
-    else:
-        caption = None
-        if meta is not None:
-            caption = meta.get("caption") or meta.get("text")
-        if caption is None and "txt" in members:
-            caption = members["txt"].decode("utf-8", errors="replace")
-        image = next((members[ext] for ext in IMAGE_EXTENSIONS if ext in members), None)
-        clip = next((members[ext] for ext in AUDIO_EXTENSIONS if ext in members), None)
-        if caption:
-            segments.append(("text", str(caption)))
-        if image is not None:
-            segments.append(("image", image))
-        if clip is not None:
-            segments.append(("audio", clip))
-    if not any(kind == "text" and str(value).strip() for kind, value in segments):
-        raise BadSample("empty_text")
-    return segments
-
-
 def sample_seed(seed: int, key: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63 - 1)
 
@@ -167,7 +125,13 @@ class SampleEncoder:
     """Turns raw samples into rows for one model configuration."""
 
     def __init__(
-        self, model: ModelConfig, tokenizer: Tokenizer, seed: int, max_image_pixels: int, video_frames: int = 8
+        self,
+        model: ModelConfig,
+        tokenizer: Tokenizer,
+        seed: int,
+        max_image_pixels: int,
+        video_frames: int = 8,
+        chat_template: str = "auto",
     ):
         # Plain attributes, not config lookups: this runs for every sample (OmegaConf access is slow).
         self.tokenizer = tokenizer
@@ -192,6 +156,8 @@ class SampleEncoder:
         self.video_merge = int(video.temporal_merge) if video is not None else 0
         self.video_size = int(video.image_size) if video is not None else 0
         self.video_patches = (video.image_size // video.patch_size) ** 2 if video is not None else 0
+        self.chat_template = chat_template  # data.chat_template: its Jinja text read at the first conversation
+        self._template: str | None = None
 
     def encode(self, key: str, members: dict[str, bytes]) -> EncodedSample:
         return self.finish(self.plan(key, members))
@@ -199,7 +165,15 @@ class SampleEncoder:
     def plan(self, key: str, members: dict[str, bytes]) -> PlannedSample:
         """Everything but the pixels: the row's tokens and labels, the images it keeps (checked from their
         headers), its generation weight. BadSample for what a header read can tell is unusable."""
-        segments = parse_segments(members)
+        conversation = conversation_of(members)
+        if conversation is not None:
+            if self._template is None:
+                self._template = template_source(self.chat_template, getattr(self.tokenizer, "path", "byte"))
+            segments = conversation_segments(conversation, members, self.tokenizer, self._template, self.has_encoder)
+            if not self.multimodal:
+                return self._planned(key, [seg for seg in segments if seg[0] == "turn"], 0)
+        else:
+            segments = parse_segments(members)
         if not self.multimodal:
             text = "\n".join(str(v) for kind, v in segments if kind == "text")
             return self._planned(key, [("text", self.tokenizer.encode(text))], 0)
@@ -208,10 +182,11 @@ class SampleEncoder:
         total_images = sum(kind == "image" for kind, _ in segments)  # a video beyond the budget counts as one
         total_audio = sum(kind == "audio" for kind, _ in segments)
         for kind, value in segments:
-            if kind == "text":
-                ids = self.tokenizer.encode(str(value))[: max(budget, 0)]
+            if kind in ("text", "turn"):  # a turn: (ids, trained) of a conversation
+                ids = value[0] if kind == "turn" else self.tokenizer.encode(str(value))  # type: ignore[index]
+                ids = ids[: max(budget, 0)]
                 if ids:
-                    kept.append(("text", ids))
+                    kept.append((kind, ids if kind == "text" else (ids, value[1])))  # type: ignore[index]
                     budget -= len(ids)
             elif kind == "audio":
                 if self.audio_tokens and budget >= self.audio_tokens:
@@ -350,6 +325,7 @@ class SampleEncoder:
         tok = self.tokenizer
         seq_len = self.seq_len
         tokens = [tok.bos_id]
+        trains = [False]  # per token: the loss is taken where it is the next token (a conversation's assistant)
         # The <gen> queries go before every generation target, so causal attention never shows them one: before
         # the last image (the image target), or without one before the last clip (the audio generator's target).
         image_indices = [i for i, seg in enumerate(kept) if seg[0] == "image"]
@@ -363,14 +339,21 @@ class SampleEncoder:
                 tokens += [tok.gen_id] * self.gen_tokens
             if kind == "text":
                 tokens += value  # type: ignore[operator]
+            elif kind == "turn":
+                tokens += value[0]  # type: ignore[index]
+                trains += [bool(value[1])] * len(value[0])  # type: ignore[index]
             elif kind == "audio":
                 tokens += [tok.audio_id] * self.audio_tokens
             elif kind == "video":
                 tokens += [tok.video_id] * self.video_patches
             else:
                 tokens += [tok.image_id] * self.patches
+            trains += [kind == "text"] * (len(tokens) - len(trains))
         if self.has_generator and gen_before is None:
             tokens += [tok.gen_id] * self.gen_tokens
+            trains += [False] * self.gen_tokens
+        turns = any(kind == "turn" for kind, _ in kept)  # a conversation's own end marks are trained, not <eos>
+        trains = trains[: seq_len - 1] + [not turns]
         tokens = tokens[: seq_len - 1] + [tok.eos_id]
         length = len(tokens)
         tokens += [tok.pad_id] * (seq_len - length)
@@ -381,7 +364,9 @@ class SampleEncoder:
         placeholder = (following == tok.image_id) | (following == tok.gen_id) | (following == tok.audio_id)
         if self.video_merge:
             placeholder |= following == tok.video_id
-        is_text = (np.arange(seq_len) < length - 1) & ~placeholder
+        trained = np.zeros(seq_len, dtype=bool)
+        trained[: length - 1] = np.asarray(trains[1:length], dtype=bool)  # the next token's flag
+        is_text = (np.arange(seq_len) < length - 1) & ~placeholder & trained
         labels = np.where(is_text, following, -100).astype(np.int64)
         images = [value for kind, value in kept if kind == "image"]
         clips = [value for kind, value in kept if kind == "audio"]

@@ -129,6 +129,10 @@ class TiktokenTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
+    def encode_template(self, text: str) -> list[int]:
+        """A chat template's own text: the special tokens it spells (``<|eot_id|>``) are their ids."""
+        return self.encoding.encode(text, allowed_special="all")
+
     def decode(self, ids: list[int]) -> str:
         """Text only: special tokens (ids from the vocabulary's size) and our special ids are dropped."""
         return self.encoding.decode([i for i in ids if i < self._ranks and i not in self._special])

@@ -42,6 +42,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_template(self, text: str) -> list[int]: ...  # a chat template's text: its special tokens are ids
+
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -58,6 +60,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_template(self, text: str) -> list[int]:
+        return self.encode(text)  # no special tokens are spelled in text here
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -113,6 +118,15 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_template(self, text: str) -> list[int]:
+        """A chat template's own text (data/conversations.py): the special tokens it spells (``<|im_start|>``) are
+        the file's special ids, as transformers tokenizes a rendered template; data text never comes here."""
+        self._backend.encode_special_tokens = False
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        finally:
+            self._backend.encode_special_tokens = True
 
     def decode(self, ids: list[int]) -> str:
         """Text only, like ByteTokenizer: our special ids are dropped even when the file does not mark them so."""

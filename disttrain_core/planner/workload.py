@@ -327,7 +327,10 @@ def measured_data(cfg, limit: int = 256) -> tuple[dict[str, float], float] | Non
     from ..data.samples import BadSample, SampleEncoder
     from ..data.tokenizer import tokenizer_for
 
-    encoder = SampleEncoder(cfg.model, tokenizer_for(cfg), 0, cfg.data.max_image_pixels, cfg.data.video_frames)
+    data = cfg.data
+    encoder = SampleEncoder(
+        cfg.model, tokenizer_for(cfg), 0, data.max_image_pixels, data.video_frames, data.chat_template
+    )
     totals = dict.fromkeys(MEASURED_ITEMS, 0)
     samples = 0
     busy = 0.0

@@ -21,7 +21,12 @@ def build_stream(cfg: Config, dp_rank: int, dp: int, global_stream: bool, tokeni
     else:  # one stream per data-parallel replica, shards split by replica
         stream = open_stream(cfg.data, trainer.seed, dp_rank, dp)
     encoder = SampleEncoder(
-        cfg.model, tokenizer, trainer.seed, cfg.data.max_image_pixels, video_frames=cfg.data.video_frames
+        cfg.model,
+        tokenizer,
+        trainer.seed,
+        cfg.data.max_image_pixels,
+        video_frames=cfg.data.video_frames,
+        chat_template=cfg.data.chat_template,
     )
     return stream, encoder
 

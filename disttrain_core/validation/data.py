@@ -365,3 +365,19 @@ def check_token_file(cfg: Config) -> None:
                 "written by another tokenizer; tokenize with the model's tokenizer (data.tokenizer) or pick the "
                 "model that matches it"
             )
+
+
+def check_chat_template(cfg: Config) -> None:
+    """data.chat_template names a template that reads and compiles (data/conversations.py)."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    from ..data.conversations import compiled, template_source
+
+    try:
+        compiled(template_source(str(cfg.data.chat_template), str(cfg.data.tokenizer)))
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    except TemplateSyntaxError as error:
+        raise ConfigError(
+            f"data.chat_template={cfg.data.chat_template}: its Jinja does not compile ({error})"
+        ) from None

@@ -21,6 +21,7 @@ from .common import (
 from .data import (
     FORMATS,
     check_blend,
+    check_chat_template,
     check_shards,
     check_token_file,
     check_val,
@@ -334,6 +335,7 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
     _require(d.max_image_pixels >= 1, f"data.max_image_pixels={d.max_image_pixels}: use a positive pixel count")
     _require(d.format in FORMATS, f"data.format={d.format!r}: allowed values are {', '.join(FORMATS)}")
     check_val_kind(cfg)
+    check_chat_template(cfg)
     if d.blend:
         _require(
             d.format == "webdataset" and not d.packing.enabled,
