@@ -5,9 +5,10 @@
 architecture (``architectures[0]`` in transformers configs, ``_class_name`` in diffusers configs) picks the
 importer, and the importer picks the model part it fills::
 
-    LlamaForCausalLM      -> llm        (models/hf/llama.py)
-    CLIPVisionModel       -> encoder    (models/hf/clip.py)
-    UNet2DConditionModel  -> generator  (models/hf/unet.py)
+    LlamaForCausalLM                 -> llm            (models/hf/llama.py)
+    CLIPVisionModel                  -> encoder        (models/hf/clip.py)
+    UNet2DConditionModel             -> generator      (models/hf/unet.py)
+    WhisperForConditionalGeneration  -> audio_encoder  (models/hf/whisper.py)
 
 An importer reads the Hugging Face tensors, checks the Hugging Face config against ours (a mismatch names
 both values), and returns full tensors keyed by *our* parameter names relative to the part
@@ -233,7 +234,7 @@ def _register_builtin() -> None:
         return
     import importlib
 
-    for module in ("llama", "clip", "unet"):
+    for module in ("llama", "clip", "unet", "whisper"):
         try:
             importlib.import_module(f"{__name__}.{module}")
         except ModuleNotFoundError as error:
