@@ -10,7 +10,7 @@ pytest.importorskip("safetensors")
 
 from disttrain_core.config import AudioEncoderConfig, ModelConfig, compose  # noqa: E402
 from disttrain_core.models.audio import AudioEncoder  # noqa: E402
-from disttrain_core.models.hf import PretrainedError, check_pretrained, pretrained_state  # noqa: E402
+from disttrain_core.models.hf import IMPORTERS, PretrainedError, check_pretrained, pretrained_state  # noqa: E402
 from disttrain_core.models.hf.whisper import check_config, expected_shapes, hf_names  # noqa: E402
 
 TOL = 1e-5
@@ -174,6 +174,19 @@ def test_presets_match_the_published_encoders(preset):
     other = "whisper_large_v3" if preset == "whisper_base" else "whisper_base"
     with pytest.raises(PretrainedError, match=f"d_model={PUBLISHED[other]['d_model']} but model.audio_encoder.dim="):
         check_config(transformers.WhisperConfig(**PUBLISHED[other]).to_dict(), audio)
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    directory = tmp_path / "decoder_only"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"architectures": ["WhisperForCausalLM"]}))
+    for init_from in (str(directory), {"audio_encoder": str(directory)}):
+        with pytest.raises(PretrainedError) as info:
+            check_pretrained(ModelConfig(audio_encoder=ours(), init_from=init_from), {})
+        message = str(info.value)
+        assert "architecture 'WhisperForCausalLM' has no importer; supported: " in message and "\n" not in message
+        assert all(name in message for name in IMPORTERS)
+        assert {"WhisperForConditionalGeneration", "WhisperEncoder", "LlamaForCausalLM"} <= set(IMPORTERS)
 
 
 def test_missing_and_unplaced_tensors_are_named(tmp_path):

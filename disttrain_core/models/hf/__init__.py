@@ -122,6 +122,14 @@ class SafetensorsFiles(Mapping[str, torch.Tensor]):
         return len(self._file_of)
 
 
+def _no_importer(key: str, directory: Path, architecture: str) -> PretrainedError:
+    supported = ", ".join(sorted(IMPORTERS))
+    return PretrainedError(
+        f"{key}={directory}: architecture {architecture!r} has no importer; supported: {supported} "
+        "(point it at a directory of one of these)"
+    )
+
+
 def _sources(cfg: ModelConfig) -> dict[str, Path]:
     """``model.init_from`` as part -> directory."""
     from omegaconf import DictConfig, OmegaConf
@@ -136,9 +144,7 @@ def _sources(cfg: ModelConfig) -> dict[str, Path]:
     directory = Path(str(spec))
     architecture = architecture_of(read_hf_config(directory))
     if architecture not in IMPORTERS:
-        raise PretrainedError(
-            f"model.init_from={spec}: architecture {architecture!r} has no importer; known: {sorted(IMPORTERS)}"
-        )
+        raise _no_importer("model.init_from", directory, architecture)
     return {IMPORTERS[architecture].part: directory}
 
 
@@ -150,10 +156,7 @@ def _entries(cfg: ModelConfig) -> list[tuple[str, Path, dict, ImporterEntry]]:
         architecture = architecture_of(config)
         entry = IMPORTERS.get(architecture)
         if entry is None:
-            raise PretrainedError(
-                f"model.init_from.{part}={directory}: architecture {architecture!r} has no importer; "
-                f"known: {sorted(IMPORTERS)}"
-            )
+            raise _no_importer(f"model.init_from.{part}", directory, architecture)
         if entry.part != part:
             raise PretrainedError(
                 f"model.init_from.{part}={directory} holds a {architecture}, which fills model part {entry.part!r}"
