@@ -102,7 +102,9 @@ def test_other_whisper_architectures_import(tmp_path, kind):
         assert json.load(handle)["architectures"] == [kind]
     features = mels()
     reference = whisper_encoder(hf)(input_features=features).last_hidden_state
-    assert float((imported(directory, ours())(features) - reference).abs().max()) <= TOL
+    diff = float((imported(directory, ours())(features) - reference).abs().max())
+    print(f"{kind} encoder max abs diff {diff:.2e}")
+    assert diff <= TOL
 
 
 @pytest.mark.parametrize(
@@ -145,6 +147,28 @@ def test_other_activations_are_refused(whisper):
     check_config(config, ours())
     with pytest.raises(PretrainedError, match="activation_function=relu is not supported: the audio tower's MLP is"):
         check_config({**config, "activation_function": "relu"}, ours())
+
+
+@pytest.mark.filterwarnings("ignore:At least one mel filter has all zero values")  # 32 bins over 101 frequencies
+def test_a_preprocessor_config_must_describe_our_log_mels(tmp_path):
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    directory = save(WhisperEncoder(hf_whisper_config()), tmp_path)
+    model_cfg = ModelConfig(audio_encoder=ours(), init_from=directory)
+    check_pretrained(model_cfg, {})  # no preprocessor_config.json: nothing to compare
+    extractor = dict(feature_size=32, sampling_rate=8000, hop_length=80, n_fft=200, chunk_length=1)
+    transformers.WhisperFeatureExtractor(**extractor).save_pretrained(directory)
+    check_pretrained(model_cfg, {})
+    assert len(pretrained_state(model_cfg)) == len(expected_shapes(ours()))
+    transformers.WhisperFeatureExtractor(**{**extractor, "sampling_rate": 16000}).save_pretrained(directory)
+    with pytest.raises(PretrainedError) as info:
+        check_pretrained(model_cfg, {})
+    message = str(info.value)
+    assert "preprocessor_config.json does not match our log-mel features: sampling_rate=16000 but " in message
+    assert "model.audio_encoder.sample_rate=8000 (override: model.audio_encoder.sample_rate=16000)" in message
+    assert "\n" not in message
+    with pytest.raises(PretrainedError, match="sampling_rate=16000 but model.audio_encoder.sample_rate=8000"):
+        pretrained_state(model_cfg)
 
 
 # The encoders of openai/whisper-base and openai/whisper-large-v3 (their published config.json values).

@@ -20,10 +20,13 @@ Name map (Hugging Face ``<prefix>`` + name -> ours)::
 
 The two towers compute the same function: GELU (erf) after each convolution and in the MLP, pre-norm blocks,
 attention scaled by 1/sqrt(head width), a final norm. Whisper's layer norms have eps 1e-5 (not in its config).
+A ``preprocessor_config.json`` beside the weights (the Hub's Whisper directories have one) describes the log-mel
+front end the weights were trained on; where it exists, our front end (data/audio.py) must be the same.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,15 @@ CONFIG_KEYS = {
     "encoder_layers": "n_layers",
     "encoder_attention_heads": "n_heads",
     "encoder_ffn_dim": "mlp_dim",
+}
+
+# WhisperFeatureExtractor's preprocessor_config.json key -> our model.audio_encoder field
+FRONT_END_KEYS = {
+    "feature_size": "n_mels",
+    "sampling_rate": "sample_rate",
+    "n_fft": "n_fft",
+    "hop_length": "hop_length",
+    "chunk_length": "clip_seconds",
 }
 
 NORM_EPS = 1e-5  # nn.LayerNorm's default, which every Whisper layer norm uses
@@ -106,6 +118,26 @@ def check_config(hf_config: dict[str, Any], audio: AudioEncoderConfig, source: s
     if problems:
         raise PretrainedError(
             f"{source} does not match our config: {'; '.join(problems)} (override: {' '.join(overrides)})"
+        )
+
+
+def check_front_end(directory: Path, audio: AudioEncoderConfig) -> None:
+    """Raise :class:`PretrainedError` (one line) unless the directory's ``preprocessor_config.json``, where it has
+    one, describes our log-mel features: the same bins, rate, window, hop and clip length."""
+    path = Path(directory) / "preprocessor_config.json"
+    if not path.is_file():
+        return
+    values = json.loads(path.read_text())
+    problems: list[str] = []
+    overrides: list[str] = []
+    for hf_key, field in FRONT_END_KEYS.items():
+        want, have = values.get(hf_key), getattr(audio, field)
+        if want is not None and float(want) != float(have):
+            problems.append(f"{hf_key}={want} but model.audio_encoder.{field}={have}")
+            overrides.append(f"model.audio_encoder.{field}={want}")
+    if problems:
+        raise PretrainedError(
+            f"{path} does not match our log-mel features: {'; '.join(problems)} (override: {' '.join(overrides)})"
         )
 
 
@@ -165,6 +197,7 @@ def load_whisper_encoder(directory: Path, hf_config: dict, cfg: ModelConfig) -> 
     directory = Path(directory)
     audio = _audio(directory, cfg)
     check_config(hf_config, audio, f"{directory}/config.json")
+    check_front_end(directory, audio)
     files = SafetensorsFiles(directory)
     prefix = _prefix(directory, list(files))
     names = hf_names(prefix, audio)
@@ -192,7 +225,9 @@ def load_whisper_encoder(directory: Path, hf_config: dict, cfg: ModelConfig) -> 
 
 def _check(directory: Path, hf_config: dict, cfg: ModelConfig) -> None:
     directory = Path(directory)
-    check_config(hf_config, _audio(directory, cfg), f"{directory}/config.json")
+    audio = _audio(directory, cfg)
+    check_config(hf_config, audio, f"{directory}/config.json")
+    check_front_end(directory, audio)
 
 
 for _architecture in ARCHITECTURES:
