@@ -4,7 +4,8 @@ stride 2) -> learned positions -> pre-norm transformer blocks -> a final norm.
 Input is the log-mel spectrogram [N, n_mels, frames] that the data workers compute (data/audio.py), so the
 trainers move compact features rather than waveforms. Output is one embedding per position [N, frames / 2, dim],
 which the audio projector maps into the LLM's width. With ``conf/model/audio_encoder/whisper_large_v3.yaml`` the
-parameter names differ from Hugging Face's ``WhisperEncoder`` but the count is the same, 636,968,960.
+parameter names differ from Hugging Face's ``WhisperEncoder`` but the count is the same, 636,968,960;
+``model.init_from`` imports its weights (models/hf/whisper.py: the same function, renamed tensors).
 """
 
 from __future__ import annotations

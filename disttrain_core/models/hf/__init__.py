@@ -5,9 +5,10 @@
 architecture (``architectures[0]`` in transformers configs, ``_class_name`` in diffusers configs) picks the
 importer, and the importer picks the model part it fills::
 
-    LlamaForCausalLM      -> llm        (models/hf/llama.py)
-    CLIPVisionModel       -> encoder    (models/hf/clip.py)
-    UNet2DConditionModel  -> generator  (models/hf/unet.py)
+    LlamaForCausalLM                 -> llm            (models/hf/llama.py)
+    CLIPVisionModel                  -> encoder        (models/hf/clip.py)
+    UNet2DConditionModel             -> generator      (models/hf/unet.py)
+    WhisperForConditionalGeneration  -> audio_encoder  (models/hf/whisper.py)
 
 An importer reads the Hugging Face tensors, checks the Hugging Face config against ours (a mismatch names
 both values), and returns full tensors keyed by *our* parameter names relative to the part
@@ -121,6 +122,14 @@ class SafetensorsFiles(Mapping[str, torch.Tensor]):
         return len(self._file_of)
 
 
+def _no_importer(key: str, directory: Path, architecture: str) -> PretrainedError:
+    supported = ", ".join(sorted(IMPORTERS))
+    return PretrainedError(
+        f"{key}={directory}: architecture {architecture!r} has no importer; supported: {supported} "
+        "(point it at a directory of one of these)"
+    )
+
+
 def _sources(cfg: ModelConfig) -> dict[str, Path]:
     """``model.init_from`` as part -> directory."""
     from omegaconf import DictConfig, OmegaConf
@@ -135,9 +144,7 @@ def _sources(cfg: ModelConfig) -> dict[str, Path]:
     directory = Path(str(spec))
     architecture = architecture_of(read_hf_config(directory))
     if architecture not in IMPORTERS:
-        raise PretrainedError(
-            f"model.init_from={spec}: architecture {architecture!r} has no importer; known: {sorted(IMPORTERS)}"
-        )
+        raise _no_importer("model.init_from", directory, architecture)
     return {IMPORTERS[architecture].part: directory}
 
 
@@ -149,10 +156,7 @@ def _entries(cfg: ModelConfig) -> list[tuple[str, Path, dict, ImporterEntry]]:
         architecture = architecture_of(config)
         entry = IMPORTERS.get(architecture)
         if entry is None:
-            raise PretrainedError(
-                f"model.init_from.{part}={directory}: architecture {architecture!r} has no importer; "
-                f"known: {sorted(IMPORTERS)}"
-            )
+            raise _no_importer(f"model.init_from.{part}", directory, architecture)
         if entry.part != part:
             raise PretrainedError(
                 f"model.init_from.{part}={directory} holds a {architecture}, which fills model part {entry.part!r}"
@@ -233,7 +237,7 @@ def _register_builtin() -> None:
         return
     import importlib
 
-    for module in ("llama", "clip", "unet"):
+    for module in ("llama", "clip", "unet", "whisper"):
         try:
             importlib.import_module(f"{__name__}.{module}")
         except ModuleNotFoundError as error:
