@@ -41,15 +41,23 @@ def check_requeued_resume(cfg: Config, run_dir: Path) -> None:
 
 def check_state_sources(cfg: Config, run_dir: Path) -> None:
     check_requeued_resume(cfg, run_dir)
-    if cfg.model.init_from in (None, "") and cfg.trainer.resume in (None, "", "none"):
+    initial = cfg.trainer.checkpoint.initial_load
+    if cfg.model.init_from in (None, "") and cfg.trainer.resume in (None, "", "none") and not initial:
         return
     model = build_model(cfg.model, tokenizer_for(cfg), device="meta")
     if cfg.model.init_from not in (None, ""):
         check_pretrained(cfg.model, {name: count_parameters(m) for name, m in model.submodules().items()})
-    for checkpoint in resume_candidates(cfg.trainer.resume, run_dir):
+    sources = [resume_candidates(cfg.trainer.resume, run_dir)]
+    if initial:  # another run's weights: its checkpoints must hold this model (read only when this run has none)
         try:
-            meta = read_meta(checkpoint)
-        except CheckpointCorrupt:
-            continue  # the run skips it with a warning and tries the previous one
-        check_model(checkpoint, meta, cfg.model.name, model_fingerprint(model))
-        return
+            sources.append(resume_candidates(str(initial), run_dir))
+        except FileNotFoundError as error:
+            raise FileNotFoundError(str(error).replace("trainer.resume=", "trainer.checkpoint.initial_load=")) from None
+    for found in sources:
+        for checkpoint in found:
+            try:
+                meta = read_meta(checkpoint)
+            except CheckpointCorrupt:
+                continue  # the run skips it with a warning and tries the previous one
+            check_model(checkpoint, meta, cfg.model.name, model_fingerprint(model))
+            break

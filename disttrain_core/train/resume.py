@@ -37,9 +37,41 @@ class CheckpointIO:
                 f"trainer.resume={self.cfg.trainer.resume}: no usable checkpoint ({'; '.join(tried)}); "
                 "start fresh with trainer.resume=none"
             )
+        initial = self.cfg.trainer.checkpoint.initial_load
         if self.cfg.trainer.resume == "auto" and self.rank == 0:
             log.info("trainer.resume=auto: no checkpoint in %s yet; starting from step 0", self.job_dir)
+        if initial:
+            self._initial_load(str(initial))
         return None
+
+    def _initial_load(self, source: str) -> None:
+        """trainer.checkpoint.initial_load: the model's weights from another run's newest usable checkpoint (its
+        model entries only), at step 0 with a fresh optimizer and data position."""
+        tried = []
+        for checkpoint in resume_candidates(source, self.job_dir):
+            try:
+                meta = read_meta(checkpoint)
+            except CheckpointCorrupt as error:
+                tried.append(f"{checkpoint.name} ({error})")
+                continue
+            check_model(checkpoint, meta, self.cfg.model.name, self.fingerprint)
+            state = self.engine.checkpoint_state(saving=False)
+            weights = {key: value for key, value in state.items() if key.startswith("model.")}
+            try:
+                self.checkpoints.load(checkpoint, weights, meta)
+            except CheckpointCorrupt as error:
+                tried.append(f"{checkpoint.name} ({error})")
+                continue
+            self.engine.checkpoint_loaded([key for key in state if key not in weights])  # fresh optimizer state
+            if self.rank == 0:
+                log.info(
+                    "trainer.checkpoint.initial_load: model weights from %s (its step %s); this run starts at step 0 "
+                    "with a fresh optimizer and data position",
+                    checkpoint,
+                    meta.get("step"),
+                )
+            return
+        raise CheckpointCorrupt(f"trainer.checkpoint.initial_load={source}: no usable checkpoint ({'; '.join(tried)})")
 
     def _load_checkpoint(self, checkpoint: Path) -> dict:
         problem, meta, saved_data, step = None, {}, [], 0

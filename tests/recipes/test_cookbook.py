@@ -52,6 +52,7 @@ def cookbook() -> dict[str, list[str]]:
 
 # Commands another test of make test runs as typed (reduced alike), or -- for what this machine does not
 # have -- runs their emulation: command -> that test.
+LLAVA = "tests/distributed/test_llava_two_stage.py::test_llava_two_stages_from_hugging_face_parts"  # random HF parts
 ELSEWHERE = {
     "python train.py model=llama_tiny data=tokens data.path=/data/tokens.npy": (
         "tests/distributed/test_token_file_training.py::test_two_processes_and_a_resumed_run_equal_one_process"
@@ -85,6 +86,10 @@ ELSEWHERE = {
     "python train.py model=llama3_8b model.init_from=/w/Meta-Llama-3.1-8B": (
         "tests/distributed/test_pretrained.py::test_llama_weights_land_in_tensor_parallel_shards"
     ),
+    "python train.py recipe=llava_two_stage model.init_from={llm: /w/llama, encoder: /w/clip} "
+    "hydra.run.dir=outputs/llava1": LLAVA,
+    "python train.py recipe=llava_two_stage_sft trainer.checkpoint.initial_load=outputs/llava1 "
+    "data.path=/data/llava_shards": LLAVA,
     "python train.py model/encoder=vit_tiny model/llm=llama_tiny model/generator=unet_tiny": (
         "tests/unit/test_model_modules.py::test_the_modules_of_mllm_tiny_train_as_the_preset"
     ),
