@@ -6,7 +6,9 @@ a brace pattern: data/reader.py), one document per sample: its ``.txt`` member, 
 member's ``"text"`` string or its ``"texts"`` list (the embedded LAION-like shards' interleaved captions,
 images left out) joined by spaces.
 
-A document is ``[bos] + tokens + [eos]`` in the run's tokenizer. A document longer than the last bucket is
+A document is ``[bos] + tokens + [eos]`` in the run's tokenizer. A JSON record holding LLaVA's ``conversations``
+(data/conversations.py) is rendered with the run's chat template instead, its images left out, and carries a loss
+mask: the packed row takes the loss on its assistant turns only (``masks``). A document longer than the last bucket is
 cut into pieces of that length (Megatron-style; counted in ``split``), a leftover of a single token is
 dropped. A record that is not valid JSON, has no text, or a shard that cannot be read is skipped and
 counted by reason, never a crash.
@@ -29,6 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .bad_sample import BadSample
 from .reader import RawSample, ShardStream, resolve_shards
 from .tokenizer import Tokenizer
 
@@ -49,9 +52,12 @@ def corpus_files(path: str) -> tuple[str, list[str]]:
     return "webdataset", shards
 
 
-def _text_of_json(record) -> str | None:
+def _text_of_json(record) -> str | dict | None:
+    """A record's text, or the record itself when it holds a conversation."""
     if not isinstance(record, dict):
         return None
+    if "conversations" in record or "messages" in record:
+        return record
     text = record.get("text")
     if isinstance(text, str):
         return text
@@ -65,8 +71,10 @@ def _text_of_json(record) -> str | None:
 class CorpusDocuments:
     """``documents(step, per_step)``: the tokenized documents of a step (see the module doc)."""
 
-    def __init__(self, path: str, tokenizer: Tokenizer, max_len: int, seed: int = 0):
+    def __init__(self, path: str, tokenizer: Tokenizer, max_len: int, seed: int = 0, template: str | None = None):
         self.kind, self.files = corpus_files(path)
+        self.template = template  # a chat template's Jinja text, for conversation records
+        self.masks: list[torch.Tensor | None] = []  # the last step's documents' loss masks (None: every token)
         self.tokenizer, self.max_len, self.seed = tokenizer, int(max_len), int(seed)
         self.skipped: Counter[str] = Counter()
         self.split = 0
@@ -144,16 +152,38 @@ class CorpusDocuments:
 
     def documents(self, step: int, per_step: int) -> list[torch.Tensor]:
         self._seek(step * per_step)
-        out = []
+        out, self.masks = [], []
         for _ in range(per_step):
             text = next(self._records)
             self._next += 1
             if text is None:
                 continue
-            ids = [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
-            pieces = [ids[i : i + self.max_len] for i in range(0, len(ids), self.max_len)]
+            trained = None
+            if isinstance(text, dict):
+                try:
+                    ids, trained = self._conversation(text)
+                except BadSample as error:
+                    self.skipped[f"corpus_{error.reason}"] += 1
+                    continue
+            else:
+                ids = [self.tokenizer.bos_id, *self.tokenizer.encode(text), self.tokenizer.eos_id]
+            pieces = [range(i, min(i + self.max_len, len(ids))) for i in range(0, len(ids), self.max_len)]
             if len(pieces) > 1 and len(pieces[-1]) < 2:
                 pieces.pop()
             self.split += len(pieces) - 1
-            out += [torch.tensor(p, dtype=torch.int64) for p in pieces]
+            out += [torch.tensor(ids[p.start : p.stop], dtype=torch.int64) for p in pieces]
+            self.masks += [None if trained is None else torch.tensor(trained[p.start : p.stop]) for p in pieces]
         return out
+
+    def _conversation(self, record: dict) -> tuple[list[int], list[bool]]:
+        """``[bos] + the rendered turns + [eos]`` and, per token, whether the loss predicts it (the assistant's)."""
+        from .conversations import template_source
+        from .sample_layouts import conversation_segments
+
+        if self.template is None:
+            self.template = template_source("auto", getattr(self.tokenizer, "path", "byte"))
+        ids, trained = [self.tokenizer.bos_id], [False]
+        for _, (piece, flag) in conversation_segments(record, {}, self.tokenizer, self.template, False):
+            ids += piece
+            trained += [flag] * len(piece)
+        return ids + [self.tokenizer.eos_id], trained + [False]

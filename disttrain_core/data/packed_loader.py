@@ -83,7 +83,9 @@ class PackedStepLoader:
         self.step += 1
         lengths = [d.numel() for d in docs]
         self.last_lengths = lengths
-        return [text_batch(pack_rows(docs, b.rows, b.capacity)) for b in bucket_and_pack(lengths, self.boundaries)]
+        masks = self.corpus.masks if self.corpus is not None else None  # conversations: loss on the assistant
+        buckets = bucket_and_pack(lengths, self.boundaries)
+        return [text_batch(pack_rows(docs, b.rows, b.capacity, masks=masks)) for b in buckets]
 
     def state_dict(self) -> dict:
         return {"step": self.step, "skipped": dict(self.skipped)}
@@ -117,7 +119,10 @@ def packed_loader(cfg, state: dict | None, held_out: bool = False) -> PackedStep
         from .tokenizer import tokenizer_for
 
         path = cfg.data.val.path if held_out else packing.corpus
-        corpus = CorpusDocuments(path, tokenizer_for(cfg), boundaries[-1], seed)
+        from .conversations import template_source
+
+        template = template_source(str(cfg.data.chat_template), str(cfg.data.tokenizer))
+        corpus = CorpusDocuments(path, tokenizer_for(cfg), boundaries[-1], seed, template)
     return PackedStepLoader(
         packing.source,
         packing.documents_per_step,

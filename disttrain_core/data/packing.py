@@ -156,9 +156,13 @@ class PackedRows:
         return int((self.doc_ids >= 0).sum())
 
 
-def pack_rows(documents: list[torch.Tensor], rows: list[list[int]], capacity: int, pad_id: int = 0) -> PackedRows:
+def pack_rows(
+    documents: list[torch.Tensor], rows: list[list[int]], capacity: int, pad_id: int = 0, masks: list | None = None
+) -> PackedRows:
     """Lay out ``documents`` (1-D token tensors) as ``rows`` (lists of document indices) of ``capacity``
-    tokens. A document's id is its index in ``documents``."""
+    tokens. A document's id is its index in ``documents``. ``masks``: per document None (every next token is a
+    label) or a bool tensor of its length, whether the loss predicts that token (a conversation's assistant
+    turns: data/corpus.py)."""
     shape = (len(rows), capacity)
     tokens = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, IGNORE, dtype=torch.long)
@@ -172,7 +176,8 @@ def pack_rows(documents: list[torch.Tensor], rows: list[list[int]], capacity: in
             if start + n > capacity:
                 raise ValueError(f"row {r} holds {start + n} tokens, more than its capacity {capacity}")
             tokens[r, start : start + n] = doc
-            labels[r, start : start + n - 1] = doc[1:]
+            mask = masks[index] if masks is not None else None
+            labels[r, start : start + n - 1] = doc[1:] if mask is None else torch.where(mask[1:], doc[1:], IGNORE)
             doc_ids[r, start : start + n] = index
             positions[r, start : start + n] = torch.arange(n)
             start += n

@@ -136,3 +136,46 @@ def test_a_chat_template_that_cannot_be_used_is_refused_before_launch(compose_cf
     broken.write_text("{% for m in messages %}")
     with pytest.raises(ConfigError, match="its Jinja does not compile"):
         validate_config(compose_cfg(f"data.chat_template={broken}"))
+
+
+def test_packed_conversations_each_have_the_loss_they_have_alone(tmp_path):
+    """A corpus of conversations (and one plain text) packed into one row: each document's loss sum there equals
+    its loss alone within 1e-5 (document attention), and only assistant tokens are labels."""
+    import torch
+    import torch.nn.functional as F
+
+    from disttrain_core.config import LlamaConfig
+    from disttrain_core.data.corpus import CorpusDocuments
+    from disttrain_core.data.packing import pack_rows
+    from disttrain_core.models.llama import Documents, Llama
+
+    records = [
+        LLAVA,
+        {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello there."}]},
+        {"text": "a plain document: every next token is a label"},
+        {"conversations": [{"from": "system", "value": "Be brief."}, *LLAVA["conversations"][2:]]},
+    ]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    corpus = CorpusDocuments(str(path), ByteTokenizer(), max_len=1024, template=TEMPLATES["vicuna"])
+    docs = corpus.documents(0, len(records))
+    masks = corpus.masks
+    assert [m is None for m in masks] == [False, False, True, False]
+    capacity = sum(d.numel() for d in docs)
+    packed = pack_rows(docs, [list(range(len(docs)))], capacity, masks=masks)
+    for i, (doc, mask) in enumerate(zip(docs, masks, strict=True)):
+        labels = packed.labels[packed.doc_ids == i]
+        want = doc[1:] if mask is None else doc[1:][mask[1:]]
+        assert labels[labels != -100].tolist() == want.tolist()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=263, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128), capacity)
+
+    def losses(rows) -> torch.Tensor:
+        logits = model(rows.tokens, Documents(rows.doc_ids, rows.positions))
+        return F.cross_entropy(logits.flatten(0, 1), rows.labels.flatten(), reduction="none").view_as(rows.labels)
+
+    with torch.no_grad():
+        together = losses(packed)
+        for i, (doc, mask) in enumerate(zip(docs, masks, strict=True)):
+            alone = losses(pack_rows([doc], [[0]], doc.numel(), masks=[mask])).sum()
+            assert torch.allclose(together[packed.doc_ids == i].sum(), alone, atol=1e-5, rtol=0), i
