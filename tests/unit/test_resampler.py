@@ -191,3 +191,18 @@ def test_a_resampler_with_more_layers_than_the_mlp_allows_is_accepted():
     check_overrides([*RESAMPLER, "model.encoder_projector.n_layers=3"])
     with pytest.raises(PreflightError, match="n_layers=3: allowed values are 1 and 2"):
         check_overrides(["model.encoder_projector.n_layers=3"])
+
+
+def test_a_producer_and_trainers_that_disagree_on_the_image_positions_refuse_each_other():
+    from disttrain_core.data.producer_protocol import job_identity, job_mismatch
+
+    mlp, resampled = job_identity(compose([])), job_identity(compose(RESAMPLER))
+    assert job_mismatch(mlp, mlp) is None and job_mismatch(resampled, resampled) is None
+    problem = job_mismatch(mlp, resampled)
+    assert (
+        "producer has model.encoder_projector.kind=mlp, trainer has model.encoder_projector.kind=resampler" in problem
+    )
+    other = job_identity(compose([*RESAMPLER[:1], "model.encoder_projector.num_queries=7", *RESAMPLER[2:]]))
+    assert "model.encoder_projector.num_queries=6, trainer has model.encoder_projector.num_queries=7" in job_mismatch(
+        resampled, other
+    )
