@@ -18,6 +18,7 @@ import pickle
 from typing import Any
 
 from .model import (  # noqa: F401  re-exported: ``from disttrain_core.config import LlamaConfig``
+    PROJECTOR_KINDS,
     AudioEncoderConfig,
     FreezeConfig,
     LlamaConfig,
@@ -28,6 +29,7 @@ from .model import (  # noqa: F401  re-exported: ``from disttrain_core.config im
     VideoEncoderConfig,
     VitConfig,
     head_dim_of,
+    image_tokens,
 )
 from .schema import (  # noqa: F401
     REPO_ROOT,

@@ -147,10 +147,23 @@ class UNetConfig:
     beta_end: float = 0.012
 
 
+PROJECTOR_KINDS = ("mlp", "resampler")
+
+
 @dataclass
 class ProjectorConfig:
-    hidden_dim: int = 0  # 0 means "same as the output width"
-    n_layers: int = 2  # 1 = a single linear layer; 2 = linear-GELU-linear
+    """A projector between modules (models/projector.py). ``kind`` (Megatron's ``projector_type``): ``mlp``, one
+    position out per position in (LLaVA); ``resampler``, a Perceiver / Q-Former-style cross-attention resampler
+    (model.encoder_projector only): ``num_queries`` learned queries attend to the encoder's patches, so each image
+    takes ``num_queries`` positions of the LLM's sequence instead of one per patch."""
+
+    kind: str = "mlp"  # mlp | resampler
+    # mlp: the hidden width, 0 = the output width; resampler: each block's MLP hidden width, 0 = 4 x the output width
+    hidden_dim: int = 0
+    # mlp: 1 = a single linear layer, 2 = linear-GELU-linear; resampler: pre-norm blocks (cross-attention, then MLP)
+    n_layers: int = 2
+    num_queries: int = 64  # resampler: learned queries, the LLM positions per image
+    n_heads: int = 8  # resampler: cross-attention heads; they divide the output width (the LLM's dim)
 
 
 @dataclass
@@ -221,3 +234,12 @@ class ModelConfig:
     init_from: Any = None
     init_from_strict: bool = True  # every parameter must come from init_from; false: the rest keep their init
     latent_encoder_path: Optional[str] = None  # weights of a latent encoder that needs them (sd_vae: a diffusers VAE)
+
+
+def image_tokens(cfg) -> int:
+    """The ``<img>`` positions one image takes in the LLM's sequence (and the embedding rows the encoder unit sends
+    the LLM per image): one per patch through the MLP projector, ``num_queries`` through the resampler."""
+    projector = cfg.encoder_projector
+    if projector.kind == "resampler":
+        return int(projector.num_queries)
+    return (int(cfg.encoder.image_size) // int(cfg.encoder.patch_size)) ** 2

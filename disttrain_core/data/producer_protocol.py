@@ -99,6 +99,7 @@ def job_identity(cfg) -> dict:
     """What must agree between producer and trainers for the batches to be the ones the trainers expect."""
     model = cfg.model
     encoder, generator = model.encoder, model.generator
+    resampled = encoder is not None and model.encoder_projector.kind == "resampler"
     identity = {
         "trainer.seed": int(cfg.trainer.seed),
         "data.tokenizer": tokenizer_identity(cfg.data.tokenizer),
@@ -108,6 +109,9 @@ def job_identity(cfg) -> dict:
         "model.llm.vocab_size": int(model.llm.vocab_size),
         "model.encoder.image_size": int(encoder.image_size) if encoder is not None else None,
         "model.encoder.patch_size": int(encoder.patch_size) if encoder is not None else None,
+        # the <img> positions per image: the patches, or the resampler's queries (config/model.py image_tokens)
+        "model.encoder_projector.kind": str(model.encoder_projector.kind) if encoder is not None else None,
+        "model.encoder_projector.num_queries": int(model.encoder_projector.num_queries) if resampled else None,
         "model.gen_tokens": int(model.gen_tokens) if generator is not None else None,
         "model.gen_image_size": int(model.gen_image_size) if generator is not None else None,
         "model.latent_downsample": int(model.latent_downsample) if generator is not None else None,

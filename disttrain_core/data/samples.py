@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..config import ModelConfig
+from ..config import ModelConfig, image_tokens
 from .audio import audio_frames, audio_tokens, check_audio, decode_audio, log_mel
 from .bad_sample import BadSample  # noqa: F401  re-exported: the loaders and tests read it from here
 from .conversations import template_source
@@ -143,7 +143,8 @@ class SampleEncoder:
         self.has_encoder = model.encoder is not None
         self.has_generator = model.generator is not None
         self.image_size = int(model.encoder.image_size) if self.has_encoder else 0
-        self.patches = (model.encoder.image_size // model.encoder.patch_size) ** 2 if self.has_encoder else 0
+        # <img> positions per image: the encoder's patches, or the resampler's queries (config/model.py)
+        self.image_tokens = image_tokens(model) if self.has_encoder else 0
         self.gen_tokens = int(model.gen_tokens) if self.has_generator else 0
         self.gen_image_size = int(model.gen_image_size) if self.has_generator else 0
         self.latent_side = model.gen_image_size // model.latent_downsample if self.has_generator else 0
@@ -195,14 +196,14 @@ class SampleEncoder:
                     budget -= self.audio_tokens
             elif self.video_merge:
                 budget, total_images = self._image_or_video(value, budget, kept, total_images)  # type: ignore
-            elif self.has_encoder and budget >= self.patches:
+            elif self.has_encoder and budget >= self.image_tokens:
                 frames = frame_indices(value, self.video_frames, self.max_image_pixels)  # type: ignore[arg-type]
-                total_images += len(frames) - 1  # a video's frames are images to the encoder, each its patches
+                total_images += len(frames) - 1  # a video's frames are images to the encoder, each its positions
                 for frame in frames:
-                    if budget < self.patches:
+                    if budget < self.image_tokens:
                         break
                     kept.append(("image", value if len(frames) == 1 else (value, frame)))
-                    budget -= self.patches
+                    budget -= self.image_tokens
             if budget <= 0:
                 break
         kept_images = sum(kind in ("image", "video") for kind, _ in kept)
@@ -213,16 +214,16 @@ class SampleEncoder:
     def _image_or_video(self, data: bytes, budget: int, kept: list, total_images: int) -> tuple[int, int]:
         """An image member with a video tower: a still image to the image encoder, a video's frame groups to the
         tower, what fits of each; returns the budget left and the images counted (a video's groups count)."""
-        least = min(self.video_patches, self.patches) if self.has_encoder else self.video_patches
+        least = min(self.video_patches, self.image_tokens) if self.has_encoder else self.video_patches
         if budget < least:
             return budget, total_images
         frames = frame_indices(data, self.video_frames, self.max_image_pixels)
         if len(frames) > 1:
             total_images += -(-len(frames) // self.video_merge) - 1
             return self._video_groups(data, frames, budget, kept), total_images
-        if self.has_encoder and budget >= self.patches:
+        if self.has_encoder and budget >= self.image_tokens:
             kept.append(("image", data))
-            budget -= self.patches
+            budget -= self.image_tokens
         return budget, total_images
 
     def _video_groups(self, data: bytes, frames: list[int], budget: int, kept: list) -> int:
@@ -347,7 +348,7 @@ class SampleEncoder:
             elif kind == "video":
                 tokens += [tok.video_id] * self.video_patches
             else:
-                tokens += [tok.image_id] * self.patches
+                tokens += [tok.image_id] * self.image_tokens
             trains += [kind == "text"] * (len(tokens) - len(trains))
         if self.has_generator and gen_before is None:
             tokens += [tok.gen_id] * self.gen_tokens

@@ -29,7 +29,7 @@ from ..base.disk_cache import cache_file, read_json, source_digest, write_json
 from ..config import ModelConfig
 from .audio import AudioEncoder, audio_frames
 from .llama import Llama
-from .projector import MLPProjector
+from .projector import build_projector
 from .unet import UNet
 from .video import VideoTower
 from .vit import VisionTransformer
@@ -154,7 +154,7 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
             size = cfg.encoder.image_size
             images = torch.empty(1, 3, size, size, dtype=torch.uint8)
             results["encoder"] = _count_tower(vit, (images,), trainable["encoder"])
-            proj = MLPProjector(vit.out_dim, cfg.llm.dim, cfg.encoder_projector)
+            proj = build_projector(vit.out_dim, cfg.llm.dim, cfg.encoder_projector)
             feats = torch.empty(1, vit.num_patches, vit.out_dim, requires_grad=upstream("encoder_projector"))
             results["encoder_projector"] = _count(proj, (feats,), trainable["encoder_projector"])
 
@@ -162,7 +162,7 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
             audio = AudioEncoder(cfg.audio_encoder)
             mels = torch.empty(1, cfg.audio_encoder.n_mels, audio_frames(cfg.audio_encoder))
             results["audio_encoder"] = _count_tower(audio, (mels,), trainable["audio_encoder"])
-            aproj = MLPProjector(audio.out_dim, cfg.llm.dim, cfg.audio_projector)
+            aproj = build_projector(audio.out_dim, cfg.llm.dim, cfg.audio_projector, "audio_projector")
             feats = torch.empty(1, audio.tokens_per_clip, audio.out_dim, requires_grad=upstream("audio_projector"))
             results["audio_projector"] = _count(aproj, (feats,), trainable["audio_projector"])
 
@@ -178,7 +178,9 @@ def _compute(cfg: ModelConfig) -> dict[str, ModuleFlops]:
         results["llm"] = _count_stack(llm, None, blocks, head, (hidden,), trainable["llm"], (llm.rope,))
 
         if cfg.generator is not None:
-            gproj = MLPProjector(cfg.llm.dim, cfg.generator.cross_attention_dim, cfg.generator_projector)
+            gproj = build_projector(
+                cfg.llm.dim, cfg.generator.cross_attention_dim, cfg.generator_projector, "generator_projector"
+            )
             queries = torch.empty(1, cfg.gen_tokens, cfg.llm.dim, requires_grad=upstream("generator_projector"))
             results["generator_projector"] = _count(gproj, (queries,), trainable["generator_projector"])
             unet = UNet(cfg.generator)
@@ -200,7 +202,7 @@ def _video_tower(cfg: ModelConfig, trainable: dict, upstream) -> dict[str, Modul
     video = cfg.video_encoder
     tower = VideoTower(video)
     groups = torch.empty(1, video.temporal_merge, 3, video.image_size, video.image_size, dtype=torch.uint8)
-    proj = MLPProjector(tower.out_dim, cfg.llm.dim, cfg.video_projector)
+    proj = build_projector(tower.out_dim, cfg.llm.dim, cfg.video_projector, "video_projector")
     feats = torch.empty(1, tower.num_patches, tower.out_dim, requires_grad=upstream("video_projector"))
     return {
         # the tower runs its frames through the ViT and averages each group (no matmul)
@@ -213,7 +215,9 @@ def _audio_generator(cfg: ModelConfig, trainable: dict, upstream) -> dict[str, M
     """The audio generator and its projector, per generated clip: the U-Net over its latent grid, conditioned on
     the LLM's generation queries."""
     gen = cfg.audio_generator
-    proj = MLPProjector(cfg.llm.dim, gen.cross_attention_dim, cfg.audio_generator_projector)
+    proj = build_projector(
+        cfg.llm.dim, gen.cross_attention_dim, cfg.audio_generator_projector, "audio_generator_projector"
+    )
     queries = torch.empty(1, cfg.gen_tokens, cfg.llm.dim, requires_grad=upstream("audio_generator_projector"))
     out = {"audio_generator_projector": _count(proj, (queries,), trainable["audio_generator_projector"])}
     height, width = gen.latent_shape

@@ -28,7 +28,7 @@ from ..data.batch import Batch
 from .audio import AudioEncoder
 from .latents import MelLatentEncoder, build_latent_encoder
 from .llama import Documents, Llama
-from .projector import MLPProjector
+from .projector import build_projector
 from .unet import DiffusionGenerator
 from .video import VideoTower
 from .vit import VisionTransformer
@@ -78,24 +78,28 @@ class MultimodalLLM(nn.Module):
         self.audio_generator = self.audio_generator_projector = self.audio_latent_encoder = None
         if cfg.audio_generator is not None:  # the same <gen> queries condition it; its target: the row's last clip
             gen = cfg.audio_generator
-            self.audio_generator_projector = MLPProjector(
-                cfg.llm.dim, gen.cross_attention_dim, cfg.audio_generator_projector
+            self.audio_generator_projector = build_projector(
+                cfg.llm.dim, gen.cross_attention_dim, cfg.audio_generator_projector, "audio_generator_projector"
             )
             self.audio_generator = DiffusionGenerator(gen)
             self.audio_latent_encoder = MelLatentEncoder(gen.in_channels, tuple(gen.latent_shape))
         if cfg.audio_encoder is not None:
             self.audio_encoder = AudioEncoder(cfg.audio_encoder)
-            self.audio_projector = MLPProjector(self.audio_encoder.out_dim, cfg.llm.dim, cfg.audio_projector)
+            self.audio_projector = build_projector(
+                self.audio_encoder.out_dim, cfg.llm.dim, cfg.audio_projector, "audio_projector"
+            )
         self.video_encoder = self.video_projector = None
         if cfg.video_encoder is not None:
             self.video_encoder = VideoTower(cfg.video_encoder)
-            self.video_projector = MLPProjector(self.video_encoder.out_dim, cfg.llm.dim, cfg.video_projector)
+            self.video_projector = build_projector(
+                self.video_encoder.out_dim, cfg.llm.dim, cfg.video_projector, "video_projector"
+            )
         if cfg.encoder is not None:
             self.encoder = VisionTransformer(cfg.encoder)
-            self.encoder_projector = MLPProjector(self.encoder.out_dim, cfg.llm.dim, cfg.encoder_projector)
+            self.encoder_projector = build_projector(self.encoder.out_dim, cfg.llm.dim, cfg.encoder_projector)
         if cfg.generator is not None:
-            self.generator_projector = MLPProjector(
-                cfg.llm.dim, cfg.generator.cross_attention_dim, cfg.generator_projector
+            self.generator_projector = build_projector(
+                cfg.llm.dim, cfg.generator.cross_attention_dim, cfg.generator_projector, "generator_projector"
             )
             self.generator = DiffusionGenerator(cfg.generator)
             self.latent_encoder = build_latent_encoder(cfg)
@@ -106,7 +110,8 @@ class MultimodalLLM(nn.Module):
 
     # The pieces below are what a pipeline stage or a parallelism unit calls.
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 images [N, 3, H, W] -> embeddings in the LLM's width [N, P, D]."""
+        """uint8 images [N, 3, H, W] -> embeddings in the LLM's width [N, P, D] (P: config/model.py image_tokens,
+        the patches, or the resampler's queries)."""
         return self.encoder_projector(self.encoder(images))
 
     def encode_audio(self, mels: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from ..config import Config
+from ..config import Config, image_tokens
 from .units import SIDE_ENCODERS, SIDE_UNITS, UnitLayout, branch_groups, build_layout, with_audio_modules
 
 MODES = ("ddp", "megatron", "manual", "auto", "hotspa", "local_sgd")
@@ -227,13 +227,13 @@ def build_pipeline(cfg: Config, layout: UnitLayout, microbatches: int):
 
 
 def tokens_per_item(cfg: Config) -> dict[str, int]:
-    """Embedding rows per image, per clip and per video frame group that an encoder unit's last stage sends the
-    LLM."""
+    """Embedding rows per image (the patches, or the resampler's queries: config/model.py image_tokens), per clip
+    and per video frame group that an encoder unit's last stage sends the LLM."""
     from ..data.audio import audio_tokens
 
     model, out = cfg.model, {}
     if model.encoder is not None:
-        out["encoder"] = (model.encoder.image_size // model.encoder.patch_size) ** 2
+        out["encoder"] = image_tokens(model)
     if model.audio_encoder is not None:
         out["audio_encoder"] = audio_tokens(model.audio_encoder)
     if model.video_encoder is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from ..base.disk_cache import cache_file, read_json, write_json
-from ..config import ModelConfig
+from ..config import ModelConfig, image_tokens
 from .unit_work import UnitWork, Workload
 
 
@@ -160,7 +160,7 @@ def _encoder_work(cfg: ModelConfig, model, flops) -> UnitWork:
         heads=cfg.encoder.n_heads,
         mlp_ratio=cfg.encoder.mlp_dim / cfg.encoder.dim,
         gated_mlp=False,
-        boundary_floats=vit.num_patches * cfg.llm.dim,
+        boundary_floats=image_tokens(cfg) * cfg.llm.dim,  # the patches, or the resampler's queries
         params_first=_count(vit) - blocks - _count(vit.norm_post) - _count(vit.proj),
         params_last=_count(vit.norm_post) + _count(vit.proj) + _count(proj),
     )
@@ -260,7 +260,7 @@ def _generator_work(cfg: ModelConfig, model, flops, name: str = "generator") -> 
 
 
 # Bump when what a workload holds or how it is counted changes (invalidates the disk cache).
-WORKLOAD_VERSION = 16
+WORKLOAD_VERSION = 17
 
 
 def _cache_file(cfg_yaml: str, kind: str = "workloads") -> Path:

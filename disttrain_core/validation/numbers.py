@@ -15,11 +15,16 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from ..config import PROJECTOR_KINDS
 from .common import ConfigError
 
 LAYERS_MAX = 4096  # transformer blocks (Llama-3.1 405B has 126)
 SEQ_MAX = 2**24  # tokens per sequence: 16.8M, past any model's context (the rotary tables are built at this length)
 SEED_MAX = 2**32 - 1  # numpy (and Lightning's seed_everything) accept seeds in [0, 2**32 - 1]
+
+
+PROJECTORS = ("encoder_projector", "audio_projector", "video_projector", "generator_projector")
+PROJECTORS += ("audio_generator_projector",)
 
 
 class Rule(NamedTuple):
@@ -108,8 +113,15 @@ def _model_rules() -> list[Rule]:
     for tower in ("audio_encoder", "video_encoder"):  # their divisibility checks follow (validation/modalities.py)
         rules += [at_least(f"model.{tower}.{n}", 1) for n in ("dim", "n_heads")]
     rules += [at_least(f"model.video_encoder.{n}", 1) for n in ("image_size", "patch_size")]
-    for name in ("encoder_projector", "generator_projector"):
-        rules.append(at_least(f"model.{name}.hidden_dim", 0, "use 0 (the output width) or more"))
+    for name in PROJECTORS:  # which may resample, and each kind's layer count: validation/projectors.py
+        key = f"model.{name}"
+        rules += [
+            one_of(f"{key}.kind", PROJECTOR_KINDS),
+            at_least(f"{key}.hidden_dim", 0, "use 0 (the output width; a resampler: 4 x the output width) or more"),
+            within(f"{key}.n_layers", 1, LAYERS_MAX),
+            within(f"{key}.num_queries", 1, SEQ_MAX),
+            at_least(f"{key}.n_heads", 1),
+        ]
     return rules
 
 

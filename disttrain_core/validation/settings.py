@@ -8,7 +8,7 @@ import os
 
 from omegaconf import OmegaConf
 
-from ..config import Config, cpu_count, determinism
+from ..config import Config, cpu_count, determinism, image_tokens
 from .cluster_fit import launches_elsewhere
 from .common import (
     ConfigError,
@@ -33,6 +33,7 @@ from .llm_family import validate_llm_shape
 from .modalities import validate_audio, validate_synthetic_modalities
 from .numbers import check_bounds
 from .producer import check_pool_settings
+from .projectors import validate_projectors
 
 
 def _tokenizer(cfg: Config):
@@ -111,16 +112,15 @@ def validate_model(cfg: Config) -> None:
         vit_block_count(vit)  # feature_layer within range
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    patches = (vit.image_size // vit.patch_size) ** 2
-    gen_tokens = m.gen_tokens if m.generator is not None else 0
+    validate_projectors(cfg)
+    tokens, gen_tokens = image_tokens(m), m.gen_tokens if m.generator is not None else 0
+    resampled = m.encoder_projector.kind == "resampler"
     _require(
-        m.seq_len >= patches + gen_tokens + 3,
-        f"model.seq_len={m.seq_len} cannot hold one image ({patches} patch tokens) plus {gen_tokens} "
-        f"generation tokens; raise model.seq_len or lower model.encoder.image_size",
+        m.seq_len >= tokens + gen_tokens + 3,
+        f"model.seq_len={m.seq_len} cannot hold one image ({tokens} {'resampler' if resampled else 'patch'} tokens) "
+        f"plus {gen_tokens} generation tokens; raise model.seq_len or lower "
+        + ("model.encoder_projector.num_queries" if resampled else "model.encoder.image_size"),
     )
-    for name in ("encoder_projector", "generator_projector"):
-        layers = getattr(m, name).n_layers
-        _require(layers in (1, 2), f"model.{name}.n_layers={layers}: allowed values are 1 and 2")
     if m.generator is not None:
         _validate_generator(cfg)
 

@@ -79,7 +79,7 @@ def test_labels_are_the_assistants_tokens_only_with_the_template_of_tokenizer_co
     where = np.flatnonzero(row.labels != -100)
     assert (row.tokens[where + 1] == row.labels[where]).all()
     # the image sits where <image> was, its patches untrained
-    assert (row.tokens == tok.image_id).sum() == encoder.patches and len(row.images) == 1
+    assert (row.tokens == tok.image_id).sum() == encoder.image_tokens and len(row.images) == 1
     assert not np.isin(row.labels, [tok.image_id]).any()
 
 

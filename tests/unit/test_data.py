@@ -146,7 +146,7 @@ def test_row_layout_places_generation_tokens_before_the_last_image():
     n_images = sum(x is not None for x in json.loads(members["json"])["images"])
     row = enc.encode("k", members)
     tokens = row.tokens
-    patches = enc.patches
+    patches = enc.image_tokens
     assert tokens.shape == (cfg.seq_len,) and tokens[0] == TOK.bos_id
     kept = row.images.shape[0]
     assert kept + row.truncated_images == n_images
@@ -172,7 +172,7 @@ def test_long_samples_are_truncated_without_cutting_an_image():
     }
     row = enc.encode("k", members)
     assert row.images.shape[0] == 1 and row.truncated_images == 1
-    assert (row.tokens == TOK.image_id).sum() == enc.patches
+    assert (row.tokens == TOK.image_id).sum() == enc.image_tokens
 
 
 def test_noise_is_seeded_by_the_sample_not_the_process():

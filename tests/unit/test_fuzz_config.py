@@ -93,6 +93,8 @@ STRINGS = {
     "model.family": ["mllm", "llama", "gpt"],
     "model.latent_encoder": ["pixel", "bogus"],
     "model.encoder.activation": ["gelu", "quick_gelu", "relu"],
+    "model.encoder_projector.kind": ["mlp", "resampler", "perceiver"],
+    "model.generator_projector.kind": ["mlp", "resampler"],
     "model.llm.rope_scaling.rope_type": ["llama3", "linear"],
     "optim.name": ["adamw", "sgd"],
     "trainer.accelerator": ["auto", "cpu", "cuda", "tpu"],
