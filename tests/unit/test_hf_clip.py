@@ -11,6 +11,8 @@ from disttrain_core.models.hf import PretrainedError, pretrained_state  # noqa: 
 from disttrain_core.models.vit import VisionTransformer, vit_block_count  # noqa: E402
 from disttrain_core.validation import ConfigError, validate_model  # noqa: E402
 
+from .hf_helpers import perturbed, save  # noqa: E402
+
 TOL = 1e-5
 TINY = dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
 
@@ -25,20 +27,6 @@ def ours(**overrides) -> VitConfig:
         image_size=32, patch_size=8, dim=64, n_layers=3, n_heads=4, mlp_dim=128, output_dim=48, activation="quick_gelu"
     )
     return VitConfig(**{**values, **overrides})
-
-
-def perturbed(model):
-    """Random values everywhere (Hugging Face inits norms to 1/0 and biases to 0, which would hide swaps)."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model.eval()
-
-
-def save(model, directory) -> str:
-    model.save_pretrained(str(directory), safe_serialization=True)
-    return str(directory)
 
 
 def imported(directory: str, vit: VitConfig) -> VisionTransformer:

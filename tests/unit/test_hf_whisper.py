@@ -13,6 +13,8 @@ from disttrain_core.models.audio import AudioEncoder  # noqa: E402
 from disttrain_core.models.hf import IMPORTERS, PretrainedError, check_pretrained, pretrained_state  # noqa: E402
 from disttrain_core.models.hf.whisper import check_config, expected_shapes, hf_names  # noqa: E402
 
+from .hf_helpers import perturbed, save  # noqa: E402
+
 TOL = 1e-5
 # conf/model/audio_encoder/audio_tiny.yaml: 1 s at 8 kHz, hop 80 -> 100 log-mel frames -> 50 positions.
 TINY = dict(sample_rate=8000, clip_seconds=1.0, n_fft=200, hop_length=80, n_mels=32, dim=64, n_layers=2, n_heads=4)
@@ -31,20 +33,6 @@ def hf_whisper_config(**overrides):
 
 def ours(**overrides) -> AudioEncoderConfig:
     return AudioEncoderConfig(**{**TINY, "mlp_dim": 96, **overrides})
-
-
-def perturbed(model):
-    """Random values everywhere (Hugging Face inits norms to 1/0 and biases to 0, which would hide swaps)."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model.eval()
-
-
-def save(model, directory) -> str:
-    model.save_pretrained(str(directory), safe_serialization=True)
-    return str(directory)
 
 
 def imported(directory: str, audio: AudioEncoderConfig) -> AudioEncoder:

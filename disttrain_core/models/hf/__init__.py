@@ -122,6 +122,25 @@ class SafetensorsFiles(Mapping[str, torch.Tensor]):
         return len(self._file_of)
 
 
+def take_tensors(
+    directory: Path, files: Mapping[str, torch.Tensor], names: Mapping[str, str], shapes: Mapping[str, tuple], part: str
+) -> dict[str, torch.Tensor]:
+    """Our tensors by name (``shapes``: name -> shape) from ``files`` by Hugging Face name (``names``: ours ->
+    theirs); a missing tensor or a wrong shape is a one-line PretrainedError naming both names."""
+    out: dict[str, torch.Tensor] = {}
+    for ours, shape in shapes.items():
+        theirs = names[ours]
+        if theirs not in files:
+            raise PretrainedError(f"{directory}: tensor {theirs} is missing (it fills {part}.{ours})")
+        tensor = files[theirs]
+        if tuple(tensor.shape) != tuple(shape):
+            raise PretrainedError(
+                f"{directory}: tensor {theirs} has shape {list(tensor.shape)} but {part}.{ours} has {list(shape)}"
+            )
+        out[ours] = tensor.contiguous()
+    return out
+
+
 def _no_importer(key: str, directory: Path, architecture: str) -> PretrainedError:
     supported = ", ".join(sorted(IMPORTERS))
     return PretrainedError(

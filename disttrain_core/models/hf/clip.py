@@ -31,7 +31,7 @@ import torch
 
 from ...config import ModelConfig, VitConfig
 from ..vit import vit_block_count
-from . import PretrainedError, architecture_of, read_safetensors, register_importer
+from . import PretrainedError, architecture_of, read_safetensors, register_importer, take_tensors
 
 ARCHITECTURES = ("CLIPVisionModel", "CLIPVisionModelWithProjection", "CLIPModel")
 
@@ -203,17 +203,7 @@ def load_clip_vision(directory: Path, hf_config: dict, cfg: ModelConfig) -> dict
     prefix = _prefix(directory, tensors)
     root = prefix[: -len("vision_model.")] if prefix.endswith("vision_model.") else prefix
     names = hf_names(prefix, root, vit)
-    out: dict[str, torch.Tensor] = {}
-    for ours, shape in expected_shapes(vit).items():
-        theirs = names[ours]
-        if theirs not in tensors:
-            raise PretrainedError(f"{directory}: tensor {theirs} is missing (it fills encoder.{ours})")
-        tensor = tensors[theirs]
-        if tuple(tensor.shape) != shape:
-            raise PretrainedError(
-                f"{directory}: tensor {theirs} has shape {list(tensor.shape)} but encoder.{ours} has {list(shape)}"
-            )
-        out[ours] = tensor.contiguous()
+    out = take_tensors(Path(directory), tensors, names, expected_shapes(vit), "encoder")
     return out
 
 

@@ -34,7 +34,7 @@ import torch
 
 from ...config import AudioEncoderConfig, ModelConfig
 from ...data.audio import audio_tokens
-from . import PretrainedError, SafetensorsFiles, register_importer
+from . import PretrainedError, SafetensorsFiles, register_importer, take_tensors
 
 ARCHITECTURES = ("WhisperForConditionalGeneration", "WhisperModel", "WhisperEncoder", "WhisperForAudioClassification")
 
@@ -201,18 +201,7 @@ def load_whisper_encoder(directory: Path, hf_config: dict, cfg: ModelConfig) -> 
     files = SafetensorsFiles(directory)
     prefix = _prefix(directory, list(files))
     names = hf_names(prefix, audio)
-    out: dict[str, torch.Tensor] = {}
-    for ours, shape in expected_shapes(audio).items():
-        theirs = names[ours]
-        if theirs not in files:
-            raise PretrainedError(f"{directory}: tensor {theirs} is missing (it fills audio_encoder.{ours})")
-        tensor = files[theirs]
-        if tuple(tensor.shape) != shape:
-            raise PretrainedError(
-                f"{directory}: tensor {theirs} has shape {list(tensor.shape)} but audio_encoder.{ours} has "
-                f"{list(shape)}"
-            )
-        out[ours] = tensor.contiguous()
+    out = take_tensors(Path(directory), files, names, expected_shapes(audio), "audio_encoder")
     used = {names[ours] for ours in out}
     left = sorted(name for name in files if name.startswith(prefix) and name not in used)
     if left:
