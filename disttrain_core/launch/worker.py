@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +170,9 @@ def _attach_fabric(run, environment):
             cluster_environment=cluster_environment(environment),
         )
     precision = run.precision
+    # The launcher chose this process's environment (base/launch_env.py); Lightning's auto-detection would otherwise
+    # warn on every run of a machine that merely has srun installed (a SLURM login node, this repo's test machine)
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     fabric = Fabric(
         accelerator=run.accelerator,
         devices=trainer.devices,
