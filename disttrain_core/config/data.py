@@ -112,11 +112,26 @@ class ValDataConfig:
 
 
 @dataclass
+class HFDataConfig:
+    """data.format=hf (data/hf_source.py): rows of parquet, arrow or jsonl(.gz) files, read with HF datasets."""
+
+    # Which column holds what: text (a string), image (bytes, a {bytes, path} struct or a file path), conversations
+    # (LLaVA's list of turns, or its JSON string). null: not read. At least text or conversations.
+    columns: dict[str, Optional[str]] = field(
+        default_factory=lambda: {"text": "text", "image": None, "conversations": None}
+    )
+    streaming: bool = False  # true: an IterableDataset (rows read as they come); false: the mapped (cached) dataset
+    shuffle_buffer: int = 1000  # streaming: rows of datasets' shuffle buffer (files are shuffled too)
+    cache_dir: Optional[str] = None  # the mapped dataset's arrow cache (null: datasets' default, HF_DATASETS_CACHE)
+    image_root: Optional[str] = None  # where relative image paths start (null: the directory of data.path)
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     path: str = MISSING  # directory of .tar shards, or a brace pattern like dir/shard-{000..099}.tar
     # webdataset: samples from .tar shards (images and text); tokens: a .npy file of pre-tokenized text
-    # (data/token_file.py; text-only models)
+    # (data/token_file.py; text-only models); hf: rows of parquet / arrow / jsonl files (data.hf, data/hf_source.py)
     format: str = "webdataset"
     tokenizer: str = "byte"  # or a tokenizer.json / tiktoken file, its format read from it (docs/DATA.md)
     chat_template: str = "auto"  # conversations (data/conversations.py): auto | vicuna | chatml | llama3 | a .jinja
@@ -141,6 +156,7 @@ class DataConfig:
     # 'data.blend=[{path:/data/laion,weight:0.7},{path:/data/mmc4,weight:0.3}]'
     blend: Optional[list[BlendSourceConfig]] = None
     val: ValDataConfig = field(default_factory=ValDataConfig)
+    hf: HFDataConfig = field(default_factory=HFDataConfig)
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     producer: ProducerConfig = field(default_factory=ProducerConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)

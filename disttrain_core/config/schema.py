@@ -12,6 +12,7 @@ from omegaconf import MISSING
 from .data import (  # noqa: F401  re-exported: the data group's schema
     BlendSourceConfig,
     DataConfig,
+    HFDataConfig,
     PackingConfig,
     ProducerConfig,
     ReorderConfig,

@@ -136,6 +136,10 @@ def open_stream(data, seed: int, dp_rank: int = 0, dp_size: int = 1) -> ShardStr
     shards (less a held-out split, data/splits.py), or the blend ``data.blend`` names. ``data.storage_options`` is
     applied first (data/storage.py: shards behind URLs), here and in the processes started from here."""
     configure(data)
+    if data.format == "hf":  # rows of parquet / arrow / jsonl files (data/hf_source.py)
+        from .hf_source import HFStream
+
+        return HFStream(data, seed, dp_rank, dp_size, shuffle=data.shuffle_shards)
     if not data.blend:
         return ShardStream(training_shards(data), dp_rank, dp_size, seed=seed, shuffle=data.shuffle_shards)
     streams = [

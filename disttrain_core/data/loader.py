@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..base.processes import helper_process_init
+from .bad_sample import UnusableRow
 from .batch import Batch
 from .reader import Position, RawSample, ShardError, ShardStream, StreamElement
 from .samples import BadSample, EncodedSample, SampleEncoder
@@ -69,6 +70,8 @@ class DecodedStream(IterableDataset):
         item = element.item
         if isinstance(item, ShardError):
             return Skipped(item.shard, "shard_error", item.reason)
+        if isinstance(item, UnusableRow):  # data.format=hf: a row the column mapping cannot read
+            return Skipped(item.key, item.reason, item.detail)
         assert isinstance(item, RawSample)
         try:
             return self.encoder.encode(item.key, item.members)

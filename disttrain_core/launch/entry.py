@@ -35,7 +35,7 @@ log = logging.getLogger("disttrain")
 def prepare_data(cfg: Config) -> None:
     from ..data.storage import is_url
 
-    if cfg.data.format == "tokens" or cfg.data.packing.enabled or is_url(str(cfg.data.path)):
+    if cfg.data.format in ("tokens", "hf") or cfg.data.packing.enabled or is_url(str(cfg.data.path)):
         return  # nothing to generate: a URL's shards are there (validation checked) or the run is refused
     if not cfg.data.generate_if_missing:
         return

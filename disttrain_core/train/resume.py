@@ -119,7 +119,8 @@ class CheckpointIO:
         counts = None
         if len(saved_data) != replicas and not self.cfg.data.blend:  # a blend's positions carry over approximately
             try:
-                counts = shard_sample_counts(self.stream.shards)
+                counting = getattr(self.stream, "sample_counts", None)  # data.format=hf: rows as one-row shards
+                counts = counting() if counting else shard_sample_counts(self.stream.shards)
             except Exception as error:  # an unreadable shard (the stream skips it): no exact mapping
                 log.warning("could not count the samples per shard (%s)", error)
         carried = carry(saved_data, replicas, counts)

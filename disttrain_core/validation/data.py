@@ -325,7 +325,7 @@ def check_val_tokens(cfg: Config) -> None:
         )
 
 
-FORMATS = ("webdataset", "tokens")
+FORMATS = ("webdataset", "tokens", "hf")
 VOCAB_CHECKED_TOKENS = 1 << 20  # the head of a token file checked against the vocabulary before launch
 
 

@@ -339,13 +339,17 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
     if d.blend:
         _require(
             d.format == "webdataset" and not d.packing.enabled,
-            "data.blend mixes webdataset shard sources; it does not apply to data.format=tokens or data.packing: "
+            "data.blend mixes webdataset shard sources; it does not apply to data.format=tokens or hf or data.packing: "
             "drop data.blend",
         )
 
         check_blend(cfg, dp)
         check_val(cfg, dp)
         return
+    if d.format == "hf":  # rows of parquet / arrow / jsonl files (data/hf_source.py)
+        from .hf_data import check_hf
+
+        return check_hf(cfg)
     if d.format == "tokens":  # one pre-tokenized file: no shards are read
         check_token_file(cfg)
         check_val_tokens(cfg)

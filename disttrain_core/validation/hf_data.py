@@ -1,0 +1,86 @@
+"""``data.format=hf`` before launch (data/hf_source.py): the column mapping, files that read, and the mapped
+columns present in them -- each a one-line error naming the value and the fix."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+
+from ..config import Config
+from .common import ConfigError
+
+
+def _first_json_keys(path: str, opener) -> list[str]:
+    with opener(path) as file:
+        for line in file:
+            if line.strip():
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("its first line is not a JSON object")
+                return list(row)
+    raise ValueError("it holds no rows")
+
+
+def file_columns(path: str) -> list[str]:
+    """The column names of one parquet, arrow or jsonl(.gz) file (a local path or an fsspec URL), read from its
+    header or first line; ValueError/OSError when it does not read."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ..data.hf_source import builder_of
+
+    kind, gz = builder_of(path), path.lower().endswith(".gz")
+    with fsspec.open(path, "rb") as raw:
+        if kind == "parquet":
+            return list(pq.read_schema(raw).names)
+        if kind == "arrow":
+            data = raw.read()
+            try:
+                return list(pa.ipc.open_stream(data).schema.names)  # datasets' save_to_disk writes the stream format
+            except pa.ArrowInvalid:
+                return list(pa.ipc.open_file(data).schema.names)
+        text = gzip.open(raw, "rt", encoding="utf-8") if gz else io.TextIOWrapper(raw, encoding="utf-8")
+        return _first_json_keys(text, lambda f: f)
+
+
+def check_hf(cfg: Config) -> None:
+    from ..data.hf_source import ROLES, builder, resolve_files
+
+    d, m, columns = cfg.data, cfg.model, dict(cfg.data.hf.columns)
+    unknown = sorted(set(columns) - set(ROLES))
+    if unknown:
+        raise ConfigError(f"data.hf.columns has {unknown}: the roles are {', '.join(ROLES)}")
+    if not (columns.get("text") or columns.get("conversations")):
+        raise ConfigError("data.hf.columns names no text: set data.hf.columns.text=<column> (or .conversations)")
+    if columns.get("image") and m.encoder is None:
+        raise ConfigError(
+            f"data.hf.columns.image={columns['image']!r}, but model={m.name} has no image encoder: pick a multimodal "
+            "model (model=mllm_tiny) or set data.hf.columns.image=null"
+        )
+    for what, used in (
+        ("data.packing.enabled=true", d.packing.enabled),
+        ("data.producer", d.producer.address is not None or d.producer.workers > 0),
+        ("data.val", d.val.path is not None or d.val.holdout_shards > 0),
+    ):
+        if used:
+            raise ConfigError(f"data.format=hf does not read {what} yet: drop it, or use webdataset shards")
+    if d.hf.shuffle_buffer < 1:
+        raise ConfigError(f"data.hf.shuffle_buffer={d.hf.shuffle_buffer}: use 1 or more rows")
+    files = resolve_files(str(d.path))
+    try:
+        builder(files, str(d.path))
+        names = file_columns(files[0])
+    except (ValueError, OSError) as error:
+        if not files:
+            raise ConfigError(str(error)) from None
+        raise ConfigError(
+            f"data.path={str(d.path)!r}: {files[0]} does not read ({type(error).__name__}: {error}); check the file"
+        ) from None
+    for role in ROLES:
+        column = columns.get(role)
+        if column and column not in names:
+            raise ConfigError(
+                f"data.hf.columns.{role}={column!r}: {files[0]} has no such column; its columns are {names}"
+            )
