@@ -7,10 +7,12 @@ gradient accumulation, the same global batch). Every step's loss equals one proc
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -36,6 +38,19 @@ def _netem():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _pids(namespace: str) -> list[int]:
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout
+    return [int(pid) for pid in listed.split()]
+
+
+def _lose_host(namespace: str) -> None:
+    """Every process of the emulated host dies at once: the agent and its ranks (which torch's agent starts in
+    sessions of their own, so the agent's process group is not all of them)."""
+    for pid in _pids(namespace):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -74,14 +89,17 @@ def test_a_lost_node_shrinks_the_elastic_job_which_continues_on_the_node_that_re
             time.sleep(0.5)
         time.sleep(2)  # rank 2 hangs at step 5; the others wait in its first collective
         assert max(_losses(run)) == 4
-        os.killpg(jobs[1].pgid, signal.SIGKILL)  # the second host is gone: its agent and its ranks
+        _lose_host(cluster.nodes[1])  # the second host is gone: its agent and its ranks
         jobs[1].process.wait()
         code, out, _ = jobs[0].finish(timeout=300)
+        left = {node: _pids(node) for node in cluster.nodes}
     finally:
+        for node in cluster.nodes:
+            _lose_host(node)
         for job in jobs:
-            if job.process.poll() is None:
-                os.killpg(job.pgid, signal.SIGKILL)
+            job.process.poll()
         cluster.destroy()
+    assert not any(left.values()), f"processes outlived the job in the emulated hosts: {left}"
     assert code == 0, out[-3000:]
     assert "elastic round: 1 of trainer.num_nodes=2 node(s) joined" in out, out[-3000:]
     assert "resumed from" in out and "at step 4" in out
