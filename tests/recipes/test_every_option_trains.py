@@ -50,6 +50,8 @@ TRAINED_ELSEWHERE = {
 # Trained by a test of its own (the option -> the test file that trains it, with the option on its command line).
 TRAINED_BY_TEST = {
     ("data", "tokens"): "tests/distributed/test_token_file_training.py",  # 4 steps, 1 and 2 processes
+    # parquet / arrow / jsonl.gz files the test writes (data=hf reads no tar shards): resumed, 2 processes
+    ("data", "hf"): "tests/distributed/test_hf_training.py",
     ("parallel", "disagg5_audio"): "tests/distributed/test_any2any.py",  # 5 steps against one process
     ("parallel", "disagg6_video"): "tests/distributed/test_any2any.py",  # 5 steps against one process
     ("model", "any2any_video_tiny"): "tests/distributed/test_any2any.py",  # the one process those match
