@@ -1,7 +1,8 @@
 """Microbatches for one data-parallel rank, with exact resume.
 
 Decoding runs in ``data.num_workers`` DataLoader worker processes. Worker w
-of W decodes the stream elements whose index is congruent to w modulo W, and
+of W decodes the stream elements whose index is congruent to w modulo W (webdataset's
+``split_by_worker``), and
 emits exactly one item per element (a decoded sample or a skip record), so the
 DataLoader's round-robin collection returns the stream in its original order:
 results do not depend on the number of workers.
@@ -15,7 +16,6 @@ that position and sees exactly the samples an uninterrupted run would.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import multiprocessing
 import os
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
+from webdataset.shardlists import split_by_worker
 
 from ..base.processes import helper_process_init
 from .bad_sample import UnusableRow
@@ -60,9 +61,7 @@ class DecodedStream(IterableDataset):
         self.start = start
 
     def __iter__(self) -> Iterator[LoadedItem]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        elements = itertools.islice(self.stream.elements(self.start), worker, None, workers)
+        elements = split_by_worker(self.stream.elements(self.start))  # worker w of W: elements w, w + W, ...
         for element in elements:
             yield LoadedItem(element.position, self._decode(element))
 

@@ -23,9 +23,12 @@ shards its rank reads: a shard that has to make room is closed and later
 reopened at the byte offset of its next sample (tar members are found from
 their headers), so the interleaved order does not depend on the bound. Running
 out of file descriptors is an error (``FileDescriptorsExhausted``), never a
-skipped shard. Samples are grouped as webdataset groups them: members whose
-names share the part before the first dot of the file name, extensions
-lower-cased, ``__meta__`` members skipped. Shards may also be URLs (``s3://``, ``gs://``, ``http(s)://``,
+skipped shard. Samples are grouped by webdataset's own ``group_by_keys``: members
+whose names share the part before the first dot of the file name, extensions
+lower-cased, ``__meta__`` members skipped. The members it groups come from
+``tarfile`` opened at the cursor's byte offset, not from webdataset's
+``tar_file_iterator``, which reads an archive from its start and tells no
+member's offset (docs/DATA.md, "What webdataset does here"). Shards may also be URLs (``s3://``, ``gs://``, ``http(s)://``,
 ``file://``, ``pipe:CMD``): data/storage.py names and opens them; local paths never go through it.
 """
 
@@ -48,6 +51,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from braceexpand import braceexpand
+from webdataset.tariterators import base_plus_ext, group_by_keys
 
 from . import storage
 
@@ -56,8 +60,7 @@ log = logging.getLogger(__name__)
 MAX_OPEN_SHARDS = 16  # shard files one stream keeps open at once
 MAX_SHARD_NAMES = 1_000_000  # a brace pattern naming more is taken for a typo
 _INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")  # {000..099}, {0..100..10}
-_SKIP_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members
-_KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # "dir/000123.0.jpg" -> "dir/000123", "0.jpg"
+_SKIP_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members (its tar iterator's skip_meta)
 # Compressed shards (.tar.gz, .tar.bz2, .tar.xz) by their magic bytes; reopening one at an offset decompresses
 # up to it, so plain .tar (what docs/DATA.md asks for) is the fast case.
 _COMPRESSED = (
@@ -196,6 +199,15 @@ def _open_file(path: str) -> BinaryIO:
         ) from error
 
 
+class _Bytes:
+    """A member's bytes, filled in once the reader moves past its header (see ``_ShardCursor._members``)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = b""
+
+
 class _ShardCursor:
     """The reading position in one shard: the archive offset of its next sample's first member. While open
     it holds the file and a tar reader positioned there; ``park`` closes both and keeps the offset."""
@@ -208,16 +220,22 @@ class _ShardCursor:
         self._file: BinaryIO | None = None
         self._tar: tarfile.TarFile | None = None
         self._base = 0  # archive offset the open tar reader starts at
-        self._lookahead: tarfile.TarInfo | None = None  # first member of the next sample (header read)
+        self._samples: Iterator[dict] | None = None  # webdataset's grouping over the open reader's members
+        self._pending: int | None = None  # archive offset of the member read ahead (the next sample's first)
 
     @property
     def is_open(self) -> bool:
         return self._tar is not None
 
     def park(self) -> None:
-        if self._lookahead is not None:
-            self.offset = self._base + self._lookahead.offset
-            self._lookahead = None
+        """Close the file; the next read reopens it at the first member of the next sample (read ahead by
+        the grouping and read again then), or the shard is done if its members are all returned."""
+        if self._samples is not None:
+            if self._pending is None:
+                self.done = True
+            else:
+                self.offset = self._pending
+            self._samples, self._pending = None, None
         self._tar = None
         if self._file is not None:
             self._file.close()
@@ -234,14 +252,30 @@ class _ShardCursor:
                 break
         self._base = self.offset
         self._tar = tarfile.open(fileobj=_Tail(stream, self.offset), mode="r:")  # type: ignore[call-overload]
+        self._samples = group_by_keys(self._members())
 
-    def _next_member(self) -> tarfile.TarInfo | None:
+    def _members(self) -> Iterator[dict]:
+        """The shard's regular members from the open reader on, in the form webdataset's tar iterator yields
+        (``fname``, ``data``), metadata members skipped. A member's bytes are read when the grouping asks for
+        the member after it, so a sample is complete once the next one's first header is read (as a stream
+        reads a tar), and a member whose bytes cannot be read fails its own sample, not the one before it.
+        ``_pending`` is the archive offset of the member yielded last, None once the archive has no more."""
         assert self._tar is not None
+        held: tuple[tarfile.TarInfo, _Bytes] | None = None
         while True:
+            if held is not None:
+                extracted = self._tar.extractfile(held[0])
+                assert extracted is not None
+                held[1].data, held = extracted.read(), None
             info = self._tar.next()
             self._tar.members = []  # a stream: keep no member list
-            if info is None or (info.isreg() and not _SKIP_MEMBER.match(info.name)):
-                return info
+            if info is None:
+                break
+            if not info.isreg() or _SKIP_MEMBER.match(info.name):
+                continue
+            self._pending, held = self._base + info.offset, (info, _Bytes())
+            yield {"fname": info.name, "data": held[1], "__url__": self.name}
+        self._pending = None
 
     def next_item(self) -> RawSample | ShardError | None:
         """The next sample; a ShardError (then nothing more) if the shard breaks; None at its end."""
@@ -259,30 +293,16 @@ class _ShardCursor:
             return ShardError(shard=self.name, reason=f"{type(error).__name__}: {error}")
 
     def _next_sample(self) -> RawSample | None:
-        assert self._tar is not None
-        key: str | None = None
-        members: dict[str, bytes] = {}
-        while True:
-            info, self._lookahead = self._lookahead or self._next_member(), None
-            if info is None:
-                self.done = True
-                self.park()
-                return None if key is None else RawSample(key=f"{self.name}/{key}", members=members)
-            match = _KEY_AND_EXTENSION.match(info.name)
-            if match is None:
-                continue
-            prefix, extension = match.group(1), match.group(2).lower()
-            if key is not None and prefix != key:
-                self._lookahead = info
-                return RawSample(key=f"{self.name}/{key}", members=members)
-            key = prefix
-            if extension in members:
-                raise ValueError(f"{info.name}: duplicate file name in tar file {extension}")
-            extracted = self._tar.extractfile(info)
-            assert extracted is not None
-            data = extracted.read()
-            if not extension.startswith("__"):
-                members[extension] = data
+        """The next group of members sharing a key, grouped by webdataset's ``group_by_keys`` (its key rule,
+        lower-cased extensions, its error for a duplicate name)."""
+        assert self._samples is not None
+        sample = next(self._samples, None)
+        if sample is None:
+            self.done = True
+            self.park()
+            return None
+        members = {k: v.data for k, v in sample.items() if not k.startswith("__")}
+        return RawSample(key=f"{self.name}/{sample['__key__']}", members=members)
 
 
 def _read_shard(path: str) -> Iterator[RawSample | ShardError]:
@@ -385,8 +405,8 @@ def shard_sample_counts(shards: list[str]) -> list[int]:
         file = storage.open_binary(path) if storage.is_url(path) else None  # a URL: read front to back
         with contextlib.nullcontext() if file is None else file, tarfile.open(path, fileobj=file) as archive:
             for member in archive:
-                if member.isfile():
-                    base = member.name.rsplit("/", 1)[-1]
-                    keys.add(member.name[: len(member.name) - len(base)] + base.split(".", 1)[0])
+                key, _ = base_plus_ext(member.name)
+                if member.isreg() and key is not None and not _SKIP_MEMBER.match(member.name):
+                    keys.add(key)
         counts.append(len(keys))
     return counts

@@ -2,6 +2,7 @@
 
 import io
 import json
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -265,3 +266,19 @@ def test_compressed_shards_read_as_the_plain_ones(shards, tmp_path):
         return [(Path(e.item.key).name, e.item.members) for e in stream.epoch_elements(0)]
 
     assert samples(packed) == samples(files) and len(samples(files)) == 48
+
+
+def test_a_truncated_member_loses_its_own_sample_not_the_one_before(tmp_path):
+    """webdataset's grouping reads one member ahead; the reader fills that member's bytes only when the
+    member after it is asked for, so the sample before a break is complete and kept."""
+    samples = [(f"{i:03d}", {"txt": f"caption {i}".encode(), "json": b"{}"}) for i in range(4)]
+    write_tar(tmp_path / "a.tar", samples)
+    with tarfile.open(tmp_path / "a.tar") as tar:  # cut inside sample 002's first member's bytes
+        cut = next(m for m in tar.getmembers() if m.name == "002.txt").offset_data + 3
+    (tmp_path / "b.tar").write_bytes((tmp_path / "a.tar").read_bytes()[:cut])
+    items = [e.item for e in ShardStream([str(tmp_path / "b.tar")], 0, 1, seed=0).epoch_elements(0)]
+    assert [getattr(i, "key", None) for i in items[:2]] == ["b.tar/000", "b.tar/001"]
+    assert items[1].members == {"txt": b"caption 1", "json": b"{}"}
+    assert len(items) == 3 and items[2].reason.startswith("ReadError"), items[2:]
+    whole = [e.item.key for e in ShardStream([str(tmp_path / "a.tar")], 0, 1, seed=0).epoch_elements(0)]
+    assert whole == [f"a.tar/{i:03d}" for i in range(4)]
