@@ -30,9 +30,10 @@ import os
 from collections.abc import Iterator
 
 import numpy as np
+from braceexpand import braceexpand
 
 from .bad_sample import BadSample, UnusableRow
-from .reader import Position, RawSample, ShardError, StreamElement
+from .reader import Position, RawSample, ShardError, StreamElement, check_name_count
 
 ROLES = ("text", "image", "conversations")
 # file name endings -> datasets' packaged builder
@@ -49,17 +50,31 @@ def builder_of(name: str) -> str | None:
     return next((b for end, b in BUILDERS.items() if lower.endswith(end) or lower.endswith(end + ".gz")), None)
 
 
-def resolve_files(path: str) -> list[str]:
-    """The files ``path`` names: a URL as given, a file, a directory's files of a known kind, or a glob's."""
+def expand_files(path: str) -> tuple[list[str], list[str]]:
+    """(files, missing names) of ``path``: a URL as given; a directory's files of a known kind; a file, a glob or a
+    brace pattern (``c4-train.{00000..00007}-of-01024.json.gz``), each name of it a file or a glob that must match."""
     if is_url(path):
-        return [path]
+        return [path], []
     if os.path.isdir(path):
-        names = [os.path.join(path, n) for n in os.listdir(path)]
-    elif os.path.isfile(path):
-        return [path]
-    else:
-        names = glob.glob(path)
-    return sorted(n for n in names if os.path.isfile(n) and builder_of(n))
+        return sorted(n for n in (os.path.join(path, f) for f in os.listdir(path)) if _known_file(n)), []
+    check_name_count(path)
+    found: list[str] = []
+    missing: list[str] = []
+    for name in braceexpand(path):
+        matches = [n for n in sorted(glob.glob(name)) if _known_file(n)]
+        found.extend(matches)
+        if not matches:
+            missing.append(name)
+    return found, missing
+
+
+def resolve_files(path: str) -> list[str]:
+    """The files ``path`` names (``expand_files``), the missing names left out (validation refuses them)."""
+    return expand_files(path)[0]
+
+
+def _known_file(name: str) -> bool:
+    return os.path.isfile(name) and builder_of(name) is not None
 
 
 def builder(files: list[str], path: str) -> str:

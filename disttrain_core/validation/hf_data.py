@@ -46,7 +46,7 @@ def file_columns(path: str) -> list[str]:
 
 
 def check_hf(cfg: Config) -> None:
-    from ..data.hf_source import ROLES, builder, resolve_files
+    from ..data.hf_source import ROLES, builder, expand_files
 
     d, m, columns = cfg.data, cfg.model, dict(cfg.data.hf.columns)
     unknown = sorted(set(columns) - set(ROLES))
@@ -68,7 +68,15 @@ def check_hf(cfg: Config) -> None:
             raise ConfigError(f"data.format=hf does not read {what} yet: drop it, or use webdataset shards")
     if d.hf.shuffle_buffer < 1:
         raise ConfigError(f"data.hf.shuffle_buffer={d.hf.shuffle_buffer}: use 1 or more rows")
-    files = resolve_files(str(d.path))
+    try:
+        files, missing = expand_files(str(d.path))
+    except ValueError as error:
+        raise ConfigError(f"data.path={str(d.path)!r}: {error}") from None
+    if missing and files:  # none at all: builder() below names the kinds it reads
+        raise ConfigError(
+            f"data.path={str(d.path)!r} names {len(missing)} file(s) that are missing or of no known kind (first: "
+            f"{missing[0]}); fix the pattern, or point data.path at the directory"
+        )
     try:
         builder(files, str(d.path))
         names = file_columns(files[0])

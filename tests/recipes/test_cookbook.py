@@ -31,6 +31,7 @@ from disttrain_core.config import compose
 from disttrain_core.launch.entry import launch
 
 from ..conftest import REPO, base_overrides, cli_overrides, read_metrics, run_script, run_train, tiny_overrides
+from .hf_files import hf_files
 
 pytestmark = pytest.mark.distributed
 
@@ -202,6 +203,8 @@ def kind(command: str) -> str:
     if command in OTHER:
         return "other"
     argv = COMMANDS[command]
+    if argv[:2] == ["python", "train.py"] and "data=hf" in argv:
+        return "hf"
     if argv[:2] == ["python", "train.py"]:
         return "train"
     if argv[0] == "python" and argv[1].startswith("tools/"):
@@ -212,6 +215,7 @@ def kind(command: str) -> str:
 COMMANDS = cookbook()
 TRAIN = [c for c in COMMANDS if kind(c) == "train"]
 TOOLS = [c for c in COMMANDS if kind(c) == "tool"]
+HF = [c for c in COMMANDS if kind(c) == "hf"]
 
 
 def test_every_cookbook_command_has_a_reduced_form():
@@ -277,6 +281,24 @@ def test_train_command(command, shards, tmp_path):
     if cfg.trainer.dry_run:
         assert (run_dir / "plan.json").is_file() and not metrics
         return
+    check_trained(cfg, metrics, run_dir)
+
+
+@pytest.mark.parametrize("command", HF, ids=HF)
+def test_hf_command(command, shards, tmp_path):
+    """A data=hf command on files of its kind the test writes where its path points (moved under tmp_path)."""
+    path = next(a for a in COMMANDS[command] if a.startswith("data.path=")).partition("=")[2].strip("'")
+    local = hf_files(path, tmp_path)
+    run_dir = tmp_path / "run"
+    extra = (f"data.path='{local}'", f"data.hf.cache_dir={tmp_path / 'cache'}")
+    cfg, metrics = train(command, shards, run_dir, extra=extra)
+    check_trained(cfg, metrics, run_dir)
+    assert metrics[-1].get("data/skipped_samples", 0) == 0
+    if cfg.data.hf.columns.get("image"):
+        assert metrics[-1]["gen_loss"] > 0, metrics[-1]  # the generator had images to reconstruct
+
+
+def check_trained(cfg, metrics, run_dir: Path) -> None:
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in metrics)
     assert (run_dir / "checkpoints" / "latest").is_file()

@@ -165,3 +165,12 @@ def test_validation_names_a_missing_column_and_a_path_without_files(tmp_path, co
         check_hf(cfg)
     assert "\n" not in str(error.value)
     check_hf(compose_cfg("model=llama_tiny", "data=hf", f"data.path={tmp_path}/*.parquet"))  # a glob that reads
+    (tmp_path / "b.parquet").write_bytes((tmp_path / "rows.parquet").read_bytes())
+    braces = f"{tmp_path}/{{rows,b,c}}.parquet"  # C4-style names: a brace pattern; c.parquet is missing
+    with pytest.raises(ConfigError) as error:
+        check_hf(compose_cfg("model=llama_tiny", "data=hf", f"data.path='{braces}'"))
+    assert str(error.value) == (
+        f"data.path={braces!r} names 1 file(s) that are missing or of no known kind (first: {tmp_path}/c.parquet); "
+        "fix the pattern, or point data.path at the directory"
+    )
+    check_hf(compose_cfg("model=llama_tiny", "data=hf", f"data.path='{tmp_path}/{{rows,b}}.parquet'"))
