@@ -1,7 +1,9 @@
 """Text documents from a corpus on disk, for packed training (``data.packing.source=corpus``).
 
-A corpus is either JSON lines -- a ``.jsonl`` (or ``.jsonl.gz``) file or a directory of them, one document
-per line in its ``"text"`` field -- or webdataset shards (a directory of ``.tar`` files, a file, a glob or
+A corpus is JSON lines -- a ``.jsonl`` or ``.json`` file (gzipped or not), a directory, glob or brace pattern of
+them, one document per line in its ``"text"`` field -- or parquet / arrow tables named the same ways, one document
+per row in its ``text`` column (with data=hf: the fields data.hf.columns names, text or conversations) -- or
+webdataset shards (a directory of ``.tar`` files, a file, a glob or
 a brace pattern: data/reader.py), one document per sample: its ``.txt`` member, else its ``.json``
 member's ``"text"`` string or its ``"texts"`` list (the embedded LAION-like shards' interleaved captions,
 images left out) joined by spaces.
@@ -37,19 +39,60 @@ from .tokenizer import Tokenizer
 
 
 def corpus_files(path: str) -> tuple[str, list[str]]:
-    """("jsonl" | "webdataset", files) named by ``path``; no files: ValueError naming the path."""
+    """("jsonl" | "table" | "webdataset", files) named by ``path``; no files: ValueError naming the path. JSON lines
+    are ``.jsonl``/``.json`` files, gzipped or not (C4's ``.json.gz``); tables are parquet or arrow files
+    (data/hf_source.py names them: a directory, a file, a glob or a brace pattern)."""
+    from .hf_source import builder, builder_of, expand_files
+
     if os.path.isdir(path):
         lines = sorted(glob.glob(os.path.join(path, "*.jsonl")) + glob.glob(os.path.join(path, "*.jsonl.gz")))
         if lines:
             return "jsonl", lines
-    elif path.endswith((".jsonl", ".jsonl.gz")):
-        if not os.path.isfile(path):
-            raise ValueError(f"{path}: no such file")
-        return "jsonl", [path]
+    if os.path.isdir(path) or builder_of(path) is not None:
+        files, missing = expand_files(path)
+        if missing:
+            raise ValueError(f"{path}: no such file ({len(missing)} missing, first {missing[0]})")
+        if files or not os.path.isdir(path):
+            return ("jsonl" if builder(files, path) == "json" else "table"), files
     shards = resolve_shards(path)
     if not shards:
-        raise ValueError(f"{path} holds no .jsonl file and names no webdataset shard")
+        raise ValueError(f"{path} holds no .jsonl, .parquet or .arrow file and names no webdataset shard")
     return "webdataset", shards
+
+
+def _table_rows(name: str, columns: list[str]) -> Iterator[dict]:
+    """The rows of a parquet or arrow file (a path or an fsspec URL) in order, ``columns`` only, a batch at a time."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with fsspec.open(name, "rb") as raw:
+        if name.lower().endswith(".parquet"):
+            present = [c for c in columns if c in pq.read_schema(raw).names]
+            raw.seek(0)
+            batches = pq.ParquetFile(raw).iter_batches(batch_size=1024, columns=present)
+        else:
+            data = raw.read()
+            try:
+                reader = pa.ipc.open_stream(data)  # datasets' save_to_disk writes the stream format
+            except pa.ArrowInvalid:
+                reader = pa.ipc.open_file(data)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:
+                batches = iter(reader)
+        for batch in batches:
+            yield from batch.select([c for c in columns if c in batch.schema.names]).to_pylist()
+
+
+def _mapped(record, columns: dict | None):
+    """A record seen through data.hf.columns (data=hf): its text column as ``text``, its conversations column
+    (a list of turns, or its JSON string) as ``conversations``; without a mapping the record as it is."""
+    if columns is None or not isinstance(record, dict):
+        return record
+    if columns.get("conversations") and record.get(columns["conversations"]) is not None:
+        turns = record[columns["conversations"]]
+        return {"conversations": json.loads(turns) if isinstance(turns, str) else turns}
+    return {"text": record.get(columns["text"])} if columns.get("text") else {}
 
 
 def _text_of_json(record) -> str | dict | None:
@@ -71,8 +114,17 @@ def _text_of_json(record) -> str | dict | None:
 class CorpusDocuments:
     """``documents(step, per_step)``: the tokenized documents of a step (see the module doc)."""
 
-    def __init__(self, path: str, tokenizer: Tokenizer, max_len: int, seed: int = 0, template: str | None = None):
+    def __init__(
+        self,
+        path: str,
+        tokenizer: Tokenizer,
+        max_len: int,
+        seed: int = 0,
+        template: str | None = None,
+        columns: dict | None = None,
+    ):
         self.kind, self.files = corpus_files(path)
+        self.columns = columns  # data.hf.columns (data=hf): which field is the text, which the conversation
         self.template = template  # a chat template's Jinja text, for conversation records
         self.masks: list[torch.Tensor | None] = []  # the last step's documents' loss masks (None: every token)
         self.tokenizer, self.max_len, self.seed = tokenizer, int(max_len), int(seed)
@@ -85,7 +137,7 @@ class CorpusDocuments:
         """Every record's text (None: a bad record, already counted), epoch after epoch."""
         while True:
             found = 0
-            for text in self._jsonl() if self.kind == "jsonl" else self._shards():
+            for text in {"jsonl": self._jsonl, "table": self._tables, "webdataset": self._shards}[self.kind]():
                 found += text is not None
                 yield text
             if not found:
@@ -99,7 +151,7 @@ class CorpusDocuments:
                     if not line.strip():
                         continue
                     try:
-                        text = _text_of_json(json.loads(line))
+                        text = _text_of_json(_mapped(json.loads(line), self.columns))
                     except json.JSONDecodeError:
                         self.skipped["corpus_bad_json"] += 1
                         yield None
@@ -107,6 +159,20 @@ class CorpusDocuments:
                     if text is None:
                         self.skipped["corpus_no_text"] += 1
                     yield text
+
+    def _tables(self) -> Iterator[str | None]:
+        columns = self.columns or {"text": "text", "conversations": "conversations"}
+        for name in self.files:
+            for record in _table_rows(name, [c for c in columns.values() if c]):
+                try:
+                    text = _text_of_json(_mapped(record, columns))
+                except json.JSONDecodeError:
+                    self.skipped["corpus_bad_json"] += 1
+                    yield None
+                    continue
+                if text is None:
+                    self.skipped["corpus_no_text"] += 1
+                yield text
 
     def _shards(self) -> Iterator[str | None]:
         stream = ShardStream(self.files, 0, 1, self.seed)

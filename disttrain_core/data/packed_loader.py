@@ -105,6 +105,13 @@ def replica_rows(buckets: list[Batch], rows_per_microbatch: list[int], replicas:
 HELD_OUT_SEED = 7919  # added to the seed of the held-out documents of the synthetic sources
 
 
+def corpus_path(data) -> str | None:
+    """The packed corpus: data.packing.corpus, or with data=hf (unset) data.path's files."""
+    if data.packing.corpus is None and data.format == "hf":
+        return str(data.path)
+    return None if data.packing.corpus is None else str(data.packing.corpus)
+
+
 def packed_loader(cfg, state: dict | None, held_out: bool = False) -> PackedStepLoader:
     """The loader ``data.packing`` describes (resumed at ``state``'s step). ``held_out``: the validation split's,
     from its first step -- the documents of ``data.val.path`` for a corpus, else the synthetic source's documents
@@ -115,14 +122,14 @@ def packed_loader(cfg, state: dict | None, held_out: bool = False) -> PackedStep
     seed = int(cfg.trainer.seed) + (HELD_OUT_SEED if held_out else 0)
     corpus = None
     if packing.source == "corpus":
+        from .conversations import template_source
         from .corpus import CorpusDocuments
         from .tokenizer import tokenizer_for
 
-        path = cfg.data.val.path if held_out else packing.corpus
-        from .conversations import template_source
-
+        path = cfg.data.val.path if held_out else corpus_path(cfg.data)
+        columns = dict(cfg.data.hf.columns) if cfg.data.format == "hf" else None
         template = template_source(str(cfg.data.chat_template), str(cfg.data.tokenizer))
-        corpus = CorpusDocuments(path, tokenizer_for(cfg), boundaries[-1], seed, template)
+        corpus = CorpusDocuments(path, tokenizer_for(cfg), boundaries[-1], seed, template, columns)
     return PackedStepLoader(
         packing.source,
         packing.documents_per_step,
@@ -139,7 +146,8 @@ def describe(cfg) -> str:
     packing = cfg.data.packing
     if packing.source == "corpus":
         return (
-            f"{packing.documents_per_step} documents per step of {packing.corpus} in buckets {bucket_boundaries(cfg)}"
+            f"{packing.documents_per_step} documents per step of {corpus_path(cfg.data)} in buckets "
+            f"{bucket_boundaries(cfg)}"
         )
     scaled = f" (lengths x {packing.length_scale:g})" if packing.length_scale != 1.0 else ""
     return (

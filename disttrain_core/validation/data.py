@@ -265,6 +265,7 @@ def check_val_packing(cfg: Config) -> None:
     """Packed documents' held-out split: a corpus of its own (data.val.path) for source=corpus; the synthetic
     sources draw held-out documents from another seed, and take no path."""
     from ..data.corpus import corpus_files
+    from ..data.packed_loader import corpus_path
     from ..data.splits import overlap
 
     d, pk, t = cfg.data, cfg.data.packing, cfg.trainer
@@ -288,13 +289,14 @@ def check_val_packing(cfg: Config) -> None:
             "data.val.path=<.jsonl file, directory or shards that data.packing.corpus does not hold>"
         )
     try:
-        held, training = corpus_files(str(d.val.path))[1], corpus_files(str(pk.corpus))[1]
+        held, training = corpus_files(str(d.val.path))[1], corpus_files(str(corpus_path(d)))[1]
     except ValueError as error:
         raise ConfigError(f"data.val.path: {error}") from None
     both = overlap(held, training)
     if both:
         raise ConfigError(
-            f"data.val.path={str(d.val.path)!r} shares {len(both)} file(s) with data.packing.corpus (first: "
+            f"data.val.path={str(d.val.path)!r} shares {len(both)} file(s) with "
+            f"{'data.packing.corpus' if pk.corpus is not None else 'data.path'} (first: "
             f"{both[0]}): a held-out corpus is never trained on"
         )
 

@@ -60,9 +60,11 @@ def check_hf(cfg: Config) -> None:
             "model (model=mllm_tiny) or set data.hf.columns.image=null"
         )
     for what, used in (
-        ("data.packing.enabled=true", d.packing.enabled),
         ("data.producer", d.producer.address is not None or d.producer.workers > 0),
-        ("data.val", d.val.path is not None or d.val.holdout_shards > 0),
+        (
+            "data.val without data.packing",
+            not d.packing.enabled and (d.val.path is not None or d.val.holdout_shards > 0),
+        ),
     ):
         if used:
             raise ConfigError(f"data.format=hf does not read {what} yet: drop it, or use webdataset shards")
@@ -92,3 +94,7 @@ def check_hf(cfg: Config) -> None:
             raise ConfigError(
                 f"data.hf.columns.{role}={column!r}: {files[0]} has no such column; its columns are {names}"
             )
+    if d.packing.enabled:  # the rows of data.path packed into rows of documents (data/corpus.py)
+        from .packing import validate_packing
+
+        validate_packing(cfg)

@@ -13,16 +13,23 @@ def validate_packing(cfg: Config) -> None:
 
     pk = cfg.data.packing
     _require(pk.source in SOURCES, f"data.packing.source={pk.source!r}: allowed values are {', '.join(SOURCES)}")
+    hf = cfg.data.format == "hf"
+    _require(
+        pk.source == "corpus" or not hf,
+        f"data.packing.source={pk.source!r} draws synthetic documents; data=hf packs the rows of data.path: set "
+        "data.packing.source=corpus",
+    )
     if pk.source == "corpus":
         from ..data.corpus import corpus_files
+        from ..data.packed_loader import corpus_path
 
         _require(
-            pk.corpus is not None,
+            corpus_path(cfg.data) is not None,
             "data.packing.source=corpus reads data.packing.corpus: set it to a .jsonl file, a directory of them, or "
             "webdataset shards (data.packing.corpus=${paths.data_dir}/synthetic_laion for the embedded shards)",
         )
         try:
-            corpus_files(str(pk.corpus))
+            corpus_files(str(corpus_path(cfg.data)))
         except ValueError as error:
             raise ConfigError(f"data.packing.corpus: {error}") from None
     _require(pk.documents_per_step >= 1, f"data.packing.documents_per_step={pk.documents_per_step}: use 1 or more")

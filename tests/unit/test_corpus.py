@@ -91,3 +91,55 @@ def test_a_corpus_source_needs_a_readable_path(tmp_path):
     with pytest.raises(ConfigError, match="names no webdataset shard"):
         validate_run(typed_config(compose([*base, f"data.packing.corpus={tmp_path}/none"])))
     validate_run(typed_config(compose([*base, f"data.packing.corpus={_jsonl(tmp_path, ['{}'])}"])))
+
+
+def test_parquet_arrow_and_c4_json_gz_rows_are_documents(tmp_path):
+    """Tables (parquet, arrow) and C4's .json.gz lines, named by a brace pattern, read in order: one document
+    per row from its text column (data=hf: the column data.hf.columns names), a row without text counted."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"text": "first", "url": "a"}, {"text": None, "url": "b"}, {"text": "third", "url": "c"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    table = pa.Table.from_pylist([{"caption": "a red square", "text": "not this"}])
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    for i in range(2):
+        with gzip.open(tmp_path / f"c4-train.{i:05d}-of-01024.json.gz", "wt") as out:
+            out.write(json.dumps({"text": f"c4 document {i}", "timestamp": "2019", "url": "x"}) + "\n")
+
+    parquet = CorpusDocuments(str(tmp_path / "c.parquet"), TOK, max_len=64)
+    assert (parquet.kind, [d.tolist() for d in parquet.documents(0, 3)]) == ("table", [_ids("first"), _ids("third")])
+    assert parquet.skipped == {"corpus_no_text": 1}
+    mapped = CorpusDocuments(str(tmp_path / "d.arrow"), TOK, 64, columns={"text": "caption", "conversations": None})
+    assert [d.tolist() for d in mapped.documents(0, 1)] == [_ids("a red square")]
+    c4 = CorpusDocuments(f"{tmp_path}/c4-train.{{00000..00001}}-of-01024.json.gz", TOK, max_len=64)
+    assert (c4.kind, [d.tolist() for d in c4.documents(0, 2)]) == ("jsonl", [_ids(f"c4 document {i}") for i in (0, 1)])
+
+
+def test_data_hf_packs_the_rows_of_data_path(tmp_path):
+    """data=hf with data.packing.enabled packs data.path's rows (data.packing.source=corpus, no corpus path); the
+    synthetic sources are refused in one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from disttrain_core.data.packed_loader import packed_loader
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"caption": [f"row {i} " * (i + 1) for i in range(12)]}), path)
+    base = ["model=llama_tiny", "data=hf", f"data.path={path}", "data.hf.columns.text=caption"]
+    base += ["data.packing.enabled=true", "data.packing.documents_per_step=4"]
+    with pytest.raises(ConfigError) as error:
+        validate_run(typed_config(compose(base)))
+    assert str(error.value) == (
+        "data.packing.source='commoncrawl' draws synthetic documents; data=hf packs the rows of data.path: set "
+        "data.packing.source=corpus"
+    )
+    cfg = typed_config(compose([*base, "data.packing.source=corpus"]))
+    validate_run(cfg)
+    loader = packed_loader(cfg, None)
+    loader.next_step()
+    assert loader.corpus.kind == "table" and loader.state_dict() == {"step": 1, "skipped": {}}
+    assert [d.tolist() for d in loader.corpus.documents(1, 4)] == [_ids(f"row {i} " * (i + 1)) for i in range(4, 8)]
