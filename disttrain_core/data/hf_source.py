@@ -77,27 +77,29 @@ def _known_file(name: str) -> bool:
     return os.path.isfile(name) and builder_of(name) is not None
 
 
-def builder(files: list[str], path: str) -> str:
+def builder(files: list[str], path: str, key: str = "data.path") -> str:
     """The one builder of ``files``; ValueError naming the fix when they are none or of several kinds."""
     kinds = {builder_of(f) for f in files}
     if not files or None in kinds:
         raise ValueError(
-            f"data.path={path!r} names no .parquet, .arrow or .jsonl(.gz) file: point it at such a file, a "
+            f"{key}={path!r} names no .parquet, .arrow or .jsonl(.gz) file: point it at such a file, a "
             "directory of them or a glob"
         )
     if len(kinds) > 1:
-        raise ValueError(f"data.path={path!r} mixes {sorted(kinds)} files: point it at files of one kind")
+        raise ValueError(f"{key}={path!r} mixes {sorted(kinds)} files: point it at files of one kind")
     return kinds.pop()
 
 
-def load(data, streaming: bool):
-    """datasets' Dataset (or IterableDataset) of ``data.path``'s files, image columns left undecoded."""
+def load(data, streaming: bool, path: str | None = None):
+    """datasets' Dataset (or IterableDataset) of ``path``'s files (default data.path), image columns left
+    undecoded."""
     import datasets
 
     datasets.disable_progress_bars()
-    files = resolve_files(str(data.path))
+    path = str(data.path) if path is None else path
+    files = resolve_files(path)
     dataset = datasets.load_dataset(
-        builder(files, str(data.path)),
+        builder(files, path),
         data_files=files,
         split="train",
         streaming=streaming,
@@ -168,8 +170,11 @@ def row_members(row: dict, columns: dict, image_root: str) -> dict[str, bytes]:
 class HFStream:
     """The rows replica ``dp_rank`` of ``dp_size`` reads, as StreamElements (the interface of a ShardStream)."""
 
-    def __init__(self, data, seed: int, dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True):
-        self.path, self.seed, self.shuffle = str(data.path), int(seed), bool(shuffle)
+    def __init__(
+        self, data, seed: int, dp_rank: int = 0, dp_size: int = 1, shuffle: bool = True, path: str | None = None
+    ):
+        """``path``: other files than data.path's, read with its mapping (the held-out split, data.val.path)."""
+        self.path, self.seed, self.shuffle = str(data.path) if path is None else path, int(seed), bool(shuffle)
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.streaming = bool(data.hf.streaming)
         self.columns = {k: v for k, v in dict(data.hf.columns).items() if v}
@@ -185,7 +190,7 @@ class HFStream:
 
     def dataset(self):
         if self._dataset is None:
-            self._dataset = load(self._data, self.streaming)
+            self._dataset = load(self._data, self.streaming, self.path)
         return self._dataset
 
     def sample_counts(self) -> list[int]:

@@ -39,6 +39,10 @@ def held_out_shards(data) -> list[str]:
 def open_val_stream(data, seed: int) -> ShardStream | None:
     """The held-out split as one stream in a fixed order (no reshuffling: every evaluation reads the same
     samples); None when there is no split."""
+    if data.format == "hf":  # held-out rows of their own files (data/hf_source.py), read in file order
+        from .hf_source import HFStream
+
+        return HFStream(data, seed, shuffle=False, path=str(data.val.path)) if data.val.path else None
     shards = held_out_shards(data)
     return ShardStream(shards, 0, 1, seed=seed, shuffle=False) if shards else None
 

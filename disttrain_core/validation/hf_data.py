@@ -46,7 +46,7 @@ def file_columns(path: str) -> list[str]:
 
 
 def check_hf(cfg: Config) -> None:
-    from ..data.hf_source import ROLES, builder, expand_files
+    from ..data.hf_source import ROLES
 
     d, m, columns = cfg.data, cfg.model, dict(cfg.data.hf.columns)
     unknown = sorted(set(columns) - set(ROLES))
@@ -59,34 +59,65 @@ def check_hf(cfg: Config) -> None:
             f"data.hf.columns.image={columns['image']!r}, but model={m.name} has no image encoder: pick a multimodal "
             "model (model=mllm_tiny) or set data.hf.columns.image=null"
         )
-    for what, used in (
-        ("data.producer", d.producer.address is not None or d.producer.workers > 0),
-        (
-            "data.val without data.packing",
-            not d.packing.enabled and (d.val.path is not None or d.val.holdout_shards > 0),
-        ),
-    ):
-        if used:
-            raise ConfigError(f"data.format=hf does not read {what} yet: drop it, or use webdataset shards")
+    if d.producer.address is not None or d.producer.workers > 0:
+        raise ConfigError("data.format=hf does not read data.producer yet: drop it, or use webdataset shards")
     if d.hf.shuffle_buffer < 1:
         raise ConfigError(f"data.hf.shuffle_buffer={d.hf.shuffle_buffer}: use 1 or more rows")
+    files = _check_files("data.path", str(d.path), columns)
+    if d.packing.enabled:  # the rows of data.path packed into rows of documents (data/corpus.py)
+        from .packing import validate_packing
+
+        return validate_packing(cfg)
+    _check_val(cfg, files, columns)
+
+
+def _check_val(cfg: Config, training: list[str], columns: dict) -> None:
+    """data.val with data=hf: held-out files of their own (data.val.path), read when validation runs."""
+    from ..data.splits import overlap
+
+    d, t = cfg.data, cfg.trainer
+    if d.val.holdout_shards:
+        raise ConfigError(
+            f"data.val.holdout_shards={d.val.holdout_shards} holds out webdataset shards; with data=hf give the "
+            "held-out rows as files of their own: data.val.path=<parquet, arrow or jsonl files>"
+        )
+    if t.val_every_n_steps <= 0 and not t.eval_only:
+        return
+    if not d.val.path:
+        what = f"trainer.val_every_n_steps={t.val_every_n_steps}" if t.val_every_n_steps > 0 else "trainer.eval_only"
+        raise ConfigError(
+            f"{what} evaluates on held-out data, and data.val names none: set data.val.path=<held-out parquet, "
+            "arrow or jsonl files>"
+        )
+    both = overlap(_check_files("data.val.path", str(d.val.path), columns), training)
+    if both:
+        raise ConfigError(
+            f"data.val.path={str(d.val.path)!r} shares {len(both)} file(s) with data.path (first: {both[0]}): a "
+            "held-out split is never trained on"
+        )
+
+
+def _check_files(key: str, path: str, columns: dict) -> list[str]:
+    """The files ``path`` names, each present, of one kind, the first one readable with the mapped columns."""
+    from ..data.hf_source import ROLES, builder, expand_files
+
     try:
-        files, missing = expand_files(str(d.path))
+        files, missing = expand_files(path)
     except ValueError as error:
-        raise ConfigError(f"data.path={str(d.path)!r}: {error}") from None
+        raise ConfigError(f"{key}={path!r}: {error}") from None
     if missing and files:  # none at all: builder() below names the kinds it reads
         raise ConfigError(
-            f"data.path={str(d.path)!r} names {len(missing)} file(s) that are missing or of no known kind (first: "
-            f"{missing[0]}); fix the pattern, or point data.path at the directory"
+            f"{key}={path!r} names {len(missing)} file(s) that are missing or of no known kind (first: "
+            f"{missing[0]}); fix the pattern, or point {key} at the directory"
         )
     try:
-        builder(files, str(d.path))
+        builder(files, path, key)
         names = file_columns(files[0])
     except (ValueError, OSError) as error:
         if not files:
             raise ConfigError(str(error)) from None
         raise ConfigError(
-            f"data.path={str(d.path)!r}: {files[0]} does not read ({type(error).__name__}: {error}); check the file"
+            f"{key}={path!r}: {files[0]} does not read ({type(error).__name__}: {error}); check the file"
         ) from None
     for role in ROLES:
         column = columns.get(role)
@@ -94,7 +125,4 @@ def check_hf(cfg: Config) -> None:
             raise ConfigError(
                 f"data.hf.columns.{role}={column!r}: {files[0]} has no such column; its columns are {names}"
             )
-    if d.packing.enabled:  # the rows of data.path packed into rows of documents (data/corpus.py)
-        from .packing import validate_packing
-
-        validate_packing(cfg)
+    return files

@@ -49,15 +49,22 @@ def _documents(n: int) -> list[str]:
 
 @pytest.mark.parametrize("streaming", ["false", "true"])
 def test_a_run_stopped_after_step_3_resumes_to_the_same_losses(tmp_path, streaming):
-    path = tmp_path / "c4.parquet"
+    path, held_out = tmp_path / "c4.parquet", tmp_path / "held_out" / "c4-validation.parquet"
     pq.write_table(pa.table({"text": _documents(40), "url": ["x"] * 40}), path)
+    held_out.parent.mkdir()
+    pq.write_table(pa.table({"text": _documents(48)[40:], "url": ["x"] * 8}), held_out)
     args = [*TEXT, f"data.path={path}", f"data.hf.streaming={streaming}", f"data.hf.cache_dir={tmp_path / 'cache'}"]
+    args += [f"data.val.path={held_out}", "trainer.val_every_n_steps=2", "trainer.val_batches=2"]
     whole = _train(tmp_path / "whole", *args, "trainer.max_steps=5")
     stopped = _train(tmp_path / "cut", *args, "trainer.max_steps=5", "trainer.exit_after_step=3")
     assert len(stopped) == 3
     resumed = _train(tmp_path / "cut", *args, "trainer.max_steps=5", "trainer.resume=auto")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
     assert [m["loss"] for m in resumed] == pytest.approx([m["loss"] for m in whole], abs=1e-6, rel=0)
+    val = {m["step"]: m["val/loss"] for m in whole if "val/loss" in m}  # held-out rows, steps 2, 4 and the last
+    assert list(val) == [2, 4, 5] and all(0 < loss < 20 for loss in val.values())
+    again = {m["step"]: m["val/loss"] for m in resumed if m["step"] in val}  # the stopped run also validated at 3
+    assert again == pytest.approx(val, abs=1e-6, rel=0)
 
 
 def _png(shade: int) -> bytes:

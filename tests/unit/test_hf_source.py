@@ -174,3 +174,28 @@ def test_validation_names_a_missing_column_and_a_path_without_files(tmp_path, co
         "fix the pattern, or point data.path at the directory"
     )
     check_hf(compose_cfg("model=llama_tiny", "data=hf", f"data.path='{tmp_path}/{{rows,b}}.parquet'"))
+
+
+def test_validation_of_a_held_out_split(tmp_path, compose_cfg):
+    """data=hf's held-out split is files of their own (data.val.path), checked as data.path is; shards held out of
+    data.path, no split at all, or the training files again are one line each."""
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    train = write(tmp_path / "train", "parquet", [{"text": t} for t in TEXTS])
+    held = write(tmp_path / "val", "parquet", [{"caption": t} for t in TEXTS])
+    base = ["model=llama_tiny", "data=hf", f"data.path={train}", "trainer.val_every_n_steps=2"]
+    cases = {
+        "data.val.holdout_shards=1": "data.val.holdout_shards=1 holds out webdataset shards; with data=hf give the "
+        "held-out rows as files of their own: data.val.path=<parquet, arrow or jsonl files>",
+        "data.val.path=null": "trainer.val_every_n_steps=2 evaluates on held-out data, and data.val names none: set "
+        "data.val.path=<held-out parquet, arrow or jsonl files>",
+        f"data.val.path={train}": f"data.val.path={train!r} shares 1 file(s) with data.path (first: {train}): a "
+        "held-out split is never trained on",
+        f"data.val.path={held}": f"data.hf.columns.text='text': {held} has no such column; its columns are ['caption']",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as error:
+            check_hf(compose_cfg(*base, override))
+        assert str(error.value) == message, override
+    write(tmp_path / "val", "parquet", [{"text": t} for t in TEXTS])
+    check_hf(compose_cfg(*base, f"data.val.path={held}"))
