@@ -115,10 +115,10 @@ class ValDataConfig:
 class HFDataConfig:
     """data.format=hf (data/hf_source.py): rows of parquet, arrow or jsonl(.gz) files, read with HF datasets."""
 
-    # Which column holds what: text (a string), image (bytes, a {bytes, path} struct or a file path), conversations
-    # (LLaVA's list of turns, or its JSON string). null: not read. At least text or conversations.
+    # Which column holds what: text (a string), image and audio (bytes, a {bytes, path} struct or a file path),
+    # conversations (LLaVA's list of turns, or its JSON string). null: not read. At least text or conversations.
     columns: dict[str, Optional[str]] = field(
-        default_factory=lambda: {"text": "text", "image": None, "conversations": None}
+        default_factory=lambda: {"text": "text", "image": None, "audio": None, "conversations": None}
     )
     streaming: bool = False  # true: an IterableDataset (rows read as they come); false: the mapped (cached) dataset
     shuffle_buffer: int = 1000  # streaming: rows of datasets' shuffle buffer (files are shuffled too)

@@ -35,10 +35,11 @@ from braceexpand import braceexpand
 from .bad_sample import BadSample, UnusableRow
 from .reader import Position, RawSample, ShardError, StreamElement, check_name_count
 
-ROLES = ("text", "image", "conversations")
+ROLES = ("text", "image", "audio", "conversations")
 # file name endings -> datasets' packaged builder
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".jsonl.gz": "json", ".json": "json"}
 _MAGIC = ((b"\x89PNG", "png"), (b"GIF8", "gif"), (b"RIFF", "webp"))
+_AUDIO_MAGIC = ((b"fLaC", "flac"), (b"OggS", "ogg"))  # RIFF...WAVE: wav; anything else is read as mp3
 
 
 def is_url(path: str) -> bool:
@@ -105,10 +106,11 @@ def load(data, streaming: bool, path: str | None = None):
         streaming=streaming,
         cache_dir=data.hf.cache_dir,
     )
-    image = data.hf.columns.get("image")
     features = dataset.features or {}
-    if image and isinstance(features.get(image), datasets.Image):  # bytes and path, decoded by the encoder
-        dataset = dataset.cast_column(image, datasets.Image(decode=False))
+    for role, kind in (("image", datasets.Image), ("audio", datasets.Audio)):
+        column = data.hf.columns.get(role)
+        if column and isinstance(features.get(column), kind):  # bytes and path, decoded by the encoder
+            dataset = dataset.cast_column(column, kind(decode=False))
     return dataset
 
 
@@ -116,22 +118,29 @@ def _image_name(data: bytes) -> str:
     return next((name for magic, name in _MAGIC if data.startswith(magic)), "jpg")
 
 
-def _image_bytes(value, image_root: str) -> bytes:
-    if isinstance(value, dict):  # datasets' Image struct: {bytes, path}
+def _file_bytes(value, image_root: str, role: str) -> bytes:
+    """An image's or audio clip's bytes: given, in datasets' ``{bytes, path}`` struct, or read from a path."""
+    if isinstance(value, dict):  # datasets' Image / Audio struct: {bytes, path}
         value = value.get("bytes") or value.get("path")
         if value is None:
-            raise BadSample("missing_value", "the image struct holds neither bytes nor a path")
+            raise BadSample("missing_value", f"the {role} struct holds neither bytes nor a path")
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     if not isinstance(value, str):
         kind = type(value).__name__
-        raise BadSample("bad_value", f"an image is bytes, a {{bytes, path}} struct or a path, not {kind}")
+        raise BadSample("bad_value", f"an {role} is bytes, a {{bytes, path}} struct or a path, not {kind}")
     path = value if os.path.isabs(value) else os.path.join(image_root, value)
     try:
         with open(path, "rb") as file:
             return file.read()
     except OSError as error:
-        raise BadSample("missing_image", f"{path}: {error.strerror or error}") from error
+        raise BadSample(f"missing_{role}", f"{path}: {error.strerror or error}") from error
+
+
+def _audio_name(data: bytes) -> str:
+    if data.startswith(b"RIFF") and data[8:12] == b"WAVE":
+        return "wav"
+    return next((name for magic, name in _AUDIO_MAGIC if data.startswith(magic)), "mp3")
 
 
 def row_members(row: dict, columns: dict, image_root: str) -> dict[str, bytes]:
@@ -162,8 +171,12 @@ def row_members(row: dict, columns: dict, image_root: str) -> dict[str, bytes]:
         members["txt"] = text.encode()
     image = value("image")
     if image is not None:
-        data = _image_bytes(image, image_root)
+        data = _file_bytes(image, image_root, "image")
         members[_image_name(data)] = data
+    clip = value("audio")
+    if clip is not None:
+        data = _file_bytes(clip, image_root, "audio")
+        members[_audio_name(data)] = data
     return members
 
 

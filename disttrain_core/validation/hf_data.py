@@ -59,6 +59,11 @@ def check_hf(cfg: Config) -> None:
             f"data.hf.columns.image={columns['image']!r}, but model={m.name} has no image encoder: pick a multimodal "
             "model (model=mllm_tiny) or set data.hf.columns.image=null"
         )
+    if columns.get("audio") and m.audio_encoder is None:
+        raise ConfigError(
+            f"data.hf.columns.audio={columns['audio']!r}, but model={m.name} has no audio tower: pick a model with "
+            "one (model=any2any_tiny) or set data.hf.columns.audio=null"
+        )
     if d.producer.address is not None or d.producer.workers > 0:
         raise ConfigError("data.format=hf does not read data.producer yet: drop it, or use webdataset shards")
     if d.hf.shuffle_buffer < 1:

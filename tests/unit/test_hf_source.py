@@ -10,6 +10,7 @@ import itertools
 import json
 import threading
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -199,3 +200,36 @@ def test_validation_of_a_held_out_split(tmp_path, compose_cfg):
         assert str(error.value) == message, override
     write(tmp_path / "val", "parquet", [{"text": t} for t in TEXTS])
     check_hf(compose_cfg(*base, f"data.val.path={held}"))
+
+
+def test_audio_columns_become_clips_of_the_audio_tower(tmp_path, compose_cfg):
+    """data.hf.columns.audio: bytes, datasets' {bytes, path} struct or a path, named by their format (FLAC, WAV, OGG)
+    and read by the audio tower as a clip; a path that is not there is a counted missing_audio; a model without a
+    tower is refused in one line."""
+    import soundfile
+
+    def clip(fmt: str) -> bytes:
+        buffer = io.BytesIO()
+        soundfile.write(buffer, np.sin(np.arange(8000) / 5).astype(np.float32) * 0.5, 16000, format=fmt)
+        return buffer.getvalue()
+
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "a.wav").write_bytes(clip("WAV"))
+    rows = [
+        {"caption": "a tone in flac", "audio": {"bytes": clip("FLAC"), "path": None}},
+        {"caption": "a clip that is not there", "audio": {"bytes": None, "path": "clips/gone.flac"}},
+        {"caption": "a tone in ogg", "audio": {"bytes": clip("OGG"), "path": None}},
+        {"caption": "a wav on disk", "audio": {"bytes": None, "path": "clips/a.wav"}},
+    ]
+    cfg = data_cfg(write(tmp_path, "parquet", rows), tmp_path, columns={"text": "caption", "audio": "audio"})
+    items = [e.item for e in itertools.islice(HFStream(cfg, 0, shuffle=False).elements(), 4)]
+    assert [sorted(items[i].members) for i in (0, 2, 3)] == [["flac", "txt"], ["ogg", "txt"], ["txt", "wav"]]
+    assert items[1].reason == "missing_audio"
+    model = compose_cfg("model=any2any_tiny").model
+    encoder = SampleEncoder(model, tokenizer_for(compose_cfg("model=any2any_tiny")), 0, 10**7)
+    loader = MicrobatchLoader(HFStream(cfg, 0, shuffle=False), encoder, micro_batch_size=3, microbatches_per_step=1)
+    (batch,) = loader.next_step()
+    assert list(batch.audio_counts) == [1, 1, 1] and batch.audio.shape[0] == 3
+    assert dict(loader.skipped) == {"missing_audio": 1}
+    with pytest.raises(ConfigError, match=r"^data.hf.columns.audio='audio', but model=llama_tiny has no audio tower"):
+        check_hf(compose_cfg("model=llama_tiny", "data=hf", f"data.path={tmp_path}", "data.hf.columns.audio=audio"))
