@@ -64,8 +64,6 @@ def check_hf(cfg: Config) -> None:
             f"data.hf.columns.audio={columns['audio']!r}, but model={m.name} has no audio tower: pick a model with "
             "one (model=any2any_tiny) or set data.hf.columns.audio=null"
         )
-    if d.producer.address is not None or d.producer.workers > 0:
-        raise ConfigError("data.format=hf does not read data.producer yet: drop it, or use webdataset shards")
     if d.hf.shuffle_buffer < 1:
         raise ConfigError(f"data.hf.shuffle_buffer={d.hf.shuffle_buffer}: use 1 or more rows")
     files = _check_files("data.path", str(d.path), columns)

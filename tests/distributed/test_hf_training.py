@@ -1,7 +1,7 @@
 """Training on Hugging Face datasets files (data.format=hf): a C4-style parquet text corpus stopped after step 3
 and resumed gives the losses of an uninterrupted run (fp32, mapped and streaming); a LAION-style arrow file of image
-bytes and captions trains mllm_tiny with its broken rows skipped and counted; a jsonl.gz corpus trains on two
-data-parallel processes."""
+bytes and captions trains mllm_tiny with its broken rows skipped and counted, and a data producer decoding the
+same rows gives the same losses; a jsonl.gz corpus trains on two data-parallel processes."""
 
 import gzip
 import io
@@ -81,18 +81,15 @@ def test_image_caption_arrow_trains_mllm_tiny_and_counts_broken_rows(tmp_path):
     path = tmp_path / "laion.arrow"
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
-    metrics = _train(
-        tmp_path / "run",
-        "model=mllm_tiny",
-        f"data.path={path}",
-        "data.hf.columns.text=caption",
-        "data.hf.columns.image=jpg",
-        "data.shuffle_shards=false",
-        f"data.hf.cache_dir={tmp_path / 'cache'}",
-        "trainer.max_steps=2",
-    )
+    args = ["model=mllm_tiny", f"data.path={path}", "data.hf.columns.text=caption", "data.hf.columns.image=jpg"]
+    args += ["data.shuffle_shards=false", f"data.hf.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=2"]
+    metrics = _train(tmp_path / "run", *args)
     assert len(metrics) == 2 and all(m["loss"] == m["loss"] for m in metrics)  # finite
     assert metrics[-1]["data/skipped_samples"] == 2  # rows 2 and 5 fall in the first 10 rows read
+    # the same rows decoded by a data producer (its own process, a decode worker) give the same steps
+    produced = _train(tmp_path / "produced", *args, "data.producer.workers=1")
+    assert [m["loss"] for m in produced] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+    assert produced[-1]["data/skipped_samples"] == 2
 
 
 def test_jsonl_gz_trains_on_two_processes(tmp_path):
