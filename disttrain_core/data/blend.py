@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from .bad_sample import UnusableRow
 from .reader import (
     Position,
     RawSample,
@@ -82,10 +83,13 @@ class BlendedStream:
         counted from the tar headers, or, where a shard cannot be read that way, by reading one epoch."""
         if source not in self._epoch_lengths:
             stream = self.streams[source]
-            try:
-                length = sum(shard_sample_counts(stream.shards_for_epoch(0)))
-            except Exception:  # a broken shard: its readable samples and one error element, as the stream sees it
-                length = sum(1 for _ in stream.epoch_elements(0))
+            if not isinstance(stream, ShardStream):  # data=hf's rows (data/hf_source.py)
+                length = stream.epoch_length()
+            else:
+                try:
+                    length = sum(shard_sample_counts(stream.shards_for_epoch(0)))
+                except Exception:  # a broken shard: its readable samples and one error element, as the stream sees it
+                    length = sum(1 for _ in stream.epoch_elements(0))
             if length == 0:
                 raise RuntimeError(f"blend source {self.names[source]} holds no readable samples")
             self._epoch_lengths[source] = length
@@ -114,6 +118,8 @@ class BlendedStream:
         name = self.names[source]
         if isinstance(item, RawSample):
             return replace(item, key=f"{name}:{item.key}")
+        if isinstance(item, UnusableRow):  # data=hf: a row its mapping cannot read
+            return UnusableRow(f"{name}:{item.key}", item.reason, item.detail)
         assert isinstance(item, ShardError)
         return replace(item, shard=f"{name}:{item.shard}")
 
@@ -136,14 +142,18 @@ def open_stream(data, seed: int, dp_rank: int = 0, dp_size: int = 1) -> ShardStr
     shards (less a held-out split, data/splits.py), or the blend ``data.blend`` names. ``data.storage_options`` is
     applied first (data/storage.py: shards behind URLs), here and in the processes started from here."""
     configure(data)
-    if data.format == "hf":  # rows of parquet / arrow / jsonl files (data/hf_source.py)
+    hf = data.format == "hf"  # rows of parquet / arrow / jsonl files (data/hf_source.py)
+    if hf:
         from .hf_source import HFStream
-
-        return HFStream(data, seed, dp_rank, dp_size, shuffle=data.shuffle_shards)
     if not data.blend:
+        if hf:
+            return HFStream(data, seed, dp_rank, dp_size, shuffle=data.shuffle_shards)
         return ShardStream(training_shards(data), dp_rank, dp_size, seed=seed, shuffle=data.shuffle_shards)
+    seeds = [seed + 1_000_003 * d for d in range(len(data.blend))]
     streams = [
-        ShardStream(resolve_shards(s.path), dp_rank, dp_size, seed=seed + 1_000_003 * d, shuffle=data.shuffle_shards)
+        HFStream(data, seeds[d], dp_rank, dp_size, shuffle=data.shuffle_shards, path=str(s.path))
+        if hf
+        else ShardStream(resolve_shards(s.path), dp_rank, dp_size, seed=seeds[d], shuffle=data.shuffle_shards)
         for d, s in enumerate(data.blend)
     ]
     names = [source_name(s, d) for d, s in enumerate(data.blend)]

@@ -213,6 +213,13 @@ class HFStream:
             raise ValueError("a streaming dataset's rows are not counted")
         return [1] * len(self.dataset())
 
+    def epoch_length(self) -> int:
+        """Elements this replica reads per epoch (a blend places its sources' positions with it); streaming: its
+        rows read once."""
+        if self.streaming:
+            return sum(1 for _ in self._rows(0, 0))
+        return len(self.order(0))
+
     def order(self, epoch: int) -> np.ndarray:
         """The mapped dataset's rows this replica reads in ``epoch``, in order."""
         rows = len(self.dataset())

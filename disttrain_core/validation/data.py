@@ -128,17 +128,14 @@ def check_shards(cfg: Config) -> int:
     return len(found)
 
 
-def check_blend(cfg: Config, dp: int) -> None:
-    """``data.blend``: finite non-negative weights not all zero, distinct names, and every source's shards there
-    (enough for ``dp`` replicas, none missing unless data.allow_missing_shards)."""
+def blend_names(cfg: Config) -> list[str]:
+    """``data.blend``'s source names, after checking its weights (finite, non-negative, not all zero) and that the
+    names differ."""
     import math
 
     from ..data.blend import source_name
-    from ..data.reader import check_name_count, expand_shards
 
-    d = cfg.data
-    configure_storage(cfg)
-    sources = list(d.blend)
+    sources = list(cfg.data.blend)
     weights = [s.weight for s in sources]
     if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
         raise ConfigError(
@@ -148,6 +145,17 @@ def check_blend(cfg: Config, dp: int) -> None:
     names = [source_name(s, i) for i, s in enumerate(sources)]
     if len(set(names)) != len(names):
         raise ConfigError(f"data.blend names {names}: give each source a different name (or none)")
+    return names
+
+
+def check_blend(cfg: Config, dp: int) -> None:
+    """``data.blend``: finite non-negative weights not all zero, distinct names, and every source's shards there
+    (enough for ``dp`` replicas, none missing unless data.allow_missing_shards)."""
+    from ..data.reader import check_name_count, expand_shards
+
+    d = cfg.data
+    configure_storage(cfg)
+    sources, names = list(d.blend), blend_names(cfg)
     for i, (source, name) in enumerate(zip(sources, names, strict=True)):
         where = f"data.blend[{i}] ({name}) path={str(source.path)!r}"
         try:

@@ -66,6 +66,14 @@ def check_hf(cfg: Config) -> None:
         )
     if d.hf.shuffle_buffer < 1:
         raise ConfigError(f"data.hf.shuffle_buffer={d.hf.shuffle_buffer}: use 1 or more rows")
+    if d.blend:  # each source's files, as data.path's would be
+        from .data import blend_names
+
+        names = blend_names(cfg)
+        files = []
+        for i, source in enumerate(d.blend):
+            files += _check_files(f"data.blend[{i}] ({names[i]}) path", str(source.path), columns)
+        return _check_val(cfg, files, columns)
     files = _check_files("data.path", str(d.path), columns)
     if d.packing.enabled:  # the rows of data.path packed into rows of documents (data/corpus.py)
         from .packing import validate_packing

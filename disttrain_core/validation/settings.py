@@ -338,15 +338,15 @@ def validate_data(cfg: Config, dp: int = 1) -> None:
     check_chat_template(cfg)
     if d.blend:
         _require(
-            d.format == "webdataset" and not d.packing.enabled,
-            "data.blend mixes webdataset shard sources; it does not apply to data.format=tokens or hf or data.packing: "
+            d.format in ("webdataset", "hf") and not d.packing.enabled,
+            "data.blend mixes shard or data=hf sources; it does not apply to data.format=tokens or data.packing: "
             "drop data.blend",
         )
-
+    if d.blend and d.format == "webdataset":
         check_blend(cfg, dp)
         check_val(cfg, dp)
         return
-    if d.format == "hf":  # rows of parquet / arrow / jsonl files (data/hf_source.py)
+    if d.format == "hf":  # rows of parquet / arrow / jsonl files (data/hf_source.py), or a blend of them
         from .hf_data import check_hf
 
         return check_hf(cfg)

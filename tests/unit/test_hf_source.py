@@ -17,12 +17,15 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
+from disttrain_core.config import compose, typed_config
 from disttrain_core.config.schema import DataConfig
+from disttrain_core.data.blend import BlendedStream, open_stream
 from disttrain_core.data.hf_source import HFStream
 from disttrain_core.data.loader import MicrobatchLoader
 from disttrain_core.data.reader import Position
 from disttrain_core.data.samples import SampleEncoder
 from disttrain_core.data.tokenizer import tokenizer_for
+from disttrain_core.planner.fit import validate_run
 from disttrain_core.validation import ConfigError
 from disttrain_core.validation.hf_data import check_hf
 
@@ -233,3 +236,29 @@ def test_audio_columns_become_clips_of_the_audio_tower(tmp_path, compose_cfg):
     assert dict(loader.skipped) == {"missing_audio": 1}
     with pytest.raises(ConfigError, match=r"^data.hf.columns.audio='audio', but model=llama_tiny has no audio tower"):
         check_hf(compose_cfg("model=llama_tiny", "data=hf", f"data.path={tmp_path}", "data.hf.columns.audio=audio"))
+
+
+def test_a_blend_of_hf_sources_resumes_exactly_and_checks_each_source(tmp_path, compose_cfg):
+    """data.blend over data=hf files: each source a seeded row stream of its own, mixed at its weight, a position
+    replaying the rest exactly across the small source's epochs; a source without the mapped column is one line,
+    and data.path is not needed."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = write(tmp_path / "a", "parquet", [{"text": f"alpha {i}"} for i in range(30)])
+    b = write(tmp_path / "b", "jsonl.gz", [{"text": f"beta {i}"} for i in range(6)])
+    blend = f"data.blend=[{{path:{a},weight:0.75,name:a}},{{path:{b},weight:0.25,name:b}}]"
+    cfg = compose_cfg("model=llama_tiny", "data=hf", blend, f"data.hf.cache_dir={tmp_path / 'cache'}")
+    check_hf(cfg)
+    stream = open_stream(cfg.data, seed=3)
+    assert isinstance(stream, BlendedStream)
+    whole = [(e.position, e.item.key) for e in itertools.islice(stream.elements(), 60)]
+    assert abs(sum(key.startswith("b:") for _, key in whole) - 15) <= 1  # 0.25 of 60: b's 6 rows read 2.5 times
+    for start in (7, 25, 41):
+        again = [(e.position, e.item.key) for e in itertools.islice(stream.elements(whole[start][0]), 60 - start)]
+        assert again == whole[start:], start
+    (tmp_path / "c").mkdir()
+    c = write(tmp_path / "c", "parquet", [{"caption": "gamma"}])
+    with pytest.raises(ConfigError) as error:
+        check_hf(compose_cfg("model=llama_tiny", "data=hf", f"data.blend=[{{path:{a}}},{{path:{c}}}]"))
+    assert str(error.value) == f"data.hf.columns.text='text': {c} has no such column; its columns are ['caption']"
+    validate_run(typed_config(compose(["model=llama_tiny", "data=hf", blend, "trainer.accelerator=cpu"])))
