@@ -148,31 +148,26 @@ class CorpusDocuments:
             opener = gzip.open if name.endswith(".gz") else open
             with opener(name, "rt", encoding="utf-8", errors="replace") as f:
                 for line in f:
-                    if not line.strip():
-                        continue
-                    try:
-                        text = _text_of_json(_mapped(json.loads(line), self.columns))
-                    except json.JSONDecodeError:
-                        self.skipped["corpus_bad_json"] += 1
-                        yield None
-                        continue
-                    if text is None:
-                        self.skipped["corpus_no_text"] += 1
-                    yield text
+                    if line.strip():
+                        yield self._text(lambda line=line: json.loads(line), self.columns)
 
     def _tables(self) -> Iterator[str | None]:
         columns = self.columns or {"text": "text", "conversations": "conversations"}
         for name in self.files:
             for record in _table_rows(name, [c for c in columns.values() if c]):
-                try:
-                    text = _text_of_json(_mapped(record, columns))
-                except json.JSONDecodeError:
-                    self.skipped["corpus_bad_json"] += 1
-                    yield None
-                    continue
-                if text is None:
-                    self.skipped["corpus_no_text"] += 1
-                yield text
+                yield self._text(lambda record=record: record, columns)
+
+    def _text(self, record_of, columns: dict | None) -> str | None:
+        """The text of the record ``record_of()`` parses, seen through ``columns``; None (counted) when it is not
+        JSON (``corpus_bad_json``) or holds no text (``corpus_no_text``)."""
+        try:
+            text = _text_of_json(_mapped(record_of(), columns))
+        except json.JSONDecodeError:
+            self.skipped["corpus_bad_json"] += 1
+            return None
+        if text is None:
+            self.skipped["corpus_no_text"] += 1
+        return text
 
     def _shards(self) -> Iterator[str | None]:
         stream = ShardStream(self.files, 0, 1, self.seed)
