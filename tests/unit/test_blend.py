@@ -88,7 +88,8 @@ def test_bad_blends_are_one_line_before_launch(compose_cfg, sources):
             validate_data(compose_cfg(override))
     with pytest.raises(ConfigError, match=r"data.blend\[0\] \(source0\) .* has 2 shard\(s\) for 3 data-parallel"):
         validate_data(compose_cfg(f"data.blend=[{{path:{a}}},{{path:{b}}}]"), dp=3)
-    with pytest.raises(ConfigError, match="data.blend mixes shard or data=hf sources; it does not apply to data.format=tokens or data.packing"):
+    refusal = "data.blend mixes shard or data=hf sources; it does not apply to data.format=tokens or data.packing"
+    with pytest.raises(ConfigError, match=refusal):
         validate_data(compose_cfg(f"data.blend=[{{path:{a}}}]", "data.packing.enabled=true"))
 
 
