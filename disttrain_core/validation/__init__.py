@@ -95,7 +95,7 @@ def validate_config(cfg: Config, container: dict | None = None, plan: dict | Non
     the closure over the planner's plans (tools/compositions.py), which checks every other rule."""
     from ..parallel.resolved import resolve_run
 
-    unread = {"data.path"} if cfg.data.blend else set()  # a blend reads its sources' paths
+    unread = {"data.path"} if cfg.data.blend and cfg.data.format == "hf" else set()  # a blend reads its sources
     missing = [key for key in missing_keys(cfg) if not key.startswith("paths.") and key not in unread]
     if missing:
         raise ConfigError(f"{missing[0]} is required but not set; add {missing[0]}=<value> to the command line")

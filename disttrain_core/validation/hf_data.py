@@ -103,8 +103,8 @@ def _check_val(cfg: Config, training: list[str], columns: dict) -> None:
     both = overlap(_check_files("data.val.path", str(d.val.path), columns), training)
     if both:
         raise ConfigError(
-            f"data.val.path={str(d.val.path)!r} shares {len(both)} file(s) with data.path (first: {both[0]}): a "
-            "held-out split is never trained on"
+            f"data.val.path={str(d.val.path)!r} shares {len(both)} file(s) with the training files (first: "
+            f"{both[0]}): a held-out split is never trained on"
         )
 
 

@@ -193,8 +193,8 @@ def test_validation_of_a_held_out_split(tmp_path, compose_cfg):
         "held-out rows as files of their own: data.val.path=<parquet, arrow or jsonl files>",
         "data.val.path=null": "trainer.val_every_n_steps=2 evaluates on held-out data, and data.val names none: set "
         "data.val.path=<held-out parquet, arrow or jsonl files>",
-        f"data.val.path={train}": f"data.val.path={train!r} shares 1 file(s) with data.path (first: {train}): a "
-        "held-out split is never trained on",
+        f"data.val.path={train}": f"data.val.path={train!r} shares 1 file(s) with the training files (first: "
+        f"{train}): a held-out split is never trained on",
         f"data.val.path={held}": f"data.hf.columns.text='text': {held} has no such column; its columns are ['caption']",
     }
     for override, message in cases.items():
