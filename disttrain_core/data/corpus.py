@@ -25,7 +25,6 @@ again by reading past the earlier records: resuming costs one pass over them).
 from __future__ import annotations
 
 import glob
-import gzip
 import json
 import os
 from collections import Counter
@@ -144,9 +143,10 @@ class CorpusDocuments:
                 raise ValueError(f"the corpus {self.files[0]}... holds no readable document")
 
     def _jsonl(self) -> Iterator[str | None]:
+        import fsspec  # a local path or a URL (data=hf's data.path may be one), gzipped or not
+
         for name in self.files:
-            opener = gzip.open if name.endswith(".gz") else open
-            with opener(name, "rt", encoding="utf-8", errors="replace") as f:
+            with fsspec.open(name, "rt", compression="infer", encoding="utf-8", errors="replace") as f:
                 for line in f:
                     if line.strip():
                         yield self._text(lambda line=line: json.loads(line), self.columns)

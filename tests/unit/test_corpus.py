@@ -117,6 +117,8 @@ def test_parquet_arrow_and_c4_json_gz_rows_are_documents(tmp_path):
     assert [d.tolist() for d in mapped.documents(0, 1)] == [_ids("a red square")]
     c4 = CorpusDocuments(f"{tmp_path}/c4-train.{{00000..00001}}-of-01024.json.gz", TOK, max_len=64)
     assert (c4.kind, [d.tolist() for d in c4.documents(0, 2)]) == ("jsonl", [_ids(f"c4 document {i}") for i in (0, 1)])
+    remote = CorpusDocuments(f"file://{tmp_path}/c4-train.00001-of-01024.json.gz", TOK, max_len=64)  # a URL
+    assert [d.tolist() for d in remote.documents(0, 1)] == [_ids("c4 document 1")]
 
 
 def test_data_hf_packs_the_rows_of_data_path(tmp_path):
