@@ -23,24 +23,17 @@ shards its rank reads: a shard that has to make room is closed and later
 reopened at the byte offset of its next sample (tar members are found from
 their headers), so the interleaved order does not depend on the bound. Running
 out of file descriptors is an error (``FileDescriptorsExhausted``), never a
-skipped shard. Samples are grouped by webdataset's own ``group_by_keys``: members
-whose names share the part before the first dot of the file name, extensions
-lower-cased, ``__meta__`` members skipped. The members it groups come from
-``tarfile`` opened at the cursor's byte offset, not from webdataset's
-``tar_file_iterator``, which reads an archive from its start and tells no
-member's offset (docs/DATA.md, "What webdataset does here"). Shards may also be URLs (``s3://``, ``gs://``, ``http(s)://``,
-``file://``, ``pipe:CMD``): data/storage.py names and opens them; local paths never go through it.
+skipped shard. One shard is read by a cursor (data/shard_cursor.py): samples grouped by webdataset's own
+``group_by_keys`` over ``tarfile`` members read from the cursor's byte offset. Shards may also be URLs
+(``s3://``, ``gs://``, ``http(s)://``, ``file://``, ``pipe:CMD``): data/storage.py names and opens them; local
+paths never go through it.
 """
 
 from __future__ import annotations
 
-import bz2
 import contextlib
-import errno
 import glob
-import gzip
 import logging
-import lzma
 import os
 import random
 import re
@@ -48,26 +41,24 @@ import tarfile
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
 
 from braceexpand import braceexpand
-from webdataset.tariterators import base_plus_ext, group_by_keys
+from webdataset.tariterators import base_plus_ext
 
 from . import storage
+from .shard_cursor import (  # noqa: F401  RawSample, ShardError, FileDescriptorsExhausted: this module's API too
+    MAX_OPEN_SHARDS,
+    SKIP_MEMBER,
+    FileDescriptorsExhausted,
+    RawSample,
+    ShardCursor,
+    ShardError,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_OPEN_SHARDS = 16  # shard files one stream keeps open at once
 MAX_SHARD_NAMES = 1_000_000  # a brace pattern naming more is taken for a typo
 _INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")  # {000..099}, {0..100..10}
-_SKIP_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members (its tar iterator's skip_meta)
-# Compressed shards (.tar.gz, .tar.bz2, .tar.xz) by their magic bytes; reopening one at an offset decompresses
-# up to it, so plain .tar (what docs/DATA.md asks for) is the fast case.
-_COMPRESSED = (
-    (b"\x1f\x8b", lambda f: gzip.GzipFile(fileobj=f)),
-    (b"BZh", bz2.BZ2File),
-    (b"\xfd7zXZ\x00", lzma.LZMAFile),
-)
 
 
 @dataclass(frozen=True)
@@ -77,25 +68,9 @@ class Position:
 
 
 @dataclass
-class RawSample:
-    key: str  # "<shard file name>/<sample key>", unique across the dataset
-    members: dict[str, bytes]  # extension (lower case, e.g. "json", "0.jpg") -> bytes
-
-
-@dataclass
-class ShardError:
-    shard: str
-    reason: str
-
-
-@dataclass
 class StreamElement:
     position: Position  # position of this element; the next one starts at index + 1
     item: RawSample | ShardError
-
-
-class FileDescriptorsExhausted(RuntimeError):
-    """The process cannot open another file: a limit of the machine, not a problem of the shard."""
 
 
 def _files_in(directory: str, listings: dict[str, set[str]]) -> set[str]:
@@ -164,157 +139,6 @@ def resolve_shards(path: str) -> list[str]:
     return found
 
 
-class _Tail:
-    """A seekable binary file seen from byte ``base`` on, so tarfile reads an archive that starts there."""
-
-    def __init__(self, raw: BinaryIO, base: int):
-        self.raw, self.base = raw, base
-        raw.seek(base)
-
-    def read(self, size: int = -1) -> bytes:
-        return self.raw.read(size)
-
-    def tell(self) -> int:
-        return self.raw.tell() - self.base
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.raw.seek(self.base + offset if whence == 0 else offset, whence) - self.base
-
-
-def _open_file(path: str) -> BinaryIO:
-    if storage.is_url(path):
-        return storage.open_binary(path)
-    try:
-        return open(path, "rb")  # noqa: SIM115  closed by _ShardCursor.park
-    except OSError as error:
-        if error.errno not in (errno.EMFILE, errno.ENFILE):
-            raise
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        raise FileDescriptorsExhausted(
-            f"cannot open shard {path}: {error.strerror} (this process may open {soft} files, `ulimit -n`). "
-            f"A shard stream keeps at most {MAX_OPEN_SHARDS} shards open, so the descriptors are held elsewhere: "
-            "raise the limit (e.g. `ulimit -n 65536` before training) or run fewer processes or data.num_workers"
-        ) from error
-
-
-class _Bytes:
-    """A member's bytes, filled in once the reader moves past its header (see ``_ShardCursor._members``)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self) -> None:
-        self.data = b""
-
-
-class _ShardCursor:
-    """The reading position in one shard: the archive offset of its next sample's first member. While open
-    it holds the file and a tar reader positioned there; ``park`` closes both and keeps the offset."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.name = storage.shard_name(path) if storage.is_url(path) else os.path.basename(path)
-        self.offset = 0  # archive offset of the next unread member header
-        self.done = False
-        self._file: BinaryIO | None = None
-        self._tar: tarfile.TarFile | None = None
-        self._base = 0  # archive offset the open tar reader starts at
-        self._samples: Iterator[dict] | None = None  # webdataset's grouping over the open reader's members
-        self._pending: int | None = None  # archive offset of the member read ahead (the next sample's first)
-
-    @property
-    def is_open(self) -> bool:
-        return self._tar is not None
-
-    def park(self) -> None:
-        """Close the file; the next read reopens it at the first member of the next sample (read ahead by
-        the grouping and read again then), or the shard is done if its members are all returned."""
-        if self._samples is not None:
-            if self._pending is None:
-                self.done = True
-            else:
-                self.offset = self._pending
-            self._samples, self._pending = None, None
-        self._tar = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def _open(self) -> None:
-        self._file = _open_file(self.path)
-        stream: BinaryIO = self._file
-        magic = stream.read(6)
-        stream.seek(0)
-        for prefix, opener in _COMPRESSED:
-            if magic.startswith(prefix):
-                stream = opener(self._file)  # type: ignore[operator]
-                break
-        self._base = self.offset
-        self._tar = tarfile.open(fileobj=_Tail(stream, self.offset), mode="r:")  # type: ignore[call-overload]
-        self._samples = group_by_keys(self._members())
-
-    def _members(self) -> Iterator[dict]:
-        """The shard's regular members from the open reader on, in the form webdataset's tar iterator yields
-        (``fname``, ``data``), metadata members skipped. A member's bytes are read when the grouping asks for
-        the member after it, so a sample is complete once the next one's first header is read (as a stream
-        reads a tar), and a member whose bytes cannot be read fails its own sample, not the one before it.
-        ``_pending`` is the archive offset of the member yielded last, None once the archive has no more."""
-        assert self._tar is not None
-        held: tuple[tarfile.TarInfo, _Bytes] | None = None
-        while True:
-            if held is not None:
-                extracted = self._tar.extractfile(held[0])
-                assert extracted is not None
-                held[1].data, held = extracted.read(), None
-            info = self._tar.next()
-            self._tar.members = []  # a stream: keep no member list
-            if info is None:
-                break
-            if not info.isreg() or _SKIP_MEMBER.match(info.name):
-                continue
-            self._pending, held = self._base + info.offset, (info, _Bytes())
-            yield {"fname": info.name, "data": held[1], "__url__": self.name}
-        self._pending = None
-
-    def next_item(self) -> RawSample | ShardError | None:
-        """The next sample; a ShardError (then nothing more) if the shard breaks; None at its end."""
-        if self.done:
-            return None
-        try:
-            if self._tar is None:
-                self._open()
-            return self._next_sample()
-        except FileDescriptorsExhausted:
-            raise
-        except Exception as error:  # truncated or corrupt tar: the rest of this shard is lost
-            self.done = True
-            self.park()
-            return ShardError(shard=self.name, reason=f"{type(error).__name__}: {error}")
-
-    def _next_sample(self) -> RawSample | None:
-        """The next group of members sharing a key, grouped by webdataset's ``group_by_keys`` (its key rule,
-        lower-cased extensions, its error for a duplicate name)."""
-        assert self._samples is not None
-        sample = next(self._samples, None)
-        if sample is None:
-            self.done = True
-            self.park()
-            return None
-        members = {k: v.data for k, v in sample.items() if not k.startswith("__")}
-        return RawSample(key=f"{self.name}/{sample['__key__']}", members=members)
-
-
-def _read_shard(path: str) -> Iterator[RawSample | ShardError]:
-    """One shard's samples in order (one open file); a ShardError ends it."""
-    cursor = _ShardCursor(path)
-    try:
-        while (item := cursor.next_item()) is not None:
-            yield item
-    finally:
-        cursor.park()
-
-
 class ShardStream:
     """The deterministic, infinite stream of one data-parallel rank."""
 
@@ -351,8 +175,8 @@ class ShardStream:
 
     def epoch_elements(self, epoch: int) -> Iterator[StreamElement]:
         """One sample of each unfinished shard in turn, with at most ``max_open`` files open."""
-        cursors = [_ShardCursor(path) for path in self.shards_for_epoch(epoch)]
-        opened: OrderedDict[int, _ShardCursor] = OrderedDict()  # least recently read first
+        cursors = [ShardCursor(path) for path in self.shards_for_epoch(epoch)]
+        opened: OrderedDict[int, ShardCursor] = OrderedDict()  # least recently read first
         index = 0
         try:
             while cursors:
@@ -397,7 +221,6 @@ def shard_sample_counts(shards: list[str]) -> list[int]:
     """Samples per shard, from the tar headers alone (members grouped by key as the stream groups them).
     Used when a resumed run changes its data-parallel size: positions carry over exactly only when
     every shard holds the same number."""
-    import tarfile
 
     counts = []
     for path in shards:
@@ -406,7 +229,7 @@ def shard_sample_counts(shards: list[str]) -> list[int]:
         with contextlib.nullcontext() if file is None else file, tarfile.open(path, fileobj=file) as archive:
             for member in archive:
                 key, _ = base_plus_ext(member.name)
-                if member.isreg() and key is not None and not _SKIP_MEMBER.match(member.name):
+                if member.isreg() and key is not None and not SKIP_MEMBER.match(member.name):
                     keys.add(key)
         counts.append(len(keys))
     return counts

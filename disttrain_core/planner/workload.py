@@ -323,8 +323,9 @@ def measured_data(cfg, limit: int = 256) -> tuple[dict[str, float], float] | Non
     do not fit the sequence are dropped there, so this can be well below the raw count)."""
     import time
 
-    from ..data.reader import RawSample, _read_shard, resolve_shards
+    from ..data.reader import RawSample, resolve_shards
     from ..data.samples import BadSample, SampleEncoder
+    from ..data.shard_cursor import read_shard
     from ..data.tokenizer import tokenizer_for
 
     data = cfg.data
@@ -335,7 +336,7 @@ def measured_data(cfg, limit: int = 256) -> tuple[dict[str, float], float] | Non
     samples = 0
     busy = 0.0
     for shard in resolve_shards(cfg.data.path):
-        for item in _read_shard(shard):
+        for item in read_shard(shard):
             if not isinstance(item, RawSample):
                 continue
             started = time.process_time()

@@ -203,16 +203,16 @@ def _stream_keys(files, dp_size, max_open, count):
 
 
 def test_open_shard_files_are_bounded_and_the_order_does_not_depend_on_the_bound(shards, monkeypatch):
-    from disttrain_core.data import reader
+    from disttrain_core.data import shard_cursor
 
     opened = []
-    open_file = reader._open_file
+    open_file = shard_cursor._open_file
 
     def tracked(path):
         opened.append(open_file(path))
         return opened[-1]
 
-    monkeypatch.setattr(reader, "_open_file", tracked)
+    monkeypatch.setattr(shard_cursor, "_open_file", tracked)
     files = resolve_shards(str(shards))  # 4 shards x 24 samples
     most = 0
     for element, _ in zip(ShardStream(files, 0, 1, seed=4, max_open=2).elements(), range(200), strict=False):
